@@ -1,0 +1,47 @@
+"""Initialise and destroy megatron-core's process-global state (groups, RNG tracker, buffers)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def init_megatron_state(
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    seed: int = 1234,
+) -> None:
+    """Build megatron's parallel groups over the already-initialised default process group and
+    seed its RNG tracker (``model_parallel_cuda_manual_seed``), as Megatron-LM's ``initialize`` does.
+
+    Must run inside :func:`~lightning_mcore_rl.testing.cpu_emulation` on CPU (the RNG tracker
+    reads CUDA RNG state).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    destroy_megatron_state()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def destroy_megatron_state() -> None:
+    """Reset every piece of megatron-core global state a test may have created: parallel groups
+    (and with them the global memory buffers), the CUDA RNG tracker and the microbatch calculator.
+    Safe to call when nothing was initialised; does not touch the torch.distributed default group.
+    """
+    from megatron.core import num_microbatches_calculator, parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    parallel_state.destroy_model_parallel()
+    mcore_random.initialize_rng_tracker(force_reset=True)
+    mcore_random.get_cuda_rng_tracker().reset()
+    num_microbatches_calculator.unset_num_microbatches_calculator()

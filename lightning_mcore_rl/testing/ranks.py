@@ -1,0 +1,200 @@
+"""Run a function on N local gloo ranks and collect each rank's result.
+
+Ranks are forked from a *forkserver* that has already imported torch and megatron-core, so a
+multi-rank test pays the ~3 s import cost once per test session instead of once per rank per test
+(measured: see ``BENCHMARKS.md``). A forkserver (rather than plain ``fork`` from pytest) keeps the
+children safe from thread pools the parent process may already have started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_PRELOAD = ["lightning_mcore_rl.testing._preload"]
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    sys_path: list[str],
+    payload: bytes,
+    emulate_cuda: bool,
+    timeout: float,
+    conn: Any,
+) -> None:
+    """Entry point of one spawned rank: set up env + gloo, run ``fn``, report, tear down."""
+    import torch
+    import torch.distributed as dist
+
+    for entry in reversed(sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        fn, args = pickle.loads(payload)
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        from lightning_mcore_rl.testing.emulation import cpu_emulation
+        from lightning_mcore_rl.testing.megatron_state import destroy_megatron_state
+
+        scope = cpu_emulation() if emulate_cuda else contextlib.nullcontext()
+        try:
+            with scope:
+                result = fn(rank, *args)
+        finally:
+            destroy_megatron_state()
+            dist.destroy_process_group()
+        conn.send(("ok", rank, pickle.dumps(result)))
+    except BaseException:  # report anything, including KeyboardInterrupt/SystemExit, to the parent
+        conn.send(("error", rank, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    emulate_cuda: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks and return the results in rank order.
+
+    Each rank runs in its own process with ``torch.distributed`` initialised (gloo, free port on
+    localhost, ``RANK``/``WORLD_SIZE`` set, one intra-op thread) and, by default, inside
+    :func:`~lightning_mcore_rl.testing.cpu_emulation` so megatron-core runs on CPU. Megatron's
+    global state and the process group are destroyed when ``fn`` returns.
+
+    Args:
+        fn: module-level (picklable) function ``fn(rank, *args) -> picklable``.
+        world_size: number of ranks, >= 1.
+        *args: picklable positional arguments passed to every rank.
+        timeout: seconds for the whole run; on expiry every rank is killed.
+        emulate_cuda: run ``fn`` inside ``cpu_emulation()``.
+
+    Returns:
+        ``[result_of_rank_0, ..., result_of_rank_{N-1}]``.
+
+    Raises:
+        RuntimeError: a rank raised; the message carries that rank's traceback. The first rank
+            to fail is reported and the others are killed immediately.
+        TimeoutError: not every rank finished within ``timeout`` seconds.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` must be a positive int, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"`timeout` must be positive, got {timeout!r}")
+    try:
+        payload = pickle.dumps((fn, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise TypeError(
+            f"run_on_ranks needs a module-level function and picklable args; pickling {fn!r} "
+            f"failed: {err}"
+        ) from err
+
+    ctx = _context()
+    port = _free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_rank_main,
+            args=(
+                rank,
+                world_size,
+                port,
+                list(sys.path),
+                payload,
+                emulate_cuda,
+                timeout,
+                child_conn,
+            ),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        procs.append(proc)
+        conns.append(parent_conn)
+
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            _collect(conns, procs, results)
+            if len(results) == world_size:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(
+                    f"run_on_ranks: ranks {missing} of {world_size} did not finish within "
+                    f"{timeout:.0f} s (finished: {sorted(results)}); all ranks were killed."
+                )
+            time.sleep(0.01)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        for conn in conns:
+            conn.close()
+    return [results[r] for r in range(world_size)]
+
+
+def _collect(conns: list[Any], procs: list[Any], results: dict[int, Any]) -> None:
+    """Read finished ranks' messages into ``results``; raise on the first error or silent death."""
+    for rank, (conn, proc) in enumerate(zip(conns, procs, strict=True)):
+        if rank in results:
+            continue
+        if conn.poll():
+            try:
+                status, _, body = conn.recv()
+            except EOFError:
+                status, body = "error", "the rank closed its pipe without a result"
+            if status == "error":
+                raise RuntimeError(f"run_on_ranks: rank {rank} failed:\n{body}")
+            results[rank] = pickle.loads(body)
+        elif not proc.is_alive() and not conn.poll():
+            raise RuntimeError(
+                f"run_on_ranks: rank {rank} exited with code {proc.exitcode} without a result "
+                "(killed by a signal or crashed in native code)."
+            )
