@@ -1,0 +1,244 @@
+"""A minimal megatron-core training loop for tests: tiny GPT chunks wrapped in megatron's DDP, the
+megatron optimizer, the real forward-backward schedule, and ``dist_checkpointing`` save/load.
+
+It wires what Megatron-LM's ``training.py`` wires and a bare megatron-core user must not forget:
+``config.finalize_model_grads_func`` (without it there is NO data-parallel gradient all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_mcore_rl.testing.emulation import init_distributed_optimizer_state_for_load
+from lightning_mcore_rl.testing.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
+
+Microbatch = dict[str, torch.Tensor]
+
+
+@dataclass
+class TrainingSetup:
+    """Model chunks (one per virtual pipeline stage), their optimizer and config."""
+
+    chunks: list[torch.nn.Module]
+    optimizer: Any
+    config: Any
+
+
+def build_training(
+    *,
+    seed: int = 0,
+    bf16: bool = False,
+    use_distributed_optimizer: bool = False,
+    clip_grad: float = 1.0,
+    lr: float = 1e-3,
+    vocab_size: int = 128,
+    **config_kwargs: Any,
+) -> TrainingSetup:
+    """Tiny GPT (all VPP chunks of this rank) + megatron DDP + megatron Adam optimizer.
+
+    Args:
+        seed: weight seed (layout-invariant, see :func:`tiny_gpt`).
+        bf16: bf16 params in ``Float16Module`` with fp32 main params in the optimizer.
+        use_distributed_optimizer: shard optimizer state over data parallel ranks.
+        clip_grad: global gradient-norm clip (megatron ``clip_grad``); 0 disables.
+        lr: Adam learning rate.
+        vocab_size: ``V``.
+        **config_kwargs: forwarded to :func:`tiny_gpt_config`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    config = tiny_gpt_config(bf16=bf16, **config_kwargs)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    stages = list(range(vpp)) if vpp else [None]
+    chunks: list[torch.nn.Module] = []
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
+    )
+    for vp_stage in stages:
+        chunk: torch.nn.Module = tiny_gpt(
+            config, vocab_size=vocab_size, seed=seed, vp_stage=vp_stage
+        )
+        if bf16:
+            chunk = Float16Module(config, chunk)
+        chunks.append(DistributedDataParallel(config, ddp_config, chunk))
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            # Adam's update g/(|g|+eps) turns reduction-order noise d in a near-zero gradient into
+            # a weight change of up to lr*d/eps; eps=1e-4 keeps layout comparisons at ~1e-7.
+            adam_eps=1e-4,
+            weight_decay=0.0,
+            clip_grad=clip_grad,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        chunks,
+    )
+    return TrainingSetup(chunks=chunks, optimizer=optimizer, config=config)
+
+
+def make_microbatches(
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+    *,
+    vocab_size: int = 128,
+    seed: int = 0,
+) -> list[Microbatch]:
+    """Deterministic random LM microbatches ``{"tokens": [b, S], "labels": [b, S]}``."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(
+        0, vocab_size, (num_microbatches, micro_batch_size, seq_length + 1), generator=generator
+    )
+    return [{"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()} for t in tokens]
+
+
+def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+    per_token_loss = model(tokens, position_ids, None, labels=batch["labels"])  # [b, S]
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = output.float().mean()
+        # clone: the schedule divides the returned loss in place by num_microbatches.
+        return loss, {"loss": loss.detach().clone()}
+
+    return per_token_loss, loss_func
+
+
+def forward_backward(
+    setup: TrainingSetup, microbatches: Sequence[Microbatch], *, forward_only: bool = False
+) -> list[float]:
+    """Run megatron's forward-backward schedule over ``microbatches`` (gradients land in the DDP
+    ``main_grad`` buffers, already finalised: DP-reduced, embedding/SP grads synced).
+
+    Returns:
+        Per-microbatch losses on the last pipeline stage, ``[]`` elsewhere.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not forward_only:
+        for chunk in setup.chunks:
+            chunk.zero_grad_buffer()
+        setup.optimizer.zero_grad()
+    first = microbatches[0]["tokens"]
+    iterators: Any = [iter(microbatches) for _ in setup.chunks]
+    outputs = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=setup.chunks if len(setup.chunks) > 1 else setup.chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
+        forward_only=forward_only,
+    )
+    return [float(out["loss"]) for out in outputs]
+
+
+def optimizer_step(setup: TrainingSetup) -> float:
+    """Megatron optimizer step (clipping included); returns the pre-clip global grad norm."""
+    _, grad_norm, _ = setup.optimizer.step()
+    return float(grad_norm)
+
+
+def train_step(
+    setup: TrainingSetup, microbatches: Sequence[Microbatch]
+) -> tuple[list[float], float]:
+    """:func:`forward_backward` then :func:`optimizer_step`: ``(losses, grad norm)``."""
+    losses = forward_backward(setup, microbatches)
+    return losses, optimizer_step(setup)
+
+
+def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters (or their ``main_grad``) with TP shards all-gathered,
+    keyed by canonical (single-rank) name, as fp32 CPU tensors."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    result: dict[str, torch.Tensor] = {}
+    for chunk in setup.chunks:
+        gpt = _unwrap(chunk)
+        for name, param in gpt.named_parameters():
+            value = (param.main_grad if grads else param).detach().float().clone()
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                parts = [torch.empty_like(value) for _ in range(tp)]
+                dist.all_gather(parts, value, group=group)
+                value = torch.cat(parts, dim=param.partition_dim)
+            result[canonical_name(gpt, name)] = value
+    return result
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def model_sharded_state_dict(setup: TrainingSetup) -> dict[str, Any]:
+    """``{"model": ...}`` (or ``model0``, ``model1``, ... with VPP) as Megatron-LM names them."""
+    if len(setup.chunks) == 1:
+        return {"model": setup.chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(setup.chunks)}
+
+
+def _optimizer_metadata() -> dict[str, str]:
+    # fully_sharded_model_space (the default) needs ShardedTensor.flattened_range, which
+    # megatron-core 0.16 no longer supports without TE; Megatron-LM uses dp_reshardable too.
+    return {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def save_checkpoint(setup: TrainingSetup, directory: str | Path) -> None:
+    """Collective: save model and optimizer with megatron ``dist_checkpointing`` (sync)."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = model_sharded_state_dict(setup)
+    state = dict(model_sd)
+    state["optimizer"] = setup.optimizer.sharded_state_dict(
+        model_sd, metadata=_optimizer_metadata()
+    )
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(state, str(directory))
+
+
+def load_checkpoint(setup: TrainingSetup, directory: str | Path, *, optimizer: bool = True) -> None:
+    """Collective: load a checkpoint written by :func:`save_checkpoint`, under any TP/PP layout."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = model_sharded_state_dict(setup)
+    state = dict(model_sd)
+    if optimizer:
+        if _is_distributed_optimizer(setup.optimizer):
+            init_distributed_optimizer_state_for_load(setup.optimizer)
+        state["optimizer"] = setup.optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=_optimizer_metadata()
+        )
+    loaded = dist_checkpointing.load(state, str(directory))
+    for key, chunk in zip(model_sd, setup.chunks, strict=True):
+        chunk.load_state_dict(loaded[key])
+    if optimizer:
+        setup.optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _is_distributed_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(o, DistributedOptimizer) for o in inner)
