@@ -1,0 +1,57 @@
+"""Loss functions for RL, preference learning and distillation: pure tensor code.
+
+Every loss follows :class:`LossFunction`: it is called per microbatch as
+``loss_fn(data, global_valid_seqs, global_valid_toks, **loss_input) -> (loss, metrics)`` and
+normalises by the *global* counts, so per-microbatch losses sum to the global-batch loss.
+Shapes follow the package notation (``B`` samples, ``S`` padded width, ``K`` top-k, ``V``
+vocabulary); loss inputs have width ``S-1`` (next-token convention), data fields width ``S``.
+"""
+
+from lightning_mcore_rl.losses.config import (
+    ClippedPGLossConfig,
+    DistillationLossConfig,
+    DPOLossConfig,
+    MseValueLossConfig,
+    OPDFullLossConfig,
+    load_config,
+)
+from lightning_mcore_rl.losses.distillation import DistillationLossFn, OPDFullLossFn
+from lightning_mcore_rl.losses.draft import DraftCrossEntropyLossFn
+from lightning_mcore_rl.losses.interfaces import (
+    LossFunction,
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    combine_microbatch_metrics,
+    rescale_metrics,
+)
+from lightning_mcore_rl.losses.nll import NLLLossFn
+from lightning_mcore_rl.losses.policy_gradient import ClippedPGLossFn
+from lightning_mcore_rl.losses.preference import DPOLossFn, PreferenceLossFn
+from lightning_mcore_rl.losses.utils import calculate_kl, masked_mean
+from lightning_mcore_rl.losses.value import MseValueLossFn
+
+__all__ = [
+    "ClippedPGLossConfig",
+    "ClippedPGLossFn",
+    "DPOLossConfig",
+    "DPOLossFn",
+    "DistillationLossConfig",
+    "DistillationLossFn",
+    "DraftCrossEntropyLossFn",
+    "LossFunction",
+    "LossInputType",
+    "LossType",
+    "MetricNormalizer",
+    "MseValueLossConfig",
+    "MseValueLossFn",
+    "NLLLossFn",
+    "OPDFullLossConfig",
+    "OPDFullLossFn",
+    "PreferenceLossFn",
+    "calculate_kl",
+    "combine_microbatch_metrics",
+    "load_config",
+    "masked_mean",
+    "rescale_metrics",
+]

@@ -1,0 +1,97 @@
+"""Negative log-likelihood (SFT) loss (spec §4.3)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from lightning_mcore_rl.losses.interfaces import (
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    detach_metrics,
+)
+from lightning_mcore_rl.losses.utils import base_masks, check_shape, masked_mean, masked_sum
+
+
+def per_sample_nll(logprobs: Tensor, mask: Tensor, average: bool = False) -> Tensor:
+    """Per-sample NLL ``-sum_t c_t m_t``, optionally divided by ``max(sum_t m_t, 1)``.
+
+    Args:
+        logprobs: ``[B, S-1]`` next-token logprobs.
+        mask: ``[B, S-1]`` mask (``token_mask[:, 1:] * sample_mask``).
+        average: Divide by the sample's number of valid tokens.
+
+    Returns:
+        ``[B]`` per-sample losses (0 for fully masked samples).
+    """
+    loss = -masked_sum(logprobs, mask, dim=-1)
+    if average:
+        loss = loss / mask.sum(-1).clamp(min=1)
+    return loss
+
+
+class NLLLossFn:
+    """Token-mean negative log-likelihood ``-sum(c * m) / N_t``.
+
+    With ``dpo_loss=True`` the call instead returns the per-sample NLL ``[B]`` (the SFT term of
+    DPO); its ``loss`` metric is then that detached ``[B]`` tensor.
+
+    Args:
+        use_fused_linear_logprobs: Read by ``prepare_loss_input``: the model already returns
+            next-token logprobs.
+
+    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``. Loss input:
+    ``next_token_logprobs [B, S-1]``.
+    """
+
+    loss_type = LossType.TOKEN_LEVEL
+    input_type = LossInputType.LOGPROB
+
+    def __init__(self, use_fused_linear_logprobs: bool = False) -> None:
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
+        self.metric_normalizations = {
+            "loss": MetricNormalizer.TOKENS,
+            "num_unmasked_tokens": MetricNormalizer.NONE,
+            "num_valid_samples": MetricNormalizer.NONE,
+        }
+
+    def __call__(
+        self,
+        data: Mapping[str, Any],
+        global_valid_seqs: Tensor | float | None,
+        global_valid_toks: Tensor | float,
+        *,
+        next_token_logprobs: Tensor,
+        dpo_loss: bool = False,
+        dpo_average_log_probs: bool = False,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Compute the NLL.
+
+        Args:
+            data: The microbatch.
+            global_valid_seqs: ``N_s`` (unused; part of the protocol).
+            global_valid_toks: ``N_t`` over the whole global batch.
+            next_token_logprobs: ``[B, S-1]`` current logprobs.
+            dpo_loss: Return the per-sample NLL ``[B]`` instead of the token mean.
+            dpo_average_log_probs: With ``dpo_loss``, average over each sample's tokens.
+
+        Returns:
+            ``(loss, metrics)``; ``loss`` is 0-dim, or ``[B]`` with ``dpo_loss``.
+        """
+        if next_token_logprobs.ndim != 2:
+            raise ValueError(
+                "`next_token_logprobs` must be [B, S-1], got shape "
+                f"{list(next_token_logprobs.shape)}."
+            )
+        tm, sm = base_masks(data, next_token_logprobs.shape[1], next_token_logprobs.dtype)
+        check_shape("next_token_logprobs", next_token_logprobs, tuple(tm.shape))
+        mask = tm * sm.unsqueeze(-1)
+        if dpo_loss:
+            loss = per_sample_nll(next_token_logprobs, mask, dpo_average_log_probs)
+        else:
+            loss = -masked_mean(next_token_logprobs, mask, None, global_valid_toks)
+        metrics = {"loss": loss, "num_unmasked_tokens": mask.sum(), "num_valid_samples": sm.sum()}
+        return loss, detach_metrics(metrics)

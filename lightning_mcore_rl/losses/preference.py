@@ -1,0 +1,184 @@
+"""Pairwise preference losses: Bradley-Terry reward model and DPO (spec §4.4).
+
+Samples are interleaved ``[chosen_0, rejected_0, chosen_1, rejected_1, ...]``; a microbatch must
+hold whole pairs. ``global_valid_seqs`` counts both halves, so pair means divide by
+``N_s / 2`` (spec §10 trap 15).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_mcore_rl.losses.config import DPOLossConfig, load_config
+from lightning_mcore_rl.losses.interfaces import (
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    detach_metrics,
+)
+from lightning_mcore_rl.losses.nll import per_sample_nll
+from lightning_mcore_rl.losses.utils import (
+    base_masks,
+    check_shape,
+    get_tensor,
+    masked_mean,
+    masked_sum,
+)
+
+_PAIR_METRICS = ("loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean")
+
+
+def _check_pairs(sample_mask: Tensor) -> None:
+    if sample_mask.shape[0] % 2:
+        raise ValueError(
+            "Preference batches interleave chosen/rejected samples, so the batch size must be "
+            f"even; got {sample_mask.shape[0]} samples."
+        )
+
+
+def preference_terms(
+    rewards: Tensor, sample_mask: Tensor, global_valid_seqs: Tensor | float, beta: float = 1.0
+) -> dict[str, Tensor]:
+    """Bradley-Terry loss ``-log sigmoid(beta (rho_c - rho_r))`` averaged over global pairs.
+
+    Args:
+        rewards: ``[B]`` interleaved rewards (chosen at even, rejected at odd rows).
+        sample_mask: ``[B]`` sample mask.
+        global_valid_seqs: ``N_s`` (chosen + rejected samples of the global batch).
+        beta: Scale of the reward difference.
+
+    Returns:
+        ``loss``, ``accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean`` (0-dim).
+    """
+    _check_pairs(sample_mask)
+    chosen, rejected = rewards[::2], rewards[1::2]
+    sm_c, sm_r = sample_mask[::2], sample_mask[1::2]
+    pairs = global_valid_seqs / 2
+    per_pair = -F.logsigmoid(beta * (chosen - rejected))
+    return {
+        "loss": masked_mean(per_pair, sm_c, None, pairs),
+        "accuracy": masked_mean((chosen > rejected).to(rewards.dtype), sm_c, None, pairs),
+        "rewards_chosen_mean": masked_mean(chosen, sm_c, None, pairs),
+        "rewards_rejected_mean": masked_mean(rejected, sm_r, None, pairs),
+    }
+
+
+class PreferenceLossFn:
+    """Bradley-Terry reward-model loss on interleaved chosen/rejected scores (beta = 1).
+
+    Inputs (``data``): ``sample_mask [B]``. Loss input: ``logits`` ``[B]`` or ``[B, 1]``, the
+    reward model's scalar scores.
+    """
+
+    loss_type = LossType.SEQUENCE_LEVEL
+    input_type = LossInputType.LOGIT
+
+    def __init__(self) -> None:
+        self.metric_normalizations = dict.fromkeys(_PAIR_METRICS, MetricNormalizer.SEQUENCES)
+        self.metric_normalizations["num_valid_samples"] = MetricNormalizer.NONE
+
+    def __call__(
+        self,
+        data: Mapping[str, Any],
+        global_valid_seqs: Tensor | float,
+        global_valid_toks: Tensor | float | None,
+        *,
+        logits: Tensor,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Compute the pairwise loss.
+
+        Args:
+            data: The microbatch.
+            global_valid_seqs: ``N_s`` over the whole global batch.
+            global_valid_toks: Unused; part of the protocol.
+            logits: ``[B]`` or ``[B, 1]`` scores.
+
+        Returns:
+            ``(loss, metrics)``.
+        """
+        sample_mask = get_tensor(data, "sample_mask")
+        rewards = logits.squeeze(-1) if logits.ndim == 2 else logits
+        check_shape("logits", rewards, tuple(sample_mask.shape))
+        metrics = preference_terms(rewards, sample_mask.to(rewards.dtype), global_valid_seqs)
+        metrics["num_valid_samples"] = sample_mask.sum() / 2
+        return metrics["loss"], detach_metrics(metrics)
+
+
+class DPOLossFn:
+    """Direct Preference Optimization (arXiv:2305.18290 Eq. 7) with an optional SFT term.
+
+    Implicit reward ``rho_i = sum_t (c - ref)_t tm_t`` (divided by ``max(sum_t tm_t, 1)`` with
+    ``preference_average_log_probs``). The stored reference logprobs are rolled left by one
+    (``reference_policy_logprobs[:, t]`` = log p_ref(x_{t+1})), so they align with ``c`` as
+    ``reference_policy_logprobs[:, :-1]``. Loss ``w_p * pref + w_s * sft`` where ``sft`` is the
+    per-sample NLL of the chosen responses averaged over ``N_s / 2`` pairs.
+
+    Args:
+        cfg: A :class:`DPOLossConfig` or a mapping with its keys.
+        use_fused_linear_logprobs: Read by ``prepare_loss_input``.
+
+    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``,
+    ``reference_policy_logprobs [B, S]`` (rolled). Loss input: ``next_token_logprobs [B, S-1]``.
+    """
+
+    loss_type = LossType.SEQUENCE_LEVEL
+    input_type = LossInputType.LOGPROB
+
+    def __init__(
+        self,
+        cfg: DPOLossConfig | Mapping[str, Any] | None = None,
+        use_fused_linear_logprobs: bool = False,
+    ) -> None:
+        self.cfg = load_config(DPOLossConfig, cfg)
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
+        self.metric_normalizations = dict.fromkeys(
+            (*_PAIR_METRICS, "sft_loss", "preference_loss"), MetricNormalizer.SEQUENCES
+        )
+        self.metric_normalizations["num_valid_samples"] = MetricNormalizer.NONE
+
+    def __call__(
+        self,
+        data: Mapping[str, Any],
+        global_valid_seqs: Tensor | float,
+        global_valid_toks: Tensor | float | None,
+        *,
+        next_token_logprobs: Tensor,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Compute the DPO loss.
+
+        Args:
+            data: The microbatch.
+            global_valid_seqs: ``N_s`` over the whole global batch (chosen + rejected).
+            global_valid_toks: Unused; part of the protocol.
+            next_token_logprobs: ``[B, S-1]`` current logprobs.
+
+        Returns:
+            ``(loss, metrics)``.
+        """
+        cfg, c = self.cfg, next_token_logprobs
+        if c.ndim != 2:
+            raise ValueError(f"`next_token_logprobs` must be [B, S-1], got {list(c.shape)}.")
+        tm, sm = base_masks(data, c.shape[1], c.dtype)
+        _check_pairs(sm)
+        check_shape("next_token_logprobs", c, tuple(tm.shape))
+        full = (c.shape[0], c.shape[1] + 1)
+        ref = get_tensor(data, "reference_policy_logprobs", full)[:, :-1].to(c.dtype)
+        rewards = masked_sum(c - ref, tm, dim=-1)  # [B]
+        if cfg.preference_average_log_probs:
+            rewards = rewards / tm.sum(-1).clamp(min=1)
+        metrics = preference_terms(rewards, sm, global_valid_seqs, cfg.reference_policy_kl_penalty)
+        preference = metrics["loss"]
+        sft = torch.zeros((), dtype=c.dtype)
+        if cfg.sft_loss_weight > 0:
+            nll = per_sample_nll(c, tm * sm.unsqueeze(-1), cfg.sft_average_log_probs)  # [B]
+            sft = masked_mean(nll[::2], sm[::2], None, global_valid_seqs / 2)
+        loss = cfg.sft_loss_weight * sft + cfg.preference_loss_weight * preference
+        metrics.update(
+            loss=loss, sft_loss=sft, preference_loss=preference, num_valid_samples=sm.sum() / 2
+        )
+        return loss, detach_metrics(metrics)
