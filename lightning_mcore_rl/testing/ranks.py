@@ -149,7 +149,9 @@ def run_on_ranks(
                 child_conn,
             ),
             name=f"rank{rank}",
-            daemon=True,
+            # not daemonic: megatron's checkpoint writer forks worker processes from the rank.
+            # Ranks are killed in the `finally` below whatever happens.
+            daemon=False,
         )
         proc.start()
         child_conn.close()

@@ -194,9 +194,10 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def model_sharded_state_dict(setup: TrainingSetup) -> dict[str, Any]:
     """``{"model": ...}`` (or ``model0``, ``model1``, ... with VPP) as Megatron-LM names them."""
+    # From inside the DDP wrapper (whose own state dict would prefix every key with "module.").
     if len(setup.chunks) == 1:
-        return {"model": setup.chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(setup.chunks)}
+        return {"model": setup.chunks[0].module.sharded_state_dict()}
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(setup.chunks)}
 
 
 def _optimizer_metadata() -> dict[str, str]:
@@ -232,7 +233,7 @@ def load_checkpoint(setup: TrainingSetup, directory: str | Path, *, optimizer: b
         )
     loaded = dist_checkpointing.load(state, str(directory))
     for key, chunk in zip(model_sd, setup.chunks, strict=True):
-        chunk.load_state_dict(loaded[key])
+        chunk.module.load_state_dict(loaded[key])
     if optimizer:
         setup.optimizer.load_state_dict(loaded["optimizer"])
 
