@@ -13,8 +13,6 @@ from typing import Any
 import pytest
 import torch
 from _helpers import (
-    DT,
-    check_invariance,
     counts,
     full_width,
     random_logprobs,
