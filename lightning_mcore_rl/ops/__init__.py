@@ -1,11 +1,47 @@
 """Distributed tensor math: vocab-parallel logprobs/entropy/top-k and context-parallel layout.
 
 Every function takes its process groups explicitly; nothing here reads Lightning or loss state.
+
+Shapes: ``B`` sequences, ``S`` tokens per sequence (``S/CP`` on a CP rank), ``T`` packed tokens,
+``H`` hidden size, ``V`` vocab, ``V_l = V/TP`` the local vocab shard, ``K`` ids per token.
 """
 
 from lightning_mcore_rl.ops.context_parallel import (
+    allgather_cp_sharded_tensor,
     get_tokens_on_this_cp_rank,
     restore_from_cp_shards,
 )
+from lightning_mcore_rl.ops.logprobs import (
+    from_parallel_logits_to_logprobs,
+    from_parallel_logits_to_logprobs_packed_sequences,
+    packed_local_targets,
+)
+from lightning_mcore_rl.ops.sampling import (
+    TrainingSamplingParams,
+    apply_top_k_top_p,
+    distributed_logprob_with_sampling,
+)
+from lightning_mcore_rl.ops.vocab_parallel import (
+    distributed_log_softmax,
+    distributed_logprob,
+    distributed_logprobs_at_indices,
+    vocab_parallel_entropy,
+    vocab_range_for_rank,
+)
 
-__all__ = ["get_tokens_on_this_cp_rank", "restore_from_cp_shards"]
+__all__ = [
+    "TrainingSamplingParams",
+    "allgather_cp_sharded_tensor",
+    "apply_top_k_top_p",
+    "distributed_log_softmax",
+    "distributed_logprob",
+    "distributed_logprob_with_sampling",
+    "distributed_logprobs_at_indices",
+    "from_parallel_logits_to_logprobs",
+    "from_parallel_logits_to_logprobs_packed_sequences",
+    "get_tokens_on_this_cp_rank",
+    "packed_local_targets",
+    "restore_from_cp_shards",
+    "vocab_parallel_entropy",
+    "vocab_range_for_rank",
+]

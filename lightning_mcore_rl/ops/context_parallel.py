@@ -7,7 +7,12 @@ on every rank. Example, CP=2 and 16 tokens: rank 0 holds ``[0..3, 12..15]``, ran
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
+
+from lightning_mcore_rl.ops._checks import group_rank_size
 
 
 def _check_cp_args(length: int, cp_rank: int, cp_size: int, seq_dim: int) -> None:
@@ -71,3 +76,66 @@ def restore_from_cp_shards(shards: list[torch.Tensor], seq_dim: int = 1) -> torc
     halves = [half for shard in shards for half in shard.chunk(2, dim=seq_dim)]
     by_global_index = dict(zip(cp_zigzag_chunk_order(cp_size), halves, strict=True))
     return torch.cat([by_global_index[i] for i in range(2 * cp_size)], dim=seq_dim)
+
+
+class _AllGatherCPTensor(torch.autograd.Function):
+    """All-gather zigzag CP shards into the full sequence.
+
+    Shapes: ``local [..., S/CP, ...]`` -> ``full [..., S, ...]`` (``S`` at ``seq_dim``).
+    Forward: all-gather over ``cp_group``, then undo the zigzag order
+    (:func:`restore_from_cp_shards`).
+    Backward: all-reduce SUM of the upstream gradient over CP (every CP rank used the full tensor),
+    then keep this rank's chunks ``r`` and ``2CP-1-r`` (:func:`get_tokens_on_this_cp_rank`).
+    Dual pair: forward all-gather, backward reduce(-scatter) to the local zigzag shard.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, cp_group: Any, seq_dim: int) -> torch.Tensor:
+        local = local.contiguous()
+        shards = [torch.empty_like(local) for _ in range(cp_group.size())]
+        dist.all_gather(shards, local, group=cp_group)
+        ctx.cp_group = cp_group
+        ctx.seq_dim = seq_dim
+        return restore_from_cp_shards(shards, seq_dim=seq_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = grad_output.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.cp_group)
+        cp_group = ctx.cp_group
+        local = get_tokens_on_this_cp_rank(grad, cp_group.rank(), cp_group.size(), ctx.seq_dim)
+        return local, None, None
+
+
+def allgather_cp_sharded_tensor(
+    tensor: torch.Tensor, cp_group: Any, seq_dim: int = 1
+) -> torch.Tensor:
+    """Differentiable all-gather of a zigzag CP-sharded tensor back to token order.
+
+    Forward: all-gather + zigzag undo; backward: all-reduce SUM over CP + keep the local chunks, so
+    a loss computed identically on every CP rank yields ``CP`` times its gradient (divide the loss
+    by CP exactly once, spec trap 4).
+
+    Args:
+        tensor: ``[..., S/CP, ...]`` this CP rank's shard (chunks ``r`` and ``2CP-1-r``).
+        cp_group: context-parallel group; ``None`` or a group of size 1 returns ``tensor``.
+        seq_dim: the sequence dimension (may be negative).
+
+    Returns:
+        ``[..., S, ...]`` the full sequence in original order, identical on every CP rank.
+    """
+    _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
+    ndim = tensor.dim()
+    if not -ndim <= seq_dim < ndim:
+        raise ValueError(
+            f"`seq_dim` must be in [{-ndim}, {ndim}) for a {ndim}-D tensor, got {seq_dim}"
+        )
+    seq_dim %= ndim
+    if cp_size == 1:
+        return tensor
+    if tensor.shape[seq_dim] % 2 != 0:
+        raise ValueError(
+            f"a zigzag CP shard holds two equal chunks, so its length along dim {seq_dim} must be "
+            f"even, got {tensor.shape[seq_dim]} (shape {tuple(tensor.shape)})"
+        )
+    return _AllGatherCPTensor.apply(tensor, cp_group, seq_dim)

@@ -1,0 +1,345 @@
+"""Vocab-parallel log-softmax, token logprobs and entropy over a TP-sharded last dim.
+
+TP rank ``r`` holds logits ``[..., V_l]`` for global ids ``[r*V_l, (r+1)*V_l)``. Every kernel
+computes in fp32 and is exact: the global max and the global ``sum exp`` are all-reduced over
+``tp_group``, so each rank sees the same log-normaliser ``lse = log sum_v exp z_v``.
+
+The chunked kernels walk the sequence dim (``-2``) in pieces of ``chunk_size`` tokens, upcast one
+chunk at a time and rematerialise the softmax in backward from the saved raw logits and the saved
+``lse`` (one fp32 value per token), so bf16 logits never exist as a full fp32 copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_rl.ops._checks import (
+    all_reduce,
+    check_chunk_size,
+    check_token_ids,
+    check_vocab_shard,
+    group_rank_size,
+    seq_chunks,
+)
+
+_MAX = dist.ReduceOp.MAX
+_SUM = dist.ReduceOp.SUM
+
+
+def vocab_range_for_rank(global_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``[vocab_start, vocab_end)`` owned by TP rank ``tp_rank`` under uniform contiguous sharding.
+
+    Raises:
+        ValueError: ``global_vocab_size`` is not divisible by ``tp_size`` (pad the vocab, as
+            Megatron's ``make_vocab_size_divisible_by`` does), or the rank is out of range.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"`tp_rank` must be in [0, tp_size={tp_size}), got {tp_rank}")
+    if global_vocab_size % tp_size != 0:
+        raise ValueError(
+            f"vocab size {global_vocab_size} is not divisible by TP = {tp_size}; pad the vocab to "
+            f"a multiple of TP (Megatron's `make_vocab_size_divisible_by`)"
+        )
+    local = global_vocab_size // tp_size
+    return tp_rank * local, (tp_rank + 1) * local
+
+
+def global_logsumexp(z: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """``log sum_v exp z_v`` over the full (TP-sharded) vocab; ``z [..., V_l]`` fp32 -> ``[...]``."""
+    z_max = z.amax(dim=-1, keepdim=True)
+    all_reduce(z_max, tp_group, _MAX)
+    sum_exp = (z - z_max).exp_().sum(dim=-1, keepdim=True)
+    all_reduce(sum_exp, tp_group, _SUM)
+    return (z_max + sum_exp.log()).squeeze(-1)
+
+
+def localise_ids(
+    ids: torch.Tensor, vocab_start: int, vocab_end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(owned, local)``: which global ``ids`` this shard owns, and their local column (0 if not)."""
+    owned = (ids >= vocab_start) & (ids < vocab_end)
+    local = torch.where(owned, ids - vocab_start, torch.zeros_like(ids)).long()
+    return owned, local
+
+
+class _DistributedLogSoftmax(torch.autograd.Function):
+    """Log-softmax over a TP-sharded vocab.
+
+    Shapes: ``logits [..., V_l]`` -> ``logp [..., V_l]`` fp32.
+    Forward: ``logp_v = z_v - lse`` with ``lse`` all-reduced (MAX then SUM) over TP.
+    Backward: ``dL/dz_v = g_v - p_v * sum_u g_u``; the sum runs over the full vocab, so it is the
+    one all-reduce (SUM, ``[..., 1]`` values) of the backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
+        z = logits.float()
+        logp = z - global_logsumexp(z, tp_group).unsqueeze(-1)
+        ctx.save_for_backward(logp)
+        ctx.tp_group = tp_group
+        ctx.logits_dtype = logits.dtype
+        return logp
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (logp,) = ctx.saved_tensors
+        grad_sum = grad_output.sum(dim=-1, keepdim=True)
+        all_reduce(grad_sum, ctx.tp_group, _SUM)
+        grad = grad_output - logp.exp() * grad_sum
+        return grad.to(ctx.logits_dtype), None
+
+
+def distributed_log_softmax(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """Differentiable log-softmax of vocab-parallel ``logits [..., V_l]`` -> fp32 ``[..., V_l]``.
+
+    Forward: two all-reduces (max, sum-exp) over ``tp_group``; backward: one (sum of grads).
+    """
+    group_rank_size(tp_group, "tp_group")
+    if not logits.is_floating_point():
+        raise ValueError(f"`logits` must be a floating-point tensor, got dtype {logits.dtype}")
+    return _DistributedLogSoftmax.apply(logits, tp_group)
+
+
+class _DistributedLogprob(torch.autograd.Function):
+    """Logprob of one global target id per token, vocab-parallel, unchunked.
+
+    Shapes: ``logits [..., V_l]``, ``target [...]`` global ids -> ``logprob [...]`` fp32.
+    Forward: ``log p_y = z_y - lse`` on the shard owning ``y`` and ``0`` elsewhere, then an
+    all-reduce SUM over TP so every rank receives the owner's value. Saves the fp32 softmax.
+    Backward: ``dL/dz_v = g * (1[v == y and owned] - p_v)``, local only (no all-reduce): the
+    forward SUM's backward is the identity on a TP-replicated upstream gradient. The saved softmax
+    is turned into the gradient in place (backward may run once), as Megatron's cross entropy does.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        vocab_start: int,
+        vocab_end: int,
+        tp_group: Any,
+    ) -> torch.Tensor:
+        z = logits.float()
+        owned, local = localise_ids(target, vocab_start, vocab_end)
+        z_max = z.amax(dim=-1, keepdim=True)
+        all_reduce(z_max, tp_group, _MAX)
+        probs = (z - z_max).exp_()  # unnormalised, becomes the softmax below (in place)
+        sum_exp = probs.sum(dim=-1, keepdim=True)
+        all_reduce(sum_exp, tp_group, _SUM)
+        lse = (z_max + sum_exp.log()).squeeze(-1)
+        picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) - lse
+        picked = torch.where(owned, picked, torch.zeros_like(picked))
+        all_reduce(picked, tp_group, _SUM)
+        probs.div_(sum_exp)
+        ctx.save_for_backward(probs, local, owned)
+        ctx.logits_dtype = logits.dtype
+        return picked
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        probs, local, owned = ctx.saved_tensors
+        g = grad_output.float()
+        grad = probs.mul_(-g.unsqueeze(-1))
+        grad.scatter_add_(-1, local.unsqueeze(-1), torch.where(owned, g, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
+    """Full-vocab logprobs at ``K`` global ids per token, vocab-parallel, chunked along seq.
+
+    Shapes: ``logits [..., S, V_l]``, ``ids [..., S, K]`` -> ``logprobs [..., S, K]`` fp32.
+    Forward, per chunk of ``chunk_size`` tokens: upcast the chunk, ``lse`` over TP, gather
+    ``z_id - lse`` where owned (0 elsewhere); one all-reduce SUM of the result at the end.
+    Saves the raw logits, the ids and ``lse [..., S]`` (never a softmax).
+    Backward, per chunk: ``dL/dz_v = -p_v * sum_k g_k + sum_k g_k 1[v == id_k and owned]``
+    with ``p`` recomputed as ``exp(z - lse)``, written into one preallocated gradient in the
+    logits' dtype; no collective.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        vocab_start: int,
+        vocab_end: int,
+        chunk_size: int | None,
+        tp_group: Any,
+    ) -> torch.Tensor:
+        owned, local = localise_ids(ids, vocab_start, vocab_end)
+        seq_len = logits.shape[-2]
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        for start, stop in seq_chunks(seq_len, chunk_size):
+            z = logits.narrow(-2, start, stop - start).float()
+            chunk_lse = global_logsumexp(z, tp_group)
+            lse.narrow(-1, start, stop - start).copy_(chunk_lse)
+            picked = z.gather(-1, local.narrow(-2, start, stop - start))
+            out.narrow(-2, start, stop - start).copy_(picked - chunk_lse.unsqueeze(-1))
+        out = torch.where(owned, out, torch.zeros_like(out))
+        all_reduce(out, tp_group, _SUM)
+        ctx.save_for_backward(logits, local, owned, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, local, owned, lse = ctx.saved_tensors
+        g = grad_output.float()
+        g_owned = torch.where(owned, g, 0.0)
+        g_sum = g.sum(dim=-1, keepdim=True)  # [..., S, 1]
+        grad = torch.empty_like(logits)
+        for start, stop in seq_chunks(logits.shape[-2], ctx.chunk_size):
+            n = stop - start
+            z = logits.narrow(-2, start, n).float()
+            probs = (z - lse.narrow(-1, start, n).unsqueeze(-1)).exp_()
+            probs.mul_(-g_sum.narrow(-2, start, n))
+            probs.scatter_add_(-1, local.narrow(-2, start, n), g_owned.narrow(-2, start, n))
+            grad.narrow(-2, start, n).copy_(probs)
+        return grad, None, None, None, None, None
+
+
+def _check_ids_against_logits(
+    logits: torch.Tensor, ids: torch.Tensor, tp_size: int, name: str, trailing: int
+) -> None:
+    lead = tuple(logits.shape[:-1])
+    if tuple(ids.shape[: ids.dim() - trailing]) != lead or ids.dim() != len(lead) + trailing:
+        expected = f"{list(lead)}" if trailing == 0 else f"{list(lead)} + [K]"
+        raise ValueError(
+            f"`{name}` must have shape {expected} to match `logits` {tuple(logits.shape)}, got "
+            f"{tuple(ids.shape)}"
+        )
+    check_token_ids(ids, logits.shape[-1] * tp_size, name)
+
+
+def distributed_logprob(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Any,
+    inference_only: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Logprob of each token's target under vocab-parallel logits (``DistributedLogprob``).
+
+    Args:
+        logits: ``[..., S, V_l]`` this TP rank's vocab shard, any float dtype.
+        target: ``[..., S]`` global token ids in ``[0, V_l * TP)``.
+        vocab_start_index: first global id of this shard (``tp_rank * V_l``).
+        vocab_end_index: one past the last global id of this shard.
+        tp_group: tensor-parallel group the vocab is sharded over.
+        inference_only: run without autograd (nothing saved for backward).
+        chunk_size: tokens per chunk along ``S``; ``None`` uses the unchunked kernel (which saves an
+            fp32 softmax), an int the chunked kernel (fp32 upcast per chunk, softmax recomputed).
+
+    Returns:
+        ``[..., S]`` fp32 logprobs, identical on every TP rank.
+    """
+    _, tp_size = check_vocab_shard(logits, vocab_start_index, vocab_end_index, tp_group)
+    _check_ids_against_logits(logits, target, tp_size, "target", trailing=0)
+    check_chunk_size(chunk_size)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not inference_only):
+        if chunk_size is None:
+            return _DistributedLogprob.apply(
+                logits, target, vocab_start_index, vocab_end_index, tp_group
+            )
+        return _ChunkedDistributedGatherLogprob.apply(
+            logits, target.unsqueeze(-1), vocab_start_index, vocab_end_index, chunk_size, tp_group
+        ).squeeze(-1)
+
+
+def distributed_logprobs_at_indices(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Any,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Full-vocab logprobs gathered at ``K`` global ids per token (``ChunkedDistributedGatherLogprob``).
+
+    Args:
+        logits: ``[..., S, V_l]`` this TP rank's vocab shard.
+        indices: ``[..., S, K]`` global ids in ``[0, V_l * TP)``.
+        vocab_start_index: first global id of this shard.
+        vocab_end_index: one past the last global id of this shard.
+        tp_group: tensor-parallel group.
+        chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
+
+    Returns:
+        ``[..., S, K]`` fp32, differentiable w.r.t. ``logits``.
+    """
+    _, tp_size = check_vocab_shard(logits, vocab_start_index, vocab_end_index, tp_group)
+    _check_ids_against_logits(logits, indices, tp_size, "indices", trailing=1)
+    check_chunk_size(chunk_size)
+    return _ChunkedDistributedGatherLogprob.apply(
+        logits, indices, vocab_start_index, vocab_end_index, chunk_size, tp_group
+    )
+
+
+class _ChunkedDistributedEntropy(torch.autograd.Function):
+    """Entropy ``H = -sum_v p_v log p_v`` of vocab-parallel logits, chunked along seq.
+
+    Shapes: ``logits [..., S, V_l]`` -> ``H [..., S]`` fp32 (positive entropy).
+    Forward: per chunk ``lse`` over TP, local ``-sum p log p``; one all-reduce SUM at the end.
+    Backward: ``dH/dz_v = -p_v (log p_v + H)`` times ``g``, recomputed per chunk from the saved
+    logits, ``lse`` and ``H``; no collective.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, chunk_size: int | None, tp_group: Any
+    ) -> torch.Tensor:
+        lse = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(lse)
+        for start, stop in seq_chunks(logits.shape[-2], chunk_size):
+            z = logits.narrow(-2, start, stop - start).float()
+            chunk_lse = global_logsumexp(z, tp_group)
+            logp = z - chunk_lse.unsqueeze(-1)
+            lse.narrow(-1, start, stop - start).copy_(chunk_lse)
+            entropy.narrow(-1, start, stop - start).copy_(-(logp.exp() * logp).sum(dim=-1))
+        all_reduce(entropy, tp_group, _SUM)
+        ctx.save_for_backward(logits, lse, entropy)
+        ctx.chunk_size = chunk_size
+        return entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, lse, entropy = ctx.saved_tensors
+        g = grad_output.float()
+        grad = torch.empty_like(logits)
+        for start, stop in seq_chunks(logits.shape[-2], ctx.chunk_size):
+            n = stop - start
+            logp = logits.narrow(-2, start, n).float() - lse.narrow(-1, start, n).unsqueeze(-1)
+            weight = (logp + entropy.narrow(-1, start, n).unsqueeze(-1)).mul_(logp.exp_())
+            grad.narrow(-2, start, n).copy_(weight.mul_(-g.narrow(-1, start, n).unsqueeze(-1)))
+        return grad, None, None
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor, tp_group: Any, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Per-token entropy ``-sum_v p_v log p_v`` of vocab-parallel logits (differentiable).
+
+    Args:
+        logits: ``[..., S, V_l]`` this TP rank's vocab shard.
+        tp_group: tensor-parallel group.
+        chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
+
+    Returns:
+        ``[..., S]`` fp32 entropy (>= 0), identical on every TP rank. Note the spec's ``H_all`` in
+        distillation is the *negative* entropy ``sum p log p``.
+    """
+    group_rank_size(tp_group, "tp_group")
+    if not logits.is_floating_point() or logits.dim() < 2:
+        raise ValueError(
+            f"`logits` must be a floating-point [..., S, V_l] tensor, got {logits.dtype} "
+            f"{tuple(logits.shape)}"
+        )
+    check_chunk_size(chunk_size)
+    return _ChunkedDistributedEntropy.apply(logits, chunk_size, tp_group)
