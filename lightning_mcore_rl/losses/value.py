@@ -15,7 +15,6 @@ from lightning_mcore_rl.losses.interfaces import (
     detach_metrics,
 )
 from lightning_mcore_rl.losses.utils import (
-    check_shape,
     get_tensor,
     masked_max,
     masked_mean,
@@ -99,7 +98,6 @@ class MseValueLossFn:
             per_token = unclipped
             clipfrac = masked_mean(unclipped.new_zeros(shape), mask, None, n_t)
         loss = 0.5 * self.cfg.scale * masked_mean(per_token, mask, None, n_t)
-        check_shape("returns", returns, shape)
         v = values.detach()
         metrics = {
             "loss": loss,
