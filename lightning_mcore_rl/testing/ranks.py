@@ -80,12 +80,15 @@ def _rank_main(
         try:
             with scope:
                 result = fn(rank, *args)
-        finally:
-            destroy_megatron_state()
-            dist.destroy_process_group()
-        conn.send(("ok", rank, pickle.dumps(result)))
-    except BaseException:  # report anything, including KeyboardInterrupt/SystemExit, to the parent
-        conn.send(("error", rank, traceback.format_exc()))
+            message = ("ok", time.time(), pickle.dumps(result))
+        except BaseException:
+            message = ("error", time.time(), traceback.format_exc())
+        # Report before teardown closes this rank's sockets (peers then fail too, but later).
+        conn.send(message)
+        destroy_megatron_state()
+        dist.destroy_process_group()
+    except BaseException:  # set-up or teardown failed: still report, with the traceback
+        conn.send(("error", time.time(), traceback.format_exc()))
     finally:
         conn.close()
 
@@ -159,12 +162,13 @@ def run_on_ranks(
         conns.append(parent_conn)
 
     results: dict[int, Any] = {}
+    errors: dict[int, tuple[float, str]] = {}
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
-            _collect(conns, procs, results)
-            if len(results) == world_size:
-                break
+            _collect(conns, procs, results, errors)
+            if errors:
+                _raise_first_error(conns, procs, results, errors)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(
@@ -182,21 +186,50 @@ def run_on_ranks(
     return [results[r] for r in range(world_size)]
 
 
-def _collect(conns: list[Any], procs: list[Any], results: dict[int, Any]) -> None:
-    """Read finished ranks' messages into ``results``; raise on the first error or silent death."""
+def _collect(
+    conns: list[Any],
+    procs: list[Any],
+    results: dict[int, Any],
+    errors: dict[int, tuple[float, str]],
+) -> None:
+    """Move every rank's pending message into ``results`` or ``errors``."""
     for rank, (conn, proc) in enumerate(zip(conns, procs, strict=True)):
-        if rank in results:
+        if rank in results or rank in errors:
             continue
         if conn.poll():
             try:
-                status, _, body = conn.recv()
+                status, when, body = conn.recv()
             except EOFError:
-                status, body = "error", "the rank closed its pipe without a result"
+                status, when, body = (
+                    "error",
+                    time.time(),
+                    "the rank closed its pipe without a result",
+                )
             if status == "error":
-                raise RuntimeError(f"run_on_ranks: rank {rank} failed:\n{body}")
-            results[rank] = pickle.loads(body)
+                errors[rank] = (when, body)
+            else:
+                results[rank] = pickle.loads(body)
         elif not proc.is_alive() and not conn.poll():
-            raise RuntimeError(
-                f"run_on_ranks: rank {rank} exited with code {proc.exitcode} without a result "
-                "(killed by a signal or crashed in native code)."
+            errors[rank] = (
+                time.time(),
+                f"exited with code {proc.exitcode} without a result (killed by a signal or "
+                "crashed in native code)",
             )
+
+
+def _raise_first_error(
+    conns: list[Any],
+    procs: list[Any],
+    results: dict[int, Any],
+    errors: dict[int, tuple[float, str]],
+) -> None:
+    """Raise the error of the rank that failed FIRST: a rank's failure makes its peers fail
+    moments later in collectives, so wait briefly for all reports and sort by time."""
+    grace = time.monotonic() + 1.0
+    while time.monotonic() < grace and len(results) + len(errors) < len(procs):
+        _collect(conns, procs, results, errors)
+        time.sleep(0.01)
+    rank = min(errors, key=lambda r: errors[r][0])
+    others = sorted(set(errors) - {rank})
+    also = f" (ranks {others} failed after it)" if others else ""
+    raise RuntimeError(f"run_on_ranks: rank {rank} failed{also}:\n{errors[rank][1]}")

@@ -62,3 +62,9 @@ def test_interleaved_pipeline_pp2_vpp2_matches_single_rank():
 def test_tensor_2_by_pipeline_2_on_four_ranks_matches_single_rank():
     result = _run(4, tp=2, pp=2, num_microbatches=4, steps=2)
     _assert_matches_reference(result, _reference(2, 4, 2))
+
+
+def test_sequence_parallel_tp2_matches_single_rank():
+    # Local-spec LayerNorms under SP rely on the emulation's norm patch + finalize_model_grads.
+    result = _run(2, tp=2, sequence_parallel=True, num_microbatches=2, steps=2)
+    _assert_matches_reference(result, _reference(2, 2, 2))
