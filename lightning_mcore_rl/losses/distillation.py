@@ -24,7 +24,6 @@ from lightning_mcore_rl.losses.interfaces import (
     MetricNormalizer,
     detach_metrics,
 )
-from lightning_mcore_rl.losses.policy_gradient import reference_kl_term
 from lightning_mcore_rl.losses.utils import (
     aggregate,
     base_masks,
@@ -33,6 +32,7 @@ from lightning_mcore_rl.losses.utils import (
     masked_max,
     masked_mean,
     masked_min,
+    reference_kl_term,
 )
 
 LOG_INFINITESIMAL = -100.0

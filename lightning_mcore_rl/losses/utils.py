@@ -194,6 +194,69 @@ def aggregate(
     return masked_mean(per_seq, sample_mask, global_normalization_factor=global_valid_seqs)
 
 
+def reference_kl_term(
+    curr_unfiltered: Tensor,
+    reference: Tensor,
+    token_mask: Tensor,
+    sample_mask: Tensor,
+    *,
+    beta: float,
+    kl_type: KLType,
+    input_clamp_value: float | None,
+    output_clamp_value: float | None,
+    aggregation: LossAggregation,
+    global_valid_seqs: Tensor | float,
+    global_valid_toks: Tensor | float,
+    generation: Tensor | None = None,
+    aggregation_constant: float | None = None,
+) -> Tensor:
+    """``beta * aggregate(w * KL(curr || ref))`` with the on-policy score-function weight.
+
+    The KL samples come from the sampler, so the estimator is weighted by
+    ``w = exp(curr - curr.detach())`` (value 1, gradient of the sampling probability,
+    arXiv:2506.09477) or, with ``generation`` given (on-policy KL approximation),
+    ``w = exp(curr - generation)``. Non-finite weights become 0. For k3 and ``w = 1`` the
+    gradient per token is ``beta * (k3 + 1 - exp(r)) / N_t`` with ``r = ref - curr``.
+
+    Args:
+        curr_unfiltered: ``[B, S-1]`` current logprobs without top-k/top-p filtering.
+        reference: ``[B, S-1]`` reference-policy logprobs.
+        token_mask: ``[B, S-1]`` shifted token mask.
+        sample_mask: ``[B]`` sample mask.
+        beta: KL coefficient.
+        kl_type: KL estimator.
+        input_clamp_value: Log-ratio clamp (``None`` disables it).
+        output_clamp_value: Per-token KL clamp (``None`` disables it).
+        aggregation: How tokens are reduced (see :func:`aggregate`).
+        global_valid_seqs: ``N_s``.
+        global_valid_toks: ``N_t``.
+        generation: ``[B, S-1]`` sampler logprobs for the on-policy KL approximation.
+        aggregation_constant: Constant of ``seq_mean_token_sum_norm``.
+
+    Returns:
+        A 0-dim tensor.
+    """
+    source = curr_unfiltered.detach() if generation is None else generation
+    weights = torch.nan_to_num(torch.exp(curr_unfiltered - source), nan=0.0, posinf=0.0)
+    kl = calculate_kl(
+        curr_unfiltered,
+        reference,
+        kl_type=kl_type,
+        input_clamp_value=input_clamp_value,
+        output_clamp_value=output_clamp_value,
+        importance_sampling_weights=weights,
+    )
+    return beta * aggregate(
+        kl,
+        token_mask,
+        sample_mask,
+        aggregation,
+        global_valid_seqs,
+        global_valid_toks,
+        aggregation_constant,
+    )
+
+
 def get_tensor(data: Mapping[str, Any], key: str, shape: tuple[int, ...] | None = None) -> Tensor:
     """Fetch ``data[key]`` and check it is a tensor of the expected shape.
 

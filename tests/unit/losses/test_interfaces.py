@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from lightning_mcore_rl.losses import (
+    ClippedPGLossFn,
+    DistillationLossFn,
+    DPOLossFn,
+    DraftCrossEntropyLossFn,
+    LossFunction,
     LossInputType,
     MetricNormalizer,
+    MseValueLossFn,
+    NLLLossFn,
+    OPDFullLossFn,
+    PreferenceLossFn,
     combine_microbatch_metrics,
     rescale_metrics,
 )
@@ -57,3 +66,22 @@ def test_enum_values() -> None:
         "OPD_FULL",
     }
     assert MetricNormalizer("tokens") is MetricNormalizer.TOKENS
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        ClippedPGLossFn(),
+        NLLLossFn(),
+        PreferenceLossFn(),
+        DPOLossFn(),
+        DistillationLossFn(),
+        OPDFullLossFn(),
+        MseValueLossFn(),
+        DraftCrossEntropyLossFn(),
+    ],
+    ids=lambda f: type(f).__name__,
+)
+def test_every_loss_satisfies_the_protocol(loss_fn: object) -> None:
+    """Every loss exposes loss_type, input_type and metric_normalizations."""
+    assert isinstance(loss_fn, LossFunction)

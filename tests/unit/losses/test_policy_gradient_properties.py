@@ -71,6 +71,13 @@ DIFFERENTIABLE: dict[str, dict[str, Any]] = {
     },
     "vapo": {**NO_KL, "positive_example_nll_weight": 0.3},
     "entropy_bonus": {**NO_KL, "entropy_coef": 0.05},
+    "entropy_bonus_dr_grpo": {
+        "entropy_coef": 0.05,
+        "reference_policy_kl_penalty": 0.1,
+        "use_on_policy_kl_approximation": True,
+        "loss_aggregation": "seq_mean_token_sum_norm",
+        "loss_aggregation_constant": 8.0,
+    },
 }
 # Options with deliberate stop-gradients (score-function KL weight, CISPO, ratio forced to 1).
 STOP_GRADIENT: dict[str, dict[str, Any]] = {
