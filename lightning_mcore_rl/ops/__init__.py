@@ -11,15 +11,28 @@ from lightning_mcore_rl.ops.context_parallel import (
     get_tokens_on_this_cp_rank,
     restore_from_cp_shards,
 )
+from lightning_mcore_rl.ops.fused_linear import (
+    FusedLinearLogprobsOutput,
+    from_hidden_to_logprobs,
+    from_hidden_to_logprobs_packed_sequences,
+    fused_linear_logprobs,
+)
 from lightning_mcore_rl.ops.logprobs import (
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
     packed_local_targets,
 )
+from lightning_mcore_rl.ops.reverse_kl import ReverseKLOutput, vocab_parallel_reverse_kl
 from lightning_mcore_rl.ops.sampling import (
     TrainingSamplingParams,
     apply_top_k_top_p,
     distributed_logprob_with_sampling,
+)
+from lightning_mcore_rl.ops.topk import (
+    DistillationTopkLogprobs,
+    distributed_vocab_topk,
+    gather_logits_at_global_indices,
+    get_distillation_topk_logprobs_from_logits,
 )
 from lightning_mcore_rl.ops.vocab_parallel import (
     distributed_log_softmax,
@@ -30,6 +43,9 @@ from lightning_mcore_rl.ops.vocab_parallel import (
 )
 
 __all__ = [
+    "DistillationTopkLogprobs",
+    "FusedLinearLogprobsOutput",
+    "ReverseKLOutput",
     "TrainingSamplingParams",
     "allgather_cp_sharded_tensor",
     "apply_top_k_top_p",
@@ -37,11 +53,18 @@ __all__ = [
     "distributed_logprob",
     "distributed_logprob_with_sampling",
     "distributed_logprobs_at_indices",
+    "distributed_vocab_topk",
+    "from_hidden_to_logprobs",
+    "from_hidden_to_logprobs_packed_sequences",
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",
+    "fused_linear_logprobs",
+    "gather_logits_at_global_indices",
+    "get_distillation_topk_logprobs_from_logits",
     "get_tokens_on_this_cp_rank",
     "packed_local_targets",
     "restore_from_cp_shards",
     "vocab_parallel_entropy",
+    "vocab_parallel_reverse_kl",
     "vocab_range_for_rank",
 ]

@@ -42,7 +42,7 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: dist.ReduceOp.RedOpType) ->
 
 
 def check_vocab_shard(
-    logits: torch.Tensor, vocab_start: int, vocab_end: int, tp_group: Any
+    logits: torch.Tensor, vocab_start: int, vocab_end: int, tp_group: Any, name: str = "logits"
 ) -> tuple[int, int]:
     """Check that ``logits [..., V_l]`` is TP rank ``r``'s contiguous shard ``[r*V_l, (r+1)*V_l)``.
 
@@ -51,12 +51,12 @@ def check_vocab_shard(
     """
     tp_rank, tp_size = group_rank_size(tp_group, "tp_group")
     if not logits.is_floating_point():
-        raise ValueError(f"`logits` must be a floating-point tensor, got dtype {logits.dtype}")
+        raise ValueError(f"`{name}` must be a floating-point tensor, got dtype {logits.dtype}")
     local_vocab = logits.shape[-1]
     if vocab_end - vocab_start != local_vocab:
         raise ValueError(
             f"vocab range [{vocab_start}, {vocab_end}) has {vocab_end - vocab_start} ids but "
-            f"`logits` has a local vocab of {local_vocab} (last dim of shape {tuple(logits.shape)})"
+            f"`{name}` has a local vocab of {local_vocab} (shape {tuple(logits.shape)})"
         )
     if vocab_start != tp_rank * local_vocab:
         raise ValueError(

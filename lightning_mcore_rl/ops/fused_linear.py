@@ -1,0 +1,332 @@
+"""Fused LM-head + logprobs: token logprobs (and entropy) straight from hidden states.
+
+``logits = hidden @ weight.T / temperature`` is never materialised: the kernel walks the tokens
+in chunks, so at most one ``[chunk, V_l]`` fp32 block of logits exists at a time, in forward and in
+backward (which recomputes the block, one extra matmul per chunk). The weight is the vocab-parallel
+shard ``[V_l, H]`` of a column-parallel output layer; ``hidden`` is replicated over TP (gather it
+first under sequence parallelism). Top-k/top-p filtering needs whole vocab rows and is not fused:
+use the logits path (:func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_rl.ops._checks import (
+    all_reduce,
+    check_chunk_size,
+    check_ndim,
+    check_token_ids,
+    check_vocab_shard,
+    group_rank_size,
+    seq_chunks,
+)
+from lightning_mcore_rl.ops.logprobs import (
+    check_dense_layout,
+    check_packed_target,
+    normalise_cu_seqlens,
+    run_dense,
+    run_packed,
+)
+from lightning_mcore_rl.ops.sampling import TrainingSamplingParams
+from lightning_mcore_rl.ops.vocab_parallel import global_logsumexp, localise_ids
+
+_SUM = dist.ReduceOp.SUM
+_DEFAULT_CHUNK_BYTES = 64 * 2**20  # one fp32 [chunk, V_l] block of logits
+
+
+class FusedLinearLogprobsOutput(NamedTuple):
+    """Outputs of :func:`fused_linear_logprobs`.
+
+    Attributes:
+        logprobs: ``[T]`` fp32 logprob of each target.
+        entropy: ``[T]`` fp32 entropy ``-sum_v p log p`` (differentiable), or ``None``.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int, temperature: float
+) -> torch.Tensor:
+    """fp32 ``[stop-start, V_l]`` block ``hidden[start:stop] @ weight.T / temperature``."""
+    z = torch.matmul(hidden[start:stop], weight.t()).float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _FusedLinearLogprobs(torch.autograd.Function):
+    """Token logprobs and entropy of ``z = h W^T / tau`` without materialising ``z``.
+
+    Shapes: ``hidden [T, H]``, ``weight [V_l, H]``, ``target [T]`` -> ``(logprob [T], entropy [T])``.
+    Forward, per token chunk: ``z`` block in fp32, ``lse`` over TP, ``log p_y = z_y - lse`` where
+    owned, ``H = -sum p log p``; one all-reduce SUM of each at the end. Saves ``lse`` and ``H``.
+    Backward, per chunk (``z`` recomputed):
+    ``dz_v = g_lp (1[v == y] - p_v) - g_H p_v (log p_v + H)``, then ``dW += dz^T h / tau`` and
+    ``dh = dz W / tau`` whose all-reduce SUM over TP is the column-parallel input gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        vocab_start: int,
+        chunk_size: int,
+        temperature: float,
+        with_entropy: bool,
+        tp_group: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        owned, local = localise_ids(target, vocab_start, vocab_start + weight.shape[0])
+        tokens = hidden.shape[0]
+        logprobs = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logprobs)
+        entropy = torch.zeros(
+            tokens if with_entropy else 0, dtype=torch.float32, device=hidden.device
+        )
+        for start, stop in seq_chunks(tokens, chunk_size):
+            z = _chunk_logits(hidden, weight, start, stop, temperature)
+            chunk_lse = global_logsumexp(z, tp_group)
+            lse[start:stop] = chunk_lse
+            z.sub_(chunk_lse.unsqueeze(-1))  # z is now log p, in place
+            logprobs[start:stop] = z.gather(-1, local[start:stop].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                entropy[start:stop] = -(z.exp() * z).sum(dim=-1)
+        logprobs = torch.where(owned, logprobs, torch.zeros_like(logprobs))
+        all_reduce(logprobs, tp_group, _SUM)
+        all_reduce(entropy, tp_group, _SUM)
+        ctx.save_for_backward(hidden, weight, local, owned, lse, entropy)
+        ctx.params = (chunk_size, temperature, with_entropy, tp_group)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
+        chunk_size, temperature, with_entropy, tp_group = ctx.params
+        g_lp = grad_logprobs.float()
+        g_owned = torch.where(owned, g_lp, 0.0)
+        use_entropy = with_entropy and grad_entropy is not None
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start, stop in seq_chunks(hidden.shape[0], chunk_size):
+            logp = _chunk_logits(hidden, weight, start, stop, temperature)
+            logp.sub_(lse[start:stop].unsqueeze(-1))
+            dz = logp.exp()
+            if use_entropy:
+                g_ent = grad_entropy[start:stop].float().unsqueeze(-1)
+                logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(dz).mul_(-g_ent)
+            dz.mul_(-g_lp[start:stop].unsqueeze(-1))
+            dz.scatter_add_(-1, local[start:stop].unsqueeze(-1), g_owned[start:stop].unsqueeze(-1))
+            if use_entropy:
+                dz.add_(logp)
+            if temperature != 1.0:
+                dz.div_(temperature)
+            grad_hidden[start:stop] = torch.matmul(dz.to(weight.dtype), weight)
+            # the weight gradient accumulates over chunks in fp32 (a bf16 running sum would drift)
+            grad_weight.addmm_(dz.t(), hidden[start:stop].float())
+        all_reduce(grad_hidden, tp_group, _SUM)
+        return (
+            grad_hidden.to(hidden.dtype),
+            grad_weight.to(weight.dtype),
+            *([None] * 6),
+        )
+
+
+def _check_fused_args(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Any,
+    chunk_size: int | None,
+    temperature: float,
+) -> int:
+    """Validate the LM-head operands; returns ``tp_size``."""
+    check_ndim(weight, 2, "weight", "[V_l, H]")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size mismatch: `hidden` {tuple(hidden.shape)} vs `weight` [V_l, H] = "
+            f"{tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"dtype mismatch: `hidden` is {hidden.dtype} but `weight` is {weight.dtype}; cast both "
+            f"to the model's compute dtype"
+        )
+    if not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    check_chunk_size(chunk_size)
+    # the vocab shard is the weight's rows: check it as if it were logits [..., V_l]
+    _, tp_size = check_vocab_shard(
+        weight.t(), vocab_start_index, vocab_end_index, tp_group, name="weight"
+    )
+    return tp_size
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Any,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> FusedLinearLogprobsOutput:
+    """Logprobs of ``target`` under ``softmax(hidden @ weight.T / temperature)``, fused and chunked.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states (replicated over TP), fp32 or bf16.
+        weight: ``[V_l, H]`` this TP rank's output-layer shard, same dtype as ``hidden``.
+        target: ``[T]`` global token ids (already aligned: ``target[t]`` is scored by ``hidden[t]``).
+        vocab_start_index: first global id of this shard (``tp_rank * V_l``).
+        vocab_end_index: ``vocab_start_index + V_l``.
+        tp_group: tensor-parallel group.
+        chunk_size: tokens per chunk; ``None`` picks the largest chunk whose fp32 logits block fits
+            in 64 MiB.
+        temperature: logits are divided by it (> 0).
+        return_entropy: also return the per-token entropy (differentiable, for an entropy bonus).
+
+    Returns:
+        :class:`FusedLinearLogprobsOutput`; gradients flow to ``hidden`` and ``weight``.
+    """
+    check_ndim(hidden, 2, "hidden", "[T, H]")
+    tp_size = _check_fused_args(
+        hidden, weight, vocab_start_index, vocab_end_index, tp_group, chunk_size, temperature
+    )
+    if tuple(target.shape) != (hidden.shape[0],):
+        raise ValueError(f"`target` must be [T] = [{hidden.shape[0]}], got {tuple(target.shape)}")
+    check_token_ids(target, weight.shape[0] * tp_size, "target")
+    if chunk_size is None:
+        chunk_size = max(1, _DEFAULT_CHUNK_BYTES // (4 * weight.shape[0]))
+    logprobs, entropy = _FusedLinearLogprobs.apply(
+        hidden, weight, target, vocab_start_index, chunk_size, temperature, return_entropy, tp_group
+    )
+    return FusedLinearLogprobsOutput(logprobs, entropy if return_entropy else None)
+
+
+def _reject_filtering(sampling_params: TrainingSamplingParams | None) -> float:
+    """The temperature to use; raises if top-k/top-p is requested (not fusable)."""
+    if sampling_params is None:
+        return 1.0
+    if sampling_params.filters:
+        raise ValueError(
+            f"fused linear logprobs do not support top-k/top-p filtering (top_k="
+            f"{sampling_params.top_k}, top_p={sampling_params.top_p}): filtering needs whole vocab "
+            f"rows. Compute logits and use from_parallel_logits_to_logprobs instead."
+        )
+    return sampling_params.temperature
+
+
+def from_hidden_to_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Any,
+    cp_group: Any = None,
+    chunk_size: int | None = None,
+    sampling_params: TrainingSamplingParams | None = None,
+) -> torch.Tensor:
+    """Dense next-token logprobs from hidden states (fused counterpart of the logits path).
+
+    Args:
+        hidden: ``[B, S/CP, H]`` this CP rank's zigzag shard of the final hidden states.
+        weight: ``[V_l, H]`` output-layer shard.
+        target: ``[B, S]`` unshifted token ids.
+        vocab_start_index: first global id of this shard.
+        vocab_end_index: ``vocab_start_index + V_l``.
+        tp_group: tensor-parallel group.
+        cp_group: context-parallel group; ``None`` means CP = 1.
+        chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
+        sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
+
+    Returns:
+        ``[B, S-1]`` fp32, as :func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`.
+    """
+    temperature = _reject_filtering(sampling_params)
+    _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
+    check_ndim(hidden, 3, "hidden", "[B, S/CP, H]")
+    tp_size = _check_fused_args(
+        hidden, weight, vocab_start_index, vocab_end_index, tp_group, chunk_size, temperature
+    )
+    batch, local_seq, width = hidden.shape
+    check_dense_layout(local_seq, batch, target, cp_size, weight.shape[0] * tp_size)
+
+    def kernel(local_target: torch.Tensor) -> torch.Tensor:
+        flat = fused_linear_logprobs(
+            hidden.reshape(-1, width), weight, local_target.reshape(-1), vocab_start_index,
+            vocab_end_index, tp_group, chunk_size, temperature,
+        )  # fmt: skip
+        return flat.logprobs.view(batch, local_seq)
+
+    return run_dense(kernel, target, local_seq, cp_group)
+
+
+def from_hidden_to_logprobs_packed_sequences(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | Sequence[int],
+    unpacked_seqlen: int,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group: Any,
+    cp_group: Any = None,
+    chunk_size: int | None = None,
+    sampling_params: TrainingSamplingParams | None = None,
+    target_is_pre_rolled: bool = False,
+) -> torch.Tensor:
+    """Packed (THD) next-token logprobs from hidden states, with per-sequence rolls and CP gathers.
+
+    Args:
+        hidden: ``[1, T/CP, H]`` this rank's packed hidden states (per-sequence zigzag).
+        weight: ``[V_l, H]`` output-layer shard.
+        target: ``[1, T]`` full packed ids, or ``[1, T/CP]`` pre-rolled and sharded.
+        cu_seqlens_padded: ``[B+1]`` padded span boundaries.
+        unpacked_seqlen: ``S`` of the unpacked batch.
+        vocab_start_index: first global id of this shard.
+        vocab_end_index: ``vocab_start_index + V_l``.
+        tp_group: tensor-parallel group.
+        cp_group: context-parallel group; ``None`` means CP = 1.
+        chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
+        sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
+        target_is_pre_rolled: see ``target``.
+
+    Returns:
+        ``[B, S-1]`` fp32, as the packed logits path.
+    """
+    temperature = _reject_filtering(sampling_params)
+    _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
+    check_ndim(hidden, 3, "hidden", "[1, T/CP, H]")
+    if hidden.shape[0] != 1:
+        raise ValueError(f"packed `hidden` must have batch dim 1, got {tuple(hidden.shape)}")
+    tp_size = _check_fused_args(
+        hidden, weight, vocab_start_index, vocab_end_index, tp_group, chunk_size, temperature
+    )
+    local_len = hidden.shape[1]
+    cu = normalise_cu_seqlens(cu_seqlens_padded, local_len, cp_size)
+    check_packed_target(target, local_len, cp_size, cu, target_is_pre_rolled)
+    check_token_ids(target, weight.shape[0] * tp_size, "target")
+
+    def kernel(local_target: torch.Tensor) -> torch.Tensor:
+        flat = fused_linear_logprobs(
+            hidden[0], weight, local_target[0], vocab_start_index, vocab_end_index, tp_group,
+            chunk_size, temperature,
+        )  # fmt: skip
+        return flat.logprobs.unsqueeze(0)
+
+    return run_packed(
+        kernel, target, cu, local_len, unpacked_seqlen, cp_group, target_is_pre_rolled
+    )
