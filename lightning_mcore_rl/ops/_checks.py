@@ -96,3 +96,13 @@ def seq_chunks(length: int, chunk_size: int | None) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` covering ``range(length)`` in pieces of ``chunk_size``."""
     step = length if chunk_size is None else chunk_size
     return [(start, min(start + step, length)) for start in range(0, length, max(step, 1))]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels' math dtype: fp32 for bf16/fp16/fp32 inputs, fp64 kept (for gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in :func:`compute_dtype` (no copy when it already is)."""
+    return tensor.to(compute_dtype(tensor.dtype))

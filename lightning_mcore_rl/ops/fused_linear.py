@@ -22,8 +22,10 @@ from lightning_mcore_rl.ops._checks import (
     check_ndim,
     check_token_ids,
     check_vocab_shard,
+    compute_dtype,
     group_rank_size,
     seq_chunks,
+    upcast,
 )
 from lightning_mcore_rl.ops.logprobs import (
     check_dense_layout,
@@ -55,7 +57,7 @@ def _chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int, temperature: float
 ) -> torch.Tensor:
     """fp32 ``[stop-start, V_l]`` block ``hidden[start:stop] @ weight.T / temperature``."""
-    z = torch.matmul(hidden[start:stop], weight.t()).float()
+    z = upcast(torch.matmul(hidden[start:stop], weight.t()))
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -84,10 +86,10 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         owned, local = localise_ids(target, vocab_start, vocab_start + weight.shape[0])
         tokens = hidden.shape[0]
-        logprobs = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+        logprobs = torch.zeros(tokens, dtype=compute_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(logprobs)
         entropy = torch.zeros(
-            tokens if with_entropy else 0, dtype=torch.float32, device=hidden.device
+            tokens if with_entropy else 0, dtype=logprobs.dtype, device=hidden.device
         )
         for start, stop in seq_chunks(tokens, chunk_size):
             z = _chunk_logits(hidden, weight, start, stop, temperature)
@@ -112,17 +114,17 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
         chunk_size, temperature, with_entropy, tp_group = ctx.params
-        g_lp = grad_logprobs.float()
+        g_lp = upcast(grad_logprobs)
         g_owned = torch.where(owned, g_lp, 0.0)
         use_entropy = with_entropy and grad_entropy is not None
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=g_lp.dtype, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=g_lp.dtype, device=weight.device)
         for start, stop in seq_chunks(hidden.shape[0], chunk_size):
             logp = _chunk_logits(hidden, weight, start, stop, temperature)
             logp.sub_(lse[start:stop].unsqueeze(-1))
             dz = logp.exp()
             if use_entropy:
-                g_ent = grad_entropy[start:stop].float().unsqueeze(-1)
+                g_ent = upcast(grad_entropy[start:stop]).unsqueeze(-1)
                 logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(dz).mul_(-g_ent)
             dz.mul_(-g_lp[start:stop].unsqueeze(-1))
             dz.scatter_add_(-1, local[start:stop].unsqueeze(-1), g_owned[start:stop].unsqueeze(-1))
@@ -132,7 +134,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 dz.div_(temperature)
             grad_hidden[start:stop] = torch.matmul(dz.to(weight.dtype), weight)
             # the weight gradient accumulates over chunks in fp32 (a bf16 running sum would drift)
-            grad_weight.addmm_(dz.t(), hidden[start:stop].float())
+            grad_weight.addmm_(dz.t(), upcast(hidden[start:stop]))
         all_reduce(grad_hidden, tp_group, _SUM)
         return (
             grad_hidden.to(hidden.dtype),

@@ -17,8 +17,10 @@ from lightning_mcore_rl.ops._checks import (
     all_reduce,
     check_chunk_size,
     check_vocab_shard,
+    compute_dtype,
     group_rank_size,
     seq_chunks,
+    upcast,
 )
 from lightning_mcore_rl.ops.vocab_parallel import global_logsumexp
 
@@ -42,7 +44,7 @@ class ReverseKLOutput(NamedTuple):
 def _log_probs(logits: torch.Tensor, start: int, stop: int, lse: torch.Tensor) -> torch.Tensor:
     """fp32 ``log p`` of the seq chunk ``[start, stop)`` given its ``lse [..., stop-start]``."""
     # out of place: ``.float()`` of fp32 logits is the caller's tensor itself
-    return logits.narrow(-2, start, stop - start).float() - lse.unsqueeze(-1)
+    return upcast(logits.narrow(-2, start, stop - start)) - lse.unsqueeze(-1)
 
 
 class _ChunkedReverseKL(torch.autograd.Function):
@@ -65,14 +67,14 @@ class _ChunkedReverseKL(torch.autograd.Function):
         tp_group: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = student.shape[:-1]
-        lse_s = torch.empty(shape, dtype=torch.float32, device=student.device)
+        lse_s = torch.empty(shape, dtype=compute_dtype(student.dtype), device=student.device)
         lse_t = torch.empty_like(lse_s)
         sums = torch.zeros(
-            (3 if with_metrics else 1, *shape), dtype=torch.float32, device=student.device
+            (3 if with_metrics else 1, *shape), dtype=lse_s.dtype, device=student.device
         )
         for start, stop in seq_chunks(student.shape[-2], chunk_size):
             for logits, lse in ((student, lse_s), (teacher, lse_t)):
-                chunk = logits.narrow(-2, start, stop - start).float()
+                chunk = upcast(logits.narrow(-2, start, stop - start))
                 lse.narrow(-1, start, stop - start).copy_(global_logsumexp(chunk, tp_group))
             logp_s = _log_probs(student, start, stop, lse_s.narrow(-1, start, stop - start))
             logp_t = _log_probs(teacher, start, stop, lse_t.narrow(-1, start, stop - start))
@@ -94,7 +96,7 @@ class _ChunkedReverseKL(torch.autograd.Function):
         ctx: Any, grad_kl: torch.Tensor, *unused: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         student, teacher, lse_s, lse_t, reverse_kl = ctx.saved_tensors
-        g = grad_kl.float()
+        g = upcast(grad_kl)
         grad = torch.empty_like(student)
         for start, stop in seq_chunks(student.shape[-2], ctx.chunk_size):
             n = stop - start

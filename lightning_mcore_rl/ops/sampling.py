@@ -16,7 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_rl.ops._checks import check_chunk_size, check_vocab_shard, seq_chunks
+from lightning_mcore_rl.ops._checks import (
+    check_chunk_size,
+    check_vocab_shard,
+    compute_dtype,
+    seq_chunks,
+    upcast,
+)
 from lightning_mcore_rl.ops.vocab_parallel import _check_ids_against_logits
 
 
@@ -124,7 +130,7 @@ class _ChunkedDistributedLogprobWithSampling(torch.autograd.Function):
         chunk_size: int | None,
         tp_group: Any,
     ) -> torch.Tensor:
-        out = torch.empty(target.shape, dtype=torch.float32, device=logits.device)
+        out = torch.empty(target.shape, dtype=compute_dtype(logits.dtype), device=logits.device)
         for start, stop in seq_chunks(logits.shape[1], chunk_size):
             logp, _, rows_target = _filtered_rows(
                 logits, target, start, stop, top_k, top_p, tp_group
@@ -145,7 +151,7 @@ class _ChunkedDistributedLogprobWithSampling(torch.autograd.Function):
             logp, keep, rows_target = _filtered_rows(
                 logits, target, start, stop, top_k, top_p, tp_group
             )
-            g = _my_rows(grad_output[:, start:stop].float().reshape(-1), tp_group)
+            g = _my_rows(upcast(grad_output[:, start:stop]).reshape(-1), tp_group)
             rows_grad = logp.exp_().mul_(-g.unsqueeze(-1))
             rows_grad.scatter_add_(-1, rows_target.unsqueeze(-1), g.unsqueeze(-1))
             rows_grad.mul_(keep)
@@ -181,7 +187,7 @@ def _filtered_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(log_softmax(filtered) [n/TP, V], keep [n/TP, V], target [n/TP])`` for seq ``[start, stop)``."""
     chunk = logits[:, start:stop].reshape(-1, logits.shape[-1])  # [B*c, V_l]
-    rows = _vocab_to_rows(chunk, tp_group).float()  # [B*c/TP, V]
+    rows = upcast(_vocab_to_rows(chunk, tp_group))  # [B*c/TP, V]
     filtered, keep = apply_top_k_top_p(rows, top_k, top_p)
     rows_target = _my_rows(target[:, start:stop].reshape(-1), tp_group).long()
     return filtered.log_softmax(dim=-1), keep, rows_target

@@ -14,8 +14,10 @@ from lightning_mcore_rl.ops._checks import (
     check_ndim,
     check_token_ids,
     check_vocab_shard,
+    compute_dtype,
     group_rank_size,
     seq_chunks,
+    upcast,
 )
 from lightning_mcore_rl.ops.context_parallel import (
     allgather_cp_sharded_tensor,
@@ -75,10 +77,10 @@ def distributed_vocab_topk(
     local_vocab = logits.shape[-1]
     k_global, k_local = min(k, local_vocab * tp_size), min(k, local_vocab)
     out_shape = (*logits.shape[:-1], k_global)
-    values = torch.empty(out_shape, dtype=torch.float32, device=logits.device)
+    values = torch.empty(out_shape, dtype=compute_dtype(logits.dtype), device=logits.device)
     indices = torch.empty(out_shape, dtype=torch.long, device=logits.device)
     for start, stop in seq_chunks(logits.shape[-2], chunk_size):
-        local_vals, local_ids = logits.narrow(-2, start, stop - start).float().topk(k_local, dim=-1)
+        local_vals, local_ids = upcast(logits.narrow(-2, start, stop - start)).topk(k_local, dim=-1)
         all_vals = _all_gather_last_dim(local_vals, tp_group)
         all_ids = _all_gather_last_dim(local_ids + vocab_start_index, tp_group)
         top_vals, where = all_vals.topk(k_global, dim=-1)
@@ -105,7 +107,7 @@ class _GatherAtGlobalIndices(torch.autograd.Function):
         tp_group: Any,
     ) -> torch.Tensor:
         owned, local = localise_ids(ids, vocab_start, vocab_end)
-        picked = logits.gather(-1, local).float()
+        picked = upcast(logits.gather(-1, local))
         picked = torch.where(owned, picked, torch.zeros_like(picked))
         all_reduce(picked, tp_group, dist.ReduceOp.SUM)
         ctx.save_for_backward(owned, local)
@@ -116,8 +118,8 @@ class _GatherAtGlobalIndices(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         owned, local = ctx.saved_tensors
         shape, dtype, device = ctx.logits_meta
-        grad = torch.zeros(shape, dtype=torch.float32, device=device)
-        grad.scatter_add_(-1, local, torch.where(owned, grad_output.float(), 0.0))
+        grad = torch.zeros(shape, dtype=compute_dtype(dtype), device=device)
+        grad.scatter_add_(-1, local, torch.where(owned, grad_output.to(grad.dtype), 0.0))
         return grad.to(dtype), None, None, None, None
 
 
@@ -268,5 +270,5 @@ def get_distillation_topk_logprobs_from_logits(
     neg_entropy = None
     if calculate_entropy:
         neg_entropy = canonical(-vocab_parallel_entropy(student_logits, tp_group, chunk))
-    teacher = F.log_softmax(teacher_topk_logits.float(), dim=-1)[:, : seq_len - 1]
+    teacher = F.log_softmax(upcast(teacher_topk_logits), dim=-1)[:, : seq_len - 1]
     return DistillationTopkLogprobs(student, teacher, neg_entropy)

@@ -1,8 +1,9 @@
 """Vocab-parallel log-softmax, token logprobs and entropy over a TP-sharded last dim.
 
 TP rank ``r`` holds logits ``[..., V_l]`` for global ids ``[r*V_l, (r+1)*V_l)``. Every kernel
-computes in fp32 and is exact: the global max and the global ``sum exp`` are all-reduced over
-``tp_group``, so each rank sees the same log-normaliser ``lse = log sum_v exp z_v``.
+computes in fp32 (fp64 inputs stay fp64) and is exact: the global max and the global ``sum exp``
+are all-reduced over ``tp_group``, so each rank sees the same log-normaliser
+``lse = log sum_v exp z_v``.
 
 The chunked kernels walk the sequence dim (``-2``) in pieces of ``chunk_size`` tokens, upcast one
 chunk at a time and rematerialise the softmax in backward from the saved raw logits and the saved
@@ -21,8 +22,10 @@ from lightning_mcore_rl.ops._checks import (
     check_chunk_size,
     check_token_ids,
     check_vocab_shard,
+    compute_dtype,
     group_rank_size,
     seq_chunks,
+    upcast,
 )
 
 _MAX = dist.ReduceOp.MAX
@@ -76,7 +79,7 @@ class _DistributedLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
-        z = logits.float()
+        z = upcast(logits)
         logp = z - global_logsumexp(z, tp_group).unsqueeze(-1)
         ctx.save_for_backward(logp)
         ctx.tp_group = tp_group
@@ -123,7 +126,7 @@ class _DistributedLogprob(torch.autograd.Function):
         vocab_end: int,
         tp_group: Any,
     ) -> torch.Tensor:
-        z = logits.float()
+        z = upcast(logits)
         owned, local = localise_ids(target, vocab_start, vocab_end)
         z_max = z.amax(dim=-1, keepdim=True)
         all_reduce(z_max, tp_group, _MAX)
@@ -137,12 +140,20 @@ class _DistributedLogprob(torch.autograd.Function):
         probs.div_(sum_exp)
         ctx.save_for_backward(probs, local, owned)
         ctx.logits_dtype = logits.dtype
+        ctx.backward_done = False
         return picked
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.backward_done:
+            raise RuntimeError(
+                "the unchunked DistributedLogprob backward reuses its saved softmax in place and "
+                "can run only once; pass a `chunk_size` to use the chunked kernel with "
+                "retain_graph=True"
+            )
+        ctx.backward_done = True
         probs, local, owned = ctx.saved_tensors
-        g = grad_output.float()
+        g = upcast(grad_output)
         grad = probs.mul_(-g.unsqueeze(-1))
         grad.scatter_add_(-1, local.unsqueeze(-1), torch.where(owned, g, 0.0).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
@@ -172,10 +183,12 @@ class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
     ) -> torch.Tensor:
         owned, local = localise_ids(ids, vocab_start, vocab_end)
         seq_len = logits.shape[-2]
-        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        out = torch.empty(ids.shape, dtype=compute_dtype(logits.dtype), device=logits.device)
+        lse = torch.empty(
+            logits.shape[:-1], dtype=compute_dtype(logits.dtype), device=logits.device
+        )
         for start, stop in seq_chunks(seq_len, chunk_size):
-            z = logits.narrow(-2, start, stop - start).float()
+            z = upcast(logits.narrow(-2, start, stop - start))
             chunk_lse = global_logsumexp(z, tp_group)
             lse.narrow(-1, start, stop - start).copy_(chunk_lse)
             picked = z.gather(-1, local.narrow(-2, start, stop - start))
@@ -189,13 +202,13 @@ class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, local, owned, lse = ctx.saved_tensors
-        g = grad_output.float()
+        g = upcast(grad_output)
         g_owned = torch.where(owned, g, 0.0)
         g_sum = g.sum(dim=-1, keepdim=True)  # [..., S, 1]
         grad = torch.empty_like(logits)
         for start, stop in seq_chunks(logits.shape[-2], ctx.chunk_size):
             n = stop - start
-            z = logits.narrow(-2, start, n).float()
+            z = upcast(logits.narrow(-2, start, n))
             probs = (z - lse.narrow(-1, start, n).unsqueeze(-1)).exp_()
             probs.mul_(-g_sum.narrow(-2, start, n))
             probs.scatter_add_(-1, local.narrow(-2, start, n), g_owned.narrow(-2, start, n))
@@ -295,10 +308,12 @@ class _ChunkedDistributedEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, logits: torch.Tensor, chunk_size: int | None, tp_group: Any
     ) -> torch.Tensor:
-        lse = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        lse = torch.empty(
+            logits.shape[:-1], dtype=compute_dtype(logits.dtype), device=logits.device
+        )
         entropy = torch.empty_like(lse)
         for start, stop in seq_chunks(logits.shape[-2], chunk_size):
-            z = logits.narrow(-2, start, stop - start).float()
+            z = upcast(logits.narrow(-2, start, stop - start))
             chunk_lse = global_logsumexp(z, tp_group)
             logp = z - chunk_lse.unsqueeze(-1)
             lse.narrow(-1, start, stop - start).copy_(chunk_lse)
@@ -311,11 +326,11 @@ class _ChunkedDistributedEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, lse, entropy = ctx.saved_tensors
-        g = grad_output.float()
+        g = upcast(grad_output)
         grad = torch.empty_like(logits)
         for start, stop in seq_chunks(logits.shape[-2], ctx.chunk_size):
             n = stop - start
-            logp = logits.narrow(-2, start, n).float() - lse.narrow(-1, start, n).unsqueeze(-1)
+            logp = upcast(logits.narrow(-2, start, n)) - lse.narrow(-1, start, n).unsqueeze(-1)
             weight = (logp + entropy.narrow(-1, start, n).unsqueeze(-1)).mul_(logp.exp_())
             grad.narrow(-2, start, n).copy_(weight.mul_(-g.narrow(-1, start, n).unsqueeze(-1)))
         return grad, None, None
