@@ -32,7 +32,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _packed_vs_padded(
-    rank: int, position_embedding_type: str, pad_individual: int
+    rank: int, position_embedding_type: str, pad_individual: int, num_query_groups: int
 ) -> dict[str, object]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -42,13 +42,17 @@ def _packed_vs_padded(
         packed_position_ids,
         unpack_sequences,
     )
-    from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
+    from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
 
     init_megatron_state()
     ids, lengths = _batch()
     weights = torch.linspace(0.5, 1.5, WIDTH - 1)  # arbitrary per-position loss weights
     real = (torch.arange(1, WIDTH)[None, :] < lengths[:, None]).float()  # [B, S-1] real targets
-    kwargs = {"max_sequence_length": 64, "position_embedding_type": position_embedding_type}
+    kwargs = {
+        "config": tiny_gpt_config(num_query_groups=num_query_groups),
+        "max_sequence_length": 64,
+        "position_embedding_type": position_embedding_type,
+    }
 
     padded_model = tiny_gpt(transformer_layer_spec=get_gpt_layer_local_spec(), **kwargs)
     position_ids = torch.arange(WIDTH)[None, :].expand(len(LENGTHS), -1)
@@ -76,14 +80,42 @@ def _packed_vs_padded(
 
 
 @pytest.mark.parametrize(
-    ("position_embedding_type", "pad_individual"),
-    [("learned_absolute", 1), ("learned_absolute", 4), ("rope", 4)],
+    ("position_embedding_type", "pad_individual", "num_query_groups"),
+    [("learned_absolute", 1, 4), ("learned_absolute", 4, 2), ("rope", 4, 4)],
 )
 def test_packed_matches_padded_forward_and_backward(
-    position_embedding_type: str, pad_individual: int
+    position_embedding_type: str, pad_individual: int, num_query_groups: int
 ) -> None:
-    (out,) = run_on_ranks(_packed_vs_padded, 1, position_embedding_type, pad_individual)
+    (out,) = run_on_ranks(
+        _packed_vs_padded, 1, position_embedding_type, pad_individual, num_query_groups
+    )
     torch.testing.assert_close(out["packed_lp"], out["padded_lp"], atol=1e-5, rtol=1e-5)
     assert out["packed_grads"].keys() == out["padded_grads"].keys()
     for name, grad in out["padded_grads"].items():
         torch.testing.assert_close(out["packed_grads"][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _padded_mode(rank: int) -> dict[str, torch.Tensor]:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from lightning_mcore_rl.data import get_packed_local_layer_spec
+    from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
+
+    init_megatron_state()
+    ids, _ = _batch()
+    positions = torch.arange(WIDTH)[None, :].expand(len(LENGTHS), -1)
+    causal_masked_out = torch.ones(1, 1, WIDTH, WIDTH, dtype=torch.bool).triu(1)  # True = masked
+    reference = tiny_gpt(transformer_layer_spec=get_gpt_layer_local_spec())
+    model = tiny_gpt(transformer_layer_spec=get_packed_local_layer_spec())
+    with torch.no_grad():
+        return {
+            "reference": reference(ids, positions, None),
+            "implicit_causal": model(ids, positions, None),
+            "explicit_mask": model(ids, positions, causal_masked_out),
+        }
+
+
+def test_padded_mode_matches_megatron_dot_product_attention() -> None:
+    (out,) = run_on_ranks(_padded_mode, 1)
+    torch.testing.assert_close(out["implicit_causal"], out["reference"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["explicit_mask"], out["reference"], atol=1e-5, rtol=1e-5)
