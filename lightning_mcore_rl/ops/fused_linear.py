@@ -1,8 +1,9 @@
 """Fused LM-head + logprobs: token logprobs (and entropy) straight from hidden states.
 
-``logits = hidden @ weight.T / temperature`` is never materialised: the kernel walks the tokens
-in chunks, so at most one ``[chunk, V_l]`` fp32 block of logits exists at a time, in forward and in
-backward (which recomputes the block, one extra matmul per chunk). The weight is the vocab-parallel
+``logits = hidden @ weight.T / temperature`` is never materialised: the forward walks the tokens in
+chunks, so at most one ``[chunk, V_l]`` fp32 block of logits exists at a time; the backward
+recomputes logits in blocks of the same size, walking vocab rows instead (all tokens, ``n`` rows),
+so each block of the weight gradient is written once and no fp32 ``[V_l, H]`` accumulator is needed. The weight is the vocab-parallel
 shard ``[V_l, H]`` of a column-parallel output layer; ``hidden`` is replicated over TP (gather it
 first under sequence parallelism). Top-k/top-p filtering needs whole vocab rows and is not fused:
 use the logits path (:func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`).
@@ -67,9 +68,10 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     Shapes: ``hidden [T, H]``, ``weight [V_l, H]``, ``target [T]`` -> ``(logprob [T], entropy [T])``.
     Forward, per token chunk: ``z`` block in fp32, ``lse`` over TP, ``log p_y = z_y - lse`` where
     owned, ``H = -sum p log p``; one all-reduce SUM of each at the end. Saves ``lse`` and ``H``.
-    Backward, per chunk (``z`` recomputed):
-    ``dz_v = g_lp (1[v == y] - p_v) - g_H p_v (log p_v + H)``, then ``dW += dz^T h / tau`` and
-    ``dh = dz W / tau`` whose all-reduce SUM over TP is the column-parallel input gradient.
+    Backward, per block of vocab rows with all tokens (``z`` recomputed, same element count as a
+    forward chunk): ``dz_v = (g_lp (1[v == y] - p_v) - g_H p_v (log p_v + H)) / tau``, then
+    ``dW[block] = dz^T h`` (written once) and ``dh += dz W[block]``; the all-reduce SUM of ``dh``
+    over TP is the column-parallel input gradient.
     """
 
     @staticmethod
@@ -114,33 +116,36 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
         chunk_size, temperature, with_entropy, tp_group = ctx.params
-        g_lp = upcast(grad_logprobs)
-        g_owned = torch.where(owned, g_lp, 0.0)
-        use_entropy = with_entropy and grad_entropy is not None
-        grad_hidden = torch.empty(hidden.shape, dtype=g_lp.dtype, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=g_lp.dtype, device=weight.device)
-        for start, stop in seq_chunks(hidden.shape[0], chunk_size):
-            logp = _chunk_logits(hidden, weight, start, stop, temperature)
-            logp.sub_(lse[start:stop].unsqueeze(-1))
+        tokens, local_vocab = hidden.shape[0], weight.shape[0]
+        g_lp = upcast(grad_logprobs).unsqueeze(-1)  # [T, 1]
+        g_ent = upcast(grad_entropy).unsqueeze(-1) if with_entropy else None
+        grad_hidden = torch.zeros(hidden.shape, dtype=g_lp.dtype, device=hidden.device)
+        grad_weight = torch.empty_like(weight)
+        # Blocks of vocab rows (all tokens) holding as many logits as a forward chunk: each row
+        # block of the weight gradient is written exactly once, so no [V_l, H] accumulator exists.
+        block = max(1, -(-chunk_size * local_vocab // tokens))
+        for start, stop in seq_chunks(local_vocab, block):
+            w_block = weight[start:stop]
+            logp = upcast(torch.matmul(hidden, w_block.t()))  # [T, n]
+            if temperature != 1.0:
+                logp.div_(temperature)
+            logp.sub_(lse.unsqueeze(-1))
             dz = logp.exp()
-            if use_entropy:
-                g_ent = upcast(grad_entropy[start:stop]).unsqueeze(-1)
-                logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(dz).mul_(-g_ent)
-            dz.mul_(-g_lp[start:stop].unsqueeze(-1))
-            dz.scatter_add_(-1, local[start:stop].unsqueeze(-1), g_owned[start:stop].unsqueeze(-1))
-            if use_entropy:
+            if g_ent is not None:  # entropy term -g_H p (log p + H), built in the logp buffer
+                logp.add_(entropy.unsqueeze(-1)).mul_(dz).mul_(-g_ent)
+            dz.mul_(-g_lp)
+            in_block = owned & (local >= start) & (local < stop)
+            col = torch.where(in_block, local - start, torch.zeros_like(local)).unsqueeze(-1)
+            dz.scatter_add_(-1, col, torch.where(in_block.unsqueeze(-1), g_lp, 0.0))
+            if g_ent is not None:
                 dz.add_(logp)
             if temperature != 1.0:
                 dz.div_(temperature)
-            grad_hidden[start:stop] = torch.matmul(dz.to(weight.dtype), weight)
-            # the weight gradient accumulates over chunks in fp32 (a bf16 running sum would drift)
-            grad_weight.addmm_(dz.t(), upcast(hidden[start:stop]))
+            dz_w = dz.to(weight.dtype)
+            grad_weight[start:stop] = torch.matmul(dz_w.t(), hidden)
+            grad_hidden.add_(torch.matmul(dz_w, w_block))
         all_reduce(grad_hidden, tp_group, _SUM)
-        return (
-            grad_hidden.to(hidden.dtype),
-            grad_weight.to(weight.dtype),
-            *([None] * 6),
-        )
+        return grad_hidden.to(hidden.dtype), grad_weight, *([None] * 6)
 
 
 def _check_fused_args(
