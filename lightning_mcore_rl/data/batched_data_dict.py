@@ -1,8 +1,9 @@
 """``BatchedDataDict``: a dict of per-sample tensors and lists that share dim 0.
 
 A batch holds ``B`` samples; every tensor value is ``[B, ...]`` and every list value has ``B``
-entries. Tensors with two or more dims whose dim 1 is the sequence (``input_ids [B,S]``,
-``token_mask [B,S]``, ``teacher_topk_logits [B,S,K]``...) must all share the width ``S``.
+entries. Every tensor with two or more dims is per-token with the sequence at dim 1
+(``input_ids [B,S]``, ``token_mask [B,S]``, ``teacher_topk_logits [B,S,K]``...), and all of them
+must share the width ``S``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ from typing import Any
 import torch
 
 Value = torch.Tensor | list[Any]
-
-# Keys that are not per-token even though they may have ndim >= 2 are not known in advance, so the
-# width check covers every tensor with ndim >= 2 except those listed here (per-sample vectors).
-_NON_SEQUENCE_KEYS = frozenset({"seq_index"})
 
 
 class BatchedDataDict(dict[str, Value]):
@@ -62,12 +59,7 @@ class BatchedDataDict(dict[str, Value]):
             )
         width = reference.shape[1]
         for key, value in self.items():
-            if (
-                isinstance(value, torch.Tensor)
-                and value.ndim >= 2
-                and key not in _NON_SEQUENCE_KEYS
-                and value.shape[1] != width
-            ):
+            if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] != width:
                 raise ValueError(
                     f"ragged widths: `{key}` has shape {tuple(value.shape)} but "
                     f"`{reference_key}` has width S={width}; every per-token tensor must be "
@@ -158,9 +150,7 @@ class BatchedDataDict(dict[str, Value]):
         return BatchedDataDict(
             {
                 key: value[:, :width]
-                if isinstance(value, torch.Tensor)
-                and value.ndim >= 2
-                and key not in _NON_SEQUENCE_KEYS
+                if isinstance(value, torch.Tensor) and value.ndim >= 2
                 else value
                 for key, value in self.items()
             }

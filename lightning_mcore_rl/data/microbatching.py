@@ -220,7 +220,10 @@ def make_token_budget_microbatches(
     local = plan_token_budget_microbatches(
         lengths, max_tokens_per_microbatch, packed=packed, pad_individual=pad_individual
     )
-    count = torch.tensor([local.num_microbatches], dtype=torch.long)
+    # on the batch's device: NCCL reduces CUDA tensors only, gloo CPU ones
+    count = torch.tensor(
+        [local.num_microbatches], dtype=torch.long, device=batch["input_ids"].device
+    )
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     target = int(count.item())
     if target > len(lengths):

@@ -335,6 +335,9 @@ def unpack_sequences(
 
     Returns:
         ``[B, S, ...]``.
+
+    Raises:
+        ValueError: ``width`` is smaller than the longest real length.
     """
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     if lengths.numel() and int(lengths.max()) > width:
