@@ -82,7 +82,8 @@ def plan_token_budget_microbatches(
         min_num_microbatches: at least this many microbatches (e.g. the DP-wide maximum).
 
     Returns:
-        The :class:`MicrobatchPlan`, microbatches in decreasing-cost-first order of creation.
+        The :class:`MicrobatchPlan`, microbatches in creation order (the first holds the longest
+        sequence; split-off microbatches come last).
 
     Raises:
         ValueError: empty batch, a budget below the longest sequence's cost, or
@@ -112,13 +113,19 @@ def plan_token_budget_microbatches(
         )
 
     bins: list[list[int]] = []
+    costs: list[int] = []  # running cost of each bin: O(1) per placement attempt
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for bin_ in bins:
-            if cost([*bin_, index]) <= max_tokens_per_microbatch:
+        span = round_up(lengths[index], pad_individual)
+        for b, bin_ in enumerate(bins):
+            # visited longest first, so a padded bin's width is its first sequence's
+            new_cost = costs[b] + (span if packed else costs[b] // len(bin_))
+            if new_cost <= max_tokens_per_microbatch:
                 bin_.append(index)
+                costs[b] = new_cost
                 break
         else:
             bins.append([index])
+            costs.append(span)
     while len(bins) < min_num_microbatches:
         splittable = [b for b in bins if len(b) >= 2]
         largest = max(splittable, key=cost)
