@@ -159,6 +159,13 @@ class _DistributedLogprob(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
+def _workspace(logits: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """One reusable compute-dtype buffer ``[..., chunk, V_l]`` (fresh pages once, not per chunk)."""
+    rows = logits.shape[-2] if chunk_size is None else min(chunk_size, logits.shape[-2])
+    shape = (*logits.shape[:-2], rows, logits.shape[-1])
+    return torch.empty(shape, dtype=compute_dtype(logits.dtype), device=logits.device)
+
+
 class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
     """Full-vocab logprobs at ``K`` global ids per token, vocab-parallel, chunked along seq.
 
@@ -184,15 +191,20 @@ class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
         owned, local = localise_ids(ids, vocab_start, vocab_end)
         seq_len = logits.shape[-2]
         out = torch.empty(ids.shape, dtype=compute_dtype(logits.dtype), device=logits.device)
-        lse = torch.empty(
-            logits.shape[:-1], dtype=compute_dtype(logits.dtype), device=logits.device
-        )
+        lse = torch.empty(logits.shape[:-1], dtype=out.dtype, device=logits.device)
+        work = _workspace(logits, chunk_size)
         for start, stop in seq_chunks(seq_len, chunk_size):
-            z = upcast(logits.narrow(-2, start, stop - start))
-            chunk_lse = global_logsumexp(z, tp_group)
-            lse.narrow(-1, start, stop - start).copy_(chunk_lse)
-            picked = z.gather(-1, local.narrow(-2, start, stop - start))
-            out.narrow(-2, start, stop - start).copy_(picked - chunk_lse.unsqueeze(-1))
+            n = stop - start
+            z = work.narrow(-2, 0, n)
+            z.copy_(logits.narrow(-2, start, n))  # the per-chunk upcast, into a reused buffer
+            picked = z.gather(-1, local.narrow(-2, start, n))
+            z_max = z.amax(dim=-1, keepdim=True)
+            all_reduce(z_max, tp_group, _MAX)
+            sum_exp = z.sub_(z_max).exp_().sum(dim=-1, keepdim=True)
+            all_reduce(sum_exp, tp_group, _SUM)
+            chunk_lse = z_max.add_(sum_exp.log_())
+            lse.narrow(-1, start, n).copy_(chunk_lse.squeeze(-1))
+            out.narrow(-2, start, n).copy_(picked.sub_(chunk_lse))
         out = torch.where(owned, out, torch.zeros_like(out))
         all_reduce(out, tp_group, _SUM)
         ctx.save_for_backward(logits, local, owned, lse)
@@ -206,10 +218,12 @@ class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
         g_owned = torch.where(owned, g, 0.0)
         g_sum = g.sum(dim=-1, keepdim=True)  # [..., S, 1]
         grad = torch.empty_like(logits)
+        work = _workspace(logits, ctx.chunk_size)
         for start, stop in seq_chunks(logits.shape[-2], ctx.chunk_size):
             n = stop - start
-            z = upcast(logits.narrow(-2, start, n))
-            probs = (z - lse.narrow(-1, start, n).unsqueeze(-1)).exp_()
+            probs = work.narrow(-2, 0, n)
+            probs.copy_(logits.narrow(-2, start, n))
+            probs.sub_(lse.narrow(-1, start, n).unsqueeze(-1)).exp_()
             probs.mul_(-g_sum.narrow(-2, start, n))
             probs.scatter_add_(-1, local.narrow(-2, start, n), g_owned.narrow(-2, start, n))
             grad.narrow(-2, start, n).copy_(probs)
