@@ -25,11 +25,22 @@ from lightning_mcore_rl.losses.interfaces import (
     combine_microbatch_metrics,
     rescale_metrics,
 )
+from lightning_mcore_rl.losses.loss_input import (
+    _prepare_opd_full_loss_input,
+    prepare_loss_input,
+    prepare_packed_loss_input,
+)
 from lightning_mcore_rl.losses.nll import NLLLossFn
 from lightning_mcore_rl.losses.policy_gradient import ClippedPGLossFn
 from lightning_mcore_rl.losses.preference import DPOLossFn, PreferenceLossFn
 from lightning_mcore_rl.losses.utils import calculate_kl, masked_mean
 from lightning_mcore_rl.losses.value import MseValueLossFn
+from lightning_mcore_rl.losses.wrappers import (
+    DraftLossWrapper,
+    SequencePackingFusionLossWrapper,
+    SequencePackingLossWrapper,
+    wrap_loss_fn_with_input_preparation,
+)
 
 __all__ = [
     "ClippedPGLossConfig",
@@ -39,6 +50,7 @@ __all__ = [
     "DistillationLossConfig",
     "DistillationLossFn",
     "DraftCrossEntropyLossFn",
+    "DraftLossWrapper",
     "LossFunction",
     "LossInputType",
     "LossType",
@@ -49,9 +61,15 @@ __all__ = [
     "OPDFullLossConfig",
     "OPDFullLossFn",
     "PreferenceLossFn",
+    "SequencePackingFusionLossWrapper",
+    "SequencePackingLossWrapper",
+    "_prepare_opd_full_loss_input",
     "calculate_kl",
     "combine_microbatch_metrics",
     "load_config",
     "masked_mean",
+    "prepare_loss_input",
+    "prepare_packed_loss_input",
     "rescale_metrics",
+    "wrap_loss_fn_with_input_preparation",
 ]

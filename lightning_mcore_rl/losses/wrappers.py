@@ -1,0 +1,295 @@
+"""Loss wrappers: input preparation + loss call, per-sequence packed losses, draft loss (spec §3.6).
+
+Every wrapper is called as ``wrapper(logits, data, global_valid_seqs, global_valid_toks) ->
+(loss, metrics)``, the contract ``train.LossPostProcessor`` binds to a microbatch. Process groups
+are passed in explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses.draft import DraftCrossEntropyLossFn
+from lightning_mcore_rl.losses.interfaces import LossFunction, MetricNormalizer
+from lightning_mcore_rl.losses.loss_input import prepare_loss_input
+
+# ``prepare_fn(logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group,
+# context_parallel_group) -> (loss_input, data)``
+PrepareFn = Callable[..., tuple[dict[str, Any], BatchedDataDict]]
+LossResult = tuple[Tensor, dict[str, Any]]
+
+_SEQ_METRIC_MIN = frozenset(
+    {"probs_ratio_min", "probs_ratio_clamped_min", "opd_full_reverse_kl_min"}
+)
+"""Metrics combined across packed sequences with ``min`` when the loss declares no normaliser."""
+_SEQ_METRIC_MAX = frozenset(
+    {"probs_ratio_max", "probs_ratio_clamped_max", "opd_full_reverse_kl_max",
+     "opd_full_decomposition_error"}
+)  # fmt: skip
+"""Metrics combined across packed sequences with ``max`` when the loss declares no normaliser."""
+
+
+def _as_ints(values: Tensor | Sequence[int]) -> list[int]:
+    return [int(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
+
+
+def wrap_loss_fn_with_input_preparation(
+    next_token_logits: Tensor,
+    data: BatchedDataDict,
+    global_valid_seqs: Tensor | None,
+    global_valid_toks: Tensor | None,
+    loss_fn: LossFunction,
+    prepare_fn: PrepareFn = prepare_loss_input,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: Any = None,
+    context_parallel_group: Any = None,
+) -> LossResult:
+    """Prepare the loss input from the logits, then call the loss once on the microbatch.
+
+    Args:
+        next_token_logits: ``[B, S/CP, V_l]`` model output.
+        data: The microbatch.
+        global_valid_seqs: Valid sequences of the global batch.
+        global_valid_toks: Valid (shifted) tokens of the global batch.
+        loss_fn: The loss.
+        prepare_fn: Input preparation (default :func:`prepare_loss_input`).
+        vocab_parallel_rank: TP rank.
+        vocab_parallel_group: TP group.
+        context_parallel_group: CP group.
+
+    Returns:
+        ``(loss, metrics)`` of ``loss_fn``.
+    """
+    loss_input, data = prepare_fn(
+        next_token_logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group,
+        context_parallel_group,
+    )  # fmt: skip
+    return loss_fn(data, global_valid_seqs, global_valid_toks, **loss_input)
+
+
+class _PackedWrapperBase:
+    """Holds the loss, the preparation function, the THD boundaries and the process groups."""
+
+    def __init__(
+        self,
+        loss_fn: LossFunction,
+        prepare_fn: PrepareFn,
+        cu_seqlens_q: Tensor | Sequence[int],
+        cu_seqlens_q_padded: Tensor | Sequence[int],
+        vocab_parallel_rank: int | None = None,
+        vocab_parallel_group: Any = None,
+        context_parallel_group: Any = None,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.prepare_fn = prepare_fn
+        # host ints once: the per-sequence loop must not sync per entry
+        self.cu_seqlens_q = _as_ints(cu_seqlens_q)
+        self.cu_seqlens_q_padded = _as_ints(cu_seqlens_q_padded)
+        if len(self.cu_seqlens_q) != len(self.cu_seqlens_q_padded):
+            raise ValueError(
+                f"`cu_seqlens_q` ({len(self.cu_seqlens_q)} entries) and `cu_seqlens_q_padded` "
+                f"({len(self.cu_seqlens_q_padded)}) must both have B+1 entries"
+            )
+        self.vocab_parallel_rank = vocab_parallel_rank
+        self.vocab_parallel_group = vocab_parallel_group
+        self.context_parallel_group = context_parallel_group
+
+    @property
+    def cp_size(self) -> int:
+        """``CP`` of the context-parallel group (1 without one)."""
+        group = self.context_parallel_group
+        return 1 if group is None else int(group.size())
+
+
+class SequencePackingLossWrapper(_PackedWrapperBase):
+    """Calls the loss once per packed sequence and sums the results (spec §3.6).
+
+    Sequence ``i`` uses the logits of its padded span ``[cu_qp[i]/CP, cu_qp[i+1]/CP)`` (its CP
+    zigzag shard) and the data row ``i`` truncated to ``len_i = cu_q[i+1] - cu_q[i]`` tokens
+    (capped at ``S``). Because every loss divides by the *global* counts, the sum of the
+    per-sequence losses equals the microbatch loss. Metrics are summed, except extrema
+    (``MIN``/``MAX`` normalisers, or the names in ``_SEQ_METRIC_MIN/_MAX``), which use min/max.
+
+    Args:
+        loss_fn: The loss.
+        prepare_fn: Per-sequence input preparation (e.g. :func:`prepare_loss_input` partial).
+        cu_seqlens_q: ``[B+1]`` sequence boundaries.
+        cu_seqlens_q_padded: ``[B+1]`` padded span boundaries.
+        vocab_parallel_rank: TP rank.
+        vocab_parallel_group: TP group.
+        context_parallel_group: CP group.
+    """
+
+    def _combine(self, key: str) -> Callable[[Tensor, Tensor], Tensor]:
+        how = getattr(self.loss_fn, "metric_normalizations", {}).get(key)
+        if how is MetricNormalizer.MIN or key in _SEQ_METRIC_MIN:
+            return torch.minimum
+        if how is MetricNormalizer.MAX or key in _SEQ_METRIC_MAX:
+            return torch.maximum
+        return torch.add
+
+    def __call__(
+        self,
+        next_token_logits: Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: Tensor | None,
+        global_valid_toks: Tensor | None,
+    ) -> LossResult:
+        """Sum the loss over the packed sequences.
+
+        Args:
+            next_token_logits: ``[1, T/CP, V_l]`` packed logits.
+            data: The unpacked microbatch ``[B, S, ...]``.
+            global_valid_seqs: Valid sequences of the global batch.
+            global_valid_toks: Valid tokens of the global batch.
+
+        Returns:
+            ``(loss, metrics)`` summed (extrema: min/max) over sequences.
+        """
+        cu_q, cu_qp, cp = self.cu_seqlens_q, self.cu_seqlens_q_padded, self.cp_size
+        width = BatchedDataDict(data).sequence_width()
+        loss_accum: Tensor | None = None
+        metrics: dict[str, Any] = {}
+        for i in range(len(cu_q) - 1):
+            length = min(cu_q[i + 1] - cu_q[i], width)
+            padded = cu_qp[i + 1] - cu_qp[i]
+            if length == 0 or padded == 0:
+                continue
+            seq_data = BatchedDataDict(data).slice(i, i + 1).truncate_width(length)
+            seq_logits = next_token_logits.narrow(1, cu_qp[i] // cp, padded // cp)
+            loss_input, seq_data = self.prepare_fn(
+                seq_logits, seq_data, self.loss_fn, self.vocab_parallel_rank,
+                self.vocab_parallel_group, self.context_parallel_group,
+            )  # fmt: skip
+            loss, seq_metrics = self.loss_fn(
+                seq_data, global_valid_seqs, global_valid_toks, **loss_input
+            )
+            loss_accum = loss if loss_accum is None else loss_accum + loss
+            for key, value in seq_metrics.items():
+                value = torch.as_tensor(value)
+                metrics[key] = (
+                    value if key not in metrics else self._combine(key)(metrics[key], value)
+                )
+        if loss_accum is None:  # every sequence empty: a zero loss that keeps the graph
+            loss_accum = next_token_logits.sum() * 0.0
+        return loss_accum, metrics
+
+
+class SequencePackingFusionLossWrapper(_PackedWrapperBase):
+    """Calls the loss once on the whole packed microbatch (spec §3.4, §3.6).
+
+    ``prepare_fn`` (:func:`~lightning_mcore_rl.losses.loss_input.prepare_packed_loss_input`
+    with sampling params / chunk size bound) unpacks the packed logprobs to ``[B, S-1]`` in one
+    pass; the result equals :class:`SequencePackingLossWrapper`'s.
+
+    Args:
+        loss_fn: A ``LOGPROB`` loss.
+        prepare_fn: ``prepare_fn(logits, data, loss_fn, cu_q, cu_qp, tp_rank, tp_group,
+            cp_group) -> (loss_input, data)``.
+        cu_seqlens_q: ``[B+1]`` sequence boundaries.
+        cu_seqlens_q_padded: ``[B+1]`` padded span boundaries.
+        vocab_parallel_rank: TP rank.
+        vocab_parallel_group: TP group.
+        context_parallel_group: CP group.
+    """
+
+    def __call__(
+        self,
+        next_token_logits: Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: Tensor | None,
+        global_valid_toks: Tensor | None,
+    ) -> LossResult:
+        """Prepare the packed loss input once and call the loss.
+
+        Args:
+            next_token_logits: ``[1, T/CP, V_l]`` packed logits.
+            data: The unpacked microbatch ``[B, S, ...]``.
+            global_valid_seqs: Valid sequences of the global batch.
+            global_valid_toks: Valid tokens of the global batch.
+
+        Returns:
+            ``(loss, metrics)`` of ``loss_fn``.
+        """
+        loss_input, data = self.prepare_fn(
+            next_token_logits, data, self.loss_fn, self.cu_seqlens_q, self.cu_seqlens_q_padded,
+            self.vocab_parallel_rank, self.vocab_parallel_group, self.context_parallel_group,
+        )  # fmt: skip
+        return self.loss_fn(data, global_valid_seqs, global_valid_toks, **loss_input)
+
+
+class DraftLossWrapper:
+    """Policy loss plus ``loss_weight`` times the draft model's soft cross-entropy (spec §3.6).
+
+    The draft input (policy logits rolled left by one as the teacher, ``student_logits`` from the
+    data) is built by ``prepare_fn`` for ``draft_loss_fn`` (``LossInputType.DRAFT``).
+
+    Args:
+        loss_fn: The wrapped policy loss, called as ``loss_fn(logits, data, gvs, gvt)``.
+        prepare_fn: Input preparation for the draft loss (default :func:`prepare_loss_input`).
+        loss_weight: Weight of the draft loss.
+        draft_loss_fn: The draft loss (default :class:`DraftCrossEntropyLossFn`).
+        vocab_parallel_rank: TP rank.
+        vocab_parallel_group: TP group.
+        context_parallel_group: CP group.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., LossResult],
+        prepare_fn: PrepareFn = prepare_loss_input,
+        loss_weight: float = 1.0,
+        draft_loss_fn: LossFunction | None = None,
+        vocab_parallel_rank: int | None = None,
+        vocab_parallel_group: Any = None,
+        context_parallel_group: Any = None,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.prepare_fn = prepare_fn
+        self.loss_weight = loss_weight
+        self.draft_loss_fn = draft_loss_fn or DraftCrossEntropyLossFn()
+        self.vocab_parallel_rank = vocab_parallel_rank
+        self.vocab_parallel_group = vocab_parallel_group
+        self.context_parallel_group = context_parallel_group
+
+    def __call__(
+        self,
+        next_token_logits: Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: Tensor | None,
+        global_valid_toks: Tensor | None,
+    ) -> LossResult:
+        """Policy loss + weighted draft loss; adds the ``draft_loss`` metric.
+
+        Args:
+            next_token_logits: ``[B, S/CP, V_l]`` policy logits.
+            data: The microbatch, with ``student_logits [B, S, V_draft]``.
+            global_valid_seqs: Valid sequences of the global batch.
+            global_valid_toks: Valid tokens of the global batch (required).
+
+        Returns:
+            ``(policy_loss + loss_weight * draft_loss, metrics)``.
+
+        Raises:
+            ValueError: ``global_valid_toks`` is ``None``.
+        """
+        if global_valid_toks is None:
+            raise ValueError(
+                "DraftLossWrapper needs `global_valid_toks` to normalise the draft loss"
+            )
+        loss, metrics = self.loss_fn(next_token_logits, data, global_valid_seqs, global_valid_toks)
+        draft_input, data = self.prepare_fn(
+            next_token_logits, data, self.draft_loss_fn, self.vocab_parallel_rank,
+            self.vocab_parallel_group, self.context_parallel_group,
+        )  # fmt: skip
+        draft_loss, _ = self.draft_loss_fn(
+            data, global_valid_seqs, global_valid_toks, **draft_input
+        )
+        metrics = dict(metrics)
+        metrics["draft_loss"] = draft_loss.detach().clone()
+        return loss + self.loss_weight * draft_loss, metrics

@@ -1,0 +1,67 @@
+"""The Megatron training step: forward, post-processing, schedule and statistics.
+
+A global batch becomes processed microbatches (:func:`process_global_batch`, global valid counts
+over DP once); :func:`megatron_forward_backward` runs Megatron's schedule with
+:func:`forward_with_post_processing_fn` as the forward step, which runs :func:`model_forward`,
+applies the temperature in place and binds a post-processor: :class:`LossPostProcessor`
+(training loss, scaled by ``M / CP^2`` to cancel Megatron's averaging, see
+``LossPostProcessor.scale_loss``), :class:`LogprobsPostProcessor`,
+:class:`TopkLogitsPostProcessor` or :class:`TeacherFullPayloadPostProcessor` (forward-only).
+:func:`aggregate_training_statistics` reduces the losses over DP.
+
+Shapes: ``B`` sequences, ``S`` width, ``T`` packed tokens, ``V_l = V/TP``, ``CP`` context-parallel
+size; model output ``[B, S/CP, V_l]`` (padded) or ``[1, T/CP, V_l]`` (packed).
+"""
+
+from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.forward import (
+    _prepare_padding_mask_for_model,
+    apply_temperature_scaling,
+    forward_with_post_processing_fn,
+    model_forward,
+)
+from lightning_mcore_rl.train.microbatch import (
+    GlobalBatch,
+    ProcessedMicrobatch,
+    causal_attention_mask,
+    process_global_batch,
+    process_microbatch,
+)
+from lightning_mcore_rl.train.post_processors import (
+    LogprobsPostProcessor,
+    LossPostProcessor,
+    PostProcessingFunction,
+    TeacherFullPayloadPostProcessor,
+    TopkLogitsPostProcessor,
+    should_reduce_loss_across_context_parallel,
+    strip_context_parallel_local_loss_metric,
+)
+from lightning_mcore_rl.train.schedule import (
+    megatron_forward_backward,
+    suspend_activation_offload_for_forward_only,
+)
+from lightning_mcore_rl.train.statistics import aggregate_training_statistics
+
+__all__ = [
+    "GlobalBatch",
+    "LogprobsPostProcessor",
+    "LossPostProcessor",
+    "PolicyConfig",
+    "PostProcessingFunction",
+    "ProcessedMicrobatch",
+    "TeacherFullPayloadPostProcessor",
+    "TopkLogitsPostProcessor",
+    "_prepare_padding_mask_for_model",
+    "aggregate_training_statistics",
+    "apply_temperature_scaling",
+    "causal_attention_mask",
+    "forward_with_post_processing_fn",
+    "load_policy_config",
+    "megatron_forward_backward",
+    "model_forward",
+    "process_global_batch",
+    "process_microbatch",
+    "should_reduce_loss_across_context_parallel",
+    "strip_context_parallel_local_loss_metric",
+    "suspend_activation_offload_for_forward_only",
+]

@@ -1,0 +1,280 @@
+"""The forward step Megatron's schedule calls per microbatch (spec §2.1–2.3).
+
+``forward_with_post_processing_fn`` pulls a :class:`ProcessedMicrobatch`, runs
+:func:`model_forward`, applies the sampling temperature in place and returns
+``(output, post_processor(...))``; Megatron applies the callable to the last stage's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp_rank
+from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+from lightning_mcore_rl.train.post_processors import (
+    KNOWN_POST_PROCESSORS,
+    LogprobsPostProcessor,
+    LossPostProcessor,
+    PostProcessingFunction,
+    TeacherFullPayloadPostProcessor,
+    TopkLogitsPostProcessor,
+)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _is_last_stage(model: torch.nn.Module) -> bool:
+    """Whether this chunk computes the LM head (Megatron's ``post_process``)."""
+    return bool(getattr(_unwrap(model), "post_process", True))
+
+
+def _prepare_padding_mask_for_model(
+    model: torch.nn.Module,
+    padding_mask: Tensor | None,
+    model_slices_context_parallel_inputs: bool = False,
+) -> Tensor | None:
+    """Match a CP-local padding mask ``[B, S/CP]`` to the model's sequence-parallel layout.
+
+    A first-stage ``GPTModel`` scatters the mask to the sequence-parallel region itself; any
+    other chunk receives hidden states already split over TP, so the mask is scattered here.
+    When the model CP-slices its own inputs the mask arrives full-width and is CP-sliced first.
+
+    Args:
+        model: The model chunk (possibly wrapped).
+        padding_mask: ``[B, S/CP]`` (``[B, S]`` if the model slices CP itself) or ``None``.
+        model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+
+    Returns:
+        The mask in the layout the model's layers see (``[B, S/CP/TP]`` under SP), or ``None``.
+    """
+    if padding_mask is None:
+        return None
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.utils import get_model_config
+
+    if model_slices_context_parallel_inputs:
+        cp_size = ps.get_context_parallel_world_size()
+        if cp_size > 1:
+            padding_mask = get_tokens_on_this_cp_rank(
+                padding_mask, ps.get_context_parallel_rank(), cp_size, seq_dim=1
+            )
+    if not get_model_config(model).sequence_parallel:
+        return padding_mask
+    inner = _unwrap(model)
+    if isinstance(inner, GPTModel) and inner.pre_process:
+        return padding_mask  # GPTModel.forward scatters it (megatron-core gpt_model.py)
+    scattered = tensor_parallel.scatter_to_sequence_parallel_region(
+        padding_mask.transpose(0, 1).contiguous()  # [S, B]: SP splits dim 0
+    )
+    return scattered.transpose(0, 1).contiguous()
+
+
+def model_forward(
+    model: torch.nn.Module,
+    data_dict: BatchedDataDict,
+    input_ids_cp_sharded: Tensor,
+    position_ids: Tensor | None,
+    attention_mask: Tensor | None,
+    packed_seq_params: Any = None,
+    defer_fp32_logits: bool | None = False,
+    mtp_loss_mask: Tensor | None = None,
+    padding_mask: Tensor | None = None,
+    straggler_timer: Callable[[], Any] | None = None,
+    use_fused_linear_logprobs: bool = False,
+    labels_cp_sharded: Tensor | None = None,
+    loss_mask_cp_sharded: Tensor | None = None,
+    media_token_validity_mask: Tensor | None = None,
+    model_slices_context_parallel_inputs: bool = False,
+) -> Tensor:
+    """One forward pass of a Megatron GPT chunk.
+
+    Args:
+        model: The model chunk.
+        data_dict: The microbatch (multimodal inputs are not supported, see Raises).
+        input_ids_cp_sharded: ``[B, S]`` or this CP rank's packed ``[1, T/CP]`` ids.
+        position_ids: Position ids in the same layout.
+        attention_mask: ``[1, 1, S, S]`` causal mask, ``None`` when packed.
+        packed_seq_params: Megatron ``PackedSeqParams`` (passed only when not ``None``).
+        defer_fp32_logits: Keep the logits in the model dtype (else cast to fp32).
+        mtp_loss_mask: Passed as ``loss_mask`` (multi-token prediction).
+        padding_mask: MoE-routing padding mask (see :func:`_prepare_padding_mask_for_model`).
+        straggler_timer: Called once; the forward runs inside the returned context.
+        use_fused_linear_logprobs: Not supported (see Raises).
+        labels_cp_sharded: Target labels: the model then returns per-token losses
+            (direct prepacked SFT).
+        loss_mask_cp_sharded: Loss mask passed with ``labels_cp_sharded``.
+        media_token_validity_mask: Not supported (multimodal).
+        model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+
+    Returns:
+        Logits ``[B, S/CP, V_l]`` / ``[1, T/CP, V_l]`` on the last stage, hidden states elsewhere,
+        per-token losses when labels are given.
+
+    Raises:
+        ValueError: Labels together with fused linear logprobs.
+        NotImplementedError: Fused linear logprobs (megatron-core 0.16's ``GPTModel`` has no
+            ``return_logprobs_for_linear_ce_fusion``) or multimodal inputs (no VLM here).
+    """
+    if use_fused_linear_logprobs:
+        if labels_cp_sharded is not None:
+            raise ValueError("Direct packed SFT labels do not support fused linear logprobs")
+        raise NotImplementedError(
+            "fused linear logprobs need a GPTModel that returns logprobs for linear-CE fusion "
+            "(`return_logprobs_for_linear_ce_fusion`), which megatron-core 0.16 lacks; use "
+            "logits, or lightning_mcore_rl.ops.from_hidden_to_logprobs on captured hidden states"
+        )
+    if media_token_validity_mask is not None:
+        raise NotImplementedError("multimodal inputs are not supported by this project")
+    kwargs: dict[str, Any] = {}
+    if packed_seq_params is not None:
+        kwargs["packed_seq_params"] = packed_seq_params
+    if mtp_loss_mask is not None:
+        kwargs["loss_mask"] = mtp_loss_mask
+    if padding_mask is not None:
+        kwargs["padding_mask"] = _prepare_padding_mask_for_model(
+            model, padding_mask, model_slices_context_parallel_inputs
+        )
+    if labels_cp_sharded is not None:
+        kwargs["labels"] = labels_cp_sharded
+        if loss_mask_cp_sharded is not None:
+            kwargs["loss_mask"] = loss_mask_cp_sharded
+    timer = straggler_timer() if straggler_timer is not None else contextlib.nullcontext()
+    with timer:
+        output = model(input_ids_cp_sharded, position_ids, attention_mask, **kwargs)
+    if isinstance(output, tuple):
+        output = output[0]
+    if not defer_fp32_logits and labels_cp_sharded is None and _is_last_stage(model):
+        output = output.float()
+    return output
+
+
+def apply_temperature_scaling(
+    logits: Tensor, sampling_params: TrainingSamplingParams | None
+) -> Tensor:
+    """Divide ``logits`` by the sampling temperature in place (same tensor, same ``data_ptr``).
+
+    Args:
+        logits: ``[..., V_l]`` model output.
+        sampling_params: ``None`` or ``temperature == 1.0`` leaves ``logits`` unchanged.
+
+    Returns:
+        ``logits`` itself.
+    """
+    if sampling_params is not None and sampling_params.temperature != 1.0:
+        logits.div_(sampling_params.temperature)  # in place: no second [B, S, V_l] copy
+    return logits
+
+
+@contextlib.contextmanager
+def _capture_lm_head_input(model: torch.nn.Module, enabled: bool) -> Iterator[dict[str, Tensor]]:
+    """Record the input of the model's ``output_layer`` (pre-LM-head states ``[S/CP, B, H]``)."""
+    captured: dict[str, Tensor] = {}
+    output_layer = getattr(_unwrap(model), "output_layer", None)
+    if not enabled or output_layer is None:
+        yield captured
+        return
+
+    def hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        captured["hidden_states"] = args[0].detach()
+
+    handle = output_layer.register_forward_pre_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def forward_with_post_processing_fn(
+    data_iterator: Iterator[ProcessedMicrobatch],
+    model: torch.nn.Module,
+    post_processing_fn: PostProcessingFunction,
+    defer_fp32_logits: bool | None = False,
+    global_valid_seqs: Tensor | None = None,
+    global_valid_toks: Tensor | None = None,
+    sampling_params: TrainingSamplingParams | None = None,
+    straggler_timer: Callable[[], Any] | None = None,
+    draft_model: Any = None,
+    enable_hidden_capture: bool | None = False,
+    enable_opd_full_capture: bool = False,
+    use_fused_linear_logprobs: bool = False,
+    use_router_replay: bool = False,
+    router_replay_train: bool = False,
+    model_slices_context_parallel_inputs: bool = False,
+) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, dict[str, Any]]]]:
+    """Megatron's ``forward_step_func``: forward one processed microbatch, bind its post-processor.
+
+    Args:
+        data_iterator: Yields :class:`ProcessedMicrobatch`.
+        model: The model chunk.
+        post_processing_fn: One of the four post-processors (:data:`PostProcessingFunction`).
+        defer_fp32_logits: Keep logits in the model dtype.
+        global_valid_seqs: Valid sequences of the global batch (loss post-processor).
+        global_valid_toks: Valid tokens of the global batch (loss post-processor).
+        sampling_params: Temperature (applied here, in place, on the last stage) and top-k/p.
+        straggler_timer: See :func:`model_forward`.
+        draft_model: EAGLE draft model; not supported (raises).
+        enable_hidden_capture: Draft-model hidden capture; not supported (raises).
+        enable_opd_full_capture: Capture pre-LM-head hidden states for the teacher payload.
+        use_fused_linear_logprobs: See :func:`model_forward`.
+        use_router_replay: MoE router replay; not supported (raises).
+        router_replay_train: MoE router replay in training; requires ``use_router_replay``.
+        model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+
+    Returns:
+        ``(output_tensor, fn)``; Megatron calls ``fn(output_tensor) -> (loss, metrics)``.
+
+    Raises:
+        TypeError: Unknown post-processor type.
+        NotImplementedError: Router replay or draft models (no MoE replay / EAGLE here).
+    """
+    if not isinstance(post_processing_fn, KNOWN_POST_PROCESSORS):
+        raise TypeError(
+            f"Unknown post-processing function type {type(post_processing_fn).__name__}; "
+            f"expected one of {[cls.__name__ for cls in KNOWN_POST_PROCESSORS]}"
+        )
+    if use_router_replay or router_replay_train:
+        raise NotImplementedError("MoE router replay is not supported by this project")
+    if draft_model is not None or enable_hidden_capture:
+        raise NotImplementedError("EAGLE draft-model training is not supported by this project")
+    mb = next(data_iterator)
+    with _capture_lm_head_input(model, enable_opd_full_capture) as captured:
+        output = model_forward(
+            model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
+            mb.packed_seq_params, defer_fp32_logits, mtp_loss_mask=mb.mtp_loss_mask,
+            padding_mask=mb.padding_mask, straggler_timer=straggler_timer,
+            use_fused_linear_logprobs=use_fused_linear_logprobs,
+            model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
+        )  # fmt: skip
+    if _is_last_stage(model):  # earlier stages output hidden states, not logits
+        apply_temperature_scaling(output, sampling_params)
+    fn: Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
+    if isinstance(post_processing_fn, LossPostProcessor):
+        fn = post_processing_fn(
+            mb.data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks
+        )
+    elif isinstance(post_processing_fn, LogprobsPostProcessor):
+        fn = post_processing_fn(
+            mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length
+        )
+    elif isinstance(post_processing_fn, TopkLogitsPostProcessor):
+        fn = post_processing_fn(mb.data_dict, mb.cu_seqlens_padded, mb.original_seq_length)
+    else:
+        assert isinstance(post_processing_fn, TeacherFullPayloadPostProcessor)
+        fn = post_processing_fn(
+            mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length,
+            hidden_states=captured.get("hidden_states"),
+        )  # fmt: skip
+    return output, fn
