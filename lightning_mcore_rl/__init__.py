@@ -13,3 +13,12 @@ Next-token convention: logits at position ``t`` score token ``t+1``; loss inputs
 """
 
 __version__ = "0.1.0"
+
+# Importing the package registers the strategy name "mcore_rl" with Lightning. This imports
+# Lightning (not megatron-core: the strategy imports megatron lazily inside its hooks).
+from lightning_mcore_rl.module import MCoreRLModule  # noqa: E402
+from lightning_mcore_rl.strategy import MCoreRLStrategy, register_strategy  # noqa: E402
+
+register_strategy()
+
+__all__ = ["MCoreRLModule", "MCoreRLStrategy", "__version__"]

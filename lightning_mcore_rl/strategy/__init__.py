@@ -1,0 +1,33 @@
+"""Lightning integration: :class:`MCoreRLStrategy` and its precision, optimizer and checkpoint
+plumbing. Megatron is imported lazily (inside hooks), so importing this package needs no GPU."""
+
+from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
+from lightning_mcore_rl.strategy.optimizer import (
+    MegatronOptimizerAdapter,
+    MegatronOptimizerSpec,
+    MegatronStepResult,
+)
+from lightning_mcore_rl.strategy.precision import MCorePrecision
+from lightning_mcore_rl.strategy.schedule import StepOutput, lm_forward_step
+from lightning_mcore_rl.strategy.strategy import (
+    MCoreRLStrategy,
+    check_trainer_flags,
+    register_strategy,
+    split_microbatches,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "MCorePrecision",
+    "MCoreRLStrategy",
+    "MegatronDDPConfig",
+    "MegatronOptimizerAdapter",
+    "MegatronOptimizerSpec",
+    "MegatronStepResult",
+    "ParallelSizes",
+    "StepOutput",
+    "check_trainer_flags",
+    "lm_forward_step",
+    "register_strategy",
+    "split_microbatches",
+]

@@ -1,0 +1,149 @@
+"""Typed configuration of :class:`~lightning_mcore_rl.strategy.MCoreRLStrategy`.
+
+Plain dataclasses without megatron imports, so LightningCLI/jsonargparse can build them from YAML
+and ``import lightning_mcore_rl`` stays cheap. Each is validated once, in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
+SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+
+
+@dataclass(frozen=True)
+class MegatronDDPConfig:
+    """The megatron ``DistributedDataParallelConfig`` fields users tune (the rest keep megatron's
+    defaults; ``use_distributed_optimizer`` comes from the strategy).
+
+    Attributes:
+        grad_reduce_in_fp32: reduce (and accumulate) gradients in fp32. ``None``: True for
+            ``"32-true"`` and ``"bf16-mixed"``, False for ``"bf16-true"`` (the only difference
+            between the two bf16 flags, see ``docs/strategy.md``).
+        overlap_grad_reduce: overlap the DP gradient reduction with the backward (GPU streams).
+        overlap_param_gather: overlap the distributed optimizer's parameter all-gather.
+        bucket_size: gradient bucket size in elements (``None``: megatron's default).
+        average_in_collective: average inside the collective instead of pre-scaling by 1/DP.
+        check_for_nan_in_grad: raise on NaN gradients before the reduction.
+    """
+
+    grad_reduce_in_fp32: bool | None = None
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: int | None = None
+    average_in_collective: bool = False
+    check_for_nan_in_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(
+                f"`MegatronDDPConfig.bucket_size` must be positive or None, got {self.bucket_size}."
+            )
+
+    def to_megatron(self, *, precision: str, use_distributed_optimizer: bool) -> Any:
+        """The megatron ``DistributedDataParallelConfig`` for ``precision``."""
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        in_fp32 = self.grad_reduce_in_fp32
+        if in_fp32 is None:
+            in_fp32 = precision != "bf16-true"
+        return DistributedDataParallelConfig(
+            grad_reduce_in_fp32=in_fp32,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            overlap_param_gather=self.overlap_param_gather,
+            bucket_size=self.bucket_size,
+            average_in_collective=self.average_in_collective,
+            check_for_nan_in_grad=self.check_for_nan_in_grad,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How checkpoints are written with megatron ``dist_checkpointing``.
+
+    Attributes:
+        optimizer_sharding: distributed-optimizer format. ``"dp_reshardable"`` (fast; a resume may
+            change DP only) or ``"fully_reshardable"`` (any TP/PP/DP change). megatron's default
+            ``fully_sharded_model_space`` needs ``ShardedTensor.flattened_range``, unsupported in
+            megatron-core 0.16 without Transformer Engine.
+        atomic: write into a temporary sibling directory and rename it into place when every rank
+            has finished, so a crash mid-save leaves the previous checkpoint loadable.
+    """
+
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    atomic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
+            raise ValueError(
+                "`CheckpointConfig.optimizer_sharding` must be 'dp_reshardable' or "
+                f"'fully_reshardable', got {self.optimizer_sharding!r}."
+            )
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """The parallel layout, validated once (the strategy's constructor builds it).
+
+    Attributes:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        vpp: virtual pipeline stages (model chunks) per pipeline rank, ``None`` without VPP.
+        cp: context-parallel size.
+        sequence_parallel: megatron sequence parallelism (needs ``tp > 1``).
+        sequence_packing: THD packing of each microbatch (needed for ``cp > 1``).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    sequence_packing: bool = False
+
+    def __post_init__(self) -> None:
+        for name, size in (
+            ("tensor_model_parallel_size", self.tp),
+            ("pipeline_model_parallel_size", self.pp),
+            ("context_parallel_size", self.cp),
+        ):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {size!r}.")
+        if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 2):
+            raise ValueError(
+                "`virtual_pipeline_model_parallel_size` must be None or an int >= 2, "
+                f"got {self.vpp!r}."
+            )
+        if self.vpp is not None and self.pp < 2:
+            raise ValueError(
+                f"`virtual_pipeline_model_parallel_size={self.vpp}` needs "
+                f"`pipeline_model_parallel_size` >= 2, got {self.pp}."
+            )
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError(
+                "`sequence_parallel=True` needs `tensor_model_parallel_size` >= 2, "
+                f"got {self.tp}; set `sequence_parallel=False`."
+            )
+        if self.cp > 1 and not self.sequence_packing:
+            raise ValueError(
+                f"`context_parallel_size={self.cp}` needs `sequence_packing=True` "
+                "(context parallelism shards packed THD sequences)."
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """``tp * pp * cp``: ranks holding one replica of the model."""
+        return self.tp * self.pp * self.cp
+
+    def check_world_size(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` ranks; ``ValueError`` if it does not divide."""
+        if world_size % self.model_parallel_size != 0:
+            raise ValueError(
+                f"The sizes tp={self.tp}, pp={self.pp}, cp={self.cp} multiplied "
+                f"({self.model_parallel_size}) should divide the world size {world_size}; "
+                "change the parallel sizes or `Trainer(devices=..., num_nodes=...)`."
+            )
+        return world_size // self.model_parallel_size

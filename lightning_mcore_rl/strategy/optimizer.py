@@ -1,0 +1,176 @@
+"""A ``torch.optim.Optimizer`` facade over a megatron optimizer, and the spec a module returns
+from ``configure_optimizers``.
+
+Lightning wraps optimizers in ``LightningOptimizer`` and torch's LR schedulers check
+``isinstance(optimizer, Optimizer)``; ``MegatronOptimizer`` is neither a torch optimizer nor takes a
+closure (its ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass(frozen=True)
+class MegatronStepResult:
+    """What ``MegatronOptimizer.step()`` returned for the last optimizer step.
+
+    Attributes:
+        update_successful: False when an fp16 loss-scale overflow skipped the update.
+        grad_norm: pre-clip global gradient norm (reduced over all model-parallel ranks).
+        num_zeros_in_grad: zero gradient entries, if ``OptimizerConfig.log_num_zeros_in_grad``.
+    """
+
+    update_successful: bool
+    grad_norm: float | None
+    num_zeros_in_grad: int | None
+
+
+@dataclass
+class _StepRecord:
+    """Mutable holder shared (by reference) between the adapter and its ``LightningOptimizer``
+    wrapper, which copies the adapter's ``__dict__`` and so cannot see later attribute writes."""
+
+    last: MegatronStepResult | None = None
+
+
+@dataclass
+class MegatronOptimizerSpec:
+    """What ``configure_optimizers`` returns to get a megatron optimizer (+ an LR scheduler).
+
+    Attributes:
+        config: megatron ``OptimizerConfig``. ``clip_grad`` comes from
+            ``Trainer(gradient_clip_val=...)``; ``bf16``/``params_dtype`` from
+            ``Trainer(precision=...)`` and ``use_distributed_optimizer`` from the strategy.
+        lr_scheduler: ``factory(optimizer) -> LRScheduler`` or a Lightning scheduler dict
+            (``{"scheduler": ..., "interval": "step"}``), called with the built optimizer.
+    """
+
+    config: Any
+    lr_scheduler: SchedulerFactory | None = field(default=None)
+
+
+class MegatronOptimizerAdapter(torch.optim.Optimizer):
+    """``torch.optim.Optimizer`` view of a ``MegatronOptimizer``.
+
+    ``Optimizer.__init__`` is deliberately not called: ``param_groups`` and ``state`` delegate to
+    the megatron optimizer (so LR schedulers and ``LearningRateMonitor`` act on megatron's groups).
+    ``step(closure)`` runs the closure (Lightning's training step, which ran megatron's forward and
+    backward) and then ``MegatronOptimizer.step()``; ``zero_grad`` is a no-op because the strategy
+    zeroes the grad buffers *before* the forward (``on_train_batch_start``). No state is kept on
+    ``self`` after construction (``LightningOptimizer`` runs these methods on a copy of ``__dict__``).
+
+    Args:
+        megatron_optimizer: the optimizer from ``get_megatron_optimizer``.
+    """
+
+    def __init__(self, megatron_optimizer: Any) -> None:  # noqa: D107 - no super().__init__
+        self.megatron_optimizer = megatron_optimizer
+        self._record = _StepRecord()
+        self.defaults: dict[str, Any] = {}
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Megatron's parameter groups (with and without weight decay, per chain member)."""
+        return self.megatron_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.megatron_optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """Megatron's per-parameter optimizer state."""
+        return self.megatron_optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.megatron_optimizer.state = value
+
+    @property
+    def last_step(self) -> MegatronStepResult | None:
+        """The result of the latest :meth:`step` (``None`` before the first)."""
+        return self._record.last
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` (forward+backward), then megatron's step (unscale, clip, update).
+
+        Returns:
+            The closure's result (the training-step loss), as ``torch.optim`` optimizers do.
+        """
+        loss = closure() if closure is not None else None
+        ok, grad_norm, num_zeros = self.megatron_optimizer.step()
+        self._record.last = MegatronStepResult(
+            update_successful=bool(ok),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
+        )
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: Lightning calls this after the backward; the strategy zeroes before it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Megatron's (non-sharded) optimizer state dict."""
+        return self.megatron_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict produced by ``dist_checkpointing.load`` of a sharded one."""
+        self.megatron_optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"MegatronOptimizerAdapter({type(self.megatron_optimizer).__name__})"
+
+
+def resolve_optimizer_config(
+    config: Any, *, clip_grad: float, bf16: bool, use_distributed_optimizer: bool
+) -> Any:
+    """``config`` with the fields the Trainer and the strategy own filled in.
+
+    Raises:
+        ValueError: the module's ``OptimizerConfig`` sets an owned field to a conflicting value
+            (``clip_grad`` other than megatron's default 1.0, ``bf16``/``fp16``,
+            ``use_distributed_optimizer``); the message names where to set it instead.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    if not isinstance(config, OptimizerConfig):
+        raise TypeError(
+            "`configure_optimizers` must return a megatron `OptimizerConfig` or a "
+            f"`MegatronOptimizerSpec`, got {type(config).__name__}."
+        )
+    default_clip = OptimizerConfig.__dataclass_fields__["clip_grad"].default
+    if config.clip_grad not in (default_clip, clip_grad):
+        raise ValueError(
+            f"`OptimizerConfig.clip_grad={config.clip_grad}` conflicts with "
+            f"`Trainer(gradient_clip_val=...)` (-> clip_grad={clip_grad}); set the clip value "
+            "on the Trainer only."
+        )
+    if config.fp16:
+        raise ValueError(
+            "`OptimizerConfig.fp16=True` is not supported; use precision='bf16-mixed'."
+        )
+    if config.bf16 and not bf16:
+        raise ValueError(
+            "`OptimizerConfig.bf16=True` conflicts with `Trainer(precision='32-true')`; "
+            "set `Trainer(precision='bf16-mixed')` instead."
+        )
+    if config.use_distributed_optimizer and not use_distributed_optimizer:
+        raise ValueError(
+            "`OptimizerConfig.use_distributed_optimizer=True` conflicts with the strategy; set "
+            "`MCoreRLStrategy(use_distributed_optimizer=True)` instead."
+        )
+    return dataclasses.replace(
+        config,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )

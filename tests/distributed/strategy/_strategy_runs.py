@@ -1,0 +1,220 @@
+"""Rank functions for the strategy tests: the tiny GPT trained by a Lightning ``Trainer`` with
+``MCoreRLStrategy`` and by the bare megatron loop of ``lightning_mcore_rl.testing.training``.
+
+Both runs read the same data: Lightning injects a ``DistributedSampler`` over the data-parallel
+group (shuffle=True, seed 0, epoch 0) and the bare loop draws its batches from the same sampler.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
+from lightning_mcore_rl.strategy import MegatronOptimizerSpec
+from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
+from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.testing.training import build_training, forward_backward, optimizer_step
+
+VOCAB = 128
+SEQ = 16
+
+
+class TokenRows(Dataset):
+    """Deterministic LM samples ``{"tokens": [S], "labels": [S]}``."""
+
+    def __init__(self, num_rows: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, VOCAB, (num_rows, SEQ + 1), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self.rows[index]
+        return {"tokens": row[:-1], "labels": row[1:]}
+
+
+class ResumableLoader:
+    """A DataLoader wrapper whose position is saved in the checkpoint (exact mid-epoch resume)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.skip = 0
+        self.yielded = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        skip, self.skip, self.yielded = self.skip, 0, 0
+        for i, batch in enumerate(self.loader):
+            if i < skip:
+                continue
+            self.yielded = i + 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["yielded"]
+
+
+class TinyGPTModule(MCoreRLModule):
+    """The tiny GPT (layout-invariant weights) with the bare loop's Adam settings."""
+
+    def __init__(self, num_layers: int = 2, lr: float = 1e-3, schedule: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.step_outputs: list[Any] = []
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        strategy = self.mcore_strategy
+        config = tiny_gpt_config(
+            num_layers=self.hparams.num_layers,
+            bf16=strategy.precision_plugin.bf16,
+            sequence_parallel=strategy.parallel.sequence_parallel,
+        )
+        return tiny_gpt(config, vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+
+    def configure_optimizers(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=self.hparams.lr, adam_eps=1e-4, weight_decay=0.0
+        )
+        if not self.hparams.schedule:
+            return config
+
+        def scheduler(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+            lambda_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+            return {"scheduler": lambda_lr, "interval": "step"}
+
+        return MegatronOptimizerSpec(config=config, lr_scheduler=scheduler)
+
+    def training_step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+        out = self.forward_backward(batch)
+        self.step_outputs.append(out)
+        self.log_dict({"train_loss": out.loss}, batch_size=1)
+        return out.loss
+
+
+class Recorder(Callback):
+    """Per step: every rank's ``callback_metrics`` (as floats) and the microbatch losses."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+        self.microbatch_losses: list[tuple[float, ...]] = []
+        self.grad_norms: list[float] = []
+        self.lrs: list[float] = []
+        self.batch_sums: list[int] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+        self.batch_sums.append(int(batch["tokens"].sum()))
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.microbatch_losses.append(pl_module.step_outputs[-1].microbatch_losses)
+        optimizer = trainer.strategy.optimizers[0]
+        self.grad_norms.append(optimizer.last_step.grad_norm)
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def strategy_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tensor_model_parallel_size": spec.get("tp", 1),
+        "pipeline_model_parallel_size": spec.get("pp", 1),
+        "virtual_pipeline_model_parallel_size": spec.get("vpp"),
+        "sequence_parallel": spec.get("sequence_parallel", False),
+        "use_distributed_optimizer": spec.get("distributed_optimizer", False),
+        "micro_batch_size": spec.get("mbs", 2),
+    }
+
+
+def local_batch_size(spec: dict[str, Any], world_size: int) -> int:
+    dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
+    return spec["global_batch"] // dp
+
+
+def make_trainer(spec: dict[str, Any], world_size: int, **kwargs: Any) -> Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": world_size,
+        "strategy": MCoreRLStrategy(**strategy_kwargs(spec)),
+        "max_steps": spec["steps"],
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "gradient_clip_val": spec.get("clip"),
+        "precision": spec.get("precision", "32-true"),
+    }
+    options.update(kwargs)
+    return Trainer(**options)
+
+
+def fit_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Bare loop first, then the Lightning run, in the same rank process."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    bare = bare_run(spec, world_size)
+    destroy_megatron_state()
+    recorder = Recorder()
+    trainer = make_trainer(spec, world_size, callbacks=[recorder])
+    module = TinyGPTModule(num_layers=spec.get("num_layers", 2))
+    loader = DataLoader(TokenRows(spec["rows"]), batch_size=local_batch_size(spec, world_size))
+    trainer.fit(module, loader)
+    return {
+        "bare": bare,
+        "metrics": recorder.metrics,
+        "microbatch_losses": recorder.microbatch_losses,
+        "batch_sums": recorder.batch_sums,
+        "grad_norms": recorder.grad_norms,
+        "global_step": trainer.global_step,
+        "sampler": dict(trainer.strategy.distributed_sampler_kwargs),
+    }
+
+
+def bare_run(spec: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The bare megatron loop on the batches Lightning's injected sampler yields."""
+    from megatron.core import parallel_state as ps
+
+    init_megatron_state(
+        tensor_model_parallel_size=spec.get("tp", 1),
+        pipeline_model_parallel_size=spec.get("pp", 1),
+        virtual_pipeline_model_parallel_size=spec.get("vpp"),
+    )
+    clip = spec.get("clip")
+    setup = build_training(
+        num_layers=spec.get("num_layers", 2),
+        use_distributed_optimizer=spec.get("distributed_optimizer", False),
+        clip_grad=0.0 if clip is None else clip,
+        sequence_parallel=spec.get("sequence_parallel", False),
+    )
+    dataset = TokenRows(spec["rows"])
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=ps.get_data_parallel_world_size(),
+        rank=ps.get_data_parallel_rank(),
+        shuffle=True,
+        seed=0,
+    )
+    indices = list(sampler)
+    local, mbs = local_batch_size(spec, world_size), spec.get("mbs", 2)
+    out: dict[str, Any] = {"losses": [], "grad_norms": []}
+    for step in range(spec["steps"]):
+        rows = [dataset[i] for i in indices[step * local : (step + 1) * local]]
+        tokens = torch.stack([r["tokens"] for r in rows])
+        labels = torch.stack([r["labels"] for r in rows])
+        microbatches = [
+            {"tokens": tokens[i : i + mbs], "labels": labels[i : i + mbs]}
+            for i in range(0, local, mbs)
+        ]
+        out["losses"].append(forward_backward(setup, microbatches))
+        out["grad_norms"].append(optimizer_step(setup))
+    return out
