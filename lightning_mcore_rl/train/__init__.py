@@ -28,6 +28,7 @@ from lightning_mcore_rl.train.microbatch import (
     process_microbatch,
 )
 from lightning_mcore_rl.train.post_processors import (
+    CP_NEEDS_PACKING,
     LogprobsPostProcessor,
     LossPostProcessor,
     PostProcessingFunction,
@@ -43,6 +44,7 @@ from lightning_mcore_rl.train.schedule import (
 from lightning_mcore_rl.train.statistics import aggregate_training_statistics
 
 __all__ = [
+    "CP_NEEDS_PACKING",
     "GlobalBatch",
     "LogprobsPostProcessor",
     "LossPostProcessor",
