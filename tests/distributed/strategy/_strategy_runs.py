@@ -218,3 +218,81 @@ def bare_run(spec: dict[str, Any], world_size: int) -> dict[str, Any]:
         out["losses"].append(forward_backward(setup, microbatches))
         out["grad_norms"].append(optimizer_step(setup))
     return out
+
+
+def _resumable_loader(spec: dict[str, Any], world_size: int, rank: int) -> ResumableLoader:
+    """This DP rank's batches in a fixed order (pp must be 1 so that dp_rank = rank // tp)."""
+    dp = world_size // spec.get("tp", 1)
+    dataset = TokenRows(spec["rows"])
+    sampler = DistributedSampler(
+        dataset, num_replicas=dp, rank=rank // spec.get("tp", 1), shuffle=False
+    )
+    loader = DataLoader(dataset, batch_size=local_batch_size(spec, world_size), sampler=sampler)
+    return ResumableLoader(loader)
+
+
+def _fit_and_record(
+    spec: dict[str, Any], rank: int, ckpt_path: str | None = None, **trainer_kwargs: Any
+) -> tuple[Trainer, TinyGPTModule, Recorder]:
+    world_size = int(os.environ["WORLD_SIZE"])
+    recorder = Recorder()
+    callbacks = [recorder, *trainer_kwargs.pop("callbacks", [])]
+    trainer = make_trainer(spec, world_size, callbacks=callbacks, **trainer_kwargs)
+    module = TinyGPTModule(num_layers=spec.get("num_layers", 2), schedule=True)
+    trainer.fit(module, _resumable_loader(spec, world_size, rank), ckpt_path=ckpt_path)
+    return trainer, module, recorder
+
+
+def _summary(recorder: Recorder) -> dict[str, Any]:
+    return {
+        "microbatch_losses": recorder.microbatch_losses,
+        "grad_norms": recorder.grad_norms,
+        "lrs": recorder.lrs,
+        "train_loss": [m["train_loss"] for m in recorder.metrics],
+    }
+
+
+def resume_rank(rank: int, spec: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
+    """6 uninterrupted steps saving at steps 3 and 6 (mid-epoch), then a second Trainer resumed
+    from step 3 to step 6 in the same process, then ``validate`` on that Trainer."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(
+        dirpath=ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1
+    )
+    _, _, full = _fit_and_record(spec, rank, callbacks=[saver], enable_checkpointing=True)
+    trainer, module, resumed = _fit_and_record(spec, rank, ckpt_path=f"{ckpt_dir}/step=3.ckpt")
+    val = trainer.validate(module, DataLoader(TokenRows(8, seed=1), batch_size=4), verbose=False)
+    return {
+        "full": _summary(full),
+        "resumed": _summary(resumed),
+        "global_step": trainer.global_step,
+        "val_loss": val[0]["val_loss"],
+        "files": sorted(os.listdir(ckpt_dir)),
+    }
+
+
+def validate_rank(rank: int, spec: dict[str, Any], ckpt_path: str) -> float:
+    """``Trainer.validate(ckpt_path=...)`` under the layout of ``spec``."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    trainer = make_trainer(spec, world_size)
+    module = TinyGPTModule(num_layers=spec.get("num_layers", 2), schedule=True)
+    loader = DataLoader(TokenRows(8, seed=1), batch_size=4)
+    return trainer.validate(module, loader, ckpt_path=ckpt_path, verbose=False)[0]["val_loss"]
+
+
+def atomic_save_rank(rank: int, path: str) -> dict[str, Any]:
+    """Save, then fail a second save half-way: the first checkpoint must still load."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from lightning_mcore_rl.strategy import checkpoint as ckpt
+
+    ckpt.save({"value": 1}, Path(path), atomic=True)
+    error = ""
+    try:
+        ckpt.save({"value": 2, "unpicklable": lambda: 0}, Path(path), atomic=True)
+    except Exception as err:  # noqa: BLE001 - the failure is the point
+        error = type(err).__name__
+    return {"error": error, "loaded": dist_checkpointing.load_common_state_dict(path)}

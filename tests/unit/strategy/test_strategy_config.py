@@ -1,0 +1,130 @@
+"""Construction-time validation of ``MCoreRLStrategy`` and its configs, Trainer flag mapping,
+precision translation and registry (single process, no megatron state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_mcore_rl
+from lightning_mcore_rl.strategy import (
+    CheckpointConfig,
+    MCorePrecision,
+    MCoreRLStrategy,
+    MegatronDDPConfig,
+    ParallelSizes,
+    check_trainer_flags,
+    split_microbatches,
+)
+from lightning_mcore_rl.strategy.precision import to_mcore_precision
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tensor_model_parallel_size": 0}, "`tensor_model_parallel_size` must be a positive int"),
+        ({"pipeline_model_parallel_size": -1}, "`pipeline_model_parallel_size` must be"),
+        ({"context_parallel_size": 0}, "`context_parallel_size` must be"),
+        ({"virtual_pipeline_model_parallel_size": 1}, "must be None or an int >= 2"),
+        ({"virtual_pipeline_model_parallel_size": 2}, "needs `pipeline_model_parallel_size` >= 2"),
+        ({"sequence_parallel": True}, "`sequence_parallel=True` needs"),
+        ({"context_parallel_size": 2}, "needs `sequence_packing=True`"),
+        ({"micro_batch_size": 0}, "`micro_batch_size` must be a positive int"),
+    ],
+)
+def test_bad_parallel_settings_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MCoreRLStrategy(**kwargs)
+
+
+def test_unknown_keyword_is_rejected_not_forwarded_to_torch_ddp():
+    with pytest.raises(TypeError, match=r"unexpected arguments \['find_unused_parameters'\]"):
+        MCoreRLStrategy(find_unused_parameters=True)
+
+
+def test_sizes_must_divide_world_size():
+    sizes = ParallelSizes(tp=2, pp=2)
+    assert sizes.check_world_size(8) == 2
+    with pytest.raises(
+        ValueError,
+        match=r"The sizes tp=2, pp=2, cp=1 multiplied \(4\) should divide the world size 2",
+    ):
+        sizes.check_world_size(2)
+
+
+def test_config_dataclasses_validate():
+    with pytest.raises(ValueError, match="`MegatronDDPConfig.bucket_size` must be positive"):
+        MegatronDDPConfig(bucket_size=0)
+    with pytest.raises(ValueError, match="`CheckpointConfig.optimizer_sharding` must be"):
+        CheckpointConfig(optimizer_sharding="fully_sharded_model_space")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("precision", "in_fp32"), [("32-true", True), ("bf16-mixed", True), ("bf16-true", False)]
+)
+def test_ddp_config_grad_reduce_dtype_follows_precision(precision, in_fp32):
+    config = MegatronDDPConfig().to_megatron(precision=precision, use_distributed_optimizer=True)
+    assert config.grad_reduce_in_fp32 is in_fp32
+    assert config.use_distributed_optimizer is True
+
+
+def test_trainer_flags_map_clip_and_reject_accumulation_and_value_clipping():
+    assert check_trainer_flags(1, None, None) == 0.0  # explicit: no clipping (megatron default 1.0)
+    assert check_trainer_flags(1, 0.5, "norm") == 0.5
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=4\)` is not supported"):
+        check_trainer_flags(4, None, None)
+    with pytest.raises(ValueError, match="megatron clips by the global gradient norm"):
+        check_trainer_flags(1, 0.5, "value")
+
+
+def test_precision_translation():
+    assert to_mcore_precision(Precision()).precision == "32-true"
+    assert to_mcore_precision(MixedPrecision("bf16-mixed", "cpu")).precision == "bf16-mixed"
+    assert MCorePrecision("bf16-true").params_dtype is torch.bfloat16
+    with pytest.raises(ValueError, match=r"got '64-true' \(DoublePrecision\)"):
+        to_mcore_precision(DoublePrecision())
+    with pytest.raises(ValueError, match="fp16 with loss scaling and fp8 are not supported"):
+        MCorePrecision("16-mixed")  # type: ignore[arg-type]
+
+
+def test_trainer_precision_flag_reaches_the_strategy_and_bad_flags_raise():
+    strategy = MCoreRLStrategy()
+    assert strategy.precision_plugin.precision == "32-true"  # lazy default
+    Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", logger=False)
+    assert strategy.precision_plugin.precision == "bf16-mixed"  # not silently ignored
+    with pytest.raises(ValueError, match="MCoreRLStrategy supports precision"):
+        Trainer(accelerator="cpu", devices=1, strategy=MCoreRLStrategy(), precision="64-true")
+
+
+def test_importing_the_package_registers_mcore_rl():
+    assert lightning_mcore_rl.MCoreRLStrategy is MCoreRLStrategy
+    assert "mcore_rl" in StrategyRegistry
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="mcore_rl", logger=False)
+    assert isinstance(trainer.strategy, MCoreRLStrategy)
+
+
+def test_transformer_config_kwargs_follow_strategy_and_precision():
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+    )
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    kwargs = strategy.transformer_config_kwargs()
+    assert kwargs["tensor_model_parallel_size"] == 2 and kwargs["bf16"] is True
+    assert kwargs["params_dtype"] is torch.bfloat16
+    assert kwargs["batch_p2p_comm"] is False  # the VPP p2p trap
+    assert strategy.vp_stages == [0, 1]
+
+
+def test_split_microbatches():
+    batch = {"tokens": torch.arange(12).view(6, 2), "labels": torch.arange(12).view(6, 2)}
+    parts = split_microbatches(batch, 2)
+    assert len(parts) == 3 and torch.equal(parts[1]["tokens"], batch["tokens"][2:4])
+    with pytest.raises(ValueError, match="6 samples, not divisible by micro_batch_size=4"):
+        split_microbatches(batch, 4)
+    with pytest.raises(ValueError, match="must share dim 0"):
+        split_microbatches({"tokens": torch.zeros(2, 1), "labels": torch.zeros(3, 1)}, 1)
