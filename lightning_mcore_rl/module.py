@@ -8,13 +8,18 @@ every rank and logged once per step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import LightningModule
 
-from lightning_mcore_rl.strategy.schedule import ForwardStepFunc, StepOutput, lm_forward_step
+from lightning_mcore_rl.strategy.schedule import (
+    ForwardStepFunc,
+    StepOutput,
+    lm_forward_step,
+    reduce_step_outputs,
+)
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
@@ -27,9 +32,14 @@ class MCoreRLModule(LightningModule):
     (megatron's ``forward_step_func``) for a loss other than the default LM cross entropy on
     ``{"tokens": [B, S], "labels": [B, S]}`` batches.
 
+    With a ``loss_fn`` (an RL/distillation ``LossFunction``), batches are ``BatchedDataDict``-style
+    mappings (``input_ids``, ``input_lengths``, ``token_mask``, ``sample_mask`` + the loss's
+    fields, all ``[B, ...]``) and each step runs ``lightning_mcore_rl.train``: global valid counts
+    over DP, ``LossPostProcessor(loss_fn)`` and ``megatron_forward_backward``. The model config
+    needs ``calculate_per_token_loss=True`` (:meth:`transformer_config` sets it).
+
     Args:
-        loss_fn: an RL/distillation ``LossFunction`` (``lightning_mcore_rl.losses``), reserved for
-            the ``lightning_mcore_rl.train`` step path; ``None`` runs :meth:`forward_step`.
+        loss_fn: the loss (``lightning_mcore_rl.losses``); ``None`` runs :meth:`forward_step`.
     """
 
     def __init__(self, loss_fn: Any | None = None) -> None:
@@ -78,6 +88,8 @@ class MCoreRLModule(LightningModule):
         from megatron.core.transformer import TransformerConfig
 
         owned = self.mcore_strategy.transformer_config_kwargs()
+        if self.loss_fn is not None:
+            fields.setdefault("calculate_per_token_loss", True)
         for key in sorted(set(fields) & set(owned)):
             if fields[key] != owned[key]:
                 raise ValueError(
@@ -100,8 +112,57 @@ class MCoreRLModule(LightningModule):
         Returns:
             ``StepOutput(loss, metrics)``, identical on every rank.
         """
+        if self.loss_fn is not None:
+            return self._loss_fn_forward_backward(batch, forward_only)
         step: ForwardStepFunc = self.forward_step
         return self.mcore_strategy.forward_backward(batch, step, forward_only=forward_only)
+
+    def policy_config(self) -> Any:
+        """The ``PolicyConfig`` of the post-processors (default: packing from the strategy)."""
+        from lightning_mcore_rl.train import PolicyConfig
+
+        return PolicyConfig(sequence_packing=self.mcore_strategy.parallel.sequence_packing)
+
+    def _run_post_processed(
+        self, batch: Mapping[str, Any], make_post: Callable[[int], Any], forward_only: bool
+    ) -> list[dict[str, Any]]:
+        """``process_global_batch`` + ``megatron_forward_backward`` with the post-processor
+        ``make_post(num_microbatches)``; per-microbatch results on the last PP stage."""
+        from megatron.core import parallel_state as ps
+
+        from lightning_mcore_rl.data import BatchedDataDict
+        from lightning_mcore_rl.train import megatron_forward_backward, process_global_batch
+
+        strategy = self.mcore_strategy
+        for i, chunk in enumerate(strategy.model_chunks):
+            if not chunk.config.calculate_per_token_loss:
+                raise ValueError(
+                    f"Model chunk {i} needs `TransformerConfig.calculate_per_token_loss=True` "
+                    "for the loss_fn path (build it with `self.transformer_config(...)`)."
+                )
+        data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
+        global_batch = process_global_batch(
+            data,
+            ps.get_data_parallel_group(),
+            strategy.micro_batch_size,
+            sequence_packing=strategy.parallel.sequence_packing,
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=strategy.parallel.cp,
+        )
+        post = make_post(global_batch.num_microbatches)
+        chunks = strategy.model_chunks
+        iterators = [global_batch.iterator() for _ in chunks]
+        return megatron_forward_backward(
+            chunks if len(chunks) > 1 else chunks[0],
+            iterators if len(chunks) > 1 else iterators[0],
+            global_batch.num_microbatches,
+            global_batch.seq_length,
+            global_batch.micro_batch_size,
+            post,
+            forward_only=forward_only,
+            global_valid_seqs=global_batch.global_valid_seqs,
+            global_valid_toks=global_batch.global_valid_toks,
+        )
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
         """One optimizer step's forward and backward; logs ``train_loss`` (+ metrics) once."""
@@ -117,3 +178,42 @@ class MCoreRLModule(LightningModule):
         out = self.forward_backward(batch, forward_only=True)
         self.log("val_loss", out.loss, batch_size=1)
         return out.loss
+
+    # ---------------------------------------------------------------- loss_fn / forward-only paths
+
+    def _loss_fn_forward_backward(self, batch: Mapping[str, Any], forward_only: bool) -> StepOutput:
+        """The ``lightning_mcore_rl.train`` step: each microbatch's ``loss`` is normalised by the
+        GLOBAL valid counts, so the step loss is their sum over microbatches and DP ranks."""
+        from lightning_mcore_rl.train import LossPostProcessor
+
+        def make_post(num_microbatches: int) -> Any:
+            return LossPostProcessor(self.loss_fn, self.policy_config(), num_microbatches)
+
+        outputs = self._run_post_processed(batch, make_post, forward_only)
+        losses = [{"loss": out["loss"]} for out in outputs]
+        device = self.mcore_strategy.root_device
+        return reduce_step_outputs(losses, device=device, reduction="sum")
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Token logprobs ``[B, S]`` (stored convention: 0 at position 0) of this DP rank's batch,
+        forward-only through ``LogprobsPostProcessor``, on every rank (broadcast from the last
+        pipeline stage)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from lightning_mcore_rl.train import LogprobsPostProcessor
+
+        def make_post(num_microbatches: int) -> Any:
+            return LogprobsPostProcessor(self.policy_config())
+
+        outputs = self._run_post_processed(batch, make_post, forward_only=True)
+        holder = [torch.cat([o["logprobs"] for o in outputs]).cpu() if outputs else None]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(
+                holder,
+                src=ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
+        assert holder[0] is not None
+        return holder[0]

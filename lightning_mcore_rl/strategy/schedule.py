@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -114,14 +114,23 @@ def run_schedule(
 
 
 def reduce_step_outputs(
-    outputs: Sequence[dict[str, Any]], *, device: torch.device | str = "cpu"
+    outputs: Sequence[dict[str, Any]],
+    *,
+    device: torch.device | str = "cpu",
+    reduction: Literal["mean", "sum"] = "mean",
 ) -> StepOutput:
     """Make a step's metrics identical on every rank.
 
-    The last pipeline stage averages each metric over its microbatches; the values are broadcast
+    The last pipeline stage reduces each metric over its microbatches; the values are broadcast
     over the pipeline group (one object broadcast, so other stages learn the metric names too) and
-    averaged over the data-parallel group in fp64. TP/CP ranks of a replica already agree.
-    ``device`` is where the collective's tensor lives (the CUDA device under NCCL).
+    reduced over the data-parallel group in fp64. TP/CP ranks of a replica already agree.
+
+    Args:
+        outputs: the schedule's per-microbatch metric dicts (last stage; ``[]`` elsewhere).
+        device: where the collective's tensor lives (the CUDA device under NCCL).
+        reduction: ``"mean"`` over microbatches and DP ranks (a per-microbatch mean loss), or
+            ``"sum"`` over both (losses already normalised by GLOBAL valid counts, whose parts
+            add up to the global-batch loss).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -130,7 +139,7 @@ def reduce_step_outputs(
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         keys = list(outputs[0]) if outputs else []
         local = {
-            "means": {k: float(torch.stack([o[k].float() for o in outputs]).mean()) for k in keys},
+            "means": {k: _reduce([o[k] for o in outputs], reduction) for k in keys},
             "losses": tuple(float(o["loss"]) for o in outputs if "loss" in o),
         }
     if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -147,7 +156,13 @@ def reduce_step_outputs(
     dp_size = ps.get_data_parallel_world_size()
     if dp_size > 1 and names:
         dist.all_reduce(values, group=ps.get_data_parallel_group())
-        values /= dp_size
+        if reduction == "mean":
+            values /= dp_size
     reduced = {k: values[i].float().cpu() for i, k in enumerate(names)}
     loss = reduced.pop("loss", torch.tensor(float("nan")))
     return StepOutput(loss=loss, metrics=reduced, microbatch_losses=local["losses"])
+
+
+def _reduce(values: Sequence[Any], reduction: str) -> float:
+    stacked = torch.stack([torch.as_tensor(v).detach().float().reshape(()) for v in values])
+    return float(stacked.mean() if reduction == "mean" else stacked.sum())
