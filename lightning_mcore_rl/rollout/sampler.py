@@ -1,0 +1,111 @@
+"""Autoregressive sampling with the megatron training model itself.
+
+Meant for toy tasks and tests on CPU: every new token re-runs the model on the whole prefix (no KV
+cache), which is fine at tens of tokens. Tensor-parallel ranks gather the vocab-sharded logits and
+draw with identically seeded generators, so they agree on every token without communicating the
+samples. Pipeline/context parallelism and sequence parallelism are not supported here (they would
+need the schedule or sharded inputs); a production setup uses an inference engine instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class GenerationOutput(NamedTuple):
+    """Prompts plus sampled completions.
+
+    Attributes:
+        tokens: ``[B, P+N]`` prompt then ``N`` sampled tokens.
+        logprobs: ``[B, P+N]`` log-probability of each sampled token under the (temperature-scaled)
+            sampling distribution; 0 at prompt positions (stored-logprob convention).
+        completion_mask: ``[B, P+N]`` 1 at sampled positions, 0 at prompt positions.
+    """
+
+    tokens: Tensor
+    logprobs: Tensor
+    completion_mask: Tensor
+
+
+def _full_vocab_logits(local: Tensor, tp_group: Any) -> Tensor:
+    """``[B, V/TP]`` local shard -> ``[B, V]`` on every TP rank (identical bits everywhere)."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def _check_model_config(model: torch.nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    unsupported = {
+        "pipeline_model_parallel_size": getattr(config, "pipeline_model_parallel_size", 1),
+        "context_parallel_size": getattr(config, "context_parallel_size", 1),
+    }
+    for name, size in unsupported.items():
+        if size != 1:
+            raise ValueError(
+                f"generate() runs the model unpipelined and unsharded; got {name}={size}"
+            )
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError("generate() does not support sequence_parallel=True models")
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: Tensor,
+    *,
+    max_new_tokens: int,
+    generator: torch.Generator,
+    temperature: float = 1.0,
+    tp_group: Any = None,
+) -> GenerationOutput:
+    """Sample ``max_new_tokens`` tokens after each prompt.
+
+    Args:
+        model: a megatron GPT chunk (or its DDP/Float16 wrapper) returning vocab-parallel logits
+            ``[B, L, V/TP]`` for ``model(input_ids, position_ids, attention_mask=None)``.
+        prompts: ``[B, P]`` token ids (equal-length prompts).
+        max_new_tokens: ``N`` >= 1.
+        generator: CPU generator; seed it identically on the ranks of one TP group and differently
+            across data-parallel ranks.
+        temperature: > 0; logits are divided by it before sampling.
+        tp_group: tensor-parallel group (``None`` or size 1: logits are already full-vocab).
+
+    Returns:
+        :class:`GenerationOutput`.
+    """
+    if prompts.ndim != 2 or prompts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"`prompts` must be integer [B, P], got {prompts.dtype} {tuple(prompts.shape)}"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    _check_model_config(model)
+    was_training = model.training
+    model.eval()
+    try:
+        tokens = prompts.long()
+        logprobs = torch.zeros(prompts.shape, dtype=torch.float32)
+        for _ in range(max_new_tokens):
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            local = model(tokens, positions, None)[:, -1, :].float()  # [B, V/TP]
+            scaled = _full_vocab_logits(local, tp_group) / temperature  # [B, V]
+            log_probs = torch.log_softmax(scaled, dim=-1)
+            nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
+            tokens = torch.cat([tokens, nxt], dim=1)
+            logprobs = torch.cat([logprobs, log_probs.gather(1, nxt)], dim=1)
+    finally:
+        model.train(was_training)
+    mask = torch.zeros_like(tokens)
+    mask[:, prompts.shape[1] :] = 1
+    return GenerationOutput(tokens=tokens, logprobs=logprobs, completion_mask=mask)
