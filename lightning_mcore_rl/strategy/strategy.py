@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -42,14 +43,6 @@ from lightning_mcore_rl.strategy.schedule import (
     wrap_chunks,
 )
 
-_PASSTHROUGH_KWARGS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "timeout",
-)
 _DEFAULT_SEED = 1234
 _PROCESS_EMULATION: list[Any] = []  # the process-lifetime cpu_emulation() context, entered once
 
@@ -94,8 +87,11 @@ class MCoreRLStrategy(DDPStrategy):
         ddp: megatron DDP options.
         checkpoint: checkpoint format options.
         process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
-        **kwargs: Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
-            ``checkpoint_io``, ``precision_plugin``, ``timeout``.
+        cluster_environment: Lightning cluster environment (default: detected).
+        timeout: process-group timeout.
+
+    Accelerator, devices and precision come from the ``Trainer``; torch-DDP options do not exist
+    here (megatron's DDP is configured by ``ddp``).
     """
 
     strategy_name = "mcore_rl"
@@ -113,14 +109,9 @@ class MCoreRLStrategy(DDPStrategy):
         ddp: MegatronDDPConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         process_group_backend: str | None = None,
-        **kwargs: Any,
+        cluster_environment: ClusterEnvironment | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
     ) -> None:
-        unknown = sorted(set(kwargs) - set(_PASSTHROUGH_KWARGS))
-        if unknown:
-            raise TypeError(
-                f"MCoreRLStrategy got unexpected arguments {unknown}; it accepts the parallel "
-                f"sizes, `ddp`, `checkpoint` and Lightning's {list(_PASSTHROUGH_KWARGS)}."
-            )
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(
                 f"`micro_batch_size` must be a positive int, got {micro_batch_size!r}."
@@ -140,8 +131,11 @@ class MCoreRLStrategy(DDPStrategy):
         self._default_precision = MCorePrecision()
         self._chunks: list[torch.nn.Module] = []
         self._chunks_for: list[torch.nn.Module] = []
-        kwargs.setdefault("timeout", timedelta(minutes=30))
-        super().__init__(process_group_backend=process_group_backend, **kwargs)
+        super().__init__(
+            cluster_environment=cluster_environment,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
 
     # ---------------------------------------------------------------- environment and layout
 
