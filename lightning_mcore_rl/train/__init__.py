@@ -20,6 +20,12 @@ from lightning_mcore_rl.train.forward import (
     forward_with_post_processing_fn,
     model_forward,
 )
+from lightning_mcore_rl.train.groups import (
+    CP_NEEDS_PACKING,
+    should_reduce_loss_across_context_parallel,
+    strip_context_parallel_local_loss_metric,
+)
+from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,
     ProcessedMicrobatch,
@@ -28,14 +34,10 @@ from lightning_mcore_rl.train.microbatch import (
     process_microbatch,
 )
 from lightning_mcore_rl.train.post_processors import (
-    CP_NEEDS_PACKING,
     LogprobsPostProcessor,
-    LossPostProcessor,
     PostProcessingFunction,
     TeacherFullPayloadPostProcessor,
     TopkLogitsPostProcessor,
-    should_reduce_loss_across_context_parallel,
-    strip_context_parallel_local_loss_metric,
 )
 from lightning_mcore_rl.train.schedule import (
     megatron_forward_backward,

@@ -100,7 +100,8 @@ def test_draft_wrapper_adds_the_weighted_draft_loss() -> None:
     policy_loss, _ = policy(logits, data, 2.0, 7.0)
     draft_input, _ = prepare_loss_input(logits, data, DraftCrossEntropyLossFn(), 0, G1)
     draft, _ = DraftCrossEntropyLossFn()(data, 2.0, 7.0, **draft_input)
-    assert float(total.detach()) == pytest.approx(float(policy_loss + 0.25 * draft), abs=1e-6)
-    assert float(metrics["draft_loss"]) == pytest.approx(float(draft), abs=1e-6)
+    expected = float((policy_loss + 0.25 * draft).detach())
+    assert float(total.detach()) == pytest.approx(expected, abs=1e-6)
+    assert float(metrics["draft_loss"]) == pytest.approx(float(draft.detach()), abs=1e-6)
     with pytest.raises(ValueError, match="global_valid_toks"):
         wrapper(logits, data, 2.0, None)

@@ -29,7 +29,7 @@ from lightning_mcore_rl.train import (
     strip_context_parallel_local_loss_metric,
     suspend_activation_offload_for_forward_only,
 )
-from lightning_mcore_rl.train import post_processors as pp_module
+from lightning_mcore_rl.train import groups as groups_module
 
 
 class FakeGroup:
@@ -42,8 +42,8 @@ class FakeGroup:
 
 @pytest.fixture
 def fake_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    groups = pp_module._Groups(FakeGroup(), 0, FakeGroup(), 1)
-    monkeypatch.setattr(pp_module, "_megatron_groups", lambda: groups)
+    groups = groups_module.ParallelGroups(FakeGroup(), 0, FakeGroup(), 1)
+    monkeypatch.setattr(groups_module, "megatron_groups", lambda: groups)
 
 
 def _data() -> BatchedDataDict:

@@ -1,0 +1,141 @@
+"""Full-vocabulary on-policy-distillation (``OPD_FULL``) loss input (spec §3.5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses.interfaces import LossFunction
+from lightning_mcore_rl.losses.loss_input._common import (
+    OPD_FULL_PAYLOAD_FIELD,
+    OPD_FULL_TEACHER_INDEX_FIELD,
+    _as_ints,
+    _group_rank,
+    _group_size,
+    _reference_kl_penalty,
+    _vocab_range,
+    next_token_logprobs,
+)
+from lightning_mcore_rl.ops import (
+    TrainingSamplingParams,
+    allgather_cp_sharded_tensor,
+    get_tokens_on_this_cp_rank,
+    vocab_parallel_reverse_kl,
+)
+
+
+def _teacher_logits_shard(
+    payload: Tensor,
+    data: BatchedDataDict,
+    local_shape: torch.Size,
+    start: int,
+    end: int,
+    cp_rank: int,
+    cp_size: int,
+    tp_size: int,
+    weights: dict[int, Tensor] | None,
+) -> Tensor:
+    """This rank's detached teacher logits ``[B, S/CP, V_l]`` from a ``[B, S, D]`` payload."""
+    batch, local_seq, local_vocab = local_shape
+    padded = F.pad(payload, (0, 0, 0, local_seq * cp_size - payload.shape[1]))
+    window = get_tokens_on_this_cp_rank(padded, cp_rank, cp_size, seq_dim=1)  # [B, S/CP, D]
+    if weights is None:
+        if payload.shape[-1] != local_vocab * tp_size:
+            raise ValueError(
+                f"a logits payload must be [B, S, V] with V = V_l * TP = {local_vocab} * {tp_size}, "
+                f"got shape {tuple(payload.shape)}"
+            )
+        return window[..., start:end].detach()
+    if OPD_FULL_TEACHER_INDEX_FIELD not in data:
+        raise ValueError(
+            f"a hidden-state payload needs `{OPD_FULL_TEACHER_INDEX_FIELD}` [B] in the data"
+        )
+    index = _as_ints(data[OPD_FULL_TEACHER_INDEX_FIELD])
+    rows = []
+    for b in range(batch):
+        if index[b] not in weights:
+            raise ValueError(
+                f"row {b} uses teacher {index[b]} but only {sorted(weights)} LM heads were given"
+            )
+        weight = weights[index[b]]  # [V_l, H_t]
+        rows.append(window[b].to(weight.dtype) @ weight.t())
+    return torch.stack(rows).detach()
+
+
+def _prepare_opd_full_loss_input(
+    logits: Tensor,
+    data: BatchedDataDict,
+    loss_fn: LossFunction,
+    *,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: Any,
+    context_parallel_group: Any,
+    sampling_params: TrainingSamplingParams | None,
+    chunk_size: int | None,
+    teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
+) -> dict[str, Any]:
+    """Full-vocabulary on-policy-distillation loss input from student logits + teacher payload.
+
+    The teacher payload ``data["teacher_full_payload"] [B, S, D]`` is either the teacher's
+    logits (``D = V``; used when ``teacher_output_layer_weight_by_index`` is ``None``) or its
+    pre-LM-head hidden states (``D = H_t``, projected with the row's teacher LM-head shard chosen
+    by ``data["teacher_index"] [B]``).
+
+    Args:
+        logits: Student logits ``[B, S/CP, V_l]``.
+        data: Microbatch with the payload column.
+        loss_fn: The ``OPD_FULL`` loss.
+        vocab_parallel_rank: TP rank (``None``: the group's rank).
+        vocab_parallel_group: TP group (required).
+        context_parallel_group: CP group.
+        sampling_params: Unused by the divergence (exact expectation); kept for the seed API.
+        chunk_size: Sequence chunk of the reverse-KL kernel.
+        teacher_output_layer_weight_by_index: Per-teacher ``[V_l, H_t]`` LM-head shards.
+
+    Returns:
+        ``opd_full_divergence [B, S-1]`` (differentiable), ``opd_full_entropy`` (``sum p log p``)
+        and ``opd_full_cross_entropy`` ``[B, S-1]`` (metrics), plus unfiltered
+        ``next_token_logprobs`` when the loss has a reference KL.
+
+    Raises:
+        NotImplementedError: No vocab-parallel group.
+        ValueError: The payload column is missing or malformed.
+    """
+    if vocab_parallel_group is None:
+        raise NotImplementedError("OPD_FULL loss input needs `vocab_parallel_group` (TP group)")
+    if OPD_FULL_PAYLOAD_FIELD not in data:
+        raise ValueError(
+            f"OPD_FULL loss input needs the teacher payload column `{OPD_FULL_PAYLOAD_FIELD}` "
+            f"[B, S, D]; keys: {sorted(data)}"
+        )
+    cp_rank, cp_size = _group_rank(context_parallel_group), _group_size(context_parallel_group)
+    start, end = _vocab_range(logits, vocab_parallel_rank, vocab_parallel_group)
+    seq_len = data["input_ids"].shape[1]
+    teacher = _teacher_logits_shard(
+        data[OPD_FULL_PAYLOAD_FIELD], data, logits.shape, start, end, cp_rank, cp_size,
+        _group_size(vocab_parallel_group), teacher_output_layer_weight_by_index,
+    ).to(logits.dtype)  # fmt: skip
+    out = vocab_parallel_reverse_kl(
+        logits, teacher, vocab_parallel_group, chunk_size, return_metrics=True
+    )
+
+    def canonical(local: Tensor) -> Tensor:
+        if cp_size > 1:
+            local = allgather_cp_sharded_tensor(local, context_parallel_group, seq_dim=1)
+        return local[:, : seq_len - 1]
+
+    loss_input: dict[str, Any] = {
+        "opd_full_divergence": canonical(out.reverse_kl),
+        "opd_full_entropy": canonical(out.neg_entropy.detach()),
+        "opd_full_cross_entropy": canonical(out.cross_entropy.detach()),
+    }
+    if _reference_kl_penalty(loss_fn) != 0:
+        loss_input["next_token_logprobs"] = next_token_logprobs(
+            data["input_ids"], logits, vocab_parallel_rank, vocab_parallel_group,
+            context_parallel_group, None, chunk_size,
+        )  # fmt: skip
+    return loss_input

@@ -1,0 +1,97 @@
+"""Process groups read from Megatron at the boundary, and CP/packing layout helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.ops import (
+    allgather_cp_sharded_tensor,
+)
+
+OutputProcessor = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
+CP_NEEDS_PACKING = "Context Parallelism (CP>1) requires sequence packing to be enabled."
+
+
+class ParallelGroups(NamedTuple):
+    """This rank's TP group/rank and CP group/size, read from Megatron at the boundary."""
+
+    tp_group: Any
+    tp_rank: int
+    cp_group: Any
+    cp_size: int
+
+
+def megatron_groups() -> ParallelGroups:
+    """The groups from Megatron's ``parallel_state`` (must be initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelGroups(
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_context_parallel_group(),
+        ps.get_context_parallel_world_size(),
+    )
+
+
+def vocab_range(output: Tensor, tp_rank: int) -> tuple[int, int]:
+    local_vocab = output.shape[-1]
+    return tp_rank * local_vocab, (tp_rank + 1) * local_vocab
+
+
+def host_ints(values: Tensor | Sequence[int]) -> list[int]:
+    return [int(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
+
+
+def gather_packed_over_cp(local: Tensor, cu: list[int], cp_group: Any) -> Tensor:
+    """``[1, T/CP, ...]`` per-span zigzag shards -> ``[1, T, ...]``, one all-gather per span."""
+    cp_size = cp_group.size()
+    full = local.new_zeros(1, cu[-1], *local.shape[2:])
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
+        if end > start:  # per sequence: gathering the whole row misplaces tokens (trap 3)
+            span = local[:, start // cp_size : end // cp_size]
+            full[:, start:end] = allgather_cp_sharded_tensor(span, cp_group, seq_dim=1)
+    return full
+
+
+def unpack_rows(full: Tensor, cu: list[int], lengths: Tensor, width: int) -> Tensor:
+    """``[1, T, ...]`` -> ``[B, S, ...]`` zeros + row ``i``'s first ``min(len_i, S)`` tokens."""
+    lens = host_ints(lengths)
+    out = full.new_zeros(len(lens), width, *full.shape[2:])
+    for i, length in enumerate(lens):
+        n = min(length, width)
+        out[i, :n] = full[0, cu[i] : cu[i] + n]
+    return out
+
+
+def should_reduce_loss_across_context_parallel(data: BatchedDataDict | dict[str, Any]) -> bool:
+    """Whether scalar loss reporting must include CP ranks (direct prepacked data, CP-local loss).
+
+    Args:
+        data: The batch.
+
+    Returns:
+        True iff ``"packed_cu_seqlens"`` is a key of ``data``.
+    """
+    return "packed_cu_seqlens" in data
+
+
+def strip_context_parallel_local_loss_metric(
+    metrics: dict[str, list[Any]], enabled: bool
+) -> dict[str, list[Any]]:
+    """Remove the CP-local ``"loss"`` metric list after it entered the global reduction.
+
+    Args:
+        metrics: Per-microbatch metric lists keyed by name.
+        enabled: Whether the losses were CP-local (:func:`should_reduce_loss_across_context_parallel`).
+
+    Returns:
+        A new dict without ``"loss"`` when enabled, else ``metrics`` unchanged.
+    """
+    if not enabled:
+        return metrics
+    return {key: value for key, value in metrics.items() if key != "loss"}

@@ -1,0 +1,194 @@
+"""``LossPostProcessor``: the per-microbatch training-loss callback (spec §2.5)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses import (
+    DraftLossWrapper,
+    LossFunction,
+    NLLLossFn,
+    SequencePackingFusionLossWrapper,
+    SequencePackingLossWrapper,
+    prepare_loss_input,
+    prepare_packed_loss_input,
+    wrap_loss_fn_with_input_preparation,
+)
+from lightning_mcore_rl.ops import (
+    TrainingSamplingParams,
+)
+from lightning_mcore_rl.train import groups as pg
+from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.groups import OutputProcessor
+
+
+class LossPostProcessor:
+    """Per-microbatch loss callback for Megatron's schedule (spec §2.5).
+
+    Args:
+        loss_fn: Loss function to wrap.
+        cfg: :class:`PolicyConfig` or NeMo RL's policy mapping (packing, chunk size, draft).
+        num_microbatches: ``M``, used to counteract Megatron's per-microbatch loss averaging.
+        cp_normalize: Divide the loss by the context-parallel size (see :meth:`scale_loss`).
+        sampling_params: Top-k/top-p for logprob losses (temperature is applied upstream).
+        draft_model: EAGLE draft model; only its ``eagle_module.d2t`` vocab map is read here.
+        prepare_fn: Override of :func:`prepare_loss_input` (same call signature), e.g. a value
+            model's right-shift.
+        defer_draft_normalization: Not supported (raises): the split optimizer-step draft
+            finalisation belongs to the draft-model trainer, which is not part of this project.
+        teacher_output_layer_weight_by_index: This rank's teacher LM-head shards ``[V_l, H_t]``
+            for full-vocabulary on-policy distillation, keyed by teacher index.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFunction,
+        cfg: PolicyConfig | Mapping[str, Any] | None,
+        num_microbatches: int = 1,
+        cp_normalize: bool = True,
+        sampling_params: TrainingSamplingParams | None = None,
+        draft_model: Any = None,
+        prepare_fn: Callable[..., Any] | None = None,
+        defer_draft_normalization: bool = False,
+        teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
+    ) -> None:
+        if num_microbatches < 1:
+            raise ValueError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
+        if defer_draft_normalization:
+            raise NotImplementedError(
+                "`defer_draft_normalization=True` needs the draft-model trainer's split "
+                "optimizer-step finalisation, which this project does not have"
+            )
+        self.loss_fn = loss_fn
+        self.cfg = load_policy_config(cfg)
+        self.num_microbatches = num_microbatches
+        self.cp_normalize = cp_normalize
+        self.sampling_params = sampling_params
+        self.d2t = getattr(getattr(draft_model, "eagle_module", None), "d2t", None)
+        self.prepare_fn = prepare_fn
+        self.teacher_output_layer_weight_by_index = teacher_output_layer_weight_by_index
+
+    def scale_loss(self, loss: Tensor, cp_size: int) -> Tensor:
+        """``R = L * M / CP^2`` (``cp_normalize``) or ``L * M / CP``: the ONE place of this scaling.
+
+        Derivation (spec §2.5, trap 5). Megatron's schedule multiplies a 2-tuple loss by ``CP``
+        and divides it by ``M`` before backward, so it back-propagates ``R * CP / M = L / CP``.
+        ``calculate_per_token_loss=True`` with ``average_in_collective=False`` makes DDP *sum*
+        gradients over DP x CP without rescaling (the 2-tuple path reports 0 tokens). Every CP
+        rank computes the same full-sequence ``L`` (logprobs are all-gathered over CP) and the
+        gather's backward sums the CP ranks' gradients, so each rank's local-logit gradient is
+        ``CP * d(L / CP) / dz_local = dL / dz_local``: exact. ``L`` is already normalised by the
+        global valid counts, so summing over microbatches and DP ranks gives the gradient of
+        the global mean; nothing else may average.
+
+        Args:
+            loss: ``L``, the loss function's scalar for this microbatch.
+            cp_size: ``CP``.
+
+        Returns:
+            The scaled loss handed to Megatron (a new tensor: the schedule divides it in place).
+        """
+        if self.cp_normalize:
+            loss = loss / cp_size
+        return loss * self.num_microbatches / cp_size
+
+    def _bound_prepare_fn(self) -> Callable[..., Any]:
+        if self.prepare_fn is not None:
+            return self.prepare_fn
+        return functools.partial(
+            prepare_loss_input, sampling_params=self.sampling_params, d2t=self.d2t,
+            chunk_size=self.cfg.logprob_chunk_size,
+            teacher_output_layer_weight_by_index=self.teacher_output_layer_weight_by_index,
+        )  # fmt: skip
+
+    def _wrapper(
+        self, data_dict: BatchedDataDict, packed_seq_params: Any, groups: pg.ParallelGroups
+    ) -> Any:
+        prepare_fn = self._bound_prepare_fn()
+        group_args = (groups.tp_rank, groups.tp_group, groups.cp_group)
+        if self.cfg.sequence_packing and packed_seq_params is not None:
+            if "student_logits" in data_dict:
+                raise NotImplementedError("draft-model losses do not support sequence packing")
+            cu = (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded)
+            if self.cfg.fuse_loss:
+                if self.prepare_fn is not None:
+                    raise ValueError("`fuse_loss=True` cannot use a custom `prepare_fn`")
+                fused_prepare = functools.partial(
+                    prepare_packed_loss_input, sampling_params=self.sampling_params,
+                    chunk_size=self.cfg.logprob_chunk_size,
+                )  # fmt: skip
+                return SequencePackingFusionLossWrapper(
+                    self.loss_fn, fused_prepare, *cu, *group_args
+                )
+            return SequencePackingLossWrapper(self.loss_fn, prepare_fn, *cu, *group_args)
+        wrapper = functools.partial(
+            wrap_loss_fn_with_input_preparation, loss_fn=self.loss_fn, prepare_fn=prepare_fn,
+            vocab_parallel_rank=groups.tp_rank, vocab_parallel_group=groups.tp_group,
+            context_parallel_group=groups.cp_group,
+        )  # fmt: skip
+        if "student_logits" in data_dict:
+            return DraftLossWrapper(
+                wrapper, prepare_fn, self.cfg.draft_loss_weight, None, *group_args
+            )
+        return wrapper
+
+    def _direct_packed_sft(self, prepacked_loss_mask: Tensor) -> Any:
+        if not isinstance(self.loss_fn, NLLLossFn):
+            raise TypeError(
+                f"direct Megatron-LM prepacked SFT requires the loss function to be NLLLossFn, "
+                f"got {type(self.loss_fn).__name__}"
+            )
+
+        def per_token_loss(
+            output: Tensor, data: BatchedDataDict, _gvs: Any, gvt: Tensor
+        ) -> tuple[Tensor, dict[str, Any]]:
+            if output.shape != prepacked_loss_mask.shape:
+                raise ValueError(
+                    f"loss and loss mask shapes must match: {tuple(output.shape)} vs "
+                    f"{tuple(prepacked_loss_mask.shape)}"
+                )
+            loss = (output.float() * prepacked_loss_mask).sum() / gvt
+            valid = torch.as_tensor(data["sample_mask"]).sum()
+            return loss, {"loss": loss.detach().clone(), "num_valid_samples": valid.detach()}
+
+        return per_token_loss
+
+    def __call__(
+        self,
+        data_dict: BatchedDataDict,
+        packed_seq_params: Any = None,
+        global_valid_seqs: Tensor | None = None,
+        global_valid_toks: Tensor | None = None,
+        prepacked_loss_mask: Tensor | None = None,
+    ) -> OutputProcessor:
+        """Bind one microbatch: returns ``f(output) -> (scaled_loss, metrics)``.
+
+        Args:
+            data_dict: The microbatch ``[B, S, ...]``.
+            packed_seq_params: Megatron ``PackedSeqParams`` when the microbatch is packed.
+            global_valid_seqs: Valid sequences of the global batch.
+            global_valid_toks: Valid (shifted) tokens of the global batch.
+            prepacked_loss_mask: ``[1, T/CP]`` mask when the model returned per-token losses
+                (direct prepacked SFT); the loss is then CP-local.
+
+        Returns:
+            The callable Megatron applies to the model output; metrics are the loss
+            function's, unscaled.
+        """
+        groups = pg.megatron_groups()
+        if prepacked_loss_mask is not None:
+            wrapper = self._direct_packed_sft(prepacked_loss_mask)
+        else:
+            wrapper = self._wrapper(data_dict, packed_seq_params, groups)
+
+        def loss_and_metrics(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            loss, metrics = wrapper(output_tensor, data_dict, global_valid_seqs, global_valid_toks)
+            return self.scale_loss(loss, groups.cp_size), metrics
+
+        return loss_and_metrics
