@@ -61,6 +61,8 @@ def check_trainer_flags(
             "whole global batch into each batch (DataLoader batch_size = global batch / DP); the "
             "strategy splits it into microbatches of `micro_batch_size`."
         )
+    # The Trainer stores a GradClipAlgorithmType (a str enum): compare and report its value.
+    gradient_clip_algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
     if gradient_clip_algorithm not in (None, "norm"):
         raise ValueError(
             f"`Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r})` is not supported: "

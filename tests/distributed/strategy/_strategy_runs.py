@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
@@ -296,3 +296,44 @@ def atomic_save_rank(rank: int, path: str) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - the failure is the point
         error = type(err).__name__
     return {"error": error, "loaded": dist_checkpointing.load_common_state_dict(path)}
+
+
+class _PlainModule(LightningModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.zeros(())
+
+    def configure_optimizers(self) -> Any:
+        return None
+
+
+def trainer_errors_rank(rank: int) -> dict[str, str]:
+    """Each misconfiguration through a real ``Trainer.fit`` on one rank: the error it raises."""
+    loader = DataLoader(TokenRows(8), batch_size=2)
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any], Any]] = {
+        "accumulate": ({}, {"accumulate_grad_batches": 2}, TinyGPTModule()),
+        "clip_value": (
+            {},
+            {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"},
+            TinyGPTModule(),
+        ),
+        "sizes": ({"tp": 2}, {}, TinyGPTModule()),
+        "plain_module": ({}, {}, _PlainModule()),
+    }
+    errors = {}
+    for name, (spec, trainer_kwargs, module) in cases.items():
+        trainer = make_trainer({"steps": 1, **spec}, 1, **trainer_kwargs)
+        try:
+            trainer.fit(module, loader)
+            errors[name] = ""
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            errors[name] = f"{type(err).__name__}: {err}"
+    # bf16 Trainer but a module that builds an fp32 config.
+    trainer = make_trainer({"steps": 1, "precision": "bf16-mixed"}, 1)
+    module = TinyGPTModule()
+    module.build_chunk = lambda vp_stage: tiny_gpt(tiny_gpt_config(), vocab_size=VOCAB)  # type: ignore[method-assign]
+    try:
+        trainer.fit(module, loader)
+        errors["config"] = ""
+    except Exception as err:  # noqa: BLE001
+        errors["config"] = f"{type(err).__name__}: {err}"
+    return errors
