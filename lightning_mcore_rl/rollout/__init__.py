@@ -2,6 +2,6 @@
 training model itself (no inference engine) and toy tasks with verifiable rewards."""
 
 from lightning_mcore_rl.rollout.sampler import GenerationOutput, generate
-from lightning_mcore_rl.rollout.tasks import ModularMatchTask
+from lightning_mcore_rl.rollout.tasks import ModularCountingTask
 
-__all__ = ["GenerationOutput", "ModularMatchTask", "generate"]
+__all__ = ["GenerationOutput", "ModularCountingTask", "generate"]

@@ -9,21 +9,22 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class ModularMatchTask:
-    """Continue a random prompt with tokens congruent to its last token modulo ``modulus``.
+class ModularCountingTask:
+    """Continue a random prompt by counting modulo ``modulus``: every completion token ``t_i``
+    should satisfy ``t_i % m == (t_{i-1} + 1) % m``, its predecessor being the previous
+    completion token or, for the first one, the prompt's last token.
 
-    The reward of a completion is the fraction of its tokens ``t`` with
-    ``t % modulus == prompt[-1] % modulus``; a uniformly random policy scores ``1/modulus``, the
-    optimum is 1. The policy must read the prompt (the target class changes per prompt), so a
-    rising reward shows real conditional learning, not a fixed token preference.
+    The reward is the fraction of completion tokens that follow the rule: a uniformly random policy
+    scores ``1/modulus``, the optimum is 1, and repeating a token scores 0, so a rising reward shows
+    that the policy learned a rule conditioned on its context, not a fixed token preference.
 
     Attributes:
         vocab_size: prompts draw from ``[0, vocab_size)``.
         prompt_length: ``P``.
-        modulus: number of residue classes (difficulty).
+        modulus: ``m``, the number of residue classes (difficulty).
     """
 
-    vocab_size: int = 128
+    vocab_size: int = 16
     prompt_length: int = 8
     modulus: int = 4
 
@@ -43,6 +44,6 @@ class ModularMatchTask:
 
     def rewards(self, tokens: Tensor, completion_mask: Tensor) -> Tensor:
         """``[B]`` rewards for ``tokens [B, P+N]`` whose completion positions are ``completion_mask``."""
-        target = tokens[:, self.prompt_length - 1] % self.modulus  # [B]
-        hits = (tokens % self.modulus == target[:, None]) & completion_mask.bool()
+        expected = (tokens[:, :-1] + 1) % self.modulus  # residue each next token should have
+        hits = (tokens[:, 1:] % self.modulus == expected) & completion_mask[:, 1:].bool()
         return hits.sum(dim=1).float() / completion_mask.sum(dim=1).clamp(min=1).float()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
-from lightning_mcore_rl.rollout import ModularMatchTask
+from lightning_mcore_rl.rollout import ModularCountingTask
 
 
 def test_group_mean_baseline_and_std():
@@ -42,11 +42,14 @@ def test_bad_input():
         token_level_advantages(torch.ones(3), torch.ones(2, 4))
 
 
-def test_modular_match_reward():
-    task = ModularMatchTask(vocab_size=16, prompt_length=2, modulus=4)
-    # prompt last token 5 -> class 1; completion [9, 2, 13] -> 9%4=1 yes, 2 no, 13%4=1 yes -> 2/3
-    tokens = torch.tensor([[0, 5, 9, 2, 13]])
-    mask = torch.tensor([[0, 0, 1, 1, 1]])
-    torch.testing.assert_close(task.rewards(tokens, mask), torch.tensor([2 / 3]))
+def test_modular_counting_reward():
+    task = ModularCountingTask(vocab_size=16, prompt_length=2, modulus=4)
+    # prompt ends in 5 (residue 1): completion [6, 3, 4, 4] needs residues 2, 3, 0, 1 after
+    # 5, 6, 3, 4: 6%4=2 yes, 3%4=3 yes, 4%4=0 yes, 4%4=0 != 1 no -> 3/4 (a repeat never scores)
+    tokens = torch.tensor([[0, 5, 6, 3, 4, 4]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    torch.testing.assert_close(task.rewards(tokens, mask), torch.tensor([3 / 4]))
     with pytest.raises(ValueError, match="modulus"):
-        ModularMatchTask(vocab_size=16, modulus=1)
+        ModularCountingTask(vocab_size=16, modulus=1)
+    with pytest.raises(ValueError, match="prompt_length"):
+        ModularCountingTask(prompt_length=0)

@@ -1,0 +1,248 @@
+"""GRPO on an embedded toy task: generate with the policy itself, score, train — one optimizer
+step per Lightning batch of prompts.
+
+Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and:
+
+1. samples ``G`` completions per prompt with :func:`~lightning_mcore_rl.rollout.generate`
+   (``generation_logprobs``);
+2. scores them with the task and turns rewards into group-relative advantages;
+3. recomputes the logprobs of the current weights forward-only (``prev_logprobs``; the PPO ratio
+   uses them, the sampler's logprobs drive the importance-sampling metrics);
+4. runs megatron's schedule with :class:`~lightning_mcore_rl.losses.ClippedPGLossFn` — the loss is
+   a global token mean whatever the TP/PP/DP layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn
+from lightning_mcore_rl.module import MCoreRLModule
+from lightning_mcore_rl.rollout import ModularCountingTask, generate
+
+
+@dataclass
+class TinyGPTSpec:
+    """Size of the policy (a megatron-core ``GPTModel`` with the local layer spec).
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: ``H``.
+        num_attention_heads: heads (divisible by TP).
+        seed: weight seed (weights are identical under any TP layout).
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    seed: int = 0
+
+
+@dataclass
+class RolloutSpec:
+    """How completions are sampled.
+
+    Attributes:
+        group_size: ``G`` completions per prompt.
+        max_new_tokens: completion length.
+        temperature: sampling temperature (the loss uses the same one).
+        seed: base seed; each step and data-parallel rank derives its own stream.
+    """
+
+    group_size: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    seed: int = 1234
+
+
+class PromptDataset(Dataset):
+    """``num_prompts`` fixed random prompts of a task (map-style, so Lightning's distributed
+    sampler splits them over data-parallel ranks)."""
+
+    def __init__(self, task: ModularCountingTask, num_prompts: int, seed: int = 0) -> None:
+        self.prompts = task.prompts(num_prompts, torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.prompts[index]
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompts for GRPO: ``prompts_per_step`` prompts per optimizer step over all data-parallel
+    ranks (each rank's loader yields its ``prompts_per_step / DP`` share).
+
+    Args:
+        task: the task that makes the prompts.
+        prompts_per_step: global prompts per optimizer step (divisible by DP).
+        num_steps: how many steps' worth of distinct prompts to make (one epoch).
+        seed: prompt seed.
+    """
+
+    def __init__(
+        self,
+        task: ModularCountingTask | None = None,
+        prompts_per_step: int = 16,
+        num_steps: int = 150,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.task = task or ModularCountingTask()
+        self.prompts_per_step = prompts_per_step
+        self.num_steps = num_steps
+        self.seed = seed
+
+    def train_dataloader(self) -> DataLoader:
+        """Per-rank batches of ``prompts_per_step / DP`` prompts ``[b, P]``."""
+        dp = self.trainer.strategy.distributed_sampler_kwargs["num_replicas"]
+        if self.prompts_per_step % dp != 0:
+            raise ValueError(
+                f"`prompts_per_step` ({self.prompts_per_step}) must be divisible by the "
+                f"data-parallel size ({dp})."
+            )
+        dataset = PromptDataset(self.task, self.prompts_per_step * self.num_steps, self.seed)
+        return DataLoader(dataset, batch_size=self.prompts_per_step // dp)
+
+
+class GRPOModule(MCoreRLModule):
+    """Group Relative Policy Optimization (DeepSeekMath, arXiv:2402.03300) of a tiny GPT.
+
+    Args:
+        task: the rewarded task.
+        model: policy size.
+        rollout: sampling settings.
+        loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios; the reference-policy KL
+            penalty must be 0 (no reference model in this recipe).
+        lr: Adam learning rate.
+    """
+
+    def __init__(
+        self,
+        task: ModularCountingTask | None = None,
+        model: TinyGPTSpec | None = None,
+        rollout: RolloutSpec | None = None,
+        loss: ClippedPGLossConfig | None = None,
+        lr: float = 1e-2,
+    ) -> None:
+        loss = loss or ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
+        if loss.reference_policy_kl_penalty != 0.0:
+            raise ValueError(
+                "GRPOModule has no reference policy yet: set "
+                "`reference_policy_kl_penalty=0.0` in its loss config (got "
+                f"{loss.reference_policy_kl_penalty})."
+            )
+        super().__init__(loss_fn=ClippedPGLossFn(loss))
+        self.task = task or ModularCountingTask()
+        self.model_spec = model or TinyGPTSpec()
+        self.rollout = rollout or RolloutSpec()
+        self.lr = lr
+        self.save_hyperparameters(
+            {
+                "task": asdict(self.task),
+                "model": asdict(self.model_spec),
+                "rollout": asdict(self.rollout),
+                "lr": lr,
+            }
+        )
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        """The tiny GPT (layout-invariant deterministic weights), built from the strategy's config."""
+        from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt
+
+        spec = self.model_spec
+        config = self.transformer_config(
+            num_layers=spec.num_layers,
+            hidden_size=spec.hidden_size,
+            num_attention_heads=spec.num_attention_heads,
+            ffn_hidden_size=4 * spec.hidden_size,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+        )
+        length = self.task.prompt_length + self.rollout.max_new_tokens
+        return tiny_gpt(
+            config,
+            vocab_size=self.task.vocab_size,
+            max_sequence_length=length,
+            seed=spec.seed,
+            vp_stage=vp_stage,
+        )
+
+    def configure_optimizers(self) -> Any:
+        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
+        """Rollout, score, advantages, ``prev_logprobs``, one policy-gradient step.
+
+        Args:
+            batch: ``[b, P]`` prompts of this data-parallel rank.
+        """
+        data, rewards = self.make_rollout(batch)
+        data["prev_logprobs"] = self.compute_logprobs(data)
+        out = self.forward_backward(data)
+        self.log_dict(
+            {"train_loss": out.loss, "reward": self._global_mean(rewards)},
+            batch_size=1,
+            prog_bar=True,
+        )
+        return out.loss
+
+    @torch.no_grad()
+    def make_rollout(self, prompts: torch.Tensor) -> tuple[BatchedDataDict, torch.Tensor]:
+        """Sample ``G`` completions per prompt and build the GRPO batch.
+
+        Returns:
+            ``(batch, rewards [b*G])`` with ``input_ids/generation_logprobs/token_mask/advantages
+            [b*G, P+N]``, ``input_lengths``, ``sample_mask``.
+        """
+        from megatron.core import parallel_state as ps
+
+        spec = self.rollout
+        generator = torch.Generator().manual_seed(
+            spec.seed + 1_000_003 * self.global_step + ps.get_data_parallel_rank()
+        )
+        out = generate(
+            self.mcore_strategy.model_chunks[0],
+            prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
+            max_new_tokens=spec.max_new_tokens,
+            generator=generator,
+            temperature=spec.temperature,
+            tp_group=ps.get_tensor_model_parallel_group(),
+        )
+        rewards = self.task.rewards(out.tokens, out.completion_mask)
+        token_mask = out.completion_mask.float()
+        batch = BatchedDataDict(
+            input_ids=out.tokens,
+            input_lengths=torch.full((out.tokens.shape[0],), out.tokens.shape[1]),
+            token_mask=token_mask,
+            sample_mask=torch.ones(out.tokens.shape[0]),
+            advantages=token_level_advantages(
+                grpo_advantages(rewards, spec.group_size), token_mask
+            ),
+            generation_logprobs=out.logprobs,
+        )
+        return batch, rewards
+
+    def _global_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over all data-parallel ranks (identical on every rank)."""
+        from megatron.core import parallel_state as ps
+
+        stats = torch.stack([values.sum(), torch.tensor(float(values.numel()))]).float()
+        dist.all_reduce(stats, group=ps.get_data_parallel_group())
+        return stats[0] / stats[1]

@@ -1,0 +1,77 @@
+"""The GRPO recipe end to end under a Trainer: the whole RL loop (sampling, rewards, advantages,
+forward-only logprobs, megatron's schedule, Adam) is layout-invariant — TP=2 on two ranks gives the
+TP=1 run's samples, rewards, losses and grad norms — and the reward rises."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
+from lightning_mcore_rl.testing import run_on_ranks
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _grpo(rank: int, tp: int, steps: int) -> dict[str, Any]:
+    record = _Record()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=16),
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
+    module = GRPOModule()
+    first_batch: list[torch.Tensor] = []
+    original = module.make_rollout
+
+    def make_rollout(prompts: torch.Tensor) -> Any:
+        data, rewards = original(prompts)
+        first_batch.append(data["input_ids"])
+        return data, rewards
+
+    module.make_rollout = make_rollout
+    trainer.fit(module, datamodule=PromptDataModule(num_steps=steps))
+    return {"rows": record.rows, "samples": first_batch, "steps": trainer.global_step}
+
+
+def test_tp2_rl_loop_matches_tp1():
+    (ref,) = run_on_ranks(_grpo, 1, 1, 4, timeout=180)
+    results = run_on_ranks(_grpo, 2, 2, 4, timeout=180)
+    for result in results:
+        assert result["steps"] == 4
+        for step in range(4):
+            # same sampled tokens at every step (TP ranks gather identical full-vocab logits)
+            assert torch.equal(result["samples"][step], ref["samples"][step])
+            got, want = result["rows"][step], ref["rows"][step]
+            assert got["reward"] == want["reward"]
+            assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-6)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+def test_reward_rises_on_dp2():
+    # 60 optimizer steps of 16 prompts x 4 samples. A random policy scores 1/4; measured on this
+    # seed: mean reward 0.30 over steps 1-10 and 0.50 over steps 51-60.
+    (result, _) = run_on_ranks(_grpo, 2, 1, 60, timeout=300)
+    rewards = [row["reward"] for row in result["rows"]]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert first == pytest.approx(0.25, abs=0.08)
+    assert last > first + 0.15, f"reward did not rise: first {first:.3f}, last {last:.3f}"
