@@ -24,6 +24,10 @@ from lightning_mcore_rl.strategy.schedule import (
 if TYPE_CHECKING:
     from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
 
+# How ``val_<metric>`` combines over validation batches, by ``MetricNormalizer`` value (the
+# per-batch values are already global-batch values; default: mean, like ``val_loss``).
+_VAL_REDUCE_FX = {"min": "min", "max": "max", "none": "sum"}
+
 
 class MCoreRLModule(LightningModule):
     """Base LightningModule for :class:`~lightning_mcore_rl.MCoreRLStrategy`.
@@ -174,25 +178,34 @@ class MCoreRLModule(LightningModule):
     def validation_step(
         self, batch: Mapping[str, torch.Tensor], batch_idx: int = 0
     ) -> torch.Tensor:
-        """Forward-only schedule; logs ``val_loss`` (mean over validation batches)."""
+        """Forward-only schedule; logs ``val_loss`` and ``val_<metric>`` (means over validation
+        batches; a ``loss_fn``'s ``MIN``/``MAX`` metrics by min/max, ``NONE`` counts summed)."""
         out = self.forward_backward(batch, forward_only=True)
         self.log("val_loss", out.loss, batch_size=1)
+        norms = getattr(self.loss_fn, "metric_normalizations", {})
+        for name, value in out.metrics.items():
+            reduce_fx = _VAL_REDUCE_FX.get(norms.get(name), "mean")
+            self.log(f"val_{name}", value, batch_size=1, reduce_fx=reduce_fx)
         return out.loss
 
     # ---------------------------------------------------------------- loss_fn / forward-only paths
 
     def _loss_fn_forward_backward(self, batch: Mapping[str, Any], forward_only: bool) -> StepOutput:
-        """The ``lightning_mcore_rl.train`` step: each microbatch's ``loss`` is normalised by the
-        GLOBAL valid counts, so the step loss is their sum over microbatches and DP ranks."""
+        """The ``lightning_mcore_rl.train`` step: each microbatch's ``loss`` (and every other
+        metric) is reduced by the loss's ``metric_normalizations`` over microbatches and DP
+        ranks, which gives the global-batch value (``ValueError`` for an undeclared metric)."""
         from lightning_mcore_rl.train import LossPostProcessor
 
         def make_post(num_microbatches: int) -> Any:
             return LossPostProcessor(self.loss_fn, self.policy_config(), num_microbatches)
 
         outputs = self._run_post_processed(batch, make_post, forward_only)
-        losses = [{"loss": out["loss"]} for out in outputs]
-        device = self.mcore_strategy.root_device
-        return reduce_step_outputs(losses, device=device, reduction="sum")
+        return reduce_step_outputs(
+            outputs,
+            device=self.mcore_strategy.root_device,
+            normalizations=self.loss_fn.metric_normalizations,
+            source=type(self.loss_fn).__name__,
+        )
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -6,7 +6,7 @@ The strategy calls these; nothing here imports Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +22,8 @@ class StepOutput:
     Attributes:
         loss: scalar fp32 loss: mean of the microbatch losses over this step, broadcast from the
             last pipeline stage and averaged over data-parallel ranks.
-        metrics: other scalar metrics, reduced the same way.
+        metrics: other scalar metrics, reduced the same way (``loss_fn`` path: each by its
+            ``MetricNormalizer``, equal to the metric of the whole global batch).
         microbatch_losses: this DP rank's per-microbatch losses (last PP stage; broadcast to the
             other stages), for exact comparisons.
     """
@@ -118,30 +119,56 @@ def reduce_step_outputs(
     *,
     device: torch.device | str = "cpu",
     reduction: Literal["mean", "sum"] = "mean",
+    normalizations: Mapping[str, Any] | None = None,
+    source: str = "the loss function",
 ) -> StepOutput:
     """Make a step's metrics identical on every rank.
 
-    The last pipeline stage reduces each metric over its microbatches; the values are broadcast
-    over the pipeline group (one object broadcast, so other stages learn the metric names too) and
-    reduced over the data-parallel group in fp64. TP/CP ranks of a replica already agree.
+    The last pipeline stage combines each metric over its microbatches (one host transfer); the
+    values are broadcast over the pipeline group (one object broadcast, so other stages learn the
+    metric names too) and reduced over the data-parallel group in fp64 with ONE all-reduce per
+    reduction kind (sum; min and max only when such metrics exist). TP/CP ranks of a replica
+    already agree.
 
     Args:
         outputs: the schedule's per-microbatch metric dicts (last stage; ``[]`` elsewhere).
-        device: where the collective's tensor lives (the CUDA device under NCCL).
-        reduction: ``"mean"`` over microbatches and DP ranks (a per-microbatch mean loss), or
-            ``"sum"`` over both (losses already normalised by GLOBAL valid counts, whose parts
-            add up to the global-batch loss).
+        device: where the collectives' tensors live (the CUDA device under NCCL).
+        reduction: without ``normalizations``: ``"mean"`` over microbatches and DP ranks (a
+            per-microbatch mean loss), or ``"sum"`` over both (losses already normalised by
+            GLOBAL valid counts, whose parts add up to the global-batch loss).
+        normalizations: a loss's ``metric_normalizations`` (``MetricNormalizer`` per metric);
+            overrides ``reduction``: ``TOKENS``/``SEQUENCES``/``NONE`` metrics are summed over
+            microbatches and DP ranks, ``MIN``/``MAX`` combined with min/max (``±inf`` when
+            empty), so the result equals the metrics of the whole global batch at once. A
+            metric missing on some DP ranks is reduced over the ranks that have it.
+        source: names the loss in the error for an undeclared metric.
+
+    Raises:
+        ValueError: (on every rank) a metric has no entry in ``normalizations``.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from lightning_mcore_rl.losses.interfaces import MetricNormalizer, combine_microbatch_metrics
+
     local: dict[str, Any] | None = None
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        keys = list(outputs[0]) if outputs else []
-        local = {
-            "means": {k: _reduce([o[k] for o in outputs], reduction) for k in keys},
-            "losses": tuple(float(o["loss"]) for o in outputs if "loss" in o),
-        }
+        host = _to_host(outputs, device)
+        error = None
+        if normalizations is None:
+            values = {k: _reduce([o[k] for o in host], reduction) for k in (host[:1] or [{}])[0]}
+        else:
+            undeclared = sorted({k for o in host for k in o} - set(normalizations))
+            if undeclared:
+                error = (
+                    f"{source} returned metric(s) {undeclared} without an entry in its "
+                    f"`metric_normalizations` (declared: {sorted(normalizations)}); declare a "
+                    "`MetricNormalizer` for each so it is reduced exactly over microbatches "
+                    "and data-parallel ranks."
+                )
+            values = {} if error else combine_microbatch_metrics(host, normalizations)
+        losses = tuple(o["loss"] for o in host if "loss" in o)
+        local = {"values": values, "losses": losses, "error": error}
     if ps.get_pipeline_model_parallel_world_size() > 1:
         holder = [local]
         dist.broadcast_object_list(
@@ -151,18 +178,74 @@ def reduce_step_outputs(
         )
         local = holder[0]
     assert local is not None
-    names = sorted(local["means"])
-    values = torch.tensor([local["means"][k] for k in names], dtype=torch.float64, device=device)
-    dp_size = ps.get_data_parallel_world_size()
-    if dp_size > 1 and names:
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
-        if reduction == "mean":
-            values /= dp_size
-    reduced = {k: values[i].float().cpu() for i, k in enumerate(names)}
-    loss = reduced.pop("loss", torch.tensor(float("nan")))
-    return StepOutput(loss=loss, metrics=reduced, microbatch_losses=local["losses"])
+    values = local["values"]
+    if normalizations is None:
+        kinds = dict.fromkeys(sorted(values), "sum")
+    else:
+        combine = {MetricNormalizer.MIN: "min", MetricNormalizer.MAX: "max"}
+        kinds = {k: combine.get(MetricNormalizer(how), "sum") for k, how in normalizations.items()}
+    reduced = _all_reduce_by_kind(values, kinds, local["error"] is not None, device)
+    if reduced is None:
+        raise ValueError(
+            local["error"]
+            or f"{source} returned an undeclared metric on another data-parallel rank "
+            "(see that rank's error)."
+        )
+    if normalizations is None and reduction == "mean":
+        dp_size = ps.get_data_parallel_world_size()
+        reduced = {k: v / dp_size for k, v in reduced.items()}
+    metrics = {k: v.float() for k, v in reduced.items()}
+    loss = metrics.pop("loss", torch.tensor(float("nan")))
+    return StepOutput(loss=loss, metrics=metrics, microbatch_losses=local["losses"])
 
 
-def _reduce(values: Sequence[Any], reduction: str) -> float:
-    stacked = torch.stack([torch.as_tensor(v).detach().float().reshape(()) for v in values])
+def _all_reduce_by_kind(
+    values: Mapping[str, float], kinds: Mapping[str, str], failed: bool, device: Any
+) -> dict[str, torch.Tensor] | None:
+    """Reduce ``values`` over DP: ONE fp64 all-reduce per kind (``sum``/``min``/``max``).
+
+    The sum tensor also carries how many ranks hold each metric (a metric held by none is
+    dropped) and an error flag (``None`` on every rank when any rank ``failed``).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    identity = {"sum": 0.0, "min": float("inf"), "max": float("-inf")}
+    names = {kind: sorted(k for k, v in kinds.items() if v == kind) for kind in identity}
+    packed = {kind: [values.get(k, identity[kind]) for k in keys] for kind, keys in names.items()}
+    packed["sum"] += [float(k in values) for k in sorted(kinds)] + [float(failed)]
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    tensors = {
+        kind: torch.tensor(v, dtype=torch.float64, device=device) for kind, v in packed.items()
+    }
+    if ps.get_data_parallel_world_size() > 1:
+        for kind, tensor in tensors.items():
+            if tensor.numel():
+                dist.all_reduce(tensor, op=ops[kind], group=ps.get_data_parallel_group())
+    tensors = {kind: tensor.cpu() for kind, tensor in tensors.items()}  # <= 3 host transfers
+    held = tensors["sum"][len(names["sum"]) :].tolist()
+    if held[-1] > 0:
+        return None
+    holders = dict(zip(sorted(kinds), held[:-1], strict=True))
+    return {
+        k: tensors[kind][i]
+        for kind, keys in names.items()
+        for i, k in enumerate(keys)
+        if holders[k] > 0
+    }
+
+
+def _to_host(outputs: Sequence[dict[str, Any]], device: Any) -> list[dict[str, float]]:
+    """Scalar metrics -> Python floats (exact, via fp64) with ONE device-to-host transfer."""
+    flat = [
+        torch.as_tensor(v, device=device).detach().reshape(()).double()
+        for o in outputs
+        for v in o.values()
+    ]
+    host = iter(torch.stack(flat).cpu().tolist() if flat else [])
+    return [{k: next(host) for k in o} for o in outputs]
+
+
+def _reduce(values: Sequence[float], reduction: str) -> float:
+    stacked = torch.tensor(values, dtype=torch.float32)
     return float(stacked.mean() if reduction == "mean" else stacked.sum())
