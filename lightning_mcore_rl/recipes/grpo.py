@@ -201,6 +201,7 @@ class GRPOModule(MCoreRLModule):
             batch_size=1,
             prog_bar=True,
         )
+        self.log_dict({f"train_{k}": v for k, v in out.metrics.items()}, batch_size=1)
         return out.loss
 
     @torch.no_grad()
