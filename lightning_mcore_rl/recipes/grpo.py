@@ -14,6 +14,8 @@ Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -120,8 +122,9 @@ class GRPOModule(MCoreRLModule):
         task: the rewarded task.
         model: policy size.
         rollout: sampling settings.
-        loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios; the reference-policy KL
-            penalty must be 0 (no reference model in this recipe).
+        loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios. With
+            ``reference_policy_kl_penalty > 0`` the reference policy is the initial model: its
+            logprobs are computed each step by temporarily loading the seed's weights.
         lr: Adam learning rate.
     """
 
@@ -134,13 +137,13 @@ class GRPOModule(MCoreRLModule):
         lr: float = 1e-2,
     ) -> None:
         loss = loss or ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
-        if loss.reference_policy_kl_penalty != 0.0:
+        if loss.use_kl_in_reward:
             raise ValueError(
-                "GRPOModule has no reference policy yet: set "
-                "`reference_policy_kl_penalty=0.0` in its loss config (got "
-                f"{loss.reference_policy_kl_penalty})."
+                "GRPOModule applies the reference KL in the loss; `use_kl_in_reward=True` is "
+                "not supported by this recipe."
             )
         super().__init__(loss_fn=ClippedPGLossFn(loss))
+        self.kl_penalty = loss.reference_policy_kl_penalty
         self.task = task or ModularCountingTask()
         self.model_spec = model or TinyGPTSpec()
         self.rollout = rollout or RolloutSpec()
@@ -195,6 +198,9 @@ class GRPOModule(MCoreRLModule):
         """
         data, rewards = self.make_rollout(batch)
         data["prev_logprobs"] = self.compute_logprobs(data)
+        if self.kl_penalty > 0:
+            with self.reference_weights():
+                data["reference_policy_logprobs"] = self.compute_logprobs(data)
         out = self.forward_backward(data)
         self.log_dict(
             {"train_loss": out.loss, "reward": self._global_mean(rewards)},
@@ -203,6 +209,27 @@ class GRPOModule(MCoreRLModule):
         )
         self.log_dict({f"train_{k}": v for k, v in out.metrics.items()}, batch_size=1)
         return out.loss
+
+    @contextlib.contextmanager
+    def reference_weights(self) -> Iterator[None]:
+        """Temporarily give the model its initial weights (the reference policy).
+
+        The tiny GPT's initial weights are a pure function of the seed (whatever the layout), so
+        they are regenerated instead of kept as a second copy, and a resumed run keeps the same
+        reference. The current weights are restored on exit, also on error.
+        """
+        from lightning_mcore_rl.testing.tiny_gpt import load_deterministic_weights
+
+        params = [p for chunk in self.mcore_strategy.model_chunks for p in chunk.parameters()]
+        current = [p.detach().clone() for p in params]
+        try:
+            for chunk in self.mcore_strategy.model_chunks:
+                load_deterministic_weights(_unwrap(chunk), self.model_spec.seed)
+            yield
+        finally:
+            with torch.no_grad():
+                for param, value in zip(params, current, strict=True):
+                    param.copy_(value)
 
     @torch.no_grad()
     def make_rollout(self, prompts: torch.Tensor) -> tuple[BatchedDataDict, torch.Tensor]:
@@ -247,3 +274,10 @@ class GRPOModule(MCoreRLModule):
         stats = torch.stack([values.sum(), torch.tensor(float(values.numel()))]).float()
         dist.all_reduce(stats, group=ps.get_data_parallel_group())
         return stats[0] / stats[1]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPT model inside megatron's DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

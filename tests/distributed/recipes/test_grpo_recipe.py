@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.losses import ClippedPGLossConfig
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -24,7 +25,7 @@ class _Record(Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _grpo(rank: int, tp: int, steps: int) -> dict[str, Any]:
+def _grpo(rank: int, tp: int, steps: int, kl: float = 0.0) -> dict[str, Any]:
     record = _Record()
     trainer = Trainer(
         accelerator="cpu",
@@ -38,7 +39,7 @@ def _grpo(rank: int, tp: int, steps: int) -> dict[str, Any]:
         enable_model_summary=False,
         callbacks=[record],
     )
-    module = GRPOModule()
+    module = GRPOModule(loss=ClippedPGLossConfig(reference_policy_kl_penalty=kl))
     first_batch: list[torch.Tensor] = []
     original = module.make_rollout
 
@@ -49,12 +50,32 @@ def _grpo(rank: int, tp: int, steps: int) -> dict[str, Any]:
 
     module.make_rollout = make_rollout
     trainer.fit(module, datamodule=PromptDataModule(num_steps=steps))
-    return {"rows": record.rows, "samples": first_batch, "steps": trainer.global_step}
+    params = list(module.mcore_strategy.model_chunks[0].parameters())
+    trained = [p.detach().clone() for p in params]
+    with module.reference_weights():
+        reference = [p.detach().clone() for p in params]
+    return {
+        "rows": record.rows,
+        "samples": first_batch,
+        "steps": trainer.global_step,
+        "reference_differs": any(
+            not torch.equal(a, b) for a, b in zip(reference, trained, strict=True)
+        ),
+        "restored": all(torch.equal(p, t) for p, t in zip(params, trained, strict=True)),
+    }
 
 
-def test_tp2_rl_loop_matches_tp1():
-    (ref,) = run_on_ranks(_grpo, 1, 1, 4, timeout=180)
-    results = run_on_ranks(_grpo, 2, 2, 4, timeout=180)
+@pytest.mark.parametrize("kl", [0.0, 0.05], ids=["no_kl", "reference_kl"])
+def test_tp2_rl_loop_matches_tp1(kl: float):
+    (ref,) = run_on_ranks(_grpo, 1, 1, 4, kl, timeout=180)
+    results = run_on_ranks(_grpo, 2, 2, 4, kl, timeout=180)
+    if kl:
+        # the reference policy is the initial model: no KL at the first step, some after
+        penalties = [row["train_kl_penalty"] for row in ref["rows"]]
+        assert penalties[0] == 0.0 and min(penalties[1:]) > 0.0, penalties
+    for result in [ref, *results]:
+        # reference_weights() swaps the initial weights in and restores the trained ones exactly
+        assert result["reference_differs"] and result["restored"]
     for result in results:
         assert result["steps"] == 4
         for step in range(4):

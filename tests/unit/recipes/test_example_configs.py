@@ -26,11 +26,11 @@ def test_config_instantiates(path: Path, tmp_path, monkeypatch):
     assert cli.trainer.max_steps == cli.datamodule.num_steps
 
 
-def test_grpo_module_rejects_a_reference_kl_it_cannot_compute():
+def test_grpo_module_rejects_kl_in_reward():
     from lightning_mcore_rl.losses import ClippedPGLossConfig
 
-    with pytest.raises(ValueError, match="no reference policy yet"):
-        GRPOModule(loss=ClippedPGLossConfig(reference_policy_kl_penalty=0.01))
+    with pytest.raises(ValueError, match="`use_kl_in_reward=True` is not supported"):
+        GRPOModule(loss=ClippedPGLossConfig(use_kl_in_reward=True))
 
 
 def test_prompt_datamodule_splits_prompts_over_data_parallel_ranks():
