@@ -150,6 +150,7 @@ class MCoreRLModule(LightningModule):
             ps.get_data_parallel_group(),
             strategy.micro_batch_size,
             sequence_packing=strategy.parallel.sequence_packing,
+            equal_shapes=strategy.parallel.pp > 1,
             cp_rank=ps.get_context_parallel_rank(),
             cp_size=strategy.parallel.cp,
         )

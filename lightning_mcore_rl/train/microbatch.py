@@ -165,6 +165,8 @@ def process_global_batch(
     batch: BatchedDataDict,
     dp_group: Any,
     micro_batch_size: int,
+    *,
+    equal_shapes: bool = False,
     **microbatch_kwargs: Any,
 ) -> GlobalBatch:
     """Global valid counts once over DP, then fixed-size processed microbatches.
@@ -173,6 +175,9 @@ def process_global_batch(
         batch: This DP rank's share of the global batch (``sample_mask`` required).
         dp_group: The data-parallel group (never DP x CP: CP ranks hold identical data).
         micro_batch_size: Samples per microbatch; must divide the batch.
+        equal_shapes: Pad every packed microbatch to the longest one (``pad_packed_to``): megatron's
+            pipeline p2p sends one ``[seq_length, mbs, hidden]`` shape for all microbatches, so
+            pipeline parallelism needs it (the padded layout has equal shapes already).
         **microbatch_kwargs: Forwarded to :func:`process_microbatch` (packing, CP rank/size...).
 
     Returns:
@@ -193,6 +198,15 @@ def process_global_batch(
     ]
     packed = microbatches[0].packed_seq_params is not None
     seq_length = max(mb.input_ids_cp_sharded.shape[1] for mb in microbatches)
+    if packed and equal_shapes and microbatch_kwargs.get("pad_packed_to") is None:
+        # The longest packed row is a multiple of every padding knob already: reuse its length.
+        longest = max(mb.input_ids.shape[1] for mb in microbatches)
+        microbatches = [
+            mb
+            if mb.input_ids.shape[1] == longest
+            else process_microbatch(mb.data_dict, **microbatch_kwargs, pad_packed_to=longest)
+            for mb in microbatches
+        ]
     cp_size = int(microbatch_kwargs.get("cp_size", 1))
     return GlobalBatch(
         microbatches=microbatches,

@@ -1,0 +1,101 @@
+"""Rank functions for ``MCoreRLStrategy(sequence_packing=...)`` on the ``loss_fn`` path: the same
+ClippedPG GRPO run under a Trainer, padded then packed, in one rank process (same weights, same
+sampler order), on the local packed attention (it runs padded batches too)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from _strategy_rl_runs import PG_CFG, RolloutRows
+from _strategy_runs import VOCAB, make_trainer, strategy_kwargs
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
+from lightning_mcore_rl.data import PackedDotProductAttention, get_packed_local_layer_spec
+from lightning_mcore_rl.losses import ClippedPGLossFn
+from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt, tiny_gpt_config
+
+
+class PackedGRPOModule(MCoreRLModule):
+    """The base ``training_step`` (logs ``train_loss`` and every loss metric)."""
+
+    def __init__(self) -> None:
+        super().__init__(loss_fn=ClippedPGLossFn(PG_CFG))
+        self.attention_layouts: set[str] = set()  # "thd" / "sbhd": what the attention received
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        config = tiny_gpt_config(calculate_per_token_loss=True)
+        chunk = tiny_gpt(
+            config,
+            vocab_size=VOCAB,
+            seed=0,
+            vp_stage=vp_stage,
+            transformer_layer_spec=get_packed_local_layer_spec(),
+        )
+        for sub in chunk.modules():
+            if isinstance(sub, PackedDotProductAttention):
+                sub.register_forward_pre_hook(self._record_layout)
+        return chunk
+
+    def _record_layout(self, attention: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self.attention_layouts.add("thd" if args[0].dim() == 3 else "sbhd")
+
+    def configure_optimizers(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=1e-4, weight_decay=0.0)
+
+
+class StepRecorder(Callback):
+    """Per step: ``compute_logprobs`` of the batch before the update (+ its lengths), then every
+    logged metric and megatron's grad norm after it."""
+
+    def __init__(self) -> None:
+        self.logprobs: list[torch.Tensor] = []
+        self.lengths: list[torch.Tensor] = []
+        self.metrics: list[dict[str, float]] = []
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, idx: int) -> None:
+        self.logprobs.append(module.compute_logprobs(batch))
+        self.lengths.append(batch["input_lengths"].cpu())
+
+    def on_train_batch_end(self, trainer: Trainer, module: Any, *args: Any) -> None:
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.grad_norms.append(trainer.strategy.optimizers[0].last_step.grad_norm)
+
+
+def _fit(spec: dict[str, Any], world_size: int, packing: bool) -> dict[str, Any]:
+    recorder = StepRecorder()
+    strategy = MCoreRLStrategy(**strategy_kwargs(spec), sequence_packing=packing)
+    trainer = make_trainer(spec, world_size, callbacks=[recorder], strategy=strategy)
+    dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
+    loader = DataLoader(RolloutRows(spec["rows"]), batch_size=spec["global_batch"] // dp)
+    module = PackedGRPOModule()
+    trainer.fit(module, loader)
+    return {
+        "attention_layouts": sorted(module.attention_layouts),
+        "logprobs": recorder.logprobs,
+        "lengths": recorder.lengths,
+        "metrics": recorder.metrics,
+        "grad_norms": recorder.grad_norms,
+        "global_step": trainer.global_step,
+    }
+
+
+def packing_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Padded fit, then packed fit (megatron's parallel state is reused by the second Trainer)."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    return {packing: _fit(spec, world_size, packing) for packing in (False, True)}
+
+
+def packing_error_rank(rank: int, spec: dict[str, Any]) -> str:
+    """The error a packed fit raises (``""`` when none)."""
+    try:
+        _fit(spec, int(os.environ["WORLD_SIZE"]), packing=True)
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return ""
