@@ -195,6 +195,7 @@ def bare_run(spec: dict[str, Any], world_size: int) -> dict[str, Any]:
         use_distributed_optimizer=spec.get("distributed_optimizer", False),
         clip_grad=0.0 if clip is None else clip,
         sequence_parallel=spec.get("sequence_parallel", False),
+        bf16=spec.get("precision") == "bf16-mixed",
     )
     dataset = TokenRows(spec["rows"])
     sampler = DistributedSampler(

@@ -73,3 +73,9 @@ def test_pp2_vpp2_interleaved_matches_bare_loop():
 
 def test_tp2_by_pp2_on_four_ranks_matches_bare_loop():
     _run(4, tp=2, pp=2, global_batch=8, steps=2)
+
+
+def test_tp2_bf16_mixed_matches_bare_bf16_loop():
+    # precision="bf16-mixed" -> Float16Module with bf16 params + fp32 main params in megatron's
+    # optimizer, exactly what the bare loop builds with bf16=True: bitwise equal as well.
+    _run(2, tp=2, precision="bf16-mixed", clip=1.0)
