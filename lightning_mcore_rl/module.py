@@ -129,9 +129,11 @@ class MCoreRLModule(LightningModule):
 
     def _run_post_processed(
         self, batch: Mapping[str, Any], make_post: Callable[[int], Any], forward_only: bool
-    ) -> list[dict[str, Any]]:
-        """``process_global_batch`` + ``megatron_forward_backward`` with the post-processor
-        ``make_post(num_microbatches)``; per-microbatch results on the last PP stage."""
+    ) -> tuple[list[dict[str, Any]], Any]:
+        """``process_global_batch`` (fixed-size or token-budget microbatches, from the strategy) +
+        ``megatron_forward_backward`` with the post-processor ``make_post(num_microbatches)``;
+        per-microbatch results on the last PP stage and the ``GlobalBatch`` (its
+        ``restore_order`` puts per-sample outputs back in input order)."""
         from megatron.core import parallel_state as ps
 
         from lightning_mcore_rl.data import BatchedDataDict
@@ -151,13 +153,14 @@ class MCoreRLModule(LightningModule):
             strategy.micro_batch_size,
             sequence_packing=strategy.parallel.sequence_packing,
             equal_shapes=strategy.parallel.pp > 1,
+            max_tokens_per_microbatch=strategy.max_tokens_per_microbatch,
             cp_rank=ps.get_context_parallel_rank(),
             cp_size=strategy.parallel.cp,
         )
         post = make_post(global_batch.num_microbatches)
         chunks = strategy.model_chunks
         iterators = [global_batch.iterator() for _ in chunks]
-        return megatron_forward_backward(
+        outputs = megatron_forward_backward(
             chunks if len(chunks) > 1 else chunks[0],
             iterators if len(chunks) > 1 else iterators[0],
             global_batch.num_microbatches,
@@ -168,6 +171,7 @@ class MCoreRLModule(LightningModule):
             global_valid_seqs=global_batch.global_valid_seqs,
             global_valid_toks=global_batch.global_valid_toks,
         )
+        return outputs, global_batch
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
         """One optimizer step's forward and backward; logs ``train_loss`` (+ metrics) once."""
@@ -200,7 +204,7 @@ class MCoreRLModule(LightningModule):
         def make_post(num_microbatches: int) -> Any:
             return LossPostProcessor(self.loss_fn, self.policy_config(), num_microbatches)
 
-        outputs = self._run_post_processed(batch, make_post, forward_only)
+        outputs, _ = self._run_post_processed(batch, make_post, forward_only)
         return reduce_step_outputs(
             outputs,
             device=self.mcore_strategy.root_device,
@@ -211,8 +215,8 @@ class MCoreRLModule(LightningModule):
     @torch.no_grad()
     def compute_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Token logprobs ``[B, S]`` (stored convention: 0 at position 0) of this DP rank's batch,
-        forward-only through ``LogprobsPostProcessor``, on every rank (broadcast from the last
-        pipeline stage)."""
+        forward-only through ``LogprobsPostProcessor``, in the batch's sample order (also with
+        token-budget microbatches), on every rank (broadcast from the last pipeline stage)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -221,8 +225,9 @@ class MCoreRLModule(LightningModule):
         def make_post(num_microbatches: int) -> Any:
             return LogprobsPostProcessor(self.policy_config())
 
-        outputs = self._run_post_processed(batch, make_post, forward_only=True)
-        holder = [torch.cat([o["logprobs"] for o in outputs]).cpu() if outputs else None]
+        outputs, global_batch = self._run_post_processed(batch, make_post, forward_only=True)
+        logprobs = [o["logprobs"] for o in outputs]
+        holder = [global_batch.restore_order(logprobs).cpu() if outputs else None]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast_object_list(
                 holder,

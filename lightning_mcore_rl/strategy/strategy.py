@@ -71,6 +71,41 @@ def check_trainer_flags(
     return 0.0 if gradient_clip_val is None else float(gradient_clip_val)
 
 
+def check_token_budget(
+    max_tokens_per_microbatch: int | None, micro_batch_size: int, parallel: ParallelSizes
+) -> None:
+    """Validate ``max_tokens_per_microbatch`` against the other microbatching settings.
+
+    Raises:
+        ValueError: not a positive int (or None); given with ``micro_batch_size`` > 1 (the budget
+            decides how many samples each microbatch holds); with pipeline parallelism but
+            without ``sequence_packing`` (padded budget microbatches differ in shape).
+    """
+    if max_tokens_per_microbatch is None:
+        return
+    if (
+        isinstance(max_tokens_per_microbatch, bool)
+        or not isinstance(max_tokens_per_microbatch, int)
+        or max_tokens_per_microbatch < 1
+    ):
+        raise ValueError(
+            "`max_tokens_per_microbatch` must be a positive int or None, got "
+            f"{max_tokens_per_microbatch!r}."
+        )
+    if micro_batch_size != 1:
+        raise ValueError(
+            f"`micro_batch_size={micro_batch_size}` contradicts "
+            f"`max_tokens_per_microbatch={max_tokens_per_microbatch}`: with a token budget the "
+            "budget decides how many samples each microbatch holds; leave micro_batch_size at 1."
+        )
+    if parallel.pp > 1 and not parallel.sequence_packing:
+        raise ValueError(
+            f"`max_tokens_per_microbatch` with `pipeline_model_parallel_size={parallel.pp}` needs "
+            "`sequence_packing=True`: padded token-budget microbatches hold different numbers of "
+            "samples, and megatron's pipeline p2p sends one shape for every microbatch."
+        )
+
+
 class MCoreRLStrategy(DDPStrategy):
     """Train megatron-core models (TP/PP/VPP/CP/SP/DP) with Lightning.
 
@@ -86,6 +121,13 @@ class MCoreRLStrategy(DDPStrategy):
         sequence_packing: pack each microbatch into one THD row.
         use_distributed_optimizer: shard optimizer state and main params over DP.
         micro_batch_size: samples per microbatch for fixed-size microbatching.
+        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed-size
+            microbatches). The ``loss_fn`` path then groups each DP rank's samples into
+            microbatches of at most this many tokens (THD tokens with ``sequence_packing``, else
+            rows x longest row), the same number on every DP rank; ``micro_batch_size`` must stay
+            1 (a larger value contradicts the budget and raises). Pipeline parallelism needs
+            ``sequence_packing`` with a budget. The default LM path (``forward_step``) has no
+            per-sample lengths and rejects a budget.
         ddp: megatron DDP options.
         checkpoint: checkpoint format options.
         process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
@@ -108,6 +150,7 @@ class MCoreRLStrategy(DDPStrategy):
         sequence_packing: bool = False,
         use_distributed_optimizer: bool = False,
         micro_batch_size: int = 1,
+        max_tokens_per_microbatch: int | None = None,
         ddp: MegatronDDPConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         process_group_backend: str | None = None,
@@ -126,6 +169,8 @@ class MCoreRLStrategy(DDPStrategy):
             sequence_parallel=sequence_parallel,
             sequence_packing=sequence_packing,
         )
+        check_token_budget(max_tokens_per_microbatch, micro_batch_size, self.parallel)
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.use_distributed_optimizer = use_distributed_optimizer
         self.micro_batch_size = micro_batch_size
         self.ddp_config = ddp if ddp is not None else MegatronDDPConfig()
@@ -336,7 +381,18 @@ class MCoreRLStrategy(DDPStrategy):
 
         Returns:
             The step's loss and metrics, identical on every rank.
+
+        Raises:
+            ValueError: the strategy has ``max_tokens_per_microbatch`` (token budgets need the
+                ``loss_fn`` path's per-sample lengths).
         """
+        if self.max_tokens_per_microbatch is not None:
+            raise ValueError(
+                f"`max_tokens_per_microbatch={self.max_tokens_per_microbatch}` is supported on "
+                "the `MCoreRLModule(loss_fn=...)` path only (batches with `input_lengths`); "
+                "this `forward_step` path splits into fixed `micro_batch_size` microbatches. "
+                "Set `max_tokens_per_microbatch=None` or use a `loss_fn`."
+            )
         microbatches = split_microbatches(batch, self.micro_batch_size)
         first = next(iter(microbatches[0].values()))
         outputs = run_schedule(

@@ -1,7 +1,10 @@
 """From a global batch to the ``ProcessedMicrobatch`` stream the forward step consumes (spec §6.3).
 
 :func:`process_global_batch` computes the global valid counts once over the data-parallel group
-and splits the batch into fixed-size microbatches; :func:`process_microbatch` builds one
+and splits the batch into fixed-size microbatches, or into token-budget microbatches (equal in
+number on every data-parallel rank, :func:`~lightning_mcore_rl.data.make_token_budget_microbatches`;
+:meth:`GlobalBatch.restore_order` puts per-microbatch outputs back in input order);
+:func:`process_microbatch` builds one
 microbatch's model inputs, padded (causal mask + position ids) or packed into one THD row
 (:func:`~lightning_mcore_rl.data.pack_sequences`, per-document position ids).
 """
@@ -17,7 +20,9 @@ from torch import Tensor
 
 from lightning_mcore_rl.data import (
     BatchedDataDict,
+    TokenBudgetMicrobatches,
     compute_global_valid_counts,
+    make_token_budget_microbatches,
     pack_sequences,
     packed_position_ids,
 )
@@ -142,7 +147,9 @@ class GlobalBatch:
         global_valid_seqs: ``sum(sample_mask)`` over the DP group (0-d).
         global_valid_toks: ``sum(token_mask[:, 1:] * sample_mask)`` over the DP group (0-d).
         seq_length: The schedule's ``seq_length`` (model input width; ``T`` when packed).
-        micro_batch_size: The schedule's ``micro_batch_size`` (1 when packed).
+        micro_batch_size: The schedule's ``micro_batch_size`` (1 when packed; the largest
+            microbatch with padded token-budget microbatches, unused without pipelining).
+        token_budget: The token-budget split (``None``: fixed-size microbatches in input order).
     """
 
     microbatches: list[ProcessedMicrobatch]
@@ -150,6 +157,7 @@ class GlobalBatch:
     global_valid_toks: Tensor
     seq_length: int
     micro_batch_size: int
+    token_budget: TokenBudgetMicrobatches | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -160,6 +168,15 @@ class GlobalBatch:
         """A fresh iterator over the microbatches (one per model chunk with VPP)."""
         return iter(self.microbatches)
 
+    def restore_order(self, outputs: list[Tensor], pad_value: float = 0.0) -> Tensor:
+        """Per-microbatch outputs ``[b_i, ...]`` / ``[b_i, s_i, ...]`` -> ``[B, ...]`` /
+        ``[B, S, ...]`` in the input batch's sample order (token-budget microbatches hold
+        reordered samples and are trimmed to their longest sequence; narrower per-token outputs
+        are right-padded with ``pad_value``)."""
+        if self.token_budget is not None:
+            return self.token_budget.restore_order(outputs, pad_value)
+        return torch.cat(outputs)
+
 
 def process_global_batch(
     batch: BatchedDataDict,
@@ -167,35 +184,52 @@ def process_global_batch(
     micro_batch_size: int,
     *,
     equal_shapes: bool = False,
+    max_tokens_per_microbatch: int | None = None,
     **microbatch_kwargs: Any,
 ) -> GlobalBatch:
-    """Global valid counts once over DP, then fixed-size processed microbatches.
+    """Global valid counts once over DP (on the whole local batch), then processed microbatches:
+    fixed-size, or token-budget ones when ``max_tokens_per_microbatch`` is set.
 
     Args:
-        batch: This DP rank's share of the global batch (``sample_mask`` required).
+        batch: This DP rank's share of the global batch (``sample_mask`` required; token budget:
+            the real lengths ``seq_length_key`` too).
         dp_group: The data-parallel group (never DP x CP: CP ranks hold identical data).
-        micro_batch_size: Samples per microbatch; must divide the batch.
+        micro_batch_size: Samples per microbatch; must divide the batch. Ignored with a budget.
         equal_shapes: Pad every packed microbatch to the longest one (``pad_packed_to``): megatron's
             pipeline p2p sends one ``[seq_length, mbs, hidden]`` shape for all microbatches, so
-            pipeline parallelism needs it (the padded layout has equal shapes already).
+            pipeline parallelism needs it (the padded layout has equal shapes already, except
+            token-budget microbatches, whose sample counts differ: they need packing then).
+        max_tokens_per_microbatch: Token budget per microbatch (THD-packed tokens with
+            ``sequence_packing``, else ``rows * longest``; see
+            :func:`~lightning_mcore_rl.data.microbatch_cost`). Every DP rank gets the same number
+            of microbatches (one all-reduce MAX); samples are regrouped, so per-sample outputs go
+            back through :meth:`GlobalBatch.restore_order`.
         **microbatch_kwargs: Forwarded to :func:`process_microbatch` (packing, CP rank/size...).
 
     Returns:
         The :class:`GlobalBatch`.
 
     Raises:
-        ValueError: ``micro_batch_size`` does not divide the local batch size.
+        ValueError: ``micro_batch_size`` does not divide the local batch size; with a budget
+            (before any collective): a budget that is not a positive int or is below the longest
+            sequence, padded token-budget microbatches with ``equal_shapes``.
     """
-    size = batch.size
-    if micro_batch_size < 1 or size % micro_batch_size != 0:
-        raise ValueError(
-            f"the local batch size {size} must be divisible by micro_batch_size {micro_batch_size}"
+    budget: TokenBudgetMicrobatches | None = None
+    if max_tokens_per_microbatch is None:
+        size = batch.size
+        if micro_batch_size < 1 or size % micro_batch_size != 0:
+            raise ValueError(
+                f"the local batch size {size} must be divisible by micro_batch_size "
+                f"{micro_batch_size}"
+            )
+        data_microbatches = list(batch.make_microbatch_iterator(micro_batch_size))
+    else:
+        budget = _token_budget_microbatches(
+            batch, dp_group, max_tokens_per_microbatch, equal_shapes, microbatch_kwargs
         )
+        data_microbatches = budget.microbatches
     counts = compute_global_valid_counts(batch, dp_group)
-    microbatches = [
-        process_microbatch(mb, **microbatch_kwargs)
-        for mb in batch.make_microbatch_iterator(micro_batch_size)
-    ]
+    microbatches = [process_microbatch(mb, **microbatch_kwargs) for mb in data_microbatches]
     packed = microbatches[0].packed_seq_params is not None
     seq_length = max(mb.input_ids_cp_sharded.shape[1] for mb in microbatches)
     if packed and equal_shapes and microbatch_kwargs.get("pad_packed_to") is None:
@@ -213,5 +247,42 @@ def process_global_batch(
         global_valid_seqs=counts.global_valid_seqs,
         global_valid_toks=counts.global_valid_toks,
         seq_length=seq_length * cp_size,
-        micro_batch_size=1 if packed else micro_batch_size,
+        micro_batch_size=1 if packed else max(mb.input_ids.shape[0] for mb in microbatches),
+        token_budget=budget,
+    )
+
+
+def _token_budget_microbatches(
+    batch: BatchedDataDict,
+    dp_group: Any,
+    max_tokens_per_microbatch: int,
+    equal_shapes: bool,
+    microbatch_kwargs: dict[str, Any],
+) -> TokenBudgetMicrobatches:
+    """Validate the budget (before any collective), then the DP-balanced token-budget split."""
+    if (
+        isinstance(max_tokens_per_microbatch, bool)
+        or not isinstance(max_tokens_per_microbatch, int)
+        or max_tokens_per_microbatch < 1
+    ):
+        raise ValueError(
+            "`max_tokens_per_microbatch` must be a positive int or None, got "
+            f"{max_tokens_per_microbatch!r}"
+        )
+    packing = bool(microbatch_kwargs.get("sequence_packing", False))
+    if equal_shapes and not packing:
+        raise ValueError(
+            "token-budget microbatches hold different numbers of samples, so the padded layout "
+            "cannot give pipeline parallelism one [seq_length, mbs, hidden] shape; enable "
+            "sequence packing (one THD row per microbatch) or drop the token budget"
+        )
+    # make_token_budget_microbatches checks the budget against the longest sequence before its
+    # collective (the MAX of microbatch counts over DP).
+    return make_token_budget_microbatches(
+        batch,
+        max_tokens_per_microbatch,
+        dp_group,
+        packed=packing,
+        pad_individual=int(microbatch_kwargs.get("pad_individual", 1)),
+        length_key=microbatch_kwargs.get("seq_length_key", "input_lengths"),
     )
