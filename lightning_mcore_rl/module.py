@@ -9,7 +9,7 @@ every rank and logged once per step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -22,11 +22,15 @@ from lightning_mcore_rl.strategy.schedule import (
 )
 
 if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+    from lightning_mcore_rl.losses.interfaces import MetricNormalizer
     from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
 
 # How ``val_<metric>`` combines over validation batches, by ``MetricNormalizer`` value (the
-# per-batch values are already global-batch values; default: mean, like ``val_loss``).
-_VAL_REDUCE_FX = {"min": "min", "max": "max", "none": "sum"}
+# per-batch values are already global-batch values; default: mean, like ``val_loss``). Looked up
+# with ``None`` for a metric the loss declares no normaliser for.
+_VAL_REDUCE_FX: dict[str | None, str] = {"min": "min", "max": "max", "none": "sum"}
 
 
 class MCoreRLModule(LightningModule):
@@ -108,9 +112,7 @@ class MCoreRLModule(LightningModule):
         """Megatron ``forward_step_func`` (default: LM cross entropy, see ``lm_forward_step``)."""
         return lm_forward_step(data_iterator, model)
 
-    def forward_backward(
-        self, batch: Mapping[str, torch.Tensor], forward_only: bool = False
-    ) -> StepOutput:
+    def forward_backward(self, batch: Mapping[str, Any], forward_only: bool = False) -> StepOutput:
         """Run megatron's schedule over this DP rank's share of one global batch.
 
         Returns:
@@ -141,7 +143,7 @@ class MCoreRLModule(LightningModule):
 
         strategy = self.mcore_strategy
         for i, chunk in enumerate(strategy.model_chunks):
-            if not chunk.config.calculate_per_token_loss:
+            if not cast("TransformerConfig", chunk.config).calculate_per_token_loss:
                 raise ValueError(
                     f"Model chunk {i} needs `TransformerConfig.calculate_per_token_loss=True` "
                     "for the loss_fn path (build it with `self.transformer_config(...)`)."
@@ -173,21 +175,19 @@ class MCoreRLModule(LightningModule):
         )
         return outputs, global_batch
 
-    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
         """One optimizer step's forward and backward; logs ``train_loss`` (+ metrics) once."""
         out = self.forward_backward(batch)
         metrics = {f"train_{k}": v for k, v in out.metrics.items()}
         self.log_dict({"train_loss": out.loss, **metrics}, batch_size=1, prog_bar=False)
         return out.loss
 
-    def validation_step(
-        self, batch: Mapping[str, torch.Tensor], batch_idx: int = 0
-    ) -> torch.Tensor:
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
         """Forward-only schedule; logs ``val_loss`` and ``val_<metric>`` (means over validation
         batches; a ``loss_fn``'s ``MIN``/``MAX`` metrics by min/max, ``NONE`` counts summed)."""
         out = self.forward_backward(batch, forward_only=True)
         self.log("val_loss", out.loss, batch_size=1)
-        norms = getattr(self.loss_fn, "metric_normalizations", {})
+        norms: Mapping[str, MetricNormalizer] = getattr(self.loss_fn, "metric_normalizations", {})
         for name, value in out.metrics.items():
             reduce_fx = _VAL_REDUCE_FX.get(norms.get(name), "mean")
             self.log(f"val_{name}", value, batch_size=1, reduce_fx=reduce_fx)
@@ -201,15 +201,18 @@ class MCoreRLModule(LightningModule):
         ranks, which gives the global-batch value (``ValueError`` for an undeclared metric)."""
         from lightning_mcore_rl.train import LossPostProcessor
 
+        loss_fn = self.loss_fn
+        assert loss_fn is not None  # forward_backward takes this path only with a loss_fn
+
         def make_post(num_microbatches: int) -> Any:
-            return LossPostProcessor(self.loss_fn, self.policy_config(), num_microbatches)
+            return LossPostProcessor(loss_fn, self.policy_config(), num_microbatches)
 
         outputs, _ = self._run_post_processed(batch, make_post, forward_only)
         return reduce_step_outputs(
             outputs,
             device=self.mcore_strategy.root_device,
-            normalizations=self.loss_fn.metric_normalizations,
-            source=type(self.loss_fn).__name__,
+            normalizations=loss_fn.metric_normalizations,
+            source=type(loss_fn).__name__,
         )
 
     @torch.no_grad()

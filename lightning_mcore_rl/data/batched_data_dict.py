@@ -9,7 +9,7 @@ must share the width ``S``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -294,9 +294,11 @@ class BatchedDataDict(dict[str, Value]):
         for key in keys:
             values = [batch[key] for batch in batches]
             if all(isinstance(v, torch.Tensor) for v in values):
-                out[key] = _cat_padded(key, values, pad_values.get(key, 0))  # type: ignore[arg-type]
+                out[key] = _cat_padded(
+                    key, cast(list[torch.Tensor], values), pad_values.get(key, 0)
+                )
             elif all(isinstance(v, list) for v in values):
-                out[key] = [item for value in values for item in value]  # type: ignore[union-attr]
+                out[key] = [item for value in values for item in value]
             else:
                 raise TypeError(f"`{key}` mixes tensors and lists across batches")
         _ = out.size  # validates the shared dim 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 
@@ -185,8 +185,8 @@ class TokenBudgetMicrobatches(NamedTuple):
                 for out in outputs
             ]
         order = torch.tensor([i for index in self.plan.indices for i in index], dtype=torch.long)
-        restored = torch.empty_like(torch.cat(outputs))
-        restored[order.to(restored.device)] = torch.cat(outputs)
+        restored = torch.empty_like(torch.cat(list(outputs)))  # cat takes a list or tuple
+        restored[order.to(restored.device)] = torch.cat(list(outputs))
         return restored
 
 
@@ -228,9 +228,8 @@ def make_token_budget_microbatches(
         lengths, max_tokens_per_microbatch, packed=packed, pad_individual=pad_individual
     )
     # on the batch's device: NCCL reduces CUDA tensors only, gloo CPU ones
-    count = torch.tensor(
-        [local.num_microbatches], dtype=torch.long, device=batch["input_ids"].device
-    )
+    input_ids = cast(torch.Tensor, batch["input_ids"])  # validate() checked: a [B, S] tensor
+    count = torch.tensor([local.num_microbatches], dtype=torch.long, device=input_ids.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     target = int(count.item())
     if target > len(lengths):

@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning_mcore_rl.losses.utils import KLType, LossAggregation
 
-ConfigT = TypeVar("ConfigT")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")
 TISType = Literal["tis", "icepop", "seq-mask-tis"]
 DistillationKLType = Literal["forward", "reverse", "mixed"]
 
@@ -52,7 +55,7 @@ def load_config(config_cls: type[ConfigT], cfg: ConfigT | Mapping[str, Any] | No
             f"The loss config must be a {config_cls.__name__} or a mapping, "
             f"got {type(cfg).__name__}."
         )
-    valid = [f.name for f in dataclasses.fields(config_cls)]  # type: ignore[arg-type]
+    valid = [f.name for f in dataclasses.fields(config_cls)]
     unknown = sorted(set(cfg) - set(valid))
     if unknown:
         raise ValueError(

@@ -25,6 +25,7 @@ from lightning_mcore_rl.losses.interfaces import (
     detach_metrics,
 )
 from lightning_mcore_rl.losses.utils import (
+    LossAggregation,
     aggregate,
     base_masks,
     check_shape,
@@ -217,7 +218,7 @@ class OPDFullLossFn:
         tm, sm = base_masks(data, div.shape[1], div.dtype)
         check_shape("opd_full_divergence", div, tuple(tm.shape))
         mask = tm * sm.unsqueeze(-1)
-        mode = "token_mean" if cfg.token_level_loss else "seq_mean_token_mean"
+        mode: LossAggregation = "token_mean" if cfg.token_level_loss else "seq_mean_token_mean"
         n_s, n_t = global_valid_seqs, global_valid_toks
         loss = aggregate(div, tm, sm, mode, n_s, n_t)
         kl = torch.zeros((), dtype=div.dtype)

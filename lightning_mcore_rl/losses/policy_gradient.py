@@ -255,7 +255,8 @@ class ClippedPGLossFn:
         elif kind == "seq-mask-tis":
             log_is = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0)
             geo = torch.exp(masked_mean(log_is, inp.token_mask, dim=-1))  # [B]
-            kept = ((geo >= lo) & (geo <= hi)).to(m.dtype)  # type: ignore[operator]
+            assert lo is not None and hi is not None  # ClippedPGLossConfig requires both
+            kept = ((geo >= lo) & (geo <= hi)).to(m.dtype)
             extra["is_oob_ratio"] = masked_mean(1.0 - kept, inp.sample_mask, None, n_seqs)
             weights = weights * kept.unsqueeze(-1)
         if cfg.sequence_level_importance_ratios:

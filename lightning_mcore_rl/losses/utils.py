@@ -56,6 +56,7 @@ def masked_mean(
         The masked mean; 0-dim if ``dim`` is None, else ``values`` without ``dim``.
     """
     numerator = masked_sum(values, mask, dim)
+    denominator: Tensor | float
     if global_normalization_factor is None:
         mask_f = mask.to(values.dtype) if mask.dtype == torch.bool else mask
         denominator = mask_f.sum() if dim is None else mask_f.sum(dim)

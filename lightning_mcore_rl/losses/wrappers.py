@@ -41,8 +41,8 @@ def _as_ints(values: Tensor | Sequence[int]) -> list[int]:
 def wrap_loss_fn_with_input_preparation(
     next_token_logits: Tensor,
     data: BatchedDataDict,
-    global_valid_seqs: Tensor | None,
-    global_valid_toks: Tensor | None,
+    global_valid_seqs: Tensor | float,
+    global_valid_toks: Tensor | float,
     loss_fn: LossFunction,
     prepare_fn: PrepareFn = prepare_loss_input,
     vocab_parallel_rank: int | None = None,
@@ -137,8 +137,8 @@ class SequencePackingLossWrapper(_PackedWrapperBase):
         self,
         next_token_logits: Tensor,
         data: BatchedDataDict,
-        global_valid_seqs: Tensor | None,
-        global_valid_toks: Tensor | None,
+        global_valid_seqs: Tensor | float,
+        global_valid_toks: Tensor | float,
     ) -> LossResult:
         """Sum the loss over the packed sequences.
 
@@ -202,8 +202,8 @@ class SequencePackingFusionLossWrapper(_PackedWrapperBase):
         self,
         next_token_logits: Tensor,
         data: BatchedDataDict,
-        global_valid_seqs: Tensor | None,
-        global_valid_toks: Tensor | None,
+        global_valid_seqs: Tensor | float,
+        global_valid_toks: Tensor | float,
     ) -> LossResult:
         """Prepare the packed loss input once and call the loss.
 
@@ -261,8 +261,8 @@ class DraftLossWrapper:
         self,
         next_token_logits: Tensor,
         data: BatchedDataDict,
-        global_valid_seqs: Tensor | None,
-        global_valid_toks: Tensor | None,
+        global_valid_seqs: Tensor | float,
+        global_valid_toks: Tensor | float | None,
     ) -> LossResult:
         """Policy loss + weighted draft loss; adds the ``draft_loss`` metric.
 

@@ -112,7 +112,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
+        ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
         chunk_size, temperature, with_entropy, tp_group = ctx.params

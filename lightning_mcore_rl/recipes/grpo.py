@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
@@ -105,7 +106,10 @@ class PromptDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Per-rank batches of ``prompts_per_step / DP`` prompts ``[b, P]``."""
-        dp = self.trainer.strategy.distributed_sampler_kwargs["num_replicas"]
+        assert self.trainer is not None  # Lightning attaches the Trainer before this hook
+        # the recipe runs under MCoreRLStrategy, a ParallelStrategy
+        strategy = cast(ParallelStrategy, self.trainer.strategy)
+        dp = strategy.distributed_sampler_kwargs["num_replicas"]
         if self.prompts_per_step % dp != 0:
             raise ValueError(
                 f"`prompts_per_step` ({self.prompts_per_step}) must be divisible by the "
@@ -190,7 +194,11 @@ class GRPOModule(MCoreRLModule):
 
         return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
+    # The base step takes Mapping batches; this recipe's loader yields prompt tensors and the
+    # step is replaced whole (Lightning hooks take whatever the dataloader yields).
+    def training_step(  # type: ignore[override]
+        self, batch: torch.Tensor, batch_idx: int = 0
+    ) -> torch.Tensor:
         """Rollout, score, advantages, ``prev_logprobs``, one policy-gradient step.
 
         Args:
@@ -279,5 +287,5 @@ class GRPOModule(MCoreRLModule):
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The GPT model inside megatron's DDP / Float16Module wrappers."""
     while hasattr(chunk, "module"):
-        chunk = chunk.module
+        chunk = cast(torch.nn.Module, chunk.module)  # DDP / Float16Module wrap a module
     return chunk

@@ -13,10 +13,13 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 CHUNK_PREFIX = "chunks"
 
@@ -27,7 +30,7 @@ def sharded_model_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any
     chunk index, so they match across VPP/PP layouts."""
     state: dict[str, Any] = {}
     for i, chunk in enumerate(chunks):
-        for key, value in chunk.sharded_state_dict().items():
+        for key, value in cast("MegatronModule", chunk).sharded_state_dict().items():
             state[f"{CHUNK_PREFIX}.{i}.{key}"] = value
     return state
 

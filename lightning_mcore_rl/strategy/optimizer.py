@@ -76,7 +76,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self._record = _StepRecord()
         self.defaults: dict[str, Any] = {}
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """Megatron's parameter groups (with and without weight decay, per chain member)."""
         return self.megatron_optimizer.param_groups
@@ -85,7 +85,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.megatron_optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         """Megatron's per-parameter optimizer state."""
         return self.megatron_optimizer.state
@@ -99,7 +99,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         """The result of the latest :meth:`step` (``None`` before the first)."""
         return self._record.last
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (forward+backward), then megatron's step (unscale, clip, update).
 
         Returns:

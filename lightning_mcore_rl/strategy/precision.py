@@ -46,7 +46,7 @@ class MCorePrecision(Precision):
         return torch.bfloat16 if self.bf16 else torch.float32
 
     @override
-    def backward(  # type: ignore[override]
+    def backward(
         self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         """No-op: megatron's schedule ran forward AND backward inside ``training_step``."""
@@ -54,7 +54,7 @@ class MCorePrecision(Precision):
     @override
     def clip_gradients(
         self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None
-    ) -> None:  # type: ignore[override]
+    ) -> None:
         """No-op: ``Trainer(gradient_clip_val)`` is mapped to ``OptimizerConfig.clip_grad`` and
         megatron clips by the global norm inside ``MegatronOptimizer.step`` (at this point no
         parameter has a ``.grad``: gradients are still in the DDP ``main_grad`` buffers)."""

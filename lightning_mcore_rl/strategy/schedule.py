@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[torch.Tensor, Callable[..., Any]]]
 
@@ -63,7 +66,7 @@ def wrap_chunks(
         wrapped.append(module)
     if ddp_config is not None:
         for chunk in chunks:
-            chunk.config.finalize_model_grads_func = finalize_model_grads
+            cast("TransformerConfig", chunk.config).finalize_model_grads_func = finalize_model_grads
     return wrapped
 
 

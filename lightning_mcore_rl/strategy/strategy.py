@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -42,6 +42,9 @@ from lightning_mcore_rl.strategy.schedule import (
     unwrap_model,
     wrap_chunks,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
 _DEFAULT_SEED = 1234
 _PROCESS_EMULATION: list[Any] = []  # the process-lifetime cpu_emulation() context, entered once
@@ -216,7 +219,7 @@ class MCoreRLStrategy(DDPStrategy):
             **pipeline_p2p_settings(self.parallel.vpp),
         }
 
-    @property  # type: ignore[override]
+    @property
     def precision_plugin(self) -> MCorePrecision:
         """The megatron precision plugin (lazy ``"32-true"`` default: the setter must keep
         ``None``, or Lightning's connector would take it as the user's and ignore
@@ -319,11 +322,12 @@ class MCoreRLStrategy(DDPStrategy):
 
         clip_grad = check_trainer_flags(
             trainer.accumulate_grad_batches,
-            trainer.gradient_clip_val,  # type: ignore[arg-type]
+            trainer.gradient_clip_val,
             trainer.gradient_clip_algorithm,
         )
         assert self.lightning_module is not None
-        spec = self.lightning_module.configure_optimizers()
+        # an OptimizerConfig or a MegatronOptimizerSpec, outside Lightning's declared return type
+        spec: object = self.lightning_module.configure_optimizers()
         if not isinstance(spec, MegatronOptimizerSpec):
             spec = MegatronOptimizerSpec(config=spec)
         config = resolve_optimizer_config(
@@ -347,8 +351,8 @@ class MCoreRLStrategy(DDPStrategy):
         """Zero the DDP grad buffers AND the optimizer's grads BEFORE the forward: megatron's fp32
         optimizer aliases ``param.grad = param.main_grad`` in ``step()``; a stale alias makes
         the next backward accumulate into the buffer twice (silently wrong gradients)."""
-        for chunk in self._chunks:
-            chunk.zero_grad_buffer()
+        for chunk in self._chunks:  # fitting: setup() wrapped every chunk in megatron DDP
+            cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
 
     @override

@@ -77,6 +77,7 @@ def _rank_main(
         from lightning_mcore_rl.testing.megatron_state import destroy_megatron_state
 
         scope = cpu_emulation() if emulate_cuda else contextlib.nullcontext()
+        message: tuple[str, float, bytes | str]  # ("ok", t, pickled result) / ("error", t, tb)
         try:
             with scope:
                 result = fn(rank, *args)

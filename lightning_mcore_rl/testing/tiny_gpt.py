@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -139,7 +139,8 @@ def canonical_name(model: torch.nn.Module, name: str) -> str:
     match = _LAYER_NAME.match(name)
     if match is None:
         return name
-    layer = model.decoder.layers[int(match.group(1))]
+    gpt: GPTModel = model  # names of the form decoder.layers.N.* come from a GPTModel
+    layer = gpt.decoder.layers[int(match.group(1))]
     return f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
 
 
@@ -164,7 +165,7 @@ def tensor_parallel_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tens
         return full
     if getattr(param, "partition_stride", 1) != 1:
         raise ValueError("tensor_parallel_shard supports partition_stride == 1 only")
-    dim = param.partition_dim
+    dim: int = cast(Any, param).partition_dim  # set on the tensor by megatron
     tp = ps.get_tensor_model_parallel_world_size()
     return full.chunk(tp, dim=dim)[ps.get_tensor_model_parallel_rank()]
 
@@ -175,7 +176,7 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+        shape[cast(Any, param).partition_dim] *= ps.get_tensor_model_parallel_world_size()
     return torch.Size(shape)
 
 

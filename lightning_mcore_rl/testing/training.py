@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lightning_mcore_rl.testing.emulation import init_distributed_optimizer_state_for_load
 from lightning_mcore_rl.testing.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
 Microbatch = dict[str, torch.Tensor]
 
@@ -24,7 +27,7 @@ Microbatch = dict[str, torch.Tensor]
 class TrainingSetup:
     """Model chunks (one per virtual pipeline stage), their optimizer and config."""
 
-    chunks: list[torch.nn.Module]
+    chunks: list[DistributedDataParallel]
     optimizer: Any
     config: Any
 
@@ -62,7 +65,7 @@ def build_training(
     config = tiny_gpt_config(bf16=bf16, **config_kwargs)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     stages = list(range(vpp)) if vpp else [None]
-    chunks: list[torch.nn.Module] = []
+    chunks: list[DistributedDataParallel] = []
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
     )
@@ -177,18 +180,19 @@ def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch
     for chunk in setup.chunks:
         gpt = _unwrap(chunk)
         for name, param in gpt.named_parameters():
-            value = (param.main_grad if grads else param).detach().float().clone()
+            # main_grad: megatron DDP's gradient buffer view, set on the parameter
+            value = (cast(Any, param).main_grad if grads else param).detach().float().clone()
             if getattr(param, "tensor_model_parallel", False) and tp > 1:
                 parts = [torch.empty_like(value) for _ in range(tp)]
                 dist.all_gather(parts, value, group=group)
-                value = torch.cat(parts, dim=param.partition_dim)
+                value = torch.cat(parts, dim=cast(Any, param).partition_dim)
             result[canonical_name(gpt, name)] = value
     return result
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):
-        chunk = chunk.module
+        chunk = cast(torch.nn.Module, chunk.module)  # DDP / Float16Module wrap a module
     return chunk
 
 

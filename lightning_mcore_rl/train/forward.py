@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from lightning_mcore_rl.train.post_processors import (
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers."""
     while hasattr(model, "module"):
-        model = model.module
+        model = cast(torch.nn.Module, model.module)  # DDP / Float16Module wrap a module
     return model
 
 

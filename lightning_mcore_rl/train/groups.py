@@ -58,7 +58,7 @@ def gather_packed_over_cp(local: Tensor, cu: list[int], cp_group: Any) -> Tensor
     return full
 
 
-def unpack_rows(full: Tensor, cu: list[int], lengths: Tensor, width: int) -> Tensor:
+def unpack_rows(full: Tensor, cu: list[int], lengths: Tensor | Sequence[int], width: int) -> Tensor:
     """``[1, T, ...]`` -> ``[B, S, ...]`` zeros + row ``i``'s first ``min(len_i, S)`` tokens."""
     lens = host_ints(lengths)
     out = full.new_zeros(len(lens), width, *full.shape[2:])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -95,7 +95,7 @@ def process_microbatch(
     Raises:
         ValueError: Missing lengths when packing, CP > 1 without packing, bad pad width.
     """
-    input_ids = data_dict["input_ids"]
+    input_ids = cast(Tensor, data_dict["input_ids"])  # [B, S] by the BatchedDataDict contract
     batch, width = input_ids.shape
     if sequence_packing:
         if seq_length_key not in data_dict:

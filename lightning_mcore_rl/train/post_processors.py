@@ -13,7 +13,7 @@ Shapes: ``B`` sequences, ``S`` width of the unpacked batch, ``T`` packed tokens,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,8 @@ class LogprobsPostProcessor:
         cu: Any,
         g: pg.ParallelGroups,
     ) -> Tensor:
-        width = data_dict["input_ids"].shape[1]
+        ids = cast(Tensor, data_dict["input_ids"])  # [B, S] by the BatchedDataDict contract
+        width = ids.shape[1]
         if self.use_fused_linear_logprobs:
             if g.cp_size > 1:
                 raise RuntimeError("fused linear logprobs do not support context parallelism")
@@ -77,7 +78,7 @@ class LogprobsPostProcessor:
         if g.cp_size > 1:
             raise RuntimeError(pg.CP_NEEDS_PACKING)
         return from_parallel_logits_to_logprobs(
-            output, data_dict["input_ids"], start, end, g.tp_group, inference_only=True,
+            output, ids, start, end, g.tp_group, inference_only=True,
             chunk_size=chunk, sampling_params=self.sampling_params,
         )  # fmt: skip
 
@@ -107,7 +108,9 @@ class LogprobsPostProcessor:
                 lp = self._next_token(output_tensor, data_dict, input_ids, cu_seqlens_padded, g)
                 lp = F.pad(lp, (1, 0))  # stored convention: [B, S] with a leading 0
                 if self.sampling_params is not None and self.sampling_params.filters:
-                    mask = data_dict["token_mask"] * data_dict["sample_mask"].unsqueeze(-1)
+                    token_mask = cast(Tensor, data_dict["token_mask"])  # tensors by the contract
+                    sample_mask = cast(Tensor, data_dict["sample_mask"])
+                    mask = token_mask * sample_mask.unsqueeze(-1)
                     lp = mask_out_neg_inf_logprobs(lp, mask, "prev_logprobs")
             return torch.zeros((), device=lp.device), {"logprobs": lp[:, :original_seq_length]}
 
@@ -154,11 +157,12 @@ class TopkLogitsPostProcessor:
             if g.cp_size > 1 and not self.cfg.sequence_packing:
                 raise RuntimeError(pg.CP_NEEDS_PACKING)
             if self.cfg.sequence_packing:
+                assert cu_seqlens_padded is not None  # packed microbatches carry span boundaries
                 cu = pg.host_ints(cu_seqlens_padded)
                 if g.cp_size > 1:
                     values = pg.gather_packed_over_cp(values, cu, g.cp_group)
                     indices = pg.gather_packed_over_cp(indices, cu, g.cp_group)
-                width = data_dict["input_ids"].shape[1]
+                width = cast(Tensor, data_dict["input_ids"]).shape[1]  # [B, S] by the contract
                 values = pg.unpack_rows(values, cu, data_dict["input_lengths"], width)
                 indices = pg.unpack_rows(indices, cu, data_dict["input_lengths"], width)
             result = {
@@ -254,10 +258,11 @@ class TeacherFullPayloadPostProcessor:
                 if g.cp_size > 1 and not self.cfg.sequence_packing:
                     raise RuntimeError(pg.CP_NEEDS_PACKING)
                 if self.cfg.sequence_packing:
+                    assert cu_seqlens_padded is not None  # packed microbatches carry boundaries
                     cu = pg.host_ints(cu_seqlens_padded)
                     if g.cp_size > 1:
                         local = pg.gather_packed_over_cp(local, cu, g.cp_group)
-                    width = data_dict["input_ids"].shape[1]
+                    width = cast(Tensor, data_dict["input_ids"]).shape[1]  # [B, S]
                     local = pg.unpack_rows(local, cu, data_dict["input_lengths"], width)
                 payload = local[:, :original_seq_length].to("cpu", self.payload_dtype)
             result["teacher_full_payload"] = payload

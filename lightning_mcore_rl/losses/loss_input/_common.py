@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -52,7 +52,8 @@ def _reference_kl_penalty(loss_fn: LossFunction) -> float:
     if hasattr(loss_fn, "reference_policy_kl_penalty"):
         return float(loss_fn.reference_policy_kl_penalty)
     if loss_fn.input_type is LossInputType.OPD_FULL:
-        return float(loss_fn.cfg.reference_policy_kl_penalty)
+        # OPD_FULL losses carry their config as `cfg` (not part of the LossFunction protocol)
+        return float(cast(Any, loss_fn).cfg.reference_policy_kl_penalty)
     return 0.0
 
 
@@ -176,7 +177,9 @@ def _finish_logprob_input(
 ) -> dict[str, Any]:
     """Top-k/top-p ``-inf`` masking and the unfiltered logprobs for the reference KL (spec §3.2)."""
     if _filters(sampling_params):
-        mask = (data["token_mask"] * data["sample_mask"].unsqueeze(-1))[:, 1:]
+        token_mask = cast(Tensor, data["token_mask"])  # tensors by the BatchedDataDict contract
+        sample_mask = cast(Tensor, data["sample_mask"])
+        mask = (token_mask * sample_mask.unsqueeze(-1))[:, 1:]
         logprobs = mask_out_neg_inf_logprobs(logprobs, mask, "curr_logprobs")
         if _reference_kl_penalty(loss_fn) != 0:
             data["curr_logprobs_unfiltered"] = unfiltered()
@@ -209,7 +212,7 @@ def logprob_loss_input(
     Returns:
         ``next_token_logprobs [B, S-1]`` (+ positive ``entropy [B, S-1]`` for entropy bonuses).
     """
-    input_ids = data["input_ids"]
+    input_ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
     seq_len = input_ids.shape[1]
     groups = (vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
     if getattr(loss_fn, "use_fused_linear_logprobs", False):

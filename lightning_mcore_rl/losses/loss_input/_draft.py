@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ def _draft_loss_input(
     return {
         "teacher_logits": teacher,
         "student_logits": data["student_logits"],
-        "token_mask": data["token_mask"].roll(-1, dims=1),
+        "token_mask": cast(Tensor, data["token_mask"]).roll(-1, dims=1),
     }
 
 
@@ -56,10 +56,11 @@ def _distillation_loss_input(
     """Student/teacher top-k logprobs ``[B, S-1, K]`` (+ ``H_all [B, S-1]``), spec §5.10."""
     if vocab_parallel_group is None:
         raise ValueError("DISTILLATION loss input needs `vocab_parallel_group` (the TP group)")
-    cfg = loss_fn.cfg
+    cfg = cast(Any, loss_fn).cfg  # DISTILLATION losses carry a config (not in the protocol)
     start, end = _vocab_range(logits, vocab_parallel_rank, vocab_parallel_group)
     out = get_distillation_topk_logprobs_from_logits(
-        logits, data["teacher_topk_logits"], data["teacher_topk_indices"],
+        logits, cast(Tensor, data["teacher_topk_logits"]),
+        cast(Tensor, data["teacher_topk_indices"]),
         cfg.zero_outside_topk, cfg.zero_outside_topk and cfg.kl_type != "forward",
         start, end, vocab_parallel_group, context_parallel_group,
     )  # fmt: skip

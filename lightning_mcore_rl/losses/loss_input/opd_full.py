@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -114,9 +114,11 @@ def _prepare_opd_full_loss_input(
         )
     cp_rank, cp_size = _group_rank(context_parallel_group), _group_size(context_parallel_group)
     start, end = _vocab_range(logits, vocab_parallel_rank, vocab_parallel_group)
-    seq_len = data["input_ids"].shape[1]
+    input_ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
+    seq_len = input_ids.shape[1]
+    payload = cast(Tensor, data[OPD_FULL_PAYLOAD_FIELD])  # the [B, S, D] payload tensor
     teacher = _teacher_logits_shard(
-        data[OPD_FULL_PAYLOAD_FIELD], data, logits.shape, start, end, cp_rank, cp_size,
+        payload, data, logits.shape, start, end, cp_rank, cp_size,
         _group_size(vocab_parallel_group), teacher_output_layer_weight_by_index,
     ).to(logits.dtype)  # fmt: skip
     out = vocab_parallel_reverse_kl(
@@ -128,6 +130,7 @@ def _prepare_opd_full_loss_input(
             local = allgather_cp_sharded_tensor(local, context_parallel_group, seq_dim=1)
         return local[:, : seq_len - 1]
 
+    assert out.neg_entropy is not None and out.cross_entropy is not None  # return_metrics=True
     loss_input: dict[str, Any] = {
         "opd_full_divergence": canonical(out.reverse_kl),
         "opd_full_entropy": canonical(out.neg_entropy.detach()),
@@ -135,7 +138,7 @@ def _prepare_opd_full_loss_input(
     }
     if _reference_kl_penalty(loss_fn) != 0:
         loss_input["next_token_logprobs"] = next_token_logprobs(
-            data["input_ids"], logits, vocab_parallel_rank, vocab_parallel_group,
+            input_ids, logits, vocab_parallel_rank, vocab_parallel_group,
             context_parallel_group, None, chunk_size,
         )  # fmt: skip
     return loss_input

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +133,7 @@ def prepare_packed_loss_input(
     if vocab_parallel_group is None:
         raise ValueError("prepare_packed_loss_input needs `vocab_parallel_group` (the TP group)")
     cp_rank, cp_size = _group_rank(context_parallel_group), _group_size(context_parallel_group)
-    input_ids = data["input_ids"]
+    input_ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
     width = input_ids.shape[1]
     cu_qp = _as_ints(cu_seqlens_q_padded)
     targets = _pack_input_ids(input_ids, cu_seqlens_q, cu_qp, cp_rank, cp_size, roll_shift=-1)
