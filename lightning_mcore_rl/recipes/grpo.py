@@ -138,7 +138,7 @@ class GRPOModule(MCoreRLModule):
         model: TinyGPTSpec | None = None,
         rollout: RolloutSpec | None = None,
         loss: ClippedPGLossConfig | None = None,
-        lr: float = 1e-2,
+        lr: float = 5e-3,
     ) -> None:
         loss = loss or ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
         if loss.use_kl_in_reward:

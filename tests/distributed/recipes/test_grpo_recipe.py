@@ -89,10 +89,10 @@ def test_tp2_rl_loop_matches_tp1(kl: float):
 
 def test_reward_rises_on_dp2():
     # 60 optimizer steps of 16 prompts x 4 samples. A random policy scores 1/4; measured on this
-    # seed: mean reward 0.30 over steps 1-10 and 0.50 over steps 51-60.
+    # seed: mean reward 0.285 over steps 1-10 and 0.995 over steps 51-60.
     (result, _) = run_on_ranks(_grpo, 2, 1, 60, timeout=300)
     rewards = [row["reward"] for row in result["rows"]]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert first == pytest.approx(0.25, abs=0.08)
-    assert last > first + 0.15, f"reward did not rise: first {first:.3f}, last {last:.3f}"
+    assert last > 0.8, f"reward did not rise: first {first:.3f}, last {last:.3f}"
