@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.strategies import ParallelStrategy
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn
 from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.rollout import ModularCountingTask, generate
+from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
 
 
 @dataclass
@@ -67,8 +68,8 @@ class RolloutSpec:
 
 
 class PromptDataset(Dataset):
-    """``num_prompts`` fixed random prompts of a task (map-style, so Lightning's distributed
-    sampler splits them over data-parallel ranks)."""
+    """``num_prompts`` fixed random prompts of a task (map-style, so a ``DistributedSampler``
+    splits them over data-parallel ranks)."""
 
     def __init__(self, task: ModularCountingTask, num_prompts: int, seed: int = 0) -> None:
         self.prompts = task.prompts(num_prompts, torch.Generator().manual_seed(seed))
@@ -88,7 +89,7 @@ class PromptDataModule(LightningDataModule):
         task: the task that makes the prompts.
         prompts_per_step: global prompts per optimizer step (divisible by DP).
         num_steps: how many steps' worth of distinct prompts to make (one epoch).
-        seed: prompt seed.
+        seed: prompt seed, also the seed of their (per-epoch) shuffled order.
     """
 
     def __init__(
@@ -104,8 +105,11 @@ class PromptDataModule(LightningDataModule):
         self.num_steps = num_steps
         self.seed = seed
 
-    def train_dataloader(self) -> DataLoader:
-        """Per-rank batches of ``prompts_per_step / DP`` prompts ``[b, P]``."""
+    def train_dataloader(self) -> ResumableLoader:
+        """Per-rank batches of ``prompts_per_step / DP`` prompts ``[b, P]``: each data-parallel
+        rank reads its own prompts, shuffled with a fixed seed (re-permuted per epoch). The loader
+        is a :class:`~lightning_mcore_rl.strategy.ResumableLoader`, so ``fit(ckpt_path=...)``
+        mid-epoch continues with the next unseen batch."""
         assert self.trainer is not None  # Lightning attaches the Trainer before this hook
         # the recipe runs under MCoreRLStrategy, a ParallelStrategy
         strategy = cast(ParallelStrategy, self.trainer.strategy)
@@ -116,7 +120,8 @@ class PromptDataModule(LightningDataModule):
                 f"data-parallel size ({dp})."
             )
         dataset = PromptDataset(self.task, self.prompts_per_step * self.num_steps, self.seed)
-        return DataLoader(dataset, batch_size=self.prompts_per_step // dp)
+        batch_size = self.prompts_per_step // dp
+        return resumable_dataloader(dataset, self.trainer, batch_size, seed=self.seed)
 
 
 class GRPOModule(MCoreRLModule):

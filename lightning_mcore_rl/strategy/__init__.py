@@ -1,5 +1,6 @@
 """Lightning integration: :class:`MCoreRLStrategy` and its precision, optimizer and checkpoint
-plumbing. Megatron is imported lazily (inside hooks), so importing this package needs no GPU."""
+plumbing, and :class:`ResumableLoader` for exact mid-epoch resume. Megatron is imported lazily
+(inside hooks), so importing this package needs no GPU."""
 
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
 from lightning_mcore_rl.strategy.optimizer import (
@@ -8,6 +9,7 @@ from lightning_mcore_rl.strategy.optimizer import (
     MegatronStepResult,
 )
 from lightning_mcore_rl.strategy.precision import MCorePrecision
+from lightning_mcore_rl.strategy.resumable import ResumableLoader, resumable_dataloader
 from lightning_mcore_rl.strategy.schedule import StepOutput, lm_forward_step
 from lightning_mcore_rl.strategy.strategy import (
     MCoreRLStrategy,
@@ -25,9 +27,11 @@ __all__ = [
     "MegatronOptimizerSpec",
     "MegatronStepResult",
     "ParallelSizes",
+    "ResumableLoader",
     "StepOutput",
     "check_trainer_flags",
     "lm_forward_step",
     "register_strategy",
+    "resumable_dataloader",
     "split_microbatches",
 ]

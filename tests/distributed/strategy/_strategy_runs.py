@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
-from lightning_mcore_rl.strategy import MegatronOptimizerSpec
+from lightning_mcore_rl.strategy import MegatronOptimizerSpec, ResumableLoader
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.testing.training import build_training, forward_backward, optimizer_step
@@ -37,32 +37,6 @@ class TokenRows(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         row = self.rows[index]
         return {"tokens": row[:-1], "labels": row[1:]}
-
-
-class ResumableLoader:
-    """A DataLoader wrapper whose position is saved in the checkpoint (exact mid-epoch resume)."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        self.loader = loader
-        self.skip = 0
-        self.yielded = 0
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Any:
-        skip, self.skip, self.yielded = self.skip, 0, 0
-        for i, batch in enumerate(self.loader):
-            if i < skip:
-                continue
-            self.yielded = i + 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"yielded": self.yielded}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.skip = state["yielded"]
 
 
 class TinyGPTModule(MCoreRLModule):

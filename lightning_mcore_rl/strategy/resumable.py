@@ -1,0 +1,117 @@
+"""Exact mid-epoch resume of the data position.
+
+On ``fit(ckpt_path=...)`` Lightning restores ``global_step`` and ``batch_idx`` but a plain
+``DataLoader`` starts again at its first batch, so a mid-epoch resume replays the epoch's first
+batches (Lightning only warns). :class:`ResumableLoader` saves how many batches of the current
+epoch it has handed out; Lightning stores that in the checkpoint (``loops.fit_loop`` state) and
+gives it back before the resumed epoch starts, and the loader then skips those batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+
+class ResumableLoader:
+    """A sized ``DataLoader`` wrapper whose position within the epoch is checkpointed.
+
+    Lightning saves ``state_dict()`` with the fit loop and calls ``load_state_dict`` when it
+    resumes; the next ``iter()`` then skips the batches already consumed in that epoch (they are
+    loaded and dropped, so the sampler's order is untouched). ``sampler`` is exposed so that
+    Lightning's per-epoch ``set_epoch`` (restored epoch included) reaches the wrapped loader's
+    ``DistributedSampler``; ``dataset`` and ``batch_size`` are the wrapped loader's too.
+
+    The count is exact because Lightning does not prefetch from a loader with a length, so the
+    batches handed out are the batches trained on. Lightning does not inject its distributed
+    sampler into a wrapper: give the wrapped loader its own (see :func:`resumable_dataloader`).
+
+    Args:
+        loader: a map-style (sized) ``DataLoader`` with a deterministic order per epoch.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self._skip = 0
+        self._yielded = 0
+
+    @property
+    def sampler(self) -> Any:
+        """The wrapped loader's sampler (Lightning calls its ``set_epoch`` each epoch)."""
+        return self.loader.sampler
+
+    @property
+    def dataset(self) -> Dataset:
+        """The wrapped loader's dataset."""
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        """The wrapped loader's batch size."""
+        return self.loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._skip = self._skip, 0
+        if skip >= len(self.loader):  # saved after the epoch's last batch: the next one is fresh
+            skip = 0
+        self._yielded = skip
+        for index, batch in enumerate(self.loader):
+            if index < skip:
+                continue
+            self._yielded = index + 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"batches_yielded": n}``: batches of the current epoch handed out so far."""
+        return {"batches_yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Skip the first ``state["batches_yielded"]`` batches on the next ``iter()``."""
+        self._skip = self._yielded = int(state["batches_yielded"])
+
+
+def resumable_dataloader(
+    dataset: Dataset,
+    trainer: Trainer,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    **loader_kwargs: Any,
+) -> ResumableLoader:
+    """A :class:`ResumableLoader` over this data-parallel rank's share of ``dataset``.
+
+    The ``DistributedSampler`` takes ``num_replicas``/``rank`` from
+    ``trainer.strategy.distributed_sampler_kwargs`` (with ``MCoreRLStrategy``: the data-parallel
+    size and rank, so all TP/PP/CP ranks of a replica read the same samples; a single-device
+    strategy gives 1/0). With ``shuffle`` the order is a permutation fixed by ``seed`` and
+    Lightning's ``set_epoch``, so every epoch differs and a resumed run sees the same order.
+    ``shuffle=True, seed=0`` is the order Lightning's injected train sampler gives a plain
+    ``DataLoader``.
+
+    Args:
+        dataset: a map-style dataset.
+        trainer: the Trainer whose strategy is set up (e.g. inside ``train_dataloader``).
+        batch_size: this rank's batch size.
+        shuffle: shuffle with ``seed`` (re-permuted per epoch).
+        seed: the sampler seed (the same on every rank).
+        **loader_kwargs: further ``DataLoader`` arguments (``num_workers``, ``drop_last``, ...).
+    """
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    sampler: DistributedSampler = DistributedSampler(
+        dataset,
+        num_replicas=kwargs.get("num_replicas", 1),
+        rank=kwargs.get("rank", 0),
+        shuffle=shuffle,
+        seed=seed,
+    )
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
+    return ResumableLoader(loader)
