@@ -99,3 +99,27 @@ def packing_error_rank(rank: int, spec: dict[str, Any]) -> str:
     except Exception as err:  # noqa: BLE001 - the message is the result
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def max_run_diffs(candidate: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
+    """Max abs differences between two recorded Trainer runs of the same steps: every logged
+    metric (same keys, incl. ``train_loss`` and ``grad_norm``), megatron's grad norms, and
+    ``compute_logprobs`` on real tokens (positions ``< length``)."""
+    for run in (candidate, reference):
+        assert run["global_step"] == len(run["metrics"]) == len(reference["metrics"])
+    metric_diff = 0.0
+    for mine, ref in zip(candidate["metrics"], reference["metrics"], strict=True):
+        assert sorted(mine) == sorted(ref)
+        assert "train_loss" in ref and "grad_norm" in ref and len(ref) > 3
+        metric_diff = max(metric_diff, max(abs(mine[k] - ref[k]) for k in ref))
+    norm_diff = max(
+        abs(a - b) for a, b in zip(candidate["grad_norms"], reference["grad_norms"], strict=True)
+    )
+    logprob_diff = 0.0
+    for mine, ref, lengths in zip(
+        candidate["logprobs"], reference["logprobs"], reference["lengths"], strict=True
+    ):
+        assert mine.shape == ref.shape
+        real = torch.arange(ref.shape[1])[None, :] < lengths[:, None]
+        logprob_diff = max(logprob_diff, float(((mine - ref).abs() * real).max()))
+    return {"metrics": metric_diff, "grad_norms": norm_diff, "logprobs": logprob_diff}

@@ -10,8 +10,7 @@ logprobs <= 9.6e-7."""
 from __future__ import annotations
 
 import pytest
-import torch
-from _strategy_packing_runs import packing_rank
+from _strategy_packing_runs import max_run_diffs, packing_rank
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -24,25 +23,8 @@ def _max_diffs(result: dict) -> dict[str, float]:
     padded, packed = result[False], result[True]
     assert padded["attention_layouts"] == ["sbhd"]  # the model really saw padded batches
     assert packed["attention_layouts"] == ["thd"]  # ... and one THD row per microbatch
-    for run in (padded, packed):
-        assert run["global_step"] == STEPS
-        assert len(run["metrics"]) == STEPS
-    metric_diff = 0.0
-    for mine, ref in zip(packed["metrics"], padded["metrics"], strict=True):
-        assert sorted(mine) == sorted(ref)
-        assert "train_loss" in ref and "grad_norm" in ref and len(ref) > 3
-        metric_diff = max(metric_diff, max(abs(mine[k] - ref[k]) for k in ref))
-    norm_diff = max(
-        abs(a - b) for a, b in zip(packed["grad_norms"], padded["grad_norms"], strict=True)
-    )
-    logprob_diff = 0.0
-    for mine, ref, lengths in zip(
-        packed["logprobs"], padded["logprobs"], padded["lengths"], strict=True
-    ):
-        assert mine.shape == ref.shape
-        real = torch.arange(ref.shape[1])[None, :] < lengths[:, None]
-        logprob_diff = max(logprob_diff, float(((mine - ref).abs() * real).max()))
-    return {"metrics": metric_diff, "grad_norms": norm_diff, "logprobs": logprob_diff}
+    assert padded["global_step"] == STEPS
+    return max_run_diffs(packed, padded)
 
 
 @pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"pp": 2}], ids=["dp2", "tp2", "pp2"])

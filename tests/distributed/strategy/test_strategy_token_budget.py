@@ -11,8 +11,8 @@ packed 7.2e-7 / 1.7e-7 / 9.5e-7."""
 
 from __future__ import annotations
 
-import torch
 from _strategy_budget_runs import SkewedRows, budget_rank
+from _strategy_packing_runs import max_run_diffs
 
 from lightning_mcore_rl.data import plan_token_budget_microbatches
 from lightning_mcore_rl.testing import run_on_ranks
@@ -21,28 +21,6 @@ ATOL = 1e-5
 STEPS = 3
 BUDGET = 32
 SPEC = {"steps": STEPS, "rows": 24, "global_batch": 8, "mbs": 1, "budget": BUDGET}
-
-
-def _max_diffs(fixed: dict, budget: dict) -> dict[str, float]:
-    for run in (fixed, budget):
-        assert run["global_step"] == STEPS
-        assert len(run["metrics"]) == STEPS
-    metric_diff = 0.0
-    for mine, ref in zip(budget["metrics"], fixed["metrics"], strict=True):
-        assert sorted(mine) == sorted(ref)
-        assert "train_loss" in ref and "grad_norm" in ref and len(ref) > 3
-        metric_diff = max(metric_diff, max(abs(mine[k] - ref[k]) for k in ref))
-    norm_diff = max(
-        abs(a - b) for a, b in zip(budget["grad_norms"], fixed["grad_norms"], strict=True)
-    )
-    logprob_diff = 0.0
-    for mine, ref, lengths in zip(
-        budget["logprobs"], fixed["logprobs"], fixed["lengths"], strict=True
-    ):
-        assert mine.shape == ref.shape
-        real = torch.arange(ref.shape[1])[None, :] < lengths[:, None]
-        logprob_diff = max(logprob_diff, float(((mine - ref).abs() * real).max()))
-    return {"metrics": metric_diff, "grad_norms": norm_diff, "logprobs": logprob_diff}
 
 
 def _check(results: list[dict], layouts: tuple[str, ...], fixed_count: int) -> list[int]:
@@ -56,7 +34,7 @@ def _check(results: list[dict], layouts: tuple[str, ...], fixed_count: int) -> l
             # The budget was used: other microbatch counts than the fixed micro_batch_size=1 run.
             assert fixed["num_microbatches"] == [fixed_count] * STEPS
             assert all(1 < c < fixed_count for c in budget["num_microbatches"]), budget
-            diffs = _max_diffs(fixed, budget)
+            diffs = max_run_diffs(budget, fixed)
             print(f"{layouts} rank {rank} {layout}: max |budget - fixed| {diffs}")
             assert max(diffs.values()) <= ATOL, diffs
             losses = [m["train_loss"] for m in budget["metrics"]]
