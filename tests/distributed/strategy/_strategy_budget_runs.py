@@ -8,12 +8,9 @@ import os
 from typing import Any
 
 import torch
-from _strategy_packing_runs import PackedGRPOModule, StepRecorder
+from _strategy_packing_runs import PackedGRPOModule, fit_recorded
 from _strategy_rl_runs import RolloutRows
-from _strategy_runs import VOCAB, make_trainer, strategy_kwargs
-from torch.utils.data import DataLoader
-
-from lightning_mcore_rl import MCoreRLStrategy
+from _strategy_runs import VOCAB
 
 
 class SkewedRows(RolloutRows):
@@ -47,25 +44,10 @@ class BudgetGRPOModule(PackedGRPOModule):
 
 
 def _fit(spec: dict[str, Any], world_size: int, packing: bool, budget: int | None) -> dict:
-    recorder = StepRecorder()
-    kwargs = strategy_kwargs(spec)
-    if budget is not None:
-        kwargs["micro_batch_size"] = 1
-    strategy = MCoreRLStrategy(**kwargs, sequence_packing=packing, max_tokens_per_microbatch=budget)
-    trainer = make_trainer(spec, world_size, callbacks=[recorder], strategy=strategy)
-    dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
-    loader = DataLoader(SkewedRows(spec["rows"]), batch_size=spec["global_batch"] // dp)
     module = BudgetGRPOModule()
-    trainer.fit(module, loader)
-    return {
-        "attention_layouts": sorted(module.attention_layouts),
-        "num_microbatches": module.num_microbatches,
-        "logprobs": recorder.logprobs,
-        "lengths": recorder.lengths,
-        "metrics": recorder.metrics,
-        "grad_norms": recorder.grad_norms,
-        "global_step": trainer.global_step,
-    }
+    rows = SkewedRows(spec["rows"])
+    run = fit_recorded(spec, world_size, module, rows, packing=packing, budget=budget)
+    return {**run, "num_microbatches": module.num_microbatches}
 
 
 def budget_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:

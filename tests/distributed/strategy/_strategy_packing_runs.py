@@ -68,14 +68,25 @@ class StepRecorder(Callback):
         self.grad_norms.append(trainer.strategy.optimizers[0].last_step.grad_norm)
 
 
-def _fit(spec: dict[str, Any], world_size: int, packing: bool) -> dict[str, Any]:
+def fit_recorded(
+    spec: dict[str, Any],
+    world_size: int,
+    module: PackedGRPOModule,
+    rows: Any,
+    *,
+    packing: bool,
+    budget: int | None = None,
+) -> dict[str, Any]:
+    """Fit ``module`` on ``rows`` (this rank's DP share per step) and return what was recorded.
+    With a token ``budget`` the fixed ``micro_batch_size`` is 1 (the strategy requires it)."""
     recorder = StepRecorder()
-    strategy = MCoreRLStrategy(**strategy_kwargs(spec), sequence_packing=packing)
+    kwargs = strategy_kwargs(spec)
+    if budget is not None:
+        kwargs["micro_batch_size"] = 1
+    strategy = MCoreRLStrategy(**kwargs, sequence_packing=packing, max_tokens_per_microbatch=budget)
     trainer = make_trainer(spec, world_size, callbacks=[recorder], strategy=strategy)
     dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
-    loader = DataLoader(RolloutRows(spec["rows"]), batch_size=spec["global_batch"] // dp)
-    module = PackedGRPOModule()
-    trainer.fit(module, loader)
+    trainer.fit(module, DataLoader(rows, batch_size=spec["global_batch"] // dp))
     return {
         "attention_layouts": sorted(module.attention_layouts),
         "logprobs": recorder.logprobs,
@@ -84,6 +95,11 @@ def _fit(spec: dict[str, Any], world_size: int, packing: bool) -> dict[str, Any]
         "grad_norms": recorder.grad_norms,
         "global_step": trainer.global_step,
     }
+
+
+def _fit(spec: dict[str, Any], world_size: int, packing: bool) -> dict[str, Any]:
+    module = PackedGRPOModule()
+    return fit_recorded(spec, world_size, module, RolloutRows(spec["rows"]), packing=packing)
 
 
 def packing_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
