@@ -60,8 +60,8 @@ def startup() -> dict[str, float]:
 
 
 def _mode_overhead(rank: int, hidden: int) -> dict[str, float]:
+    from lightning_mcore_rl.cpu.emulation import _STATE
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
-    from lightning_mcore_rl.testing.emulation import _STATE
 
     init_megatron_state()
     model = tiny_gpt(tiny_gpt_config(num_layers=4, hidden_size=hidden, num_attention_heads=8))

@@ -22,8 +22,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
+from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state, run_on_ranks
-from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.testing.training import build_training, train_step
 
 STEPS, GLOBAL_BATCH, MBS, SEQ, VOCAB = 30, 16, 4, 64, 128

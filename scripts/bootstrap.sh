@@ -14,5 +14,5 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[dev,plot]"
+.venv/bin/python -m pip install -q -e ".[dev,plot,hf]"
 echo "$want" > "$stamp"

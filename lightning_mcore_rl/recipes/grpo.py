@@ -168,7 +168,7 @@ class GRPOModule(MCoreRLModule):
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         """The tiny GPT (layout-invariant deterministic weights), built from the strategy's config."""
-        from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt
+        from lightning_mcore_rl.models.tiny_gpt import tiny_gpt
 
         spec = self.model_spec
         config = self.transformer_config(
@@ -231,7 +231,7 @@ class GRPOModule(MCoreRLModule):
         they are regenerated instead of kept as a second copy, and a resumed run keeps the same
         reference. The current weights are restored on exit, also on error.
         """
-        from lightning_mcore_rl.testing.tiny_gpt import load_deterministic_weights
+        from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
 
         params = [p for chunk in self.mcore_strategy.model_chunks for p in chunk.parameters()]
         current = [p.detach().clone() for p in params]

@@ -249,7 +249,7 @@ class MCoreRLStrategy(DDPStrategy):
         if self.root_device.type == "cpu" and not _PROCESS_EMULATION:
             # For the whole process: Lightning runs hooks, validation and checkpointing from many
             # places after this point and no strategy hook brackets all of them.
-            from lightning_mcore_rl.testing import cpu_emulation
+            from lightning_mcore_rl.cpu import cpu_emulation
 
             context = cpu_emulation()
             context.__enter__()

@@ -1,18 +1,13 @@
-"""Testing support that ships with the package: CPU emulation of CUDA for megatron-core, a
-layout-invariant tiny GPT and an N-rank gloo runner.
-
-The strategy uses :func:`cpu_emulation` for ``accelerator="cpu"``, so this layer imports only torch
-and megatron-core (never anything above it).
+"""Test infrastructure: an N-rank gloo runner, megatron state helpers and the bare megatron
+reference loop (:mod:`.training`). Re-exports the CPU backend's :func:`cpu_emulation` and the
+model layer's :func:`tiny_gpt` (fixed public API). Nothing in the package imports this layer.
 """
 
-from lightning_mcore_rl.testing.emulation import (
-    cpu_emulation,
-    init_distributed_optimizer_state_for_load,
-    patched_attributes,
-)
+from lightning_mcore_rl._compat import init_distributed_optimizer_state_for_load
+from lightning_mcore_rl.cpu import cpu_emulation, patched_attributes
+from lightning_mcore_rl.models import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.testing.megatron_state import destroy_megatron_state, init_megatron_state
 from lightning_mcore_rl.testing.ranks import run_on_ranks
-from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt, tiny_gpt_config
 
 __all__ = [
     "cpu_emulation",

@@ -73,7 +73,7 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        from lightning_mcore_rl.testing.emulation import cpu_emulation
+        from lightning_mcore_rl.cpu.emulation import cpu_emulation
         from lightning_mcore_rl.testing.megatron_state import destroy_megatron_state
 
         scope = cpu_emulation() if emulate_cuda else contextlib.nullcontext()

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lightning_mcore_rl.testing.emulation import init_distributed_optimizer_state_for_load
-from lightning_mcore_rl.testing.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl._compat import init_distributed_optimizer_state_for_load
+from lightning_mcore_rl.models.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel

@@ -15,9 +15,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
+from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.strategy import MegatronOptimizerSpec, ResumableLoader
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
-from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.testing.training import build_training, forward_backward, optimizer_step
 
 VOCAB = 128

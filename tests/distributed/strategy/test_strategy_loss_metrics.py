@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLModule
 from lightning_mcore_rl.losses import ClippedPGLossFn
+from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state, run_on_ranks
-from lightning_mcore_rl.testing.tiny_gpt import tiny_gpt, tiny_gpt_config
 
 GLOBAL_BATCH = 8  # = rows: one step reads every row once, whatever the sampler's shuffle
 LAYOUTS = {"dp2": {}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}

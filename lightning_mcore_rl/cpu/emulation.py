@@ -13,16 +13,21 @@ the original object again and ``torch.zeros(1, device="cuda")`` raises as before
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import queue
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from lightning_mcore_rl._compat import (
+    Patch,
+    ScopedPatches,
+    compat_patches,
+    enter_megatron_compat,
+    exit_megatron_compat,
+)
 
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
@@ -115,141 +120,67 @@ def _local_results_queue() -> queue.Queue:
     return queue.Queue()
 
 
-def _wrap_set_main_param_and_optimizer_states(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix ``DistributedOptimizer._set_main_param_and_optimizer_states`` for torch AdamW state
-    (no Apex/TE): it KeyErrors on ``step`` (``fully_reshardable``), copies into leaf views without
-    ``no_grad`` (``dp_reshardable``) and leaves one ``step`` tensor shared by all params so AdamW
-    advances it once per param. The wrapper copies every state but ``step`` under ``no_grad`` and
-    gives each param its own copy of the step restored from the param groups."""
-
-    @functools.wraps(original)
-    def wrapper(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        state = self.optimizer.state[main_param]
-        with torch.no_grad():
-            main_param.copy_(tensors["param"])
-            for key, value in state.items():
-                if key != "step":
-                    value.copy_(tensors[key])
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"] = state["step"].detach().clone()
-        return None
-
-    return wrapper
-
-
-def _wrap_torch_norm_new(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Let ``WrappedTorchNorm`` (local layer spec) build under ``sequence_parallel=True``.
-
-    The norm is built from a copy of the config with ``sequence_parallel=False`` (its assert) and
-    its parameters are tagged ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces
-    their gradients over TP, exactly what TE's norm does on GPU.
-    """
-    import dataclasses
-
-    @functools.wraps(original)
-    def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
-        if not config.sequence_parallel:
-            return original(cls, config, *args, **kwargs)
-        norm = original(cls, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    return new
-
-
-@dataclass
-class _Patch:
-    owner: Any
-    name: str
-    replacement: Any
-    original: Any = None
-
-
-def _patches() -> list[_Patch]:
-    """The attribute patches, each with the megatron-core call site that needs it."""
+def _cpu_patches() -> list[Patch]:
+    """The CPU attribute patches, each with the megatron-core call site that needs it."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     patches = [
         # Device placement: `torch.cuda.current_device()` feeds `device=` in DDP param buffers,
         # p2p communication, the RNG tracker and the global memory buffer.
-        _Patch(torch.cuda, "current_device", lambda: "cpu"),
+        Patch(torch.cuda, "current_device", lambda: "cpu"),
         # `torch.cuda.synchronize()` in timers/checkpointing, `empty_cache()` in DDP/optimizer.
-        _Patch(torch.cuda, "synchronize", _no_op),
-        _Patch(torch.cuda, "empty_cache", _no_op),
+        Patch(torch.cuda, "synchronize", _no_op),
+        Patch(torch.cuda, "empty_cache", _no_op),
         # RNG: `CudaRNGStatesTracker.add` / `model_parallel_cuda_manual_seed` seed and read CUDA RNG.
-        _Patch(torch.cuda, "manual_seed", _cpu_manual_seed),
-        _Patch(torch.cuda, "manual_seed_all", _cpu_manual_seed),
-        _Patch(torch.cuda, "get_rng_state", _get_cpu_rng_state),
-        _Patch(torch.cuda, "set_rng_state", _set_cpu_rng_state),
+        Patch(torch.cuda, "manual_seed", _cpu_manual_seed),
+        Patch(torch.cuda, "manual_seed_all", _cpu_manual_seed),
+        Patch(torch.cuda, "get_rng_state", _get_cpu_rng_state),
+        Patch(torch.cuda, "set_rng_state", _set_cpu_rng_state),
         # `CudaRNGStatesTracker.add/fork` and activation checkpointing use these two directly.
-        _Patch(mcore_random, "_get_cuda_rng_state", _get_cpu_rng_state),
-        _Patch(mcore_random, "_set_cuda_rng_state", _set_cpu_rng_state),
+        Patch(mcore_random, "_get_cuda_rng_state", _get_cpu_rng_state),
+        Patch(mcore_random, "_set_cuda_rng_state", _set_cpu_rng_state),
         # `FileSystemWriterAsync.__init__` (sync `dist_checkpointing.save`): see _local_results_queue.
-        _Patch(filesystem_async, "_get_write_results_queue", _local_results_queue),
-        # `DistributedOptimizer.load_state_dict` paths for dp_/fully_reshardable checkpoints.
-        _Patch(
-            DistributedOptimizer,
-            "_set_main_param_and_optimizer_states",
-            _wrap_set_main_param_and_optimizer_states(
-                DistributedOptimizer._set_main_param_and_optimizer_states
-            ),
-        ),
-        # `WrappedTorchNorm.__new__` (local spec norms) under sequence parallelism.
-        _Patch(
-            WrappedTorchNorm,
-            "__new__",
-            staticmethod(_wrap_torch_norm_new(WrappedTorchNorm.__dict__["__new__"].__func__)),
-        ),
+        Patch(filesystem_async, "_get_write_results_queue", _local_results_queue),
     ]
     if not filesystem_async.HAVE_PSUTIL:
         # `write_preloaded_data` raises in the forked writer without psutil -> the save hangs.
-        patches.append(_Patch(filesystem_async, "_process_memory", lambda: 0))
+        patches.append(Patch(filesystem_async, "_process_memory", lambda: 0))
     return patches
 
 
 class _EmulationState:
-    """Process-wide install count; the outermost enter installs, the matching exit uninstalls."""
+    """Process-wide install count; the outermost enter installs (the attribute patches of
+    :func:`_cpu_patches`, the no-TE fixes of :mod:`lightning_mcore_rl._compat`, the
+    ``TorchFunctionMode``), the matching exit uninstalls."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.depth = 0
-        self.patches: list[_Patch] = []
+        self.patches = ScopedPatches(_cpu_patches)
         self.mode: _CudaToCpuMode | None = None
         self.log_filter = _DropRngWarning()
 
     def install(self) -> None:
-        with self.lock:
-            self.depth += 1
-            if self.depth > 1:
+        with self.patches.lock:
+            if not self.patches.enter():
                 return
-            self.patches = _patches()
-            for patch in self.patches:
-                patch.original = patch.owner.__dict__[patch.name]
-                setattr(patch.owner, patch.name, patch.replacement)
+            enter_megatron_compat()
             logging.getLogger("megatron.core.tensor_parallel.random").addFilter(self.log_filter)
             self.mode = _CudaToCpuMode()
             self.mode.__enter__()
 
     def uninstall(self) -> None:
-        with self.lock:
-            self.depth -= 1
-            if self.depth > 0:
+        with self.patches.lock:
+            if not self.patches.exit():
                 return
             assert self.mode is not None
             self.mode.__exit__(None, None, None)
             self.mode = None
             logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(self.log_filter)
-            for patch in reversed(self.patches):
-                setattr(patch.owner, patch.name, patch.original)
-            self.patches = []
+            exit_megatron_compat()
+
+    @property
+    def active(self) -> bool:
+        return self.patches.active
 
 
 _STATE = _EmulationState()
@@ -278,14 +209,9 @@ def cpu_emulation() -> Iterator[None]:
 
 def patched_attributes() -> list[tuple[Any, str]]:
     """``(owner, attribute)`` of every attribute :func:`cpu_emulation` replaces (for tests/docs)."""
-    return [(patch.owner, patch.name) for patch in _patches()]
+    return [(patch.owner, patch.name) for patch in _cpu_patches() + compat_patches()]
 
 
-def init_distributed_optimizer_state_for_load(optimizer: Any) -> None:
-    """Give a fresh megatron ``DistributedOptimizer`` (torch Adam) per-param state before
-    ``optimizer.sharded_state_dict(..., is_loading=True)``, which asserts that one ``step`` exists.
-    Uses megatron's own zero-gradient dummy step; the loaded checkpoint then overwrites the state.
-    Accepts a ``ChainedOptimizer`` too.
-    """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner._init_optimizer_states_with_dummy_values()
+def emulation_active() -> bool:
+    """Whether :func:`cpu_emulation` is installed in this process now."""
+    return _STATE.active

@@ -1,0 +1,175 @@
+"""megatron-core 0.16 without Transformer Engine or Apex: the fixes it needs, in one place.
+
+These are not about the CPU: a GPU machine without TE/Apex hits them too. Each is a scoped
+attribute patch (installed by :func:`megatron_compat`, removed on exit; nested entries are
+harmless) naming the megatron-core call site it serves. megatron-core >= 0.18's
+``output_processor`` hook and a TE install make them unnecessary; version checks belong here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class Patch:
+    """Replace ``owner.name`` with ``replacement`` while installed."""
+
+    owner: Any
+    name: str
+    replacement: Any
+    original: Any = None
+
+
+class ScopedPatches:
+    """A process-wide, re-entrant set of :class:`Patch` es: the outermost ``enter`` installs,
+    the matching ``exit`` restores every original attribute.
+
+    Args:
+        make_patches: builds the patch list (called at install time: lazy megatron imports).
+    """
+
+    def __init__(self, make_patches: Callable[[], list[Patch]]) -> None:
+        self.make_patches = make_patches
+        self.lock = threading.RLock()
+        self.depth = 0
+        self.patches: list[Patch] = []
+
+    def enter(self) -> bool:
+        """Install (outermost entry only); returns whether this call installed."""
+        with self.lock:
+            self.depth += 1
+            if self.depth > 1:
+                return False
+            self.patches = self.make_patches()
+            for patch in self.patches:
+                patch.original = patch.owner.__dict__[patch.name]
+                setattr(patch.owner, patch.name, patch.replacement)
+            return True
+
+    def exit(self) -> bool:
+        """Uninstall (matching outermost exit only); returns whether this call uninstalled."""
+        with self.lock:
+            if self.depth == 0:
+                raise RuntimeError("ScopedPatches.exit() without a matching enter()")
+            self.depth -= 1
+            if self.depth > 0:
+                return False
+            for patch in reversed(self.patches):
+                setattr(patch.owner, patch.name, patch.original)
+            self.patches = []
+            return True
+
+    @property
+    def active(self) -> bool:
+        """Whether the patches are installed now."""
+        return self.depth > 0
+
+
+def _wrap_set_main_param_and_optimizer_states(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix ``DistributedOptimizer._set_main_param_and_optimizer_states`` for torch AdamW state
+    (no Apex/TE): it KeyErrors on ``step`` (``fully_reshardable``), copies into leaf views without
+    ``no_grad`` (``dp_reshardable``) and leaves one ``step`` tensor shared by all params so AdamW
+    advances it once per param. The wrapper copies every state but ``step`` under ``no_grad`` and
+    gives each param its own copy of the step restored from the param groups."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        with torch.no_grad():
+            main_param.copy_(tensors["param"])
+            for key, value in state.items():
+                if key != "step":
+                    value.copy_(tensors[key])
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].detach().clone()
+        return None
+
+    return wrapper
+
+
+def _wrap_torch_norm_new(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Let ``WrappedTorchNorm`` (local layer spec, no TE) build under ``sequence_parallel=True``.
+
+    The norm is built from a copy of the config with ``sequence_parallel=False`` (its assert) and
+    its parameters are tagged ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces
+    their gradients over TP, exactly what TE's norm does on GPU.
+    """
+
+    @functools.wraps(original)
+    def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        norm = original(cls, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return new
+
+
+def compat_patches() -> list[Patch]:
+    """The no-TE/no-Apex patches, each with the megatron-core call site that needs it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return [
+        # `DistributedOptimizer.load_state_dict` paths for dp_/fully_reshardable checkpoints.
+        Patch(
+            DistributedOptimizer,
+            "_set_main_param_and_optimizer_states",
+            _wrap_set_main_param_and_optimizer_states(
+                DistributedOptimizer._set_main_param_and_optimizer_states
+            ),
+        ),
+        # `WrappedTorchNorm.__new__` (local spec norms) under sequence parallelism.
+        Patch(
+            WrappedTorchNorm,
+            "__new__",
+            staticmethod(_wrap_torch_norm_new(WrappedTorchNorm.__dict__["__new__"].__func__)),
+        ),
+    ]
+
+
+_COMPAT = ScopedPatches(compat_patches)
+
+
+@contextlib.contextmanager
+def megatron_compat() -> Iterator[None]:
+    """The no-TE/no-Apex fixes of :func:`compat_patches`, installed for the block."""
+    _COMPAT.enter()
+    try:
+        yield
+    finally:
+        _COMPAT.exit()
+
+
+def enter_megatron_compat() -> None:
+    """Install the fixes until the matching :func:`exit_megatron_compat` (strategy hooks)."""
+    _COMPAT.enter()
+
+
+def exit_megatron_compat() -> None:
+    """Undo one :func:`enter_megatron_compat`."""
+    _COMPAT.exit()
+
+
+def init_distributed_optimizer_state_for_load(optimizer: Any) -> None:
+    """Give a fresh megatron ``DistributedOptimizer`` (torch Adam) per-param state before
+    ``optimizer.sharded_state_dict(..., is_loading=True)``, which asserts that one ``step`` exists.
+    Uses megatron's own zero-gradient dummy step; the loaded checkpoint then overwrites the state.
+    Accepts a ``ChainedOptimizer`` too.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner._init_optimizer_states_with_dummy_values()
