@@ -257,7 +257,10 @@ def make_token_budget_microbatches(
 
 
 class GlobalValidCounts(NamedTuple):
-    """Normalisers shared by every microbatch's loss in one global batch (spec §2.10)."""
+    """Normalisers shared by every microbatch's loss in one global batch.
+
+    See docs/behaviour-reference.md §2.10.
+    """
 
     global_valid_seqs: torch.Tensor
     """0-d float32: ``sum(sample_mask)`` over the data-parallel group."""
@@ -270,9 +273,9 @@ def compute_global_valid_counts(
 ) -> GlobalValidCounts:
     """Valid sequence and token counts of the global batch, summed over data parallelism only.
 
-    Context-parallel ranks hold identical data, so summing over DP x CP would over-count (spec §10
-    trap 4). Both counts travel in one all-reduce. Without ``token_mask`` every position counts:
-    ``local_valid_toks = local_valid_seqs * S``.
+    Context-parallel ranks hold identical data, so summing over DP x CP would over-count
+    (docs/behaviour-reference.md trap 4). Both counts travel in one all-reduce. Without
+    ``token_mask`` every position counts: ``local_valid_toks = local_valid_seqs * S``.
 
     Args:
         batch: this DP rank's share of the global batch: ``sample_mask [B]``, optional

@@ -1,11 +1,12 @@
-"""THD sequence packing for megatron-core (behaviour-spec §6.1, §6.2).
+"""THD sequence packing for megatron-core (docs/behaviour-reference.md §6.1, §6.2).
 
 A microbatch of ``B`` right-padded rows ``[B, S]`` becomes one packed row ``[1, T]``: sequence ``i``
 occupies the span ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])`` holding its ``len_i`` real
 tokens followed by zeros. Spans are ``round_up(len_i, pad_individual)`` long except the last, which
 absorbs all bin padding (to ``pad_packed_to`` or a multiple of ``pad_packed_multiple``). With
 context parallelism each span is zigzag-sharded on its own, so a CP rank holds ``[1, T/CP]``:
-the concatenation of its shard of every span (never a shard of the whole row, spec §10 trap 3).
+the concatenation of its shard of every span (never a shard of the whole row,
+docs/behaviour-reference.md trap 3).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ if TYPE_CHECKING:
 
 Fp8Recipe = Literal["tensorwise", "delayed", "blockwise", "mxfp8"]
 
-# Packed-total multiple each FP8 recipe's GEMM kernels need (spec §6.1, NeMo RL PR #1569).
+# Packed-total multiple each FP8 recipe's GEMM kernels need
+# (docs/behaviour-reference.md §6.1, NeMo RL PR #1569).
 _FP8_DIVISOR: dict[str, int] = {"tensorwise": 16, "delayed": 16, "blockwise": 128, "mxfp8": 32}
 
 
 class PackedSequences(NamedTuple):
-    """Result of :func:`pack_sequences` (unpacks as the spec's 5-tuple)."""
+    """Result of :func:`pack_sequences`.
+
+    Unpacks as the reference packer's 5-tuple (docs/behaviour-reference.md §6.2).
+    """
 
     packed_full: torch.Tensor
     """``[1, T]`` all spans, unsharded."""
@@ -75,7 +80,9 @@ def get_pack_sequence_parameters(
     max_seq_len_in_batch: int,
     fp8: Fp8Recipe | None = None,
 ) -> tuple[int, int, int | None]:
-    """Padding knobs for :func:`pack_sequences` under a parallel layout (spec §6.1).
+    """Padding knobs for :func:`pack_sequences` under a parallel layout.
+
+    See docs/behaviour-reference.md §6.1.
 
     Args:
         tensor_model_parallel_size: ``TP``.
@@ -182,7 +189,9 @@ def pack_sequences(
     cp_rank: int = 0,
     cp_size: int = 1,
 ) -> PackedSequences:
-    """Pack right-padded rows into one THD row for megatron-core (spec §6.2).
+    """Pack right-padded rows into one THD row for megatron-core.
+
+    See docs/behaviour-reference.md §6.2.
 
     Args:
         input_ids: ``[B, S]`` right-padded token ids.

@@ -1,4 +1,6 @@
-"""Distillation losses: top-k KL (spec §4.5) and full-vocabulary on-policy distillation (§4.2).
+"""Distillation losses: top-k KL and full-vocabulary on-policy distillation.
+
+Behaviour: docs/behaviour-reference.md §4.5 (top-k KL) and §4.2 (``opd_full`` mode).
 
 Both receive per-token quantities computed by ``prepare_loss_input`` with the vocab-parallel ops,
 so no process group appears here.

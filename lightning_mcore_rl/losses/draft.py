@@ -1,4 +1,7 @@
-"""Soft cross-entropy of a draft (EAGLE) model against the policy's own logits (spec §4.7)."""
+"""Soft cross-entropy of a draft (EAGLE) model against the policy's own logits.
+
+See docs/behaviour-reference.md §4.7.
+"""
 
 from __future__ import annotations
 

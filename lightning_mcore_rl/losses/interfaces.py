@@ -6,7 +6,8 @@ A loss is called once per microbatch with the *global* counts of the whole optim
 
 Every loss divides by those global counts, so summing the per-microbatch losses (and the
 per-microbatch metrics declared ``TOKENS``/``SEQUENCES``/``NONE``) over all microbatches and
-data-parallel ranks gives the global value, whatever the split (behaviour-spec §2.10, §3.1).
+data-parallel ranks gives the global value, whatever the split
+(docs/behaviour-reference.md §2.10, §3.1).
 """
 
 from __future__ import annotations

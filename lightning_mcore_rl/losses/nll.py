@@ -1,4 +1,4 @@
-"""Negative log-likelihood (SFT) loss (spec §4.3)."""
+"""Negative log-likelihood (SFT) loss (docs/behaviour-reference.md §4.3)."""
 
 from __future__ import annotations
 

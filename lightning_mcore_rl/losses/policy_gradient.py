@@ -1,4 +1,6 @@
-"""Clipped policy-gradient loss: PPO, GRPO, Dr.GRPO, DAPO, GSPO, CISPO, REINFORCE (spec §4.2).
+"""Clipped policy-gradient loss: PPO, GRPO, Dr.GRPO, DAPO, GSPO, CISPO, REINFORCE.
+
+Behaviour: docs/behaviour-reference.md §4.2.
 
 Notation (all ``[B, S-1]`` after the next-token shift): ``c`` current logprobs (the loss
 input), ``p`` = ``prev_logprobs[:, 1:]`` (the policy that computed the advantages), ``g`` =
@@ -66,7 +68,10 @@ class _Inputs(NamedTuple):
 
 
 def _diagnostics(inp: _Inputs, kl_type: KLType, n_toks: Tensor | float) -> dict[str, Tensor]:
-    """Train/inference mismatch diagnostics (spec §4.2 step 1); detached, token-normalised."""
+    """Train/inference mismatch diagnostics; detached, token-normalised.
+
+    See docs/behaviour-reference.md §4.2 step 1.
+    """
     p, g, m = inp.prev.detach(), inp.gen, inp.mask
     log_mix = torch.logaddexp(p, g) - torch.log(torch.tensor(2.0, dtype=p.dtype))
     js = 0.5 * (torch.exp(p - log_mix) - (p - log_mix) - 1) + 0.5 * (
@@ -96,8 +101,8 @@ class ClippedPGLossFn:
     Deliberate differences from the reference:
 
     * ``sampling_importance_ratio`` with sequence-level ratios is ``sum_i w_i sm_i / N_s``; the
-      reference broadcasts ``[B, 1] * [B]`` to ``[B, B]`` (spec §10 trap 18), which is neither
-      the intended mean nor additive over microbatches.
+      reference broadcasts ``[B, 1] * [B]`` to ``[B, B]`` (docs/behaviour-reference.md trap 18),
+      which is neither the intended mean nor additive over microbatches.
     * VAPO's positive-example NLL is ``sum(-c * m * [reward > 0]) / N_t``: the reference divides
       by the microbatch's own count of positive tokens, which is not exact under microbatching.
       ``positive_nll_loss`` is therefore a ``TOKENS`` metric.
@@ -235,7 +240,8 @@ class ClippedPGLossFn:
         cfg, m = self.cfg, inp.mask
         diff = inp.prev.detach() - inp.gen
         if cfg.sequence_level_importance_ratios:
-            # Sequence IS weight exp(sum_t (p - g)) (spec §10 trap 7), one per sample: [B, 1].
+            # Sequence IS weight exp(sum_t (p - g)), one per sample: [B, 1]
+            # (docs/behaviour-reference.md trap 7).
             seq = torch.where(m != 0, diff, torch.zeros_like(diff)).sum(-1, keepdim=True)
             weights = torch.nan_to_num(torch.exp(seq), nan=0.0, posinf=0.0, neginf=0.0)
         else:

@@ -1,8 +1,10 @@
-"""Pairwise preference losses: Bradley-Terry reward model and DPO (spec §4.4).
+"""Pairwise preference losses: Bradley-Terry reward model and DPO.
+
+Behaviour: docs/behaviour-reference.md §4.4.
 
 Samples are interleaved ``[chosen_0, rejected_0, chosen_1, rejected_1, ...]``; a microbatch must
 hold whole pairs. ``global_valid_seqs`` counts both halves, so pair means divide by
-``N_s / 2`` (spec §10 trap 15).
+``N_s / 2`` (docs/behaviour-reference.md trap 15).
 """
 
 from __future__ import annotations

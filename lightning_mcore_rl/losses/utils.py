@@ -40,7 +40,7 @@ def masked_mean(
     dim: int | None = None,
     global_normalization_factor: Tensor | float | None = None,
 ) -> Tensor:
-    """``sum(values * mask, dim) / (N + 1e-8)`` (behaviour-spec §1).
+    """``sum(values * mask, dim) / (N + 1e-8)`` (docs/behaviour-reference.md §1).
 
     ``N = sum(mask, dim)`` unless ``global_normalization_factor`` is given, in which case
     ``N`` is that factor. An all-zero mask gives exactly 0, never NaN.

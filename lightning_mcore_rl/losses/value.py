@@ -1,4 +1,4 @@
-"""PPO value-function loss (spec §4.6)."""
+"""PPO value-function loss (docs/behaviour-reference.md §4.6)."""
 
 from __future__ import annotations
 

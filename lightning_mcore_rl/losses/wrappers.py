@@ -1,4 +1,6 @@
-"""Loss wrappers: input preparation + loss call, per-sequence packed losses, draft loss (spec §3.6).
+"""Loss wrappers: input preparation + loss call, per-sequence packed losses, draft loss.
+
+Behaviour: docs/behaviour-reference.md §3.6.
 
 Every wrapper is called as ``wrapper(logits, data, global_valid_seqs, global_valid_toks) ->
 (loss, metrics)``, the contract ``train.LossPostProcessor`` binds to a microbatch. Process groups
@@ -107,7 +109,9 @@ class _PackedWrapperBase:
 
 
 class SequencePackingLossWrapper(_PackedWrapperBase):
-    """Calls the loss once per packed sequence and sums the results (spec §3.6).
+    """Calls the loss once per packed sequence and sums the results.
+
+    See docs/behaviour-reference.md §3.6.
 
     Sequence ``i`` uses the logits of its padded span ``[cu_qp[i]/CP, cu_qp[i+1]/CP)`` (its CP
     zigzag shard) and the data row ``i`` truncated to ``len_i = cu_q[i+1] - cu_q[i]`` tokens
@@ -181,7 +185,9 @@ class SequencePackingLossWrapper(_PackedWrapperBase):
 
 
 class SequencePackingFusionLossWrapper(_PackedWrapperBase):
-    """Calls the loss once on the whole packed microbatch (spec §3.4, §3.6).
+    """Calls the loss once on the whole packed microbatch.
+
+    See docs/behaviour-reference.md §3.4, §3.6.
 
     ``prepare_fn`` (:func:`~lightning_mcore_rl.losses.loss_input.prepare_packed_loss_input`
     with sampling params / chunk size bound) unpacks the packed logprobs to ``[B, S-1]`` in one
@@ -224,7 +230,9 @@ class SequencePackingFusionLossWrapper(_PackedWrapperBase):
 
 
 class DraftLossWrapper:
-    """Policy loss plus ``loss_weight`` times the draft model's soft cross-entropy (spec §3.6).
+    """Policy loss plus ``loss_weight`` times the draft model's soft cross-entropy.
+
+    See docs/behaviour-reference.md §3.6.
 
     The draft input (policy logits rolled left by one as the teacher, ``student_logits`` from the
     data) is built by ``prepare_fn`` for ``draft_loss_fn`` (``LossInputType.DRAFT``).

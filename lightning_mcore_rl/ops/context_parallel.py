@@ -114,7 +114,7 @@ def allgather_cp_sharded_tensor(
 
     Forward: all-gather + zigzag undo; backward: all-reduce SUM over CP + keep the local chunks, so
     a loss computed identically on every CP rank yields ``CP`` times its gradient (divide the loss
-    by CP exactly once, spec trap 4).
+    by CP exactly once, docs/behaviour-reference.md trap 4).
 
     Args:
         tensor: ``[..., S/CP, ...]`` this CP rank's shard (chunks ``r`` and ``2CP-1-r``).

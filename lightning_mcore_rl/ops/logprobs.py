@@ -1,9 +1,9 @@
 """Next-token logprobs from TP/CP-sharded logits, dense ``[B, S]`` and packed (THD) layouts.
 
-Order of operations (spec §5.5/§5.6, trap 1): roll targets by -1 (per sequence inside its padded
-span when packed), right-pad to ``S_local * CP``, zigzag-shard for this CP rank, run the
-vocab-parallel kernel, all-gather over CP (per sequence when packed), drop the padding, drop the
-last position (it scored the wrapped-around first token) -> ``[B, S-1]``.
+Order of operations (docs/behaviour-reference.md §5.5/§5.6, trap 1): roll targets by -1 (per
+sequence inside its padded span when packed), right-pad to ``S_local * CP``, zigzag-shard for this
+CP rank, run the vocab-parallel kernel, all-gather over CP (per sequence when packed), drop the
+padding, drop the last position (it scored the wrapped-around first token) -> ``[B, S-1]``.
 """
 
 from __future__ import annotations
@@ -241,7 +241,8 @@ def run_packed(
             continue
         span = probs[start // cp_size : end // cp_size]
         if cp_size > 1:
-            span = allgather_cp_sharded_tensor(span, cp_group, seq_dim=0)  # per sequence: trap 3
+            # per sequence, never the whole buffer (docs/behaviour-reference.md trap 3)
+            span = allgather_cp_sharded_tensor(span, cp_group, seq_dim=0)
         rows.append(F.pad(span[:n], (0, width - n)))
     return torch.stack(rows)
 

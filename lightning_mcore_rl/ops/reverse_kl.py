@@ -3,7 +3,8 @@
 All three per-token quantities are expectations under the student, ``F = sum_v p_v w_v``:
 reverse KL ``w = log p_s - log p_t``, negative entropy ``w = log p_s``, cross entropy
 ``w = -log p_t``. Their gradient w.r.t. the student logits is ``dF/dz_v = p_v (w_v - F)``
-(spec §3.5); only the reverse KL is differentiable here, the other two are metrics.
+(docs/behaviour-reference.md §3.5); only the reverse KL is differentiable here, the other two are
+metrics.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class ReverseKLOutput(NamedTuple):
 
     Attributes:
         reverse_kl: ``sum_v p_s (log p_s - log p_t)``, differentiable w.r.t. the student logits.
-        neg_entropy: ``sum_v p_s log p_s`` (the spec's "entropy" term), or ``None``.
+        neg_entropy: ``sum_v p_s log p_s`` (the reference's "entropy" term), or ``None``.
         cross_entropy: ``-sum_v p_s log p_t``, or ``None``.
     """
 

@@ -191,7 +191,7 @@ class DistillationTopkLogprobs(NamedTuple):
         student_topk_logprobs: ``[B, S-1, k]`` fp32 student logprobs at the teacher's ids.
         teacher_topk_logprobs: ``[B, S-1, k]`` fp32 teacher logprobs renormalised over its top-k.
         H_all: ``[B, S-1]`` fp32 student ``sum_v p log p`` over the full vocab (the NEGATIVE
-            entropy, spec name), or ``None`` when not requested.
+            entropy, reference name), or ``None`` when not requested.
     """
 
     student_topk_logprobs: torch.Tensor
@@ -210,7 +210,7 @@ def get_distillation_topk_logprobs_from_logits(
     tp_group: Any,
     cp_group: Any = None,
 ) -> DistillationTopkLogprobs:
-    """Student and teacher logprobs at the teacher's top-k ids (spec §5.10).
+    """Student and teacher logprobs at the teacher's top-k ids (docs/behaviour-reference.md §5.10).
 
     ``zero_outside_topk=True``: the student's full-vocab logprobs at the ids (chunked kernel,
     chunk ``max(1, min(S_local, 1024))``), so mass outside the top-k is accounted for by ``H_all``.

@@ -361,7 +361,7 @@ def vocab_parallel_entropy(
         chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
 
     Returns:
-        ``[..., S]`` fp32 entropy (>= 0), identical on every TP rank. Note the spec's ``H_all`` in
+        ``[..., S]`` fp32 entropy (>= 0), identical on every TP rank. The reference's ``H_all`` in
         distillation is the *negative* entropy ``sum p log p``.
     """
     group_rank_size(tp_group, "tp_group")

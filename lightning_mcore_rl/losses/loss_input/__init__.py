@@ -1,4 +1,6 @@
-"""Loss-input preparation: from (TP/CP-sharded) model logits to what a loss consumes (spec §3.2–3.5).
+"""Loss-input preparation: from (TP/CP-sharded) model logits to what a loss consumes.
+
+Behaviour: docs/behaviour-reference.md §3.2–3.5.
 
 ``prepare_loss_input`` dispatches on ``loss_fn.input_type``:
 

@@ -64,7 +64,7 @@ def _needs_entropy(loss_fn: LossFunction) -> bool:
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str) -> Tensor:
     """Replace ``-inf`` logprobs (tokens removed by top-k/top-p) with 0, warning for valid ones.
 
-    The positions still count in the loss normalisers (spec §10 trap 9).
+    The positions still count in the loss normalisers (docs/behaviour-reference.md trap 9).
 
     Args:
         logprobs: ``[B, S-1]`` logprobs.
@@ -113,7 +113,7 @@ def next_token_logprobs(
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
 ) -> Tensor:
-    """Next-token logprobs of dense sequences (spec §5.8).
+    """Next-token logprobs of dense sequences (docs/behaviour-reference.md §5.8).
 
     Args:
         input_ids: ``[B, S]`` unshifted ids.
@@ -175,7 +175,10 @@ def _finish_logprob_input(
     sampling_params: TrainingSamplingParams | None,
     unfiltered: Any,
 ) -> dict[str, Any]:
-    """Top-k/top-p ``-inf`` masking and the unfiltered logprobs for the reference KL (spec §3.2)."""
+    """Top-k/top-p ``-inf`` masking and the unfiltered logprobs for the reference KL.
+
+    See docs/behaviour-reference.md §3.2.
+    """
     if _filters(sampling_params):
         token_mask = cast(Tensor, data["token_mask"])  # tensors by the BatchedDataDict contract
         sample_mask = cast(Tensor, data["sample_mask"])
@@ -196,7 +199,7 @@ def logprob_loss_input(
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
 ) -> dict[str, Any]:
-    """``LOGPROB`` loss input of dense logits (spec §3.2).
+    """``LOGPROB`` loss input of dense logits (docs/behaviour-reference.md §3.2).
 
     Args:
         logits: ``[B, S/CP, V_l]`` logits, or the model's next-token logprobs when

@@ -53,7 +53,10 @@ def _distillation_loss_input(
     vocab_parallel_group: Any,
     context_parallel_group: Any,
 ) -> dict[str, Any]:
-    """Student/teacher top-k logprobs ``[B, S-1, K]`` (+ ``H_all [B, S-1]``), spec §5.10."""
+    """Student/teacher top-k logprobs ``[B, S-1, K]`` (+ ``H_all [B, S-1]``).
+
+    See docs/behaviour-reference.md §5.10.
+    """
     if vocab_parallel_group is None:
         raise ValueError("DISTILLATION loss input needs `vocab_parallel_group` (the TP group)")
     cfg = cast(Any, loss_fn).cfg  # DISTILLATION losses carry a config (not in the protocol)

@@ -1,4 +1,7 @@
-"""Full-vocabulary on-policy-distillation (``OPD_FULL``) loss input (spec §3.5)."""
+"""Full-vocabulary on-policy-distillation (``OPD_FULL``) loss input.
+
+See docs/behaviour-reference.md §3.5.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Packed (THD) loss input in one fused pass (spec §3.3, §3.4)."""
+"""Packed (THD) loss input in one fused pass (docs/behaviour-reference.md §3.3, §3.4)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _pack_input_ids(
 
     Args:
         input_ids: ``[B, S]`` right-padded ids.
-        cu_seqlens_q: ``[B+1]`` sequence boundaries (may be the padded ones, spec trap 11).
+        cu_seqlens_q: ``[B+1]`` sequence boundaries (may be the padded ones,
+            docs/behaviour-reference.md trap 11).
         cu_seqlens_q_padded: ``[B+1]`` padded span boundaries.
         cp_rank: CP rank.
         cp_size: ``CP``; each span must be a multiple of ``2*CP``.
@@ -77,7 +78,8 @@ def unpack_per_token(
         values: ``[T/CP]`` this CP rank's packed values (per-span zigzag shards).
         cu_seqlens_padded: ``[B+1]`` span boundaries.
         width: ``S``.
-        context_parallel_group: CP group (per-span all-gather when CP > 1, spec trap 3).
+        context_parallel_group: CP group (per-span all-gather when CP > 1,
+            docs/behaviour-reference.md trap 3).
 
     Returns:
         ``[B, S-1]``, zeros past each span's ``min(len - 1, S - 1)`` entries.
@@ -105,7 +107,9 @@ def prepare_packed_loss_input(
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
 ) -> tuple[dict[str, Any], BatchedDataDict]:
-    """Loss input of a whole packed microbatch in one pass (``LOGPROB`` only, spec §3.4).
+    """Loss input of a whole packed microbatch in one pass (``LOGPROB`` only).
+
+    See docs/behaviour-reference.md §3.4.
 
     Args:
         logits: ``[1, T/CP, V_l]`` packed logits (temperature applied).

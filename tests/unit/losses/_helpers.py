@@ -53,7 +53,10 @@ def random_logprobs(data: Mapping[str, Tensor], scale: float = 0.3, seed: int = 
 
 
 def counts(data: Mapping[str, Tensor]) -> tuple[float, float]:
-    """``(global_valid_seqs, global_valid_toks)`` of a whole batch (spec §2.10)."""
+    """``(global_valid_seqs, global_valid_toks)`` of a whole batch.
+
+    See docs/behaviour-reference.md §2.10.
+    """
     sm = data["sample_mask"]
     return float(sm.sum()), float((data["token_mask"][:, 1:] * sm.unsqueeze(-1)).sum())
 

@@ -55,7 +55,8 @@ def test_per_sequence_and_fused_wrappers_equal_the_unpacked_loss(loss_fn) -> Non
     )  # fmt: skip
     ref_loss, ref_metrics, ref_grad = _run(dense, logits, data, gvs, gvt)
     packed, cu = _packed(logits, lengths)
-    # the standard path puts the padded boundaries in cu_seqlens_q too (spec trap 11)
+    # the standard path puts the padded boundaries in cu_seqlens_q too
+    # (docs/behaviour-reference.md trap 11)
     per_seq = SequencePackingLossWrapper(loss_fn, prepare_loss_input, cu, cu, 0, G1, None)
     fused = SequencePackingFusionLossWrapper(loss_fn, prepare_packed_loss_input, cu, cu, 0, G1)
     for wrapper in (per_seq, fused):
