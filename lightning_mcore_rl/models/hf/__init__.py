@@ -1,0 +1,6 @@
+"""Hugging Face import/export for megatron-core GPT models (Llama, Qwen2, Qwen3, Mistral)."""
+
+from lightning_mcore_rl.models.hf.bridge import HFBridge
+from lightning_mcore_rl.models.hf.config import SUPPORTED_MODEL_TYPES
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFBridge"]

@@ -1,0 +1,358 @@
+""":class:`HFBridge`: build megatron-core ``GPTModel`` chunks from a Hugging Face directory and
+write them back (gathered over TP/PP/VPP) as a directory ``transformers`` loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
+from lightning_mcore_rl.models.hf.config import Architecture, parse_architecture
+from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
+from lightning_mcore_rl.models.hf.weights import (
+    ParamMap,
+    hf_shapes,
+    merge_shards,
+    param_map,
+    read_shard,
+)
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import ModuleSpec, TransformerConfig
+    from transformers import PreTrainedTokenizerBase
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+_WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The megatron model inside DDP / ``Float16Module`` wrappers (``.module`` repeatedly)."""
+    inner = getattr(chunk, "module", None)
+    while isinstance(inner, torch.nn.Module):
+        chunk, inner = inner, getattr(inner, "module", None)
+    return chunk
+
+
+def _global_layer(model: torch.nn.Module, name: str) -> int | None:
+    """0-based whole-model index of the decoder layer ``name`` belongs to (PP/VPP offset included:
+    megatron's ``layer_number`` is ``1 + get_transformer_layer_offset + local index``)."""
+    parts = name.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        return None
+    layer: Any = model.get_submodule(f"decoder.layers.{parts[2]}")
+    return int(layer.layer_number) - 1
+
+
+def default_layer_spec(arch: Architecture) -> ModuleSpec:
+    """Transformer Engine's GPT layer spec when TE is importable and CUDA is available, else the
+    packed-capable local spec (:func:`~lightning_mcore_rl.data.get_packed_local_layer_spec`:
+    padded ``[b, s]`` and packed THD input, no fused kernels)."""
+    if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    from lightning_mcore_rl.data import get_packed_local_layer_spec
+
+    return get_packed_local_layer_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+
+
+class HFBridge:
+    """A Hugging Face checkpoint directory seen as megatron-core ``GPTModel`` chunks.
+
+    Supported ``model_type``: ``llama`` (incl. llama3 RoPE scaling), ``qwen2``, ``qwen3``,
+    ``mistral`` (no active sliding window). Build with :meth:`from_pretrained`.
+    """
+
+    def __init__(self, directory: Path, hf_config: dict[str, Any], reader: SafetensorsReader):
+        self.directory = directory
+        self.hf_config = hf_config
+        self.arch = parse_architecture(hf_config)
+        self.reader = reader
+        self._check_tensors()
+        # some tied checkpoints also store the embedding's copy as `lm_head.weight`
+        self._head_copy = self.arch.tied_embeddings and "lm_head.weight" in reader.names()
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> HFBridge:
+        """Open an HF directory: ``config.json`` and ``*.safetensors`` (sharded or not), plus any
+        tokenizer files. Reads only the safetensors headers.
+
+        Raises:
+            FileNotFoundError: no ``config.json`` or no safetensors weights.
+            ValueError: unsupported architecture/field, or tensors that do not match the config.
+        """
+        directory = Path(path)
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"No config.json in {directory}.")
+        hf_config = json.loads(config_file.read_text())
+        return cls(directory, hf_config, SafetensorsReader(directory))
+
+    def _check_tensors(self) -> None:
+        expected = hf_shapes(self.arch)
+        present = set(self.reader.names())
+        if self.arch.tied_embeddings:
+            present.discard("lm_head.weight")
+        missing = sorted(set(expected) - present)
+        unexpected = sorted(present - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"The safetensors in {self.directory} do not match config.json "
+                f"({self.arch.model_type}): missing {missing[:8]}, unexpected {unexpected[:8]}."
+            )
+        for name, shape in expected.items():
+            if self.reader.shape(name) != shape:
+                raise ValueError(
+                    f"Tensor {name!r} in {self.directory} has shape {self.reader.shape(name)}; "
+                    f"config.json implies {shape}."
+                )
+
+    @property
+    def vocab_size(self) -> int:
+        """``V`` (``config.json`` ``vocab_size``; never padded)."""
+        return self.arch.vocab_size
+
+    def config_fields(self) -> dict[str, Any]:
+        """The architecture's ``TransformerConfig`` kwargs, without parallel sizes or dtypes (so a
+        LightningModule's ``transformer_config(**fields)`` can add the strategy's)."""
+        return self.arch.config_fields()
+
+    def transformer_config(self, **overrides: Any) -> TransformerConfig:
+        """``TransformerConfig`` of the architecture with the parallel sizes of megatron's
+        initialised parallel state (if any); ``overrides`` win over both."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer import TransformerConfig
+
+        fields = self.config_fields()
+        if ps.model_parallel_is_initialized():
+            vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+            fields.update(
+                tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                virtual_pipeline_model_parallel_size=vpp,
+                context_parallel_size=ps.get_context_parallel_world_size(),
+                **pipeline_p2p_settings(vpp),
+            )
+        fields.update(overrides)
+        return TransformerConfig(**fields)
+
+    def build_chunk(
+        self,
+        config: TransformerConfig,
+        vp_stage: int | None = None,
+        *,
+        transformer_layer_spec: ModuleSpec | None = None,
+    ) -> GPTModel:
+        """This rank's ``GPTModel`` chunk for virtual stage ``vp_stage``, its TP shards of the HF
+        weights loaded (each rank reads only its slices).
+
+        Args:
+            config: e.g. :meth:`transformer_config`; its parallel sizes must match megatron's state.
+            vp_stage: virtual pipeline stage (``None`` without VPP).
+            transformer_layer_spec: default :func:`default_layer_spec`.
+
+        Raises:
+            ValueError: ``vocab_size``, heads, query groups or MLP width not divisible by TP
+                (the vocab is never padded), or a loaded shard of the wrong shape.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        arch = self.arch
+        for field, size in (
+            ("vocab_size", arch.vocab_size),
+            ("num_key_value_heads", arch.num_query_groups),
+            ("intermediate_size", arch.ffn_hidden_size),
+        ):
+            if size % tp != 0:
+                raise ValueError(
+                    f"`{field}` ({size}) must be divisible by the tensor-parallel size ({tp}); "
+                    "the vocabulary is not padded (see docs/models.md)."
+                )
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=transformer_layer_spec or default_layer_spec(arch),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            **arch.gpt_model_kwargs(),
+        )
+        self._load(model, ps.get_tensor_model_parallel_rank(), tp)
+        return model
+
+    @torch.no_grad()
+    def _load(self, model: torch.nn.Module, rank: int, world: int) -> None:
+        for name, param in model.named_parameters():
+            pm = param_map(name, _global_layer(model, name), self.arch.tied_embeddings)
+            shard = read_shard(self.reader, pm, self.arch, rank, world)
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"megatron parameter {name!r} has shape {tuple(param.shape)} on TP rank "
+                    f"{rank}/{world}, but {pm.hf_names} give {tuple(shard.shape)}."
+                )
+            param.copy_(shard)
+
+    def export_hf_weights(
+        self, chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective over all ranks: yield ``(hf_name, full CPU tensor)`` one at a time, gathered
+        over TP and broadcast over PP (every rank yields every tensor, in HF module order).
+
+        Args:
+            chunks: this rank's model chunks (megatron DDP / ``Float16Module`` wrappers allowed).
+            dtype: output dtype; default each tensor's dtype in the source checkpoint.
+        """
+        from megatron.core import parallel_state as ps
+
+        shapes = hf_shapes(self.arch)
+        local: dict[str, tuple[ParamMap, torch.Tensor]] = {}
+        for chunk in chunks:
+            model = _unwrap(chunk)
+            for name, param in model.named_parameters():
+                if name == "output_layer.weight" and self.arch.tied_embeddings:
+                    continue  # the last stage's copy of the embedding
+                pm = param_map(name, _global_layer(model, name), self.arch.tied_embeddings)
+                local[pm.hf_names[0]] = (pm, param)
+        pp_group = ps.get_pipeline_model_parallel_group()
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+        owned: list[list[str]] = [[] for _ in pp_ranks]
+        dist.all_gather_object(owned, sorted(local), group=pp_group)
+        owner = {key: pp_ranks[stage] for stage, keys in enumerate(owned) for key in keys}
+        device = next(iter(local.values()))[1].device
+        tp_group = ps.get_tensor_model_parallel_group()
+        for key in shapes:
+            if key not in owner:
+                continue  # k/v/up: produced together with the group's first name
+            if key in local:
+                pm, mine = local[key]
+                shards = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(shards, mine.detach().contiguous(), group=tp_group)
+                tensors = merge_shards(pm, shards, self.arch)
+                names = pm.hf_names
+            else:
+                names = _group_names(key, shapes)
+                tensors = [torch.empty(shapes[n], device=device) for n in names]
+            for name, tensor in zip(names, tensors, strict=True):
+                out = tensor.to(dtype or self.reader.dtype(name)).contiguous()
+                if len(pp_ranks) > 1:
+                    dist.broadcast(out, src=owner[key], group=pp_group)
+                yield name, out.cpu()
+                if name == "model.embed_tokens.weight" and self._head_copy:
+                    yield "lm_head.weight", out.cpu()
+
+    def save_pretrained(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        out_dir: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ) -> None:
+        """Collective: write an HF directory (global rank 0 writes): the source ``config.json``,
+        tokenizer and other non-weight files copied, weights as safetensors shards of at most
+        ``max_shard_bytes`` (plus ``model.safetensors.index.json`` when there are several).
+
+        Raises:
+            FileExistsError: ``out_dir`` already holds weights.
+        """
+        out = Path(out_dir)
+        writer = _ShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
+        error = [_existing_weights(out) if writer is not None else None]
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise FileExistsError(error[0])
+        if writer is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            for item in sorted(self.directory.iterdir()):
+                if item.is_file() and not _is_weight_file(item.name):
+                    shutil.copy2(item, out / item.name)
+        for name, tensor in self.export_hf_weights(chunks, dtype):
+            if writer is not None:
+                writer.add(name, tensor)
+        if writer is not None:
+            writer.close()
+        dist.barrier()
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """``transformers.AutoTokenizer`` of the same directory (chat template included)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.directory))
+
+
+def _group_names(key: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
+    """The HF names one megatron parameter produces, given the first (``q_proj`` -> q, k, v)."""
+    for first, others in (
+        ("self_attn.q_proj.", ("self_attn.k_proj.", "self_attn.v_proj.")),
+        ("mlp.gate_proj.", ("mlp.up_proj.",)),
+    ):
+        if first in key:
+            return (key, *(key.replace(first, o) for o in others))
+    return (key,)
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_FILES
+
+
+def _existing_weights(out: Path) -> str | None:
+    if out.is_dir() and any(_is_weight_file(p.name) for p in out.iterdir()):
+        return f"{out} already holds model weights; save into a new or empty directory."
+    return None
+
+
+class _ShardWriter:
+    """Accumulate tensors into safetensors shards of at most ``max_bytes`` (a single larger
+    tensor gets its own shard); ``close`` names them as ``transformers`` does."""
+
+    def __init__(self, out: Path, max_bytes: int) -> None:
+        self.out = out
+        self.max_bytes = max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self._part(len(self.shards))), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def _part(self, index: int) -> Path:
+        return self.out / f".part-{index:05d}.safetensors.tmp"
+
+    def close(self) -> None:
+        if self.pending:
+            self._flush()
+        count = len(self.shards)
+        if count == 1:
+            os.replace(self._part(0), self.out / "model.safetensors")
+            return
+        weight_map: dict[str, str] = {}
+        for index, names in enumerate(self.shards):
+            file = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self._part(index), self.out / file)
+            weight_map.update(dict.fromkeys(names, file))
+        index_json = {"metadata": {}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))

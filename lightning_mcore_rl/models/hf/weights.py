@@ -1,0 +1,168 @@
+"""The megatron-core GPT <-> Hugging Face weight map and its tensor-parallel layouts.
+
+Notation: ``h`` hidden, ``H`` query heads, ``G`` key/value groups, ``d`` head dim, ``F`` MLP width,
+``V`` vocab, ``r``/``tp`` this rank / TP size. Megatron names are a chunk's ``state_dict`` names
+with the chunk-local layer index replaced by the caller (see :func:`param_map`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from lightning_mcore_rl.models.hf.config import Architecture
+from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
+
+Layout = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
+"""How a megatron parameter is built from its HF tensor(s) and split over TP:
+
+* ``replicated``: the HF tensor, on every rank (norms).
+* ``dim0`` / ``dim1``: the HF tensor split evenly on that dim (vocab rows; ``o_proj``/``down_proj``
+  input columns).
+* ``qkv``: ``q [H d, ...]``, ``k``, ``v [G d, ...]`` interleaved by query group into
+  ``[G, (H/G + 2) d, ...]``; TP splits the groups.
+* ``fc1``: ``gate``, ``up [F, h]`` each split on dim 0, each rank holding ``[gate_r; up_r]``.
+"""
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# layer-local megatron suffix -> (layout, HF suffixes under ``model.layers.{i}.``); the
+# ``layer_norm_weight`` names are Transformer Engine's fused norm + linear layers.
+_LAYER_MAP: dict[str, tuple[Layout, tuple[str, ...]]] = {
+    "input_layernorm.weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": (
+        "qkv",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
+    "self_attention.linear_qkv.bias": (
+        "qkv",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": ("dim1", ("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("dim1", ("mlp.down_proj.weight",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMap:
+    """One megatron parameter's HF source tensor(s) and TP layout."""
+
+    layout: Layout
+    hf_names: tuple[str, ...]
+
+
+def param_map(name: str, global_layer: int | None, tied: bool) -> ParamMap:
+    """Map a megatron ``GPTModel.state_dict()`` name.
+
+    Args:
+        name: e.g. ``decoder.layers.0.mlp.linear_fc1.weight`` (chunk-local layer index).
+        global_layer: 0-based index of that layer in the whole model (``None`` for non-layer names).
+        tied: ``tie_word_embeddings`` (``output_layer.weight`` is then the embedding's copy).
+
+    Raises:
+        KeyError: a name with no HF counterpart.
+    """
+    if name == "embedding.word_embeddings.weight":
+        return ParamMap("dim0", ("model.embed_tokens.weight",))
+    if name == "output_layer.weight":
+        return ParamMap("dim0", ("model.embed_tokens.weight" if tied else "lm_head.weight",))
+    if name == "decoder.final_layernorm.weight":
+        return ParamMap("replicated", ("model.norm.weight",))
+    match = _LAYER.match(name)
+    if match is None or match.group(2) not in _LAYER_MAP or global_layer is None:
+        raise KeyError(f"megatron parameter {name!r} has no Hugging Face counterpart")
+    layout, suffixes = _LAYER_MAP[match.group(2)]
+    return ParamMap(layout, tuple(f"model.layers.{global_layer}.{s}" for s in suffixes))
+
+
+def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of ``arch`` and its full shape, in HF module order."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_heads * d, arch.num_query_groups * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        if arch.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if arch.qk_layernorm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (f, h)
+        shapes[p + "mlp.up_proj.weight"] = (f, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, f)
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tied_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes
+
+
+def _part(size: int, rank: int, world: int) -> slice:
+    step = size // world
+    return slice(rank * step, (rank + 1) * step)
+
+
+def read_shard(
+    reader: SafetensorsReader, pm: ParamMap, arch: Architecture, rank: int, world: int
+) -> torch.Tensor:
+    """This TP rank's megatron tensor for ``pm``, reading only its slices from disk."""
+    if pm.layout == "replicated":
+        return reader.read(pm.hf_names[0])
+    if pm.layout == "dim0":
+        rows = _part(reader.shape(pm.hf_names[0])[0], rank, world)
+        return reader.read(pm.hf_names[0], rows=rows)
+    if pm.layout == "dim1":
+        cols = _part(reader.shape(pm.hf_names[0])[1], rank, world)
+        return reader.read(pm.hf_names[0], cols=cols)
+    if pm.layout == "fc1":
+        rows = _part(arch.ffn_hidden_size, rank, world)
+        return torch.cat([reader.read(n, rows=rows) for n in pm.hf_names])
+    # qkv: this rank's groups [g0, g0 + groups), each [q rows of the group; k rows; v rows]
+    d, groups = arch.head_dim, arch.num_query_groups // world
+    per_group_q = arch.num_heads // arch.num_query_groups * d
+    g0 = rank * groups
+    q_name, k_name, v_name = pm.hf_names
+    q = reader.read(q_name, rows=slice(g0 * per_group_q, (g0 + groups) * per_group_q))
+    k = reader.read(k_name, rows=slice(g0 * d, (g0 + groups) * d))
+    v = reader.read(v_name, rows=slice(g0 * d, (g0 + groups) * d))
+    rest = q.shape[1:]
+    parts = [q.reshape(groups, per_group_q, *rest)]
+    parts += [x.reshape(groups, d, *rest) for x in (k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def merge_shards(
+    pm: ParamMap, shards: Sequence[torch.Tensor], arch: Architecture
+) -> list[torch.Tensor]:
+    """Inverse of :func:`read_shard`: the HF tensors (in ``pm.hf_names`` order) from the megatron
+    shards of all TP ranks, rank order."""
+    if pm.layout == "replicated":
+        return [shards[0]]
+    if pm.layout in ("dim0", "dim1"):
+        return [torch.cat(list(shards), dim=0 if pm.layout == "dim0" else 1)]
+    if pm.layout == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])]
+    d, groups = arch.head_dim, arch.num_query_groups
+    per_group_q = arch.num_heads // arch.num_query_groups * d
+    full = torch.cat(list(shards), dim=0)
+    rest = full.shape[1:]
+    q, k, v = full.reshape(groups, per_group_q + 2 * d, *rest).split([per_group_q, d, d], dim=1)
+    return [x.reshape(-1, *rest) for x in (q, k, v)]

@@ -1,0 +1,191 @@
+"""Tiny random Hugging Face models and the rank functions of the HFBridge tests.
+
+``build_hf_models`` runs in the pytest process (transformers reference); the ``*_ranks`` functions
+run on :func:`~lightning_mcore_rl.testing.run_on_ranks` ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 128
+SEQ = 10
+PACKED_LENGTHS = (7, 4)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+_COMMON = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": VOCAB,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
+
+
+def hf_configs() -> dict[str, Any]:
+    """The tested architectures (2 layers, h=64, 4 heads, 2 KV groups, V=128, F=96)."""
+    import transformers as t
+
+    return {
+        "llama": t.LlamaConfig(**_COMMON),
+        "llama3_rope": t.LlamaConfig(
+            **_COMMON, max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE
+        ),
+        "qwen2_tied": t.Qwen2Config(**_COMMON, tie_word_embeddings=True),
+        "qwen3": t.Qwen3Config(**_COMMON, head_dim=32),
+        "mistral": t.MistralConfig(**_COMMON, sliding_window=None),
+    }
+
+
+def tiny_tokenizer() -> Any:
+    """A WordLevel tokenizer (``PreTrainedTokenizerFast``) with a simple chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "<s>", "</s>", "<user>", "<assistant>", "hello", "world", "hi"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter (norms ``1 + 0.2 N``, others ``0.05 N``)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.05 * noise)
+
+
+def build_hf_model(config: Any, directory: Path, seed: int) -> Any:
+    """Save a randomised fp32 ``AutoModelForCausalLM`` + tokenizer into ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(model, seed)
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return model
+
+
+def input_ids() -> torch.Tensor:
+    """``[2, SEQ]`` token ids."""
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+@torch.no_grad()
+def hf_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s, V]`` fp32 logits of an HF causal LM."""
+    return model(input_ids=ids).logits.float()
+
+
+def _pipeline_forward(chunks: list[torch.nn.Module], tokens: torch.Tensor, **kw: Any) -> Any:
+    """Forward through all PP/VPP stages with blocking p2p; TP-gathered ``[b, s, V]`` logits on
+    the last stage, ``None`` elsewhere."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    positions = kw.pop("position_ids")
+    result = None
+    for vp, chunk in enumerate(chunks):
+        stage = None if len(chunks) == 1 else vp
+        config = chunk.config
+        if not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage):
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], config.hidden_size)
+            dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+            chunk.set_input_tensor(hidden)
+        out = chunk(tokens, positions, None, **kw)
+        if not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage):
+            dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            continue
+        group = ps.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, out.contiguous(), group=group)
+        result = torch.cat(parts, dim=-1)
+    return result
+
+
+@torch.no_grad()
+def _logits_and_exports(bridge: Any, chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    from lightning_mcore_rl.data import pack_sequences, packed_position_ids, unpack_sequences
+
+    ids = input_ids()
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    padded = _pipeline_forward(chunks, ids, position_ids=positions)
+    lengths = torch.tensor(PACKED_LENGTHS)
+    packed = pack_sequences(ids, lengths)
+    packed_out = _pipeline_forward(
+        chunks,
+        packed.packed_local,
+        position_ids=packed_position_ids(packed.cu_seqlens_padded),
+        packed_seq_params=packed.packed_seq_params,
+    )
+    rows = None
+    if packed_out is not None:
+        rows = unpack_sequences(packed_out, packed.cu_seqlens, packed.cu_seqlens_padded, SEQ)
+    exported = dict(bridge.export_hf_weights(chunks))
+    return {"padded": padded, "packed": rows, "exported": exported}
+
+
+def layout_ranks(
+    rank: int, dirs: dict[str, str], tp: int, pp: int, vpp: int | None, out_root: str
+) -> dict[str, Any]:
+    """Import each model at ``tp`` x ``pp`` (x ``vpp``); return last-stage logits (padded and
+    packed), the exported HF tensors (rank 0) and write ``save_pretrained`` to ``out_root/name``."""
+    from megatron.core import parallel_state as ps
+
+    from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.testing import init_megatron_state
+
+    init_megatron_state(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
+    reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    results: dict[str, Any] = {}
+    for name, directory in dirs.items():
+        bridge = HFBridge.from_pretrained(directory)
+        config = bridge.transformer_config()
+        stages = [None] if vpp is None else list(range(vpp))
+        chunks = [bridge.build_chunk(config, vp_stage=s).eval() for s in stages]
+        out = _logits_and_exports(bridge, chunks)
+        bridge.save_pretrained(chunks, Path(out_root) / name, max_shard_bytes=40_000)
+        results[name] = {
+            "padded": out["padded"] if reporter else None,
+            "packed": out["packed"] if reporter else None,
+            "exported": out["exported"] if rank == 0 else None,
+        }
+    return results
+
+
+def vocab_error_ranks(rank: int, directory: str) -> str:
+    """TP=2 import of a model whose vocab is odd: the error message."""
+    from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.testing import init_megatron_state
+
+    init_megatron_state(tensor_model_parallel_size=2)
+    bridge = HFBridge.from_pretrained(directory)
+    try:
+        bridge.build_chunk(bridge.transformer_config())
+    except ValueError as err:
+        return str(err)
+    return "no error"
