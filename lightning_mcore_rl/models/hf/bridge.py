@@ -131,7 +131,8 @@ class HFBridge:
 
     def transformer_config(self, **overrides: Any) -> TransformerConfig:
         """``TransformerConfig`` of the architecture with the parallel sizes of megatron's
-        initialised parallel state (if any); ``overrides`` win over both."""
+        initialised parallel state (if any, with ``pipeline_dtype = params_dtype``, fp32 by
+        default); ``overrides`` win over both."""
         from megatron.core import parallel_state as ps
         from megatron.core.transformer import TransformerConfig
 
@@ -143,6 +144,7 @@ class HFBridge:
                 pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                 virtual_pipeline_model_parallel_size=vpp,
                 context_parallel_size=ps.get_context_parallel_world_size(),
+                pipeline_dtype=overrides.get("params_dtype", torch.float32),
                 **pipeline_p2p_settings(vpp),
             )
         fields.update(overrides)
@@ -270,7 +272,7 @@ class HFBridge:
         """
         out = Path(out_dir)
         writer = _ShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
-        error = [_existing_weights(out) if writer is not None else None]
+        error = [existing_weights(out) if writer is not None else None]
         dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
             raise FileExistsError(error[0])
@@ -308,7 +310,8 @@ def _is_weight_file(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_FILES
 
 
-def _existing_weights(out: Path) -> str | None:
+def existing_weights(out: Path) -> str | None:
+    """Why ``out`` cannot receive a model (it holds weight files), or ``None``."""
     if out.is_dir() and any(_is_weight_file(p.name) for p in out.iterdir()):
         return f"{out} already holds model weights; save into a new or empty directory."
     return None

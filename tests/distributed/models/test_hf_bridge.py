@@ -87,7 +87,6 @@ def _check_layout(results: list[dict], models: dict, out_root: Path) -> dict[str
     return diffs
 
 
-
 def _run(models: dict, world: int, tp: int, pp: int, vpp: int | None, out_root: Path) -> list:
     dirs = {name: str(directory) for name, (directory, _) in models.items()}
     return run_on_ranks(layout_ranks, world, dirs, tp, pp, vpp, str(out_root), timeout=240)

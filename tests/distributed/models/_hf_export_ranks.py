@@ -1,0 +1,76 @@
+"""Rank function of the ``export_checkpoint`` test: a short ``Trainer.fit`` of an HF-imported
+model with ``MCoreRLStrategy(tensor_model_parallel_size=2)``, then a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from _hf_ranks import SEQ, VOCAB, input_ids
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
+from lightning_mcore_rl.models import HFBridge
+
+
+class _Rows(Dataset):
+    """LM samples ``{"tokens": [SEQ], "labels": [SEQ]}``."""
+
+    def __init__(self) -> None:
+        self.rows = torch.randint(
+            0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(5)
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"tokens": self.rows[index, :-1], "labels": self.rows[index, 1:]}
+
+
+class HFModule(MCoreRLModule):
+    """Builds its chunks with :class:`HFBridge`; Adam at lr 1e-3."""
+
+    def __init__(self, hf_dir: str) -> None:
+        super().__init__()
+        self.hf_dir = hf_dir
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        bridge = HFBridge.from_pretrained(self.hf_dir)
+        config = self.transformer_config(**bridge.config_fields())
+        return bridge.build_chunk(config, vp_stage)
+
+    def configure_optimizers(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=1e-3)
+
+
+def fit_and_checkpoint(rank: int, hf_dir: str, ckpt: str) -> dict[str, Any]:
+    """Train 2 steps at TP=2, save ``ckpt``; return the trained model's TP-gathered logits on
+    :func:`input_ids` (rank 0)."""
+    from lightning.pytorch import Trainer
+    from megatron.core import parallel_state as ps
+
+    module = HFModule(hf_dir)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(_Rows(), batch_size=4))
+    trainer.save_checkpoint(Path(ckpt))
+    (chunk,) = module.chunks
+    ids = input_ids()
+    with torch.no_grad():
+        logits = chunk(ids, torch.arange(SEQ).expand_as(ids), None).contiguous()
+    parts = [torch.empty_like(logits) for _ in range(2)]
+    torch.distributed.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
+    return {"logits": torch.cat(parts, dim=-1) if rank == 0 else None}

@@ -1,0 +1,51 @@
+"""``lmrl export`` (``export_checkpoint.main``): a TP=2 ``Trainer.fit`` checkpoint of an
+HF-imported Qwen2 becomes an HF directory whose ``transformers`` logits equal the trained megatron
+model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _hf_export_ranks import fit_and_checkpoint
+from _hf_ranks import build_hf_model, hf_configs, hf_logits, input_ids
+from safetensors.torch import load_file
+
+from lightning_mcore_rl.models.hf.export import main
+from lightning_mcore_rl.testing import run_on_ranks
+
+ATOL = 1e-5
+
+
+def test_export_checkpoint_matches_trained_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tmp_path / "source"
+    build_hf_model(hf_configs()["qwen2_tied"], source, seed=4)
+    ckpt = tmp_path / "ckpt"
+    trained, _ = run_on_ranks(fit_and_checkpoint, 2, str(source), str(ckpt), timeout=240)
+
+    assert (
+        main(["--ckpt", str(ckpt), "--hf-source", str(source), "--out", str(tmp_path / "out")]) == 0
+    )
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    original = load_file(str(source / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert not torch.equal(exported["model.norm.weight"], original["model.norm.weight"])  # trained
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    diff = (hf_logits(model, input_ids()) - trained["logits"]).abs().max().item()
+    print(f"export_checkpoint: max |transformers - trained megatron| logits = {diff:.3g}")
+    assert diff <= ATOL
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True
+        )
+        == "<user> hello world <assistant>"
+    )
+
+
+def test_export_refuses_a_directory_with_weights(tmp_path):
+    source = tmp_path / "source"
+    build_hf_model(hf_configs()["llama"], source, seed=0)
+    with pytest.raises(FileExistsError, match="already holds model weights"):
+        main(["--ckpt", str(tmp_path), "--hf-source", str(source), "--out", str(source)])

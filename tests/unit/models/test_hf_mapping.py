@@ -1,0 +1,201 @@
+"""HFBridge building blocks without ranks: config mapping and its errors, the weight-name map
+(local and Transformer Engine layouts), the TP slice layouts and bad checkpoint directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lightning_mcore_rl.models import HFBridge
+from lightning_mcore_rl.models.hf.config import parse_architecture
+from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
+from lightning_mcore_rl.models.hf.weights import merge_shards, param_map, read_shard
+
+BASE = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
+
+
+def test_config_fields_map_each_family():
+    qwen3 = parse_architecture({**BASE, "model_type": "qwen3", "head_dim": 32})
+    fields = qwen3.config_fields()
+    assert (fields["kv_channels"], fields["qk_layernorm"], fields["add_qkv_bias"]) == (
+        32,
+        True,
+        False,
+    )
+    assert fields["num_query_groups"] == 2 and fields["normalization"] == "RMSNorm"
+    assert fields["layernorm_epsilon"] == 1e-5 and fields["gated_linear_unit"] is True
+    qwen2 = parse_architecture({**BASE, "model_type": "qwen2", "tie_word_embeddings": True})
+    assert qwen2.config_fields()["add_qkv_bias"] is True
+    assert qwen2.gpt_model_kwargs()["share_embeddings_and_output_weights"] is True
+    llama = parse_architecture({**BASE, "rope_parameters": LLAMA3})
+    kwargs = llama.gpt_model_kwargs()
+    assert (kwargs["rope_scaling"], kwargs["rope_scaling_factor"]) == (True, 8.0)
+    assert kwargs["rotary_base"] == 500000.0 and kwargs["max_sequence_length"] == 256
+    # transformers < 5 layout: top-level rope_theta and rope_scaling
+    legacy = {k: v for k, v in BASE.items() if k != "rope_parameters"}
+    scaling = {k: v for k, v in LLAMA3.items() if k not in ("rope_type", "rope_theta")}
+    legacy.update(rope_theta=1e6, rope_scaling={"type": "llama3", **scaling})
+    arch = parse_architecture(legacy)
+    assert (arch.rotary_base, arch.rope_scaling_factor) == (1e6, 8.0)
+    mistral = parse_architecture({**BASE, "model_type": "mistral", "sliding_window": 256})
+    assert mistral.rope_scaling_factor is None  # a window covering every position is inactive
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"model_type": "gpt2"}, r"Unsupported Hugging Face `model_type` 'gpt2'"),
+        ({"model_type": "mistral", "sliding_window": 16}, r"`sliding_window` = 16"),
+        (
+            {"model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"]},
+            r"`layer_types`",
+        ),
+        ({"model_type": "qwen2", "use_sliding_window": True}, r"`use_sliding_window` = True"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+            r"`rope_parameters.rope_type` = 'yarn'",
+        ),
+        (
+            {"rope_parameters": {**LLAMA3, "low_freq_factor": 2.0}},
+            r"`rope_parameters.low_freq_factor` = 2.0: megatron-core 0.16 fixes",
+        ),
+        (
+            {"rope_parameters": {**LLAMA3, "original_max_position_embeddings": 4096}},
+            r"`rope_parameters.original_max_position_embeddings` = 4096",
+        ),
+        ({"attention_bias": True}, r"`attention_bias` = True"),
+        ({"mlp_bias": True}, r"`mlp_bias` = True"),
+        ({"hidden_act": "gelu"}, r"`hidden_act` = 'gelu'"),
+    ],
+)
+def test_unsupported_config_raises(change, match):
+    with pytest.raises(ValueError, match=match):
+        parse_architecture({**BASE, **change})
+
+
+def test_param_map_local_and_transformer_engine_names():
+    layer = "decoder.layers.1."
+    assert param_map(layer + "input_layernorm.weight", 3, False).hf_names == (
+        "model.layers.3.input_layernorm.weight",
+    )
+    te_qkv_norm = param_map(layer + "self_attention.linear_qkv.layer_norm_weight", 3, False)
+    assert te_qkv_norm.hf_names == ("model.layers.3.input_layernorm.weight",)
+    te_fc1_norm = param_map(layer + "mlp.linear_fc1.layer_norm_weight", 3, False)
+    assert te_fc1_norm.hf_names == ("model.layers.3.post_attention_layernorm.weight",)
+    fc1 = param_map(layer + "mlp.linear_fc1.weight", 0, False)
+    assert (fc1.layout, fc1.hf_names[1]) == ("fc1", "model.layers.0.mlp.up_proj.weight")
+    assert param_map("output_layer.weight", None, True).hf_names == ("model.embed_tokens.weight",)
+    assert param_map("output_layer.weight", None, False).hf_names == ("lm_head.weight",)
+    with pytest.raises(KeyError, match="has no Hugging Face counterpart"):
+        param_map(layer + "self_attention.linear_qkv._extra_state", 0, False)
+
+
+def _layer_file(tmp_path: Path) -> tuple[SafetensorsReader, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    p = "model.layers.0."
+    shapes = {
+        "self_attn.q_proj.weight": (64, 64),
+        "self_attn.k_proj.weight": (32, 64),
+        "self_attn.v_proj.weight": (32, 64),
+        "self_attn.q_proj.bias": (64,),
+        "self_attn.k_proj.bias": (32,),
+        "self_attn.v_proj.bias": (32,),
+        "mlp.gate_proj.weight": (96, 64),
+        "mlp.up_proj.weight": (96, 64),
+        "self_attn.o_proj.weight": (64, 64),
+    }
+    tensors = {p + k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return SafetensorsReader(tmp_path), tensors
+
+
+def test_qkv_is_interleaved_by_query_group(tmp_path):
+    reader, tensors = _layer_file(tmp_path)
+    arch = parse_architecture({**BASE, "head_dim": 16})  # H=4, G=2, d=16: 2 heads per group
+    pm = param_map("decoder.layers.0.self_attention.linear_qkv.weight", 0, False)
+    fused = read_shard(reader, pm, arch, 0, 1)
+    q, k, v = (tensors[n] for n in pm.hf_names)
+    # group g: [q heads 2g, 2g+1 (32 rows); k head g (16); v head g (16)]
+    expected = torch.cat([q[:32], k[:16], v[:16], q[32:], k[16:], v[16:]])
+    assert torch.equal(fused, expected)
+    # TP=2: rank r holds group r
+    assert torch.equal(read_shard(reader, pm, arch, 1, 2), expected[64:])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    "suffix",
+    [
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_qkv.bias",
+        "mlp.linear_fc1.weight",
+        "self_attention.linear_proj.weight",
+    ],
+)
+def test_read_shard_then_merge_is_identity(tmp_path, tp, suffix):
+    reader, tensors = _layer_file(tmp_path)
+    arch = parse_architecture(BASE)
+    pm = param_map(f"decoder.layers.0.{suffix}", 0, False)
+    shards = [read_shard(reader, pm, arch, r, tp) for r in range(tp)]
+    if suffix == "mlp.linear_fc1.weight" and tp == 2:  # rank 0: [gate rows 0..47; up rows 0..47]
+        gate, up = (tensors[n] for n in pm.hf_names)
+        assert torch.equal(shards[0], torch.cat([gate[:48], up[:48]]))
+    merged = merge_shards(pm, shards, arch)
+    assert [m.shape for m in merged] == [tensors[n].shape for n in pm.hf_names]
+    for name, tensor in zip(pm.hf_names, merged, strict=True):
+        assert torch.equal(tensor, tensors[name])
+
+
+def _tiny_llama_dir(directory: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = {k: v for k, v in BASE.items() if k != "model_type"}
+    AutoModelForCausalLM.from_config(LlamaConfig(**config)).save_pretrained(directory)
+    return directory
+
+
+def test_bad_directories_raise(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No config.json"):
+        HFBridge.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    with pytest.raises(FileNotFoundError, match=r"No \*\.safetensors weights"):
+        HFBridge.from_pretrained(tmp_path)
+
+    good = _tiny_llama_dir(tmp_path / "llama")
+    assert HFBridge.from_pretrained(good).vocab_size == 128
+    tensors = load_file(str(good / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(95, 64)
+    save_file(tensors, str(good / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj.weight'.*has shape"):
+        HFBridge.from_pretrained(good)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(good / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
+        HFBridge.from_pretrained(good)
+    config = json.loads((good / "config.json").read_text())
+    (good / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(ValueError, match="Unsupported Hugging Face `model_type` 'gemma'"):
+        HFBridge.from_pretrained(good)
