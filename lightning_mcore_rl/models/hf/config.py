@@ -61,7 +61,8 @@ class Architecture:
 
     def config_fields(self) -> dict[str, Any]:
         """``TransformerConfig`` kwargs of the architecture (CPU-safe: no fused kernels,
-        CPU initialisation, no dropout); parallel sizes and dtypes are left to the caller."""
+        CPU allocation without random init, no dropout); parallel sizes and dtypes are left to
+        the caller."""
         import torch
 
         return {
@@ -81,6 +82,7 @@ class Architecture:
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
             "use_cpu_initialization": True,
+            "perform_initialization": False,  # build_chunk overwrites every parameter
             "gradient_accumulation_fusion": False,
             "bias_activation_fusion": False,
             "bias_dropout_fusion": False,
