@@ -5,6 +5,7 @@ TP=1 run's samples, rewards, losses and grad norms — and the reward rises."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -25,7 +26,19 @@ class _Record(Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _grpo(rank: int, tp: int, steps: int, kl: float = 0.0) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RecipeRun:
+    """Logged metrics and sampled tokens per step; whether ``reference_weights()`` swapped other
+    weights in and restored the trained ones exactly."""
+
+    rows: list[dict[str, float]]
+    samples: list[torch.Tensor]
+    steps: int
+    reference_differs: bool
+    restored: bool
+
+
+def _grpo(rank: int, tp: int, steps: int, kl: float = 0.0) -> RecipeRun:
     record = _Record()
     trainer = Trainer(
         accelerator="cpu",
@@ -54,15 +67,15 @@ def _grpo(rank: int, tp: int, steps: int, kl: float = 0.0) -> dict[str, Any]:
     trained = [p.detach().clone() for p in params]
     with module.reference_weights():
         reference = [p.detach().clone() for p in params]
-    return {
-        "rows": record.rows,
-        "samples": first_batch,
-        "steps": trainer.global_step,
-        "reference_differs": any(
+    return RecipeRun(
+        rows=record.rows,
+        samples=first_batch,
+        steps=trainer.global_step,
+        reference_differs=any(
             not torch.equal(a, b) for a, b in zip(reference, trained, strict=True)
         ),
-        "restored": all(torch.equal(p, t) for p, t in zip(params, trained, strict=True)),
-    }
+        restored=all(torch.equal(p, t) for p, t in zip(params, trained, strict=True)),
+    )
 
 
 @pytest.mark.parametrize("kl", [0.0, 0.05], ids=["no_kl", "reference_kl"])
@@ -71,17 +84,17 @@ def test_tp2_rl_loop_matches_tp1(kl: float):
     results = run_on_ranks(_grpo, 2, 2, 4, kl, timeout=180)
     if kl:
         # the reference policy is the initial model: no KL at the first step, some after
-        penalties = [row["train_kl_penalty"] for row in ref["rows"]]
+        penalties = [row["train_kl_penalty"] for row in ref.rows]
         assert penalties[0] == 0.0 and min(penalties[1:]) > 0.0, penalties
     for result in [ref, *results]:
         # reference_weights() swaps the initial weights in and restores the trained ones exactly
-        assert result["reference_differs"] and result["restored"]
+        assert result.reference_differs and result.restored
     for result in results:
-        assert result["steps"] == 4
+        assert result.steps == 4
         for step in range(4):
             # same sampled tokens at every step (TP ranks gather identical full-vocab logits)
-            assert torch.equal(result["samples"][step], ref["samples"][step])
-            got, want = result["rows"][step], ref["rows"][step]
+            assert torch.equal(result.samples[step], ref.samples[step])
+            got, want = result.rows[step], ref.rows[step]
             assert got["reward"] == want["reward"]
             assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-6)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
@@ -91,7 +104,7 @@ def test_reward_rises_on_dp2():
     # 60 optimizer steps of 16 prompts x 4 samples. A random policy scores 1/4; measured on this
     # seed: mean reward 0.285 over steps 1-10 and 0.995 over steps 51-60.
     (result, _) = run_on_ranks(_grpo, 2, 1, 60, timeout=300)
-    rewards = [row["reward"] for row in result["rows"]]
+    rewards = [row["reward"] for row in result.rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert first == pytest.approx(0.25, abs=0.08)

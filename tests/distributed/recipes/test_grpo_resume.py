@@ -6,6 +6,7 @@ functions of ``global_step`` / the weight seed."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -30,7 +31,26 @@ class _Record(Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _fit(tp: int, ckpt_dir: str, ckpt_path: str | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RecordedFit:
+    """Per step: logged metrics, prompts and sampled tokens."""
+
+    rows: list[dict[str, float]]
+    prompts: list[torch.Tensor]
+    samples: list[torch.Tensor]
+    global_step: int
+
+
+@dataclass(frozen=True)
+class ResumeRun:
+    """One rank of :func:`_resume`: the uninterrupted fit, the resumed fit, the checkpoints."""
+
+    full: RecordedFit
+    resumed: RecordedFit
+    files: list[str]
+
+
+def _fit(tp: int, ckpt_dir: str, ckpt_path: str | None) -> RecordedFit:
     record = _Record()
     callbacks: list[Callback] = [record]
     if ckpt_path is None:
@@ -66,41 +86,36 @@ def _fit(tp: int, ckpt_dir: str, ckpt_path: str | None) -> dict[str, Any]:
     module.make_rollout = make_rollout  # type: ignore[method-assign]
     datamodule = PromptDataModule(num_steps=STEPS_PER_EPOCH)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    return {
-        "rows": record.rows,
-        "prompts": prompts,
-        "samples": samples,
-        "global_step": trainer.global_step,
-    }
+    return RecordedFit(record.rows, prompts, samples, trainer.global_step)
 
 
-def _resume(rank: int, tp: int, ckpt_dir: str) -> dict[str, Any]:
+def _resume(rank: int, tp: int, ckpt_dir: str) -> ResumeRun:
     full = _fit(tp, ckpt_dir, None)
     resumed = _fit(tp, ckpt_dir, f"{ckpt_dir}/step=3.ckpt")
-    return {"full": full, "resumed": resumed, "files": sorted(os.listdir(ckpt_dir))}
+    return ResumeRun(full, resumed, sorted(os.listdir(ckpt_dir)))
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
 def test_grpo_mid_epoch_resume_is_exact(tp: int, tmp_path):
     results = run_on_ranks(_resume, 2, tp, str(tmp_path / "ckpts"), timeout=180)
-    assert results[0]["files"] == ["step=3.ckpt", "step=6.ckpt"]
+    assert results[0].files == ["step=3.ckpt", "step=6.ckpt"]
     for result in results:
-        full, resumed = result["full"], result["resumed"]
-        assert resumed["global_step"] == 6 and len(resumed["rows"]) == 3
+        full, resumed = result.full, result.resumed
+        assert resumed.global_step == 6 and len(resumed.rows) == 3
         for step in range(3):
-            got, want = resumed["rows"][step], full["rows"][step + 3]
+            got, want = resumed.rows[step], full.rows[step + 3]
             for key in ("reward", "train_loss", "grad_norm", "train_kl_penalty"):
                 assert got[key] == want[key], (step + 4, key, got[key], want[key])
-            assert torch.equal(resumed["prompts"][step], full["prompts"][step + 3])
-            assert torch.equal(resumed["samples"][step], full["samples"][step + 3])
+            assert torch.equal(resumed.prompts[step], full.prompts[step + 3])
+            assert torch.equal(resumed.samples[step], full.samples[step + 3])
         # no replay: the first resumed step reads other prompts than steps 1-3
-        assert not any(torch.equal(resumed["prompts"][0], p) for p in full["prompts"][:3])
+        assert not any(torch.equal(resumed.prompts[0], p) for p in full.prompts[:3])
         # epoch 1 (steps 5-6) is a new permutation, not epoch 0's order again
-        assert not torch.equal(full["prompts"][4], full["prompts"][0])
+        assert not torch.equal(full.prompts[4], full.prompts[0])
     if tp == 1:  # each DP rank trains on its own prompts
-        assert not torch.equal(results[0]["full"]["prompts"][0], results[1]["full"]["prompts"][0])
+        assert not torch.equal(results[0].full.prompts[0], results[1].full.prompts[0])
     else:  # both TP ranks of the replica read the same prompts
-        assert torch.equal(results[0]["full"]["prompts"][0], results[1]["full"]["prompts"][0])
+        assert torch.equal(results[0].full.prompts[0], results[1].full.prompts[0])
 
 
 class _Positions(LightningModule):

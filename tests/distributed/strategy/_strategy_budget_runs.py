@@ -5,12 +5,14 @@ one rank process (same weights, same sampler order), padded and packed."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from _strategy_packing_runs import PackedGRPOModule, fit_recorded
+from _strategy_packing_runs import PackedGRPOModule, RecordedRun, fit_recorded
 from _strategy_rl_runs import RolloutRows
 from _strategy_runs import VOCAB
+from helpers.distributed import RunSpec
 
 
 class SkewedRows(RolloutRows):
@@ -43,27 +45,35 @@ class BudgetGRPOModule(PackedGRPOModule):
         return out.loss
 
 
-def _fit(spec: dict[str, Any], world_size: int, packing: bool, budget: int | None) -> dict:
+@dataclass(frozen=True)
+class BudgetResult:
+    """One rank of :func:`budget_rank`: per layout the fixed-size and the token-budget fit, and
+    the error of a too-small budget."""
+
+    fixed: dict[str, RecordedRun]
+    budget: dict[str, RecordedRun]
+    error: str
+
+
+def _fit(spec: RunSpec, world_size: int, packing: bool, budget: int | None) -> RecordedRun:
     module = BudgetGRPOModule()
-    rows = SkewedRows(spec["rows"])
+    rows = SkewedRows(spec.rows)
     run = fit_recorded(spec, world_size, module, rows, packing=packing, budget=budget)
-    return {**run, "num_microbatches": module.num_microbatches}
+    return replace(run, num_microbatches=module.num_microbatches)
 
 
-def budget_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Per layout in ``spec["layouts"]`` (``"padded"``/``"packed"``): a fixed-size fit and a
-    token-budget fit; then the error of a budget below the shortest row (every rank raises)."""
+def budget_rank(rank: int, spec: RunSpec, budget: int, layouts: tuple[str, ...]) -> BudgetResult:
+    """Per layout in ``layouts`` (``"padded"``/``"packed"``): a fixed-size fit and a fit with the
+    token ``budget``; then the error of a budget below the shortest row (every rank raises)."""
     world_size = int(os.environ["WORLD_SIZE"])
-    out: dict[str, Any] = {}
-    for layout in spec["layouts"]:
+    fixed, budgeted = {}, {}
+    for layout in layouts:
         packing = layout == "packed"
-        out[layout] = {
-            "fixed": _fit(spec, world_size, packing, None),
-            "budget": _fit(spec, world_size, packing, spec["budget"]),
-        }
+        fixed[layout] = _fit(spec, world_size, packing, None)
+        budgeted[layout] = _fit(spec, world_size, packing, budget)
     try:
-        _fit({**spec, "steps": 1}, world_size, packing=True, budget=5)
-        out["error"] = ""
+        _fit(replace(spec, steps=1), world_size, packing=True, budget=5)
+        error = ""
     except Exception as err:  # noqa: BLE001 - the message is the result
-        out["error"] = f"{type(err).__name__}: {err}"
-    return out
+        error = f"{type(err).__name__}: {err}"
+    return BudgetResult(fixed=fixed, budget=budgeted, error=error)

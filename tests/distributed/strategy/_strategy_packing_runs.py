@@ -5,11 +5,13 @@ sampler order), on the local packed attention (it runs padded batches too)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from _strategy_rl_runs import PG_CFG, RolloutRows
 from _strategy_runs import VOCAB, make_trainer, strategy_kwargs
+from helpers.distributed import RunSpec
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
@@ -68,15 +70,36 @@ class StepRecorder(Callback):
         self.grad_norms.append(trainer.strategy.optimizers[0].last_step.grad_norm)
 
 
+@dataclass(frozen=True)
+class RecordedRun:
+    """What :class:`StepRecorder` and the module recorded over one Trainer fit."""
+
+    attention_layouts: list[str]
+    logprobs: list[torch.Tensor]
+    lengths: list[torch.Tensor]
+    metrics: list[dict[str, float]]
+    grad_norms: list[float]
+    global_step: int
+    num_microbatches: list[int] = field(default_factory=list)  # per step (token-budget runs)
+
+
+@dataclass(frozen=True)
+class PackingResult:
+    """One rank of :func:`packing_rank`: the padded fit and the packed fit."""
+
+    padded: RecordedRun
+    packed: RecordedRun
+
+
 def fit_recorded(
-    spec: dict[str, Any],
+    spec: RunSpec,
     world_size: int,
     module: PackedGRPOModule,
     rows: Any,
     *,
     packing: bool,
     budget: int | None = None,
-) -> dict[str, Any]:
+) -> RecordedRun:
     """Fit ``module`` on ``rows`` (this rank's DP share per step) and return what was recorded.
     With a token ``budget`` the fixed ``micro_batch_size`` is 1 (the strategy requires it)."""
     recorder = StepRecorder()
@@ -85,30 +108,29 @@ def fit_recorded(
         kwargs["micro_batch_size"] = 1
     strategy = MCoreRLStrategy(**kwargs, sequence_packing=packing, max_tokens_per_microbatch=budget)
     trainer = make_trainer(spec, world_size, callbacks=[recorder], strategy=strategy)
-    dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
-    trainer.fit(module, DataLoader(rows, batch_size=spec["global_batch"] // dp))
-    return {
-        "attention_layouts": sorted(module.attention_layouts),
-        "logprobs": recorder.logprobs,
-        "lengths": recorder.lengths,
-        "metrics": recorder.metrics,
-        "grad_norms": recorder.grad_norms,
-        "global_step": trainer.global_step,
-    }
+    trainer.fit(module, DataLoader(rows, batch_size=spec.local_batch(world_size)))
+    return RecordedRun(
+        attention_layouts=sorted(module.attention_layouts),
+        logprobs=recorder.logprobs,
+        lengths=recorder.lengths,
+        metrics=recorder.metrics,
+        grad_norms=recorder.grad_norms,
+        global_step=trainer.global_step,
+    )
 
 
-def _fit(spec: dict[str, Any], world_size: int, packing: bool) -> dict[str, Any]:
+def _fit(spec: RunSpec, world_size: int, packing: bool) -> RecordedRun:
     module = PackedGRPOModule()
-    return fit_recorded(spec, world_size, module, RolloutRows(spec["rows"]), packing=packing)
+    return fit_recorded(spec, world_size, module, RolloutRows(spec.rows), packing=packing)
 
 
-def packing_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+def packing_rank(rank: int, spec: RunSpec) -> PackingResult:
     """Padded fit, then packed fit (megatron's parallel state is reused by the second Trainer)."""
     world_size = int(os.environ["WORLD_SIZE"])
-    return {packing: _fit(spec, world_size, packing) for packing in (False, True)}
+    return PackingResult(padded=_fit(spec, world_size, False), packed=_fit(spec, world_size, True))
 
 
-def packing_error_rank(rank: int, spec: dict[str, Any]) -> str:
+def packing_error_rank(rank: int, spec: RunSpec) -> str:
     """The error a packed fit raises (``""`` when none)."""
     try:
         _fit(spec, int(os.environ["WORLD_SIZE"]), packing=True)
@@ -117,23 +139,23 @@ def packing_error_rank(rank: int, spec: dict[str, Any]) -> str:
     return ""
 
 
-def max_run_diffs(candidate: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
+def max_run_diffs(candidate: RecordedRun, reference: RecordedRun) -> dict[str, float]:
     """Max abs differences between two recorded Trainer runs of the same steps: every logged
     metric (same keys, incl. ``train_loss`` and ``grad_norm``), megatron's grad norms, and
     ``compute_logprobs`` on real tokens (positions ``< length``)."""
     for run in (candidate, reference):
-        assert run["global_step"] == len(run["metrics"]) == len(reference["metrics"])
+        assert run.global_step == len(run.metrics) == len(reference.metrics)
     metric_diff = 0.0
-    for mine, ref in zip(candidate["metrics"], reference["metrics"], strict=True):
+    for mine, ref in zip(candidate.metrics, reference.metrics, strict=True):
         assert sorted(mine) == sorted(ref)
         assert "train_loss" in ref and "grad_norm" in ref and len(ref) > 3
         metric_diff = max(metric_diff, max(abs(mine[k] - ref[k]) for k in ref))
     norm_diff = max(
-        abs(a - b) for a, b in zip(candidate["grad_norms"], reference["grad_norms"], strict=True)
+        abs(a - b) for a, b in zip(candidate.grad_norms, reference.grad_norms, strict=True)
     )
     logprob_diff = 0.0
     for mine, ref, lengths in zip(
-        candidate["logprobs"], reference["logprobs"], reference["lengths"], strict=True
+        candidate.logprobs, reference.logprobs, reference.lengths, strict=True
     ):
         assert mine.shape == ref.shape
         real = torch.arange(ref.shape[1])[None, :] < lengths[:, None]

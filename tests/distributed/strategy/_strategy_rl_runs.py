@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _strategy_runs import VOCAB, make_trainer
+from _strategy_runs import VOCAB, BareRun, make_trainer
+from helpers.distributed import RunSpec
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -81,28 +83,35 @@ class _Logprobs(Callback):
         self.values.append(module.compute_logprobs(batch))
 
 
-def grpo_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class GRPOResult:
+    """One rank of :func:`grpo_rank`: the bare train-layer loop and what the Trainer run did."""
+
+    bare: BareRun
+    microbatch_losses: list[tuple[float, ...]]
+    metrics: dict[str, float]
+    logprobs: list[torch.Tensor]
+    global_step: int
+
+
+def grpo_rank(rank: int, spec: RunSpec) -> GRPOResult:
     world_size = int(os.environ["WORLD_SIZE"])
     bare = _bare_grpo(spec)
     destroy_megatron_state()
     logprobs = _Logprobs()
     trainer = make_trainer(spec, world_size, callbacks=[logprobs])
     module = GRPOModule()
-    dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
-    trainer.fit(
-        module, DataLoader(RolloutRows(spec["rows"]), batch_size=spec["global_batch"] // dp)
+    trainer.fit(module, DataLoader(RolloutRows(spec.rows), batch_size=spec.local_batch(world_size)))
+    return GRPOResult(
+        bare=bare,
+        microbatch_losses=module.microbatch_losses,
+        metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+        logprobs=logprobs.values,
+        global_step=trainer.global_step,
     )
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {
-        "bare": bare,
-        "microbatch_losses": module.microbatch_losses,
-        "metrics": metrics,
-        "logprobs": logprobs.values,
-        "global_step": trainer.global_step,
-    }
 
 
-def _bare_grpo(spec: dict[str, Any]) -> dict[str, Any]:
+def _bare_grpo(spec: RunSpec) -> BareRun:
     from megatron.core import parallel_state as ps
 
     from lightning_mcore_rl.train import (
@@ -112,12 +121,9 @@ def _bare_grpo(spec: dict[str, Any]) -> dict[str, Any]:
         process_global_batch,
     )
 
-    init_megatron_state(
-        tensor_model_parallel_size=spec.get("tp", 1),
-        pipeline_model_parallel_size=spec.get("pp", 1),
-    )
+    init_megatron_state(tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp)
     setup = build_training(clip_grad=0.0, calculate_per_token_loss=True)
-    dataset = RolloutRows(spec["rows"])
+    dataset = RolloutRows(spec.rows)
     dp_group = ps.get_data_parallel_group()
     sampler = DistributedSampler(
         dataset,
@@ -127,17 +133,17 @@ def _bare_grpo(spec: dict[str, Any]) -> dict[str, Any]:
         seed=0,
     )
     indices = list(sampler)
-    local = spec["global_batch"] // ps.get_data_parallel_world_size()
-    out: dict[str, Any] = {"losses": [], "grad_norms": [], "logprobs": []}
-    for step in range(spec["steps"]):
+    local = spec.global_batch // ps.get_data_parallel_world_size()
+    out = BareRun()
+    for step in range(spec.steps):
         rows = [dataset[i] for i in indices[step * local : (step + 1) * local]]
         data = BatchedDataDict({k: torch.stack([r[k] for r in rows]) for k in rows[0]})
-        batch = process_global_batch(data, dp_group, spec.get("mbs", 2))
+        batch = process_global_batch(data, dp_group, spec.mbs)
         run = megatron_forward_backward(
             setup.chunks[0], batch.iterator(), batch.num_microbatches, batch.seq_length,
             batch.micro_batch_size, LogprobsPostProcessor(None), forward_only=True,
         )  # fmt: skip
-        out["logprobs"].append(torch.cat([r["logprobs"] for r in run]) if run else None)
+        out.logprobs.append(torch.cat([r["logprobs"] for r in run]) if run else None)
         for chunk in setup.chunks:
             chunk.zero_grad_buffer()
         setup.optimizer.zero_grad()
@@ -147,6 +153,6 @@ def _bare_grpo(spec: dict[str, Any]) -> dict[str, Any]:
             batch.micro_batch_size, post, global_valid_seqs=batch.global_valid_seqs,
             global_valid_toks=batch.global_valid_toks,
         )  # fmt: skip
-        out["losses"].append(tuple(float(m["loss"]) for m in metrics))
-        out["grad_norms"].append(optimizer_step(setup))
+        out.losses.append(tuple(float(m["loss"]) for m in metrics))
+        out.grad_norms.append(optimizer_step(setup))
     return out

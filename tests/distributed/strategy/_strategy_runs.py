@@ -8,9 +8,11 @@ group (shuffle=True, seed 0, epoch 0) and the bare loop draws its batches from t
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from helpers.distributed import RunSpec
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -99,79 +101,125 @@ class Recorder(Callback):
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
-def strategy_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BareRun:
+    """The bare loop per step: this rank's microbatch losses (empty off the last stage), megatron's
+    grad norm and (GRPO only) the forward-only logprobs before the update."""
+
+    losses: list[tuple[float, ...]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    logprobs: list[torch.Tensor | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """One rank of :func:`fit_rank`: the bare loop and what the Lightning run recorded."""
+
+    bare: BareRun
+    metrics: list[dict[str, float]]
+    microbatch_losses: list[tuple[float, ...]]
+    batch_sums: list[int]
+    grad_norms: list[float]
+    global_step: int
+    sampler: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Per step of a recorded fit: microbatch losses, grad norm, LR and logged ``train_loss``."""
+
+    microbatch_losses: list[tuple[float, ...]]
+    grad_norms: list[float]
+    lrs: list[float]
+    train_loss: list[float]
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """One rank of :func:`resume_rank`."""
+
+    full: RunSummary
+    resumed: RunSummary
+    global_step: int
+    val_loss: float
+    files: list[str]
+
+
+@dataclass(frozen=True)
+class AtomicSaveResult:
+    """The failed second save's error type and what the checkpoint still loads."""
+
+    error: str
+    loaded: dict[str, Any]
+
+
+def strategy_kwargs(spec: RunSpec) -> dict[str, Any]:
     return {
-        "tensor_model_parallel_size": spec.get("tp", 1),
-        "pipeline_model_parallel_size": spec.get("pp", 1),
-        "virtual_pipeline_model_parallel_size": spec.get("vpp"),
-        "sequence_parallel": spec.get("sequence_parallel", False),
-        "use_distributed_optimizer": spec.get("distributed_optimizer", False),
-        "micro_batch_size": spec.get("mbs", 2),
+        "tensor_model_parallel_size": spec.tp,
+        "pipeline_model_parallel_size": spec.pp,
+        "virtual_pipeline_model_parallel_size": spec.vpp,
+        "sequence_parallel": spec.sequence_parallel,
+        "use_distributed_optimizer": spec.distributed_optimizer,
+        "micro_batch_size": spec.mbs,
     }
 
 
-def local_batch_size(spec: dict[str, Any], world_size: int) -> int:
-    dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
-    return spec["global_batch"] // dp
-
-
-def make_trainer(spec: dict[str, Any], world_size: int, **kwargs: Any) -> Trainer:
+def make_trainer(spec: RunSpec, world_size: int, **kwargs: Any) -> Trainer:
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": world_size,
         "strategy": MCoreRLStrategy(**strategy_kwargs(spec)),
-        "max_steps": spec["steps"],
+        "max_steps": spec.steps,
         "logger": False,
         "enable_checkpointing": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
-        "gradient_clip_val": spec.get("clip"),
-        "precision": spec.get("precision", "32-true"),
+        "gradient_clip_val": spec.clip,
+        "precision": spec.precision,
     }
     options.update(kwargs)
     return Trainer(**options)
 
 
-def fit_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+def fit_rank(rank: int, spec: RunSpec) -> FitResult:
     """Bare loop first, then the Lightning run, in the same rank process."""
     world_size = int(os.environ["WORLD_SIZE"])
     bare = bare_run(spec, world_size)
     destroy_megatron_state()
     recorder = Recorder()
     trainer = make_trainer(spec, world_size, callbacks=[recorder])
-    module = TinyGPTModule(num_layers=spec.get("num_layers", 2))
-    loader = DataLoader(TokenRows(spec["rows"]), batch_size=local_batch_size(spec, world_size))
+    module = TinyGPTModule(num_layers=spec.num_layers)
+    loader = DataLoader(TokenRows(spec.rows), batch_size=spec.local_batch(world_size))
     trainer.fit(module, loader)
-    return {
-        "bare": bare,
-        "metrics": recorder.metrics,
-        "microbatch_losses": recorder.microbatch_losses,
-        "batch_sums": recorder.batch_sums,
-        "grad_norms": recorder.grad_norms,
-        "global_step": trainer.global_step,
-        "sampler": dict(trainer.strategy.distributed_sampler_kwargs),
-    }
+    return FitResult(
+        bare=bare,
+        metrics=recorder.metrics,
+        microbatch_losses=recorder.microbatch_losses,
+        batch_sums=recorder.batch_sums,
+        grad_norms=recorder.grad_norms,
+        global_step=trainer.global_step,
+        sampler=dict(trainer.strategy.distributed_sampler_kwargs),
+    )
 
 
-def bare_run(spec: dict[str, Any], world_size: int) -> dict[str, Any]:
+def bare_run(spec: RunSpec, world_size: int) -> BareRun:
     """The bare megatron loop on the batches Lightning's injected sampler yields."""
     from megatron.core import parallel_state as ps
 
     init_megatron_state(
-        tensor_model_parallel_size=spec.get("tp", 1),
-        pipeline_model_parallel_size=spec.get("pp", 1),
-        virtual_pipeline_model_parallel_size=spec.get("vpp"),
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp,
     )
-    clip = spec.get("clip")
     setup = build_training(
-        num_layers=spec.get("num_layers", 2),
-        use_distributed_optimizer=spec.get("distributed_optimizer", False),
-        clip_grad=0.0 if clip is None else clip,
-        sequence_parallel=spec.get("sequence_parallel", False),
-        bf16=spec.get("precision") == "bf16-mixed",
+        num_layers=spec.num_layers,
+        use_distributed_optimizer=spec.distributed_optimizer,
+        clip_grad=0.0 if spec.clip is None else spec.clip,
+        sequence_parallel=spec.sequence_parallel,
+        bf16=spec.bf16,
     )
-    dataset = TokenRows(spec["rows"])
+    dataset = TokenRows(spec.rows)
     sampler = DistributedSampler(
         dataset,
         num_replicas=ps.get_data_parallel_world_size(),
@@ -180,9 +228,9 @@ def bare_run(spec: dict[str, Any], world_size: int) -> dict[str, Any]:
         seed=0,
     )
     indices = list(sampler)
-    local, mbs = local_batch_size(spec, world_size), spec.get("mbs", 2)
-    out: dict[str, Any] = {"losses": [], "grad_norms": []}
-    for step in range(spec["steps"]):
+    local, mbs = spec.local_batch(world_size), spec.mbs
+    out = BareRun()
+    for step in range(spec.steps):
         rows = [dataset[i] for i in indices[step * local : (step + 1) * local]]
         tokens = torch.stack([r["tokens"] for r in rows])
         labels = torch.stack([r["labels"] for r in rows])
@@ -190,44 +238,43 @@ def bare_run(spec: dict[str, Any], world_size: int) -> dict[str, Any]:
             {"tokens": tokens[i : i + mbs], "labels": labels[i : i + mbs]}
             for i in range(0, local, mbs)
         ]
-        out["losses"].append(forward_backward(setup, microbatches))
-        out["grad_norms"].append(optimizer_step(setup))
+        out.losses.append(forward_backward(setup, microbatches))
+        out.grad_norms.append(optimizer_step(setup))
     return out
 
 
-def _resumable_loader(spec: dict[str, Any], world_size: int, rank: int) -> ResumableLoader:
+def _resumable_loader(spec: RunSpec, world_size: int, rank: int) -> ResumableLoader:
     """This DP rank's batches in a fixed order (pp must be 1 so that dp_rank = rank // tp)."""
-    dp = world_size // spec.get("tp", 1)
-    dataset = TokenRows(spec["rows"])
+    dataset = TokenRows(spec.rows)
     sampler = DistributedSampler(
-        dataset, num_replicas=dp, rank=rank // spec.get("tp", 1), shuffle=False
+        dataset, num_replicas=world_size // spec.tp, rank=rank // spec.tp, shuffle=False
     )
-    loader = DataLoader(dataset, batch_size=local_batch_size(spec, world_size), sampler=sampler)
+    loader = DataLoader(dataset, batch_size=spec.local_batch(world_size), sampler=sampler)
     return ResumableLoader(loader)
 
 
 def _fit_and_record(
-    spec: dict[str, Any], rank: int, ckpt_path: str | None = None, **trainer_kwargs: Any
+    spec: RunSpec, rank: int, ckpt_path: str | None = None, **trainer_kwargs: Any
 ) -> tuple[Trainer, TinyGPTModule, Recorder]:
     world_size = int(os.environ["WORLD_SIZE"])
     recorder = Recorder()
     callbacks = [recorder, *trainer_kwargs.pop("callbacks", [])]
     trainer = make_trainer(spec, world_size, callbacks=callbacks, **trainer_kwargs)
-    module = TinyGPTModule(num_layers=spec.get("num_layers", 2), schedule=True)
+    module = TinyGPTModule(num_layers=spec.num_layers, schedule=True)
     trainer.fit(module, _resumable_loader(spec, world_size, rank), ckpt_path=ckpt_path)
     return trainer, module, recorder
 
 
-def _summary(recorder: Recorder) -> dict[str, Any]:
-    return {
-        "microbatch_losses": recorder.microbatch_losses,
-        "grad_norms": recorder.grad_norms,
-        "lrs": recorder.lrs,
-        "train_loss": [m["train_loss"] for m in recorder.metrics],
-    }
+def _summary(recorder: Recorder) -> RunSummary:
+    return RunSummary(
+        microbatch_losses=recorder.microbatch_losses,
+        grad_norms=recorder.grad_norms,
+        lrs=recorder.lrs,
+        train_loss=[m["train_loss"] for m in recorder.metrics],
+    )
 
 
-def resume_rank(rank: int, spec: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
+def resume_rank(rank: int, spec: RunSpec, ckpt_dir: str) -> ResumeResult:
     """6 uninterrupted steps saving at steps 3 and 6 (mid-epoch), then a second Trainer resumed
     from step 3 to step 6 in the same process, then ``validate`` on that Trainer."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -238,25 +285,25 @@ def resume_rank(rank: int, spec: dict[str, Any], ckpt_dir: str) -> dict[str, Any
     _, _, full = _fit_and_record(spec, rank, callbacks=[saver], enable_checkpointing=True)
     trainer, module, resumed = _fit_and_record(spec, rank, ckpt_path=f"{ckpt_dir}/step=3.ckpt")
     val = trainer.validate(module, DataLoader(TokenRows(8, seed=1), batch_size=4), verbose=False)
-    return {
-        "full": _summary(full),
-        "resumed": _summary(resumed),
-        "global_step": trainer.global_step,
-        "val_loss": val[0]["val_loss"],
-        "files": sorted(os.listdir(ckpt_dir)),
-    }
+    return ResumeResult(
+        full=_summary(full),
+        resumed=_summary(resumed),
+        global_step=trainer.global_step,
+        val_loss=val[0]["val_loss"],
+        files=sorted(os.listdir(ckpt_dir)),
+    )
 
 
-def validate_rank(rank: int, spec: dict[str, Any], ckpt_path: str) -> float:
+def validate_rank(rank: int, spec: RunSpec, ckpt_path: str) -> float:
     """``Trainer.validate(ckpt_path=...)`` under the layout of ``spec``."""
     world_size = int(os.environ["WORLD_SIZE"])
     trainer = make_trainer(spec, world_size)
-    module = TinyGPTModule(num_layers=spec.get("num_layers", 2), schedule=True)
+    module = TinyGPTModule(num_layers=spec.num_layers, schedule=True)
     loader = DataLoader(TokenRows(8, seed=1), batch_size=4)
     return trainer.validate(module, loader, ckpt_path=ckpt_path, verbose=False)[0]["val_loss"]
 
 
-def atomic_save_rank(rank: int, path: str) -> dict[str, Any]:
+def atomic_save_rank(rank: int, path: str) -> AtomicSaveResult:
     """Save, then fail a second save half-way: the first checkpoint must still load."""
     from pathlib import Path
 
@@ -270,7 +317,7 @@ def atomic_save_rank(rank: int, path: str) -> dict[str, Any]:
         ckpt.save({"value": 2, "unpicklable": lambda: 0}, Path(path), atomic=True)
     except Exception as err:  # noqa: BLE001 - the failure is the point
         error = type(err).__name__
-    return {"error": error, "loaded": dist_checkpointing.load_common_state_dict(path)}
+    return AtomicSaveResult(error, dist_checkpointing.load_common_state_dict(path))
 
 
 class _PlainModule(LightningModule):
@@ -284,26 +331,27 @@ class _PlainModule(LightningModule):
 def trainer_errors_rank(rank: int) -> dict[str, str]:
     """Each misconfiguration through a real ``Trainer.fit`` on one rank: the error it raises."""
     loader = DataLoader(TokenRows(8), batch_size=2)
-    cases: dict[str, tuple[dict[str, Any], dict[str, Any], Any]] = {
-        "accumulate": ({}, {"accumulate_grad_batches": 2}, TinyGPTModule()),
+    one_step = RunSpec(steps=1)
+    cases: dict[str, tuple[RunSpec, dict[str, Any], Any]] = {
+        "accumulate": (one_step, {"accumulate_grad_batches": 2}, TinyGPTModule()),
         "clip_value": (
-            {},
+            one_step,
             {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"},
             TinyGPTModule(),
         ),
-        "sizes": ({"tp": 2}, {}, TinyGPTModule()),
-        "plain_module": ({}, {}, _PlainModule()),
+        "sizes": (RunSpec(steps=1, tp=2), {}, TinyGPTModule()),
+        "plain_module": (one_step, {}, _PlainModule()),
     }
     errors = {}
     for name, (spec, trainer_kwargs, module) in cases.items():
-        trainer = make_trainer({"steps": 1, **spec}, 1, **trainer_kwargs)
+        trainer = make_trainer(spec, 1, **trainer_kwargs)
         try:
             trainer.fit(module, loader)
             errors[name] = ""
         except Exception as err:  # noqa: BLE001 - the message is the result
             errors[name] = f"{type(err).__name__}: {err}"
     # bf16 Trainer but a module that builds an fp32 config.
-    trainer = make_trainer({"steps": 1, "precision": "bf16-mixed"}, 1)
+    trainer = make_trainer(RunSpec(steps=1, bf16=True), 1)
     module = TinyGPTModule()
     module.build_chunk = lambda vp_stage: tiny_gpt(tiny_gpt_config(), vocab_size=VOCAB)  # type: ignore[method-assign]
     try:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from _strategy_rl_runs import PG_CFG, RolloutRows, S
 from _strategy_runs import VOCAB, make_trainer
+from helpers.distributed import RunSpec
 from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLModule
@@ -21,7 +23,8 @@ from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state, run_on_ranks
 
 GLOBAL_BATCH = 8  # = rows: one step reads every row once, whatever the sampler's shuffle
-LAYOUTS = {"dp2": {}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}
+ONE_STEP = RunSpec(steps=1, global_batch=GLOBAL_BATCH)
+LAYOUTS = {"dp2": ONE_STEP, "pp2": replace(ONE_STEP, pp=2), "tp2": replace(ONE_STEP, tp=2)}
 
 
 class UndeclaredMetricLoss(ClippedPGLossFn):
@@ -66,11 +69,10 @@ def _reference() -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
-def _run(spec: dict[str, Any], world_size: int, validate: bool) -> dict[str, float]:
+def _run(spec: RunSpec, world_size: int, validate: bool, loss: Any = None) -> dict[str, float]:
     trainer = make_trainer(spec, world_size)
-    dp = world_size // (spec.get("tp", 1) * spec.get("pp", 1))
-    loader = DataLoader(RolloutRows(GLOBAL_BATCH), batch_size=GLOBAL_BATCH // dp)
-    module = MetricsModule(spec.get("loss"))
+    loader = DataLoader(RolloutRows(GLOBAL_BATCH), batch_size=spec.local_batch(world_size))
+    module = MetricsModule(loss)
     if validate:
         trainer.validate(module, loader, verbose=False)
     else:
@@ -79,18 +81,18 @@ def _run(spec: dict[str, Any], world_size: int, validate: bool) -> dict[str, flo
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
-def metrics_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+def metrics_rank(rank: int) -> dict[str, dict[str, float]]:
+    """The reference metrics and every layout's logged metrics (keyed by run name)."""
     world_size = int(os.environ["WORLD_SIZE"])
-    out: dict[str, Any] = {"reference": _reference()}
-    for name, layout in LAYOUTS.items():
-        out[name] = _run({"steps": 1, "global_batch": GLOBAL_BATCH, **layout}, world_size, False)
-    out["val_pp2"] = _run({"steps": 1, "global_batch": GLOBAL_BATCH, "pp": 2}, world_size, True)
+    out = {"reference": _reference()}
+    for name, spec in LAYOUTS.items():
+        out[name] = _run(spec, world_size, False)
+    out["val_pp2"] = _run(LAYOUTS["pp2"], world_size, True)
     return out
 
 
-def undeclared_rank(rank: int, spec: dict[str, Any]) -> None:
-    loss = UndeclaredMetricLoss(PG_CFG)
-    _run({"steps": 1, "global_batch": GLOBAL_BATCH, **spec, "loss": loss}, 2, False)
+def undeclared_rank(rank: int, spec: RunSpec) -> None:
+    _run(spec, 2, False, loss=UndeclaredMetricLoss(PG_CFG))
 
 
 def _logged(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -98,7 +100,7 @@ def _logged(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 def test_all_loss_metrics_are_logged_exactly_under_dp_pp_tp():
-    results = run_on_ranks(metrics_rank, 2, {}, timeout=120)
+    results = run_on_ranks(metrics_rank, 2, timeout=120)
     reference = results[0]["reference"]
     # The reference exercises the metrics: some tokens clipped, a ratio spread, a KL term.
     assert 0 < reference["clip_fraction"] < 1
@@ -121,4 +123,4 @@ def test_undeclared_metric_raises_naming_metric_and_loss():
     with pytest.raises(
         RuntimeError, match=r"UndeclaredMetricLoss returned metric\(s\) \['mystery'\]"
     ):
-        run_on_ranks(undeclared_rank, 2, {"pp": 2}, timeout=120)
+        run_on_ranks(undeclared_rank, 2, LAYOUTS["pp2"], timeout=120)

@@ -9,32 +9,35 @@ logprobs <= 9.6e-7."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from _strategy_packing_runs import max_run_diffs, packing_rank
+from _strategy_packing_runs import PackingResult, max_run_diffs, packing_rank
+from helpers.distributed import RunSpec
 
 from lightning_mcore_rl.testing import run_on_ranks
 
 ATOL = 1e-5
 STEPS = 3
-SPEC = {"steps": STEPS, "rows": 24, "global_batch": 8, "mbs": 2}
+SPEC = RunSpec(steps=STEPS, rows=24, global_batch=8, mbs=2)
 
 
-def _max_diffs(result: dict) -> dict[str, float]:
-    padded, packed = result[False], result[True]
-    assert padded["attention_layouts"] == ["sbhd"]  # the model really saw padded batches
-    assert packed["attention_layouts"] == ["thd"]  # ... and one THD row per microbatch
-    assert padded["global_step"] == STEPS
+def _max_diffs(result: PackingResult) -> dict[str, float]:
+    padded, packed = result.padded, result.packed
+    assert padded.attention_layouts == ["sbhd"]  # the model really saw padded batches
+    assert packed.attention_layouts == ["thd"]  # ... and one THD row per microbatch
+    assert padded.global_step == STEPS
     return max_run_diffs(packed, padded)
 
 
 @pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"pp": 2}], ids=["dp2", "tp2", "pp2"])
 def test_packed_loss_fn_run_matches_padded_run(layout):
-    results = run_on_ranks(packing_rank, 2, {**SPEC, **layout}, timeout=120)
+    results = run_on_ranks(packing_rank, 2, replace(SPEC, **layout), timeout=120)
     for r in results:
         diffs = _max_diffs(r)
         print(f"{layout}: max |packed - padded| {diffs}")
         assert max(diffs.values()) <= ATOL, diffs
         # The packed run trains (the loss changes step to step) and is not the padded one.
-        losses = [m["train_loss"] for m in r[True]["metrics"]]
+        losses = [m["train_loss"] for m in r.packed.metrics]
         assert len(set(losses)) == STEPS
-    assert results[0][True]["metrics"] == results[1][True]["metrics"]
+    assert results[0].packed.metrics == results[1].packed.metrics

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from helpers.distributed import RunSpec
 from megatron.core import parallel_state as ps
 
 from lightning_mcore_rl.testing import init_megatron_state
@@ -16,63 +18,68 @@ from lightning_mcore_rl.testing.training import (
     optimizer_step,
 )
 
+SEQ = 16
 
-def train_layout(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Train ``spec["steps"]`` optimizer steps of the tiny GPT under the layout in ``spec``.
 
-    Every step consumes the same global batch of ``spec["num_microbatches"]`` microbatches; data
-    parallel rank ``d`` of ``DP`` takes the ``d``-th contiguous ``1/DP`` of them.
+@dataclass(frozen=True)
+class LayoutRun:
+    """One rank of :func:`train_layout`, or all ranks combined by :func:`merge`.
 
-    Returns (per rank): ``losses[step] = this DP rank's microbatch losses`` (last PP stage only),
-    ``grad_norms``, the TP-gathered ``grads`` after the first backward and ``params`` after the
-    last step (canonical names; only from TP rank 0 / DP rank 0 of each stage, else empty).
+    ``losses[step]``: this DP rank's microbatch losses (last PP stage only), merged: the global
+    mean. ``grads`` after the first backward and ``params`` after the last step are TP-gathered
+    by canonical name, per rank only from TP rank 0 / DP rank 0 of each stage (else empty).
+    """
+
+    losses: list[Any] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def train_layout(rank: int, spec: RunSpec, num_microbatches: int) -> LayoutRun:
+    """Train ``spec.steps`` optimizer steps of the tiny GPT under the layout in ``spec``.
+
+    Every step consumes the same global batch of ``num_microbatches`` microbatches; data parallel
+    rank ``d`` of ``DP`` takes the ``d``-th contiguous ``1/DP`` of them.
     """
     init_megatron_state(
-        tensor_model_parallel_size=spec.get("tp", 1),
-        pipeline_model_parallel_size=spec.get("pp", 1),
-        virtual_pipeline_model_parallel_size=spec.get("vpp"),
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp,
     )
     setup = build_training(
-        num_layers=spec.get("num_layers", 2),
-        use_distributed_optimizer=spec.get("distributed_optimizer", False),
-        bf16=spec.get("bf16", False),
-        sequence_parallel=spec.get("sequence_parallel", False),
+        num_layers=spec.num_layers,
+        use_distributed_optimizer=spec.distributed_optimizer,
+        bf16=spec.bf16,
+        sequence_parallel=spec.sequence_parallel,
     )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    batches = make_microbatches(spec["num_microbatches"], spec.get("mbs", 2), spec.get("seq", 16))
+    batches = make_microbatches(num_microbatches, spec.mbs, SEQ)
     per_rank = len(batches) // dp
     local = batches[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     reporter = ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
-    out: dict[str, Any] = {"losses": [], "grad_norms": [], "grads": {}, "params": {}}
-    for step in range(spec["steps"]):
-        out["losses"].append(forward_backward(setup, local))
+    losses, grad_norms, grads = [], [], {}
+    for step in range(spec.steps):
+        losses.append(forward_backward(setup, local))
         if step == 0:
             grads = gather_full_tensors(setup, grads=True)
-            out["grads"] = grads if reporter else {}
-        out["grad_norms"].append(optimizer_step(setup))
+        grad_norms.append(optimizer_step(setup))
     params = gather_full_tensors(setup, grads=False)
-    out["params"] = params if reporter else {}
-    return out
+    if not reporter:
+        grads, params = {}, {}
+    return LayoutRun(losses, grad_norms, grads, params)
 
 
-def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+def merge(results: list[LayoutRun]) -> LayoutRun:
     """Combine per-rank results: global mean loss per step, grads/params of all stages."""
-    steps = len(results[0]["grad_norms"])
-    losses = []
-    for step in range(steps):
-        values = [v for r in results for v in r["losses"][step]]
-        losses.append(sum(values) / len(values))
-    grads: dict[str, torch.Tensor] = {}
-    params: dict[str, torch.Tensor] = {}
+    merged = LayoutRun(grad_norms=results[0].grad_norms)
+    for step in range(len(results[0].grad_norms)):
+        values = [v for r in results for v in r.losses[step]]
+        merged.losses.append(sum(values) / len(values))
     for r in results:
-        grads.update(r["grads"])
-        params.update(r["params"])
-    return {
-        "losses": losses,
-        "grad_norms": results[0]["grad_norms"],
-        "grads": grads,
-        "params": params,
-    }
+        merged.grads.update(r.grads)
+        merged.params.update(r.params)
+    return merged
 
 
 def assert_same_tensors(

@@ -6,11 +6,13 @@ continues against the same run continued without interruption.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.distributed import RunSpec
 from megatron.core import parallel_state as ps
 
 from lightning_mcore_rl.testing import init_megatron_state, run_on_ranks
@@ -39,14 +41,22 @@ def _logits(setup: Any) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _save_then_resume(rank: int, ckpt_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ResumeCurves:
+    """Per step ``train_step``'s (losses, grad norm) uninterrupted and resumed, the logits at the
+    save and the max abs difference of the loaded model's logits to them."""
+
+    uninterrupted: list[Any]
+    resumed: list[Any]
+    saved_logits: torch.Tensor
+    logit_diff: float
+
+
+def _save_then_resume(rank: int, ckpt_dir: str, spec: RunSpec) -> ResumeCurves:
     """Train 2 steps, save, train 3 more (uninterrupted); then rebuild from another seed, load,
-    train the same 3 steps (resumed). Returns both loss curves, grad norms and saved logits."""
-    init_megatron_state(tensor_model_parallel_size=spec.get("tp", 1))
-    kwargs = {
-        "bf16": spec.get("bf16", False),
-        "use_distributed_optimizer": spec.get("distributed_optimizer", False),
-    }
+    train the same 3 steps (resumed)."""
+    init_megatron_state(tensor_model_parallel_size=spec.tp)
+    kwargs = {"bf16": spec.bf16, "use_distributed_optimizer": spec.distributed_optimizer}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     local = BATCHES[dp_rank * len(BATCHES) // dp : (dp_rank + 1) * len(BATCHES) // dp]
     setup = build_training(seed=0, **kwargs)
@@ -60,12 +70,12 @@ def _save_then_resume(rank: int, ckpt_dir: str, spec: dict[str, Any]) -> dict[st
     load_checkpoint(fresh, ckpt_dir)
     loaded_logits = _logits(fresh)
     resumed = [train_step(fresh, local) for _ in range(3)]
-    return {
-        "uninterrupted": uninterrupted,
-        "resumed": resumed,
-        "saved_logits": saved_logits,
-        "logit_diff": (loaded_logits - saved_logits).abs().max().item(),
-    }
+    return ResumeCurves(
+        uninterrupted=uninterrupted,
+        resumed=resumed,
+        saved_logits=saved_logits,
+        logit_diff=(loaded_logits - saved_logits).abs().max().item(),
+    )
 
 
 def _load_logits_only(rank: int, ckpt_dir: str) -> torch.Tensor:
@@ -77,24 +87,24 @@ def _load_logits_only(rank: int, ckpt_dir: str) -> torch.Tensor:
 
 def test_tp2_checkpoint_resumes_exactly_and_loads_into_tp1(tmp_path):
     ckpt = str(tmp_path / "tp2")
-    results = run_on_ranks(_save_then_resume, 2, ckpt, {"tp": 2}, timeout=180)
+    results = run_on_ranks(_save_then_resume, 2, ckpt, RunSpec(tp=2), timeout=180)
     for r in results:
-        assert r["logit_diff"] == 0.0
+        assert r.logit_diff == 0.0
         # Same process, same kernels, same data: the resumed run is bit-identical.
-        assert r["resumed"] == r["uninterrupted"]
+        assert r.resumed == r.uninterrupted
     (tp1_logits,) = run_on_ranks(_load_logits_only, 1, ckpt)
     # Resharding TP2 -> TP1 changes only matmul reduction order (measured ~2e-7).
-    torch.testing.assert_close(tp1_logits, results[0]["saved_logits"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tp1_logits, results[0].saved_logits, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_distributed_optimizer_dp2_trains_and_dp_reshardable_roundtrip_is_exact(tmp_path, bf16):
-    spec = {"distributed_optimizer": True, "bf16": bf16}
+    spec = RunSpec(distributed_optimizer=True, bf16=bf16)
     results = run_on_ranks(_save_then_resume, 2, str(tmp_path / "do"), spec, timeout=180)
     for r in results:
-        assert r["logit_diff"] == 0.0
-        assert r["resumed"] == r["uninterrupted"]
-    losses = [sum(step[0]) / len(step[0]) for step in results[0]["uninterrupted"]]
+        assert r.logit_diff == 0.0
+        assert r.resumed == r.uninterrupted
+    losses = [sum(step[0]) / len(step[0]) for step in results[0].uninterrupted]
     assert losses[-1] < losses[0], f"training did not reduce the loss: {losses}"
 
 

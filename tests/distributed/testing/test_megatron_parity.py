@@ -8,9 +8,11 @@ throughout: 1e-5 absolute tolerance covers the different reduction orders of sha
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
-from _layouts import assert_same_tensors, merge, train_layout
+from _layouts import LayoutRun, assert_same_tensors, merge, train_layout
+from helpers.distributed import RunSpec
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -18,20 +20,21 @@ ATOL = 1e-5
 
 
 @functools.cache
-def _reference(num_layers: int, num_microbatches: int, steps: int) -> dict:
-    spec = {"num_layers": num_layers, "num_microbatches": num_microbatches, "steps": steps}
-    return merge(run_on_ranks(train_layout, 1, spec))
+def _reference(num_layers: int, num_microbatches: int, steps: int) -> LayoutRun:
+    spec = RunSpec(num_layers=num_layers, steps=steps)
+    return merge(run_on_ranks(train_layout, 1, spec, num_microbatches))
 
 
-def _run(world_size: int, **spec) -> dict:
-    return merge(run_on_ranks(train_layout, world_size, spec, timeout=180))
+def _run(world_size: int, num_microbatches: int, **layout: Any) -> LayoutRun:
+    spec = RunSpec(**layout)
+    return merge(run_on_ranks(train_layout, world_size, spec, num_microbatches, timeout=180))
 
 
-def _assert_matches_reference(result: dict, reference: dict) -> None:
-    assert result["losses"] == pytest.approx(reference["losses"], abs=ATOL)
-    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], abs=ATOL)
-    assert_same_tensors(result["grads"], reference["grads"], ATOL)
-    assert_same_tensors(result["params"], reference["params"], ATOL)
+def _assert_matches_reference(result: LayoutRun, reference: LayoutRun) -> None:
+    assert result.losses == pytest.approx(reference.losses, abs=ATOL)
+    assert result.grad_norms == pytest.approx(reference.grad_norms, abs=ATOL)
+    assert_same_tensors(result.grads, reference.grads, ATOL)
+    assert_same_tensors(result.params, reference.params, ATOL)
 
 
 def test_tensor_parallel_2_matches_single_rank():
@@ -48,7 +51,7 @@ def test_data_parallel_2_with_clipping_matches_whole_batch_on_one_rank():
     # 3 optimizer steps with Adam and clip_grad=1.0 (the tiny GPT's grad norm is ~2-3, so the
     # clip is active): grads, grad norms and the updated weights match the 1-rank run.
     reference = _reference(2, 4, 3)
-    assert max(reference["grad_norms"]) > 1.0, "clipping must be active for this test to bite"
+    assert max(reference.grad_norms) > 1.0, "clipping must be active for this test to bite"
     result = _run(2, num_microbatches=4, steps=3)
     _assert_matches_reference(result, reference)
 

@@ -9,6 +9,7 @@ reference on the full logits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,14 +83,23 @@ def packed_layout(z: torch.Tensor, data: BatchedDataDict, cp_rank: int) -> dict[
     return {"packed": packed, "cu": cu, "full": full, "index": index}
 
 
+@dataclass(frozen=True)
+class LossCheck:
+    """A loss post-processor on local logits: its result, its ``loss`` metric, ``dR/dlogits``."""
+
+    result: torch.Tensor
+    loss_metric: torch.Tensor
+    grad: torch.Tensor
+
+
 def _run_loss(logits_local: torch.Tensor, post: LossPostProcessor, data: BatchedDataDict,
-              packed_seq_params: Any) -> dict[str, Any]:  # fmt: skip
+              packed_seq_params: Any) -> LossCheck:  # fmt: skip
     leaf = logits_local.clone().requires_grad_(True)
     gvs, gvt = counts(data)
     result, metrics = post(BatchedDataDict(data), packed_seq_params, gvs, gvt)(leaf)
     # Megatron's schedule back-propagates result * CP / M (forward_step_calc_loss, 2-tuple path)
     (result * CP / M).backward()
-    return {"result": result.detach(), "loss_metric": metrics["loss"], "grad": leaf.grad}
+    return LossCheck(result.detach(), metrics["loss"], leaf.grad)
 
 
 def cp_run(rank: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ TP-gathered parameter gradients keyed by canonical name.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,27 @@ LENGTHS = [16, 11, 7, 13]
 PROMPT = 3
 PG_CFG = {"reference_policy_kl_penalty": 0.01, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2}
 DPO_CFG = {"reference_policy_kl_penalty": 0.1, "sft_loss_weight": 0.5}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One training step: the global loss (on the reporting rank of the last stage, else
+    ``None``), the TP-gathered grads (reporting ranks only, else empty) and the microbatch count."""
+
+    loss: float | None
+    grads: dict[str, torch.Tensor]
+    num_microbatches: int
+
+
+@dataclass(frozen=True)
+class HandReference:
+    """Plain torch on the TP=1 model: ClippedPG loss and grads, logprobs at T=0.7, top-5 logits."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
+    logprobs_t07: torch.Tensor
+    topk_logits: torch.Tensor
+    topk_indices: torch.Tensor
 
 
 def make_batch(seed: int = 0) -> BatchedDataDict:
@@ -95,7 +117,7 @@ def local_share(batch: BatchedDataDict) -> BatchedDataDict:
 
 
 def train_step(setup: TrainingSetup, loss: str, mbs: int, packed: bool = False,
-               fuse: bool = False) -> dict[str, Any]:  # fmt: skip
+               fuse: bool = False) -> StepResult:  # fmt: skip
     """One forward-backward; global loss from the per-microbatch metrics, gathered grads."""
     for chunk in setup.chunks:
         chunk.zero_grad_buffer()
@@ -113,11 +135,11 @@ def train_step(setup: TrainingSetup, loss: str, mbs: int, packed: bool = False,
     reporter = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     last = ps.is_pipeline_last_stage()
     grads = gather_full_tensors(setup, grads=True)
-    return {
-        "loss": float(global_loss[0]) if last and reporter else None,
-        "grads": grads if reporter else {},
-        "num_microbatches": batch.num_microbatches,
-    }
+    return StepResult(
+        loss=float(global_loss[0]) if last and reporter else None,
+        grads=grads if reporter else {},
+        num_microbatches=batch.num_microbatches,
+    )
 
 
 def _forward_only(setup: TrainingSetup, post: Any, packed: bool, temperature: float) -> Any:
@@ -143,7 +165,7 @@ def forward_only_outputs(setup: TrainingSetup) -> dict[str, torch.Tensor]:
     return out
 
 
-def hand_reference() -> dict[str, Any]:
+def hand_reference() -> HandReference:
     """Plain torch on the TP=1 model: logits, logprobs, and the ClippedPG loss + grads by hand.
 
     ``r = exp(c - p)``, ``L = sum m max(-A r, -A clip(r, 0.8, 1.2)) / N_t
@@ -171,13 +193,13 @@ def hand_reference() -> dict[str, Any]:
     logits = logits.detach()
     scaled = F.log_softmax(logits / 0.7, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     top = logits.topk(5, dim=-1)
-    return {
-        "loss": float(loss),
-        "grads": grads,
-        "logprobs_T0.7": F.pad(scaled, (1, 0)),
-        "topk_logits": top.values,
-        "topk_indices": top.indices,
-    }
+    return HandReference(
+        loss=float(loss),
+        grads=grads,
+        logprobs_t07=F.pad(scaled, (1, 0)),
+        topk_logits=top.values,
+        topk_indices=top.indices,
+    )
 
 
 def single_rank_run(rank: int) -> dict[str, Any]:

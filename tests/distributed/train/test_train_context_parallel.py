@@ -37,20 +37,18 @@ def test_loss_scaling_and_local_gradients_match_single_process(layout: str) -> N
     for out in _results():
         loss = float(out["ref"]["loss"])
         result = out[layout]
-        assert float(result["result"]) == pytest.approx(loss * M / CP**2, abs=ATOL)
-        assert float(result["loss_metric"]) == pytest.approx(loss, abs=ATOL)  # metrics unscaled
+        assert float(result.result) == pytest.approx(loss * M / CP**2, abs=ATOL)
+        assert float(result.loss_metric) == pytest.approx(loss, abs=ATOL)  # metrics unscaled
         expected = out["expected_packed_grad" if "packed" in layout else "expected_dense_grad"]
-        assert float((result["grad"] - expected).abs().max()) <= ATOL
+        assert float((result.grad - expected).abs().max()) <= ATOL
 
 
 def test_without_cp_normalize_the_gradient_is_cp_times_too_large() -> None:
     for out in _results():
         result = out["dense_cp_normalize=False"]
-        assert float(result["result"]) == pytest.approx(
-            float(out["ref"]["loss"]) * M / CP, abs=ATOL
-        )
+        assert float(result.result) == pytest.approx(float(out["ref"]["loss"]) * M / CP, abs=ATOL)
         expected = CP * out["expected_dense_grad"]
-        assert float((result["grad"] - expected).abs().max()) <= ATOL
+        assert float((result.grad - expected).abs().max()) <= ATOL
 
 
 def test_packed_cp_post_processors_match_full_logits() -> None:

@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from _train_step_ranks import LENGTHS, S, single_rank_run, two_rank_run
+from _train_step_ranks import LENGTHS, S, StepResult, single_rank_run, two_rank_run
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -31,14 +31,14 @@ def _two() -> list[dict]:
     return run_on_ranks(two_rank_run, 2, timeout=120)
 
 
-def _merged(name: str) -> dict:
+def _merged(name: str) -> StepResult:
     """Loss from the reporting rank, grads of all stages (PP) merged."""
-    results = [r[name] for r in _two()]
-    loss = next(r["loss"] for r in results if r["loss"] is not None)
+    results: list[StepResult] = [r[name] for r in _two()]
+    loss = next(r.loss for r in results if r.loss is not None)
     grads: dict = {}
     for r in results:
-        grads.update(r["grads"])
-    return {"loss": loss, "grads": grads}
+        grads.update(r.grads)
+    return StepResult(loss, grads, results[0].num_microbatches)
 
 
 def _max_grad_diff(actual: dict, expected: dict) -> float:
@@ -46,9 +46,9 @@ def _max_grad_diff(actual: dict, expected: dict) -> float:
     return max(float((actual[k] - expected[k]).abs().max()) for k in expected)
 
 
-def _assert_same(result: dict, reference: dict) -> None:
-    assert result["loss"] == pytest.approx(reference["loss"], abs=ATOL)
-    assert _max_grad_diff(result["grads"], reference["grads"]) <= ATOL
+def _assert_same(result: StepResult, reference: StepResult) -> None:
+    assert result.loss == pytest.approx(reference.loss, abs=ATOL)
+    assert _max_grad_diff(result.grads, reference.grads) <= ATOL
 
 
 @pytest.mark.parametrize("name", ["pg_M2", "pg_M4", "pg_packed_M2", "pg_packed_fused_M2"])
@@ -65,15 +65,15 @@ def test_single_rank_microbatching_and_packing_match_reference_dpo(name: str) ->
 
 def test_microbatch_counts_are_what_the_layout_claims() -> None:
     single = _single()
-    assert [single[k]["num_microbatches"] for k in ("pg_M1", "pg_M2", "pg_M4")] == [1, 2, 4]
+    assert [single[k].num_microbatches for k in ("pg_M1", "pg_M2", "pg_M4")] == [1, 2, 4]
 
 
 def test_reference_equals_plain_torch_loss_and_gradients() -> None:
     single = _single()
     hand, ref = single["hand"], single["pg_M1"]
-    assert ref["loss"] == pytest.approx(hand["loss"], abs=ATOL)
-    assert _max_grad_diff(ref["grads"], hand["grads"]) <= ATOL
-    assert any(float(g.abs().max()) > 1e-3 for g in hand["grads"].values()), "vacuous gradients"
+    assert ref.loss == pytest.approx(hand.loss, abs=ATOL)
+    assert _max_grad_diff(ref.grads, hand.grads) <= ATOL
+    assert any(float(g.abs().max()) > 1e-3 for g in hand.grads.values()), "vacuous gradients"
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def _valid() -> torch.Tensor:
 def test_logprobs_post_processor_matches_plain_torch(packed: bool) -> None:
     # [B, S] with a 0 column prepended, temperature 0.7 applied in the forward step; padding
     # positions hold unmasked values, so compare where tokens are real.
-    expected = _single()["hand"]["logprobs_T0.7"]
+    expected = _single()["hand"].logprobs_t07
     for outputs in (_single()["forward_only"], _two()[0]["tp2_forward_only"]):
         lp = outputs[f"logprobs_packed={packed}"]
         assert lp.shape == expected.shape
@@ -116,9 +116,9 @@ def test_topk_post_processor_is_exact(packed: bool) -> None:
     valid = _valid()[..., None]
     single = _single()["forward_only"]
     if not packed:  # same logits bit for bit as the plain model: the top-k must be exact
-        assert torch.equal(single["topk_logits_packed=False"], hand["topk_logits"])
+        assert torch.equal(single["topk_logits_packed=False"], hand.topk_logits)
     for outputs in (single, _two()[0]["tp2_forward_only"]):
         indices = outputs[f"topk_indices_packed={packed}"]
-        assert torch.equal(indices * valid, hand["topk_indices"] * valid)
-        diff = (outputs[f"topk_logits_packed={packed}"] - hand["topk_logits"]).abs() * valid
+        assert torch.equal(indices * valid, hand.topk_indices * valid)
+        diff = (outputs[f"topk_logits_packed={packed}"] - hand.topk_logits).abs() * valid
         assert float(diff.max()) <= ATOL

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.unit import FakeGroup
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import (
@@ -26,22 +27,7 @@ from lightning_mcore_rl.losses.loss_input import _pack_input_ids
 from lightning_mcore_rl.ops import TrainingSamplingParams
 
 B, S, V = 2, 6, 11
-
-
-class FakeGroup:
-    """Rank/size only: a size-1 group on which no collective is ever issued."""
-
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
-G1 = FakeGroup()
+G1 = FakeGroup()  # size 1: no collective is ever issued
 
 
 def _data(seed: int = 0) -> BatchedDataDict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.unit import FakeGroup
 
 from lightning_mcore_rl.ops import (
     TrainingSamplingParams,
@@ -26,20 +27,6 @@ from lightning_mcore_rl.ops import (
     vocab_parallel_reverse_kl,
     vocab_range_for_rank,
 )
-
-
-class FakeGroup:
-    """Rank/size only; any collective on it fails."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
 
 TP2_RANK0 = FakeGroup(0, 2)
 CP2 = FakeGroup(0, 2)

@@ -1,13 +1,16 @@
 """Single-process checks of the training-step layer: contracts, scaling, errors.
 
-Megatron's parallel state is replaced by size-1 fake groups where a post-processor reads it
-(``_megatron_groups``); model calls use small stand-in modules.
+Post-processors get size-1 fake groups through ``use_parallel_groups`` (the scope the step
+entry opens); model calls use small stand-in modules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+from helpers.unit import FakeGroup
 from torch import nn
 
 from lightning_mcore_rl.data import BatchedDataDict
@@ -32,18 +35,15 @@ from lightning_mcore_rl.train import (
 from lightning_mcore_rl.train import groups as groups_module
 
 
-class FakeGroup:
-    def rank(self) -> int:
-        return 0
-
-    def size(self) -> int:
-        return 1
-
-
 @pytest.fixture
-def fake_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    groups = groups_module.ParallelGroups(FakeGroup(), 0, FakeGroup(), 1)
-    monkeypatch.setattr(groups_module, "megatron_groups", lambda: groups)
+def fake_groups() -> Iterator[None]:
+    g = FakeGroup()
+    groups = groups_module.ParallelGroups(
+        tp_group=g, tp_rank=0, tp_size=1, pp_group=g, pp_rank=0, pp_size=1, pp_last_rank=0,
+        dp_group=g, dp_rank=0, dp_size=1, cp_group=g, cp_rank=0, cp_size=1,
+    )  # fmt: skip
+    with groups_module.use_parallel_groups(groups):
+        yield
 
 
 def _data() -> BatchedDataDict:
