@@ -55,14 +55,19 @@ def _global_layer(model: torch.nn.Module, name: str) -> int | None:
 
 def default_layer_spec(arch: Architecture) -> ModuleSpec:
     """Transformer Engine's GPT layer spec when TE is importable and CUDA is available, else the
-    packed-capable local spec (:func:`~lightning_mcore_rl.data.get_packed_local_layer_spec`:
-    padded ``[b, s]`` and packed THD input, no fused kernels)."""
+    packed-capable local spec (:func:`local_layer_spec`: padded ``[b, s]`` and packed THD input,
+    no fused kernels)."""
     if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    return local_layer_spec(arch)
+
+
+def local_layer_spec(arch: Architecture) -> ModuleSpec:
+    """megatron's local GPT layer spec with the project's packed-capable core attention."""
     from lightning_mcore_rl.data import get_packed_local_layer_spec
 
     return get_packed_local_layer_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")

@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_rl.models.hf.bridge import DEFAULT_MAX_SHARD_BYTES, HFBridge, existing_weights
+from lightning_mcore_rl.models.hf.bridge import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HFBridge,
+    existing_weights,
+    local_layer_spec,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -92,11 +97,23 @@ def export_checkpoint(
     if message is not None:
         raise FileExistsError(message)
     with cpu_emulation(), _single_process_megatron():
-        chunk = bridge.build_chunk(bridge.transformer_config())
-        template = {"state_dict": ckpt.sharded_model_state_dict([chunk])}
+        config = bridge.transformer_config()
+        chunk = bridge.build_chunk(config, transformer_layer_spec=local_layer_spec(bridge.arch))
+        sharded = ckpt.sharded_model_state_dict([chunk])
+        # megatron keys the local spec's norms like TE's fused ones, so checkpoints of either
+        # spec load; their `_extra_state` entries differ by spec and hold no weights.
+        template = {
+            "state_dict": {k: v for k, v in sharded.items() if not k.endswith("._extra_state")}
+        }
         loaded = ckpt.load(template, Path(ckpt_dir), safe_types)
         (state,) = ckpt.split_chunk_state_dict(loaded["state_dict"], 1)
-        chunk.load_state_dict(state)
+        result = chunk.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"Checkpoint {ckpt_dir} does not fit the {bridge.arch.model_type} model of "
+                f"{hf_source}: missing {missing[:8]}, unexpected {result.unexpected_keys[:8]}."
+            )
         bridge.save_pretrained([chunk], out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return Path(out_dir)
 

@@ -116,3 +116,15 @@ def test_vocab_not_divisible_by_tp_raises(tmp_path):
     build_hf_model(config, tmp_path / "odd_vocab", seed=0)
     (message, _) = run_on_ranks(vocab_error_ranks, 2, str(tmp_path / "odd_vocab"))
     assert "`vocab_size` (127) must be divisible by the tensor-parallel size (2)" in message
+
+
+def test_tokenizer_and_vocab(hf_models):
+    from lightning_mcore_rl.models import HFBridge
+
+    bridge = HFBridge.from_pretrained(hf_models["qwen3"][0])
+    assert bridge.vocab_size == 128
+    tokenizer = bridge.tokenizer()
+    chat = [{"role": "user", "content": "hi world"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<user> hi world <assistant>"
+    assert tokenizer(text)["input_ids"] == [4, 8, 7, 5]
