@@ -110,6 +110,18 @@ def test_tp2_pp2_four_ranks_matches_transformers(hf_models, tmp_path):
     print(f"TP=2 PP=2 max logit diffs: {diffs}")
 
 
+def test_tied_checkpoint_that_stores_lm_head_round_trips(tmp_path):
+    from safetensors.torch import save_file
+
+    directory = tmp_path / "qwen2_tied_with_head"
+    model = build_hf_model(hf_configs()["qwen2_tied"], directory, seed=7)
+    tensors = _source_tensors(directory)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    models = {directory.name: (directory, model)}
+    _check_layout(_run(models, 2, 2, 1, None, tmp_path / "out"), models, tmp_path / "out")
+
+
 def test_vocab_not_divisible_by_tp_raises(tmp_path):
     config = hf_configs()["llama"]
     config.vocab_size = 127
