@@ -80,14 +80,18 @@ class HFBridge:
     ``mistral`` (no active sliding window). Build with :meth:`from_pretrained`.
     """
 
-    def __init__(self, directory: Path, hf_config: dict[str, Any], reader: SafetensorsReader):
-        self.directory = directory
-        self.hf_config = hf_config
-        self.arch = parse_architecture(hf_config)
-        self.reader = reader
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Same as :meth:`from_pretrained`."""
+        self.directory = Path(path)
+        config_file = self.directory / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"No config.json in {self.directory}.")
+        self.hf_config: dict[str, Any] = json.loads(config_file.read_text())
+        self.arch = parse_architecture(self.hf_config)
+        self.reader = SafetensorsReader(self.directory)
         self._check_tensors()
         # some tied checkpoints also store the embedding's copy as `lm_head.weight`
-        self._head_copy = self.arch.tied_embeddings and "lm_head.weight" in reader.names()
+        self._head_copy = self.arch.tied_embeddings and "lm_head.weight" in self.reader.names()
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> HFBridge:
@@ -96,14 +100,10 @@ class HFBridge:
 
         Raises:
             FileNotFoundError: no ``config.json`` or no safetensors weights.
-            ValueError: unsupported architecture/field, or tensors that do not match the config.
+            ValueError: unsupported architecture/field (checked first), or tensors that do not
+                match the config.
         """
-        directory = Path(path)
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"No config.json in {directory}.")
-        hf_config = json.loads(config_file.read_text())
-        return cls(directory, hf_config, SafetensorsReader(directory))
+        return cls(path)
 
     def _check_tensors(self) -> None:
         expected = hf_shapes(self.arch)
@@ -268,8 +268,8 @@ class HFBridge:
         dtype: torch.dtype | None = None,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> None:
-        """Collective: write an HF directory (global rank 0 writes): the source ``config.json``,
-        tokenizer and other non-weight files copied, weights as safetensors shards of at most
+        """Collective: write an HF directory (global rank 0 writes): the source ``config.json``
+        (its ``dtype`` set to ``dtype`` when given), tokenizer and other non-weight files copied, weights as safetensors shards of at most
         ``max_shard_bytes`` (plus ``model.safetensors.index.json`` when there are several).
 
         Raises:
@@ -286,6 +286,9 @@ class HFBridge:
             for item in sorted(self.directory.iterdir()):
                 if item.is_file() and not _is_weight_file(item.name):
                     shutil.copy2(item, out / item.name)
+            if dtype is not None:
+                config = {**self.hf_config, "dtype": str(dtype).removeprefix("torch.")}
+                (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, tensor in self.export_hf_weights(chunks, dtype):
             if writer is not None:
                 writer.add(name, tensor)

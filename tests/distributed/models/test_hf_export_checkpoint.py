@@ -35,6 +35,14 @@ def test_export_checkpoint_matches_trained_model(tmp_path):
     diff = (hf_logits(model, input_ids()) - trained["logits"]).abs().max().item()
     print(f"export_checkpoint: max |transformers - trained megatron| logits = {diff:.3g}")
     assert diff <= ATOL
+    bf16_dir = tmp_path / "out_bf16"
+    main(
+        ["--ckpt", str(ckpt), "--hf-source", str(source), "--out", str(bf16_dir), "--dtype", "bf16"]
+    )
+    bf16 = load_file(str(bf16_dir / "model.safetensors"))
+    for name, tensor in exported.items():
+        assert torch.equal(bf16[name], tensor.to(torch.bfloat16)), name
+    assert AutoModelForCausalLM.from_pretrained(bf16_dir).dtype == torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert (
         tokenizer.apply_chat_template(

@@ -199,3 +199,11 @@ def test_bad_directories_raise(tmp_path):
     (good / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
     with pytest.raises(ValueError, match="Unsupported Hugging Face `model_type` 'gemma'"):
         HFBridge.from_pretrained(good)
+
+
+def test_transformer_config_overrides_win(tmp_path):
+    bridge = HFBridge.from_pretrained(_tiny_llama_dir(tmp_path / "llama"))
+    assert bridge.config_fields()["hidden_dropout"] == 0.0
+    config = bridge.transformer_config(hidden_dropout=0.1, num_layers=1)
+    assert (config.hidden_dropout, config.num_layers, config.kv_channels) == (0.1, 1, 16)
+    assert config.num_query_groups == 2 and config.tensor_model_parallel_size == 1
