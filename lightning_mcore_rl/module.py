@@ -1,36 +1,31 @@
 """``MCoreRLModule``: the LightningModule users subclass to train megatron-core models.
 
 The user supplies ``build_chunk(vp_stage)`` (one megatron model chunk per virtual pipeline stage)
-and ``configure_optimizers`` (a megatron ``OptimizerConfig``). Training and validation steps run
-megatron's schedule through :meth:`MCoreRLModule.forward_backward`; logged values are identical on
-every rank and logged once per step.
+and ``configure_optimizers`` (a megatron ``OptimizerConfig``). Loss and logprob post-processing
+are hooks (:meth:`~MCoreRLModule.loss_post_processor`, :meth:`~MCoreRLModule.sampling_params`,
+...); the strategy runs the step with them, and the
+:class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback logs its statistics. The
+module never touches a process group or megatron's ``parallel_state``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch import LightningModule
-
-from lightning_mcore_rl.strategy.schedule import (
-    ForwardStepFunc,
-    StepOutput,
-    lm_forward_step,
-    reduce_step_outputs,
-)
+from lightning.pytorch import Callback, LightningModule
 
 if TYPE_CHECKING:
-    from megatron.core.transformer import TransformerConfig
-
-    from lightning_mcore_rl.losses.interfaces import MetricNormalizer
+    from lightning_mcore_rl.ops import TrainingSamplingParams
     from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
-
-# How ``val_<metric>`` combines over validation batches, by ``MetricNormalizer`` value (the
-# per-batch values are already global-batch values; default: mean, like ``val_loss``). Looked up
-# with ``None`` for a metric the loss declares no normaliser for.
-_VAL_REDUCE_FX: dict[str | None, str] = {"min": "min", "max": "max", "none": "sum"}
+    from lightning_mcore_rl.train import (
+        LogprobsPostProcessor,
+        LossPostProcessor,
+        StepOutput,
+        TeacherFullPayloadPostProcessor,
+        TopkLogitsPostProcessor,
+    )
 
 
 class MCoreRLModule(LightningModule):
@@ -42,17 +37,22 @@ class MCoreRLModule(LightningModule):
 
     With a ``loss_fn`` (an RL/distillation ``LossFunction``), batches are ``BatchedDataDict``-style
     mappings (``input_ids``, ``input_lengths``, ``token_mask``, ``sample_mask`` + the loss's
-    fields, all ``[B, ...]``) and each step runs ``lightning_mcore_rl.train``: global valid counts
-    over DP, ``LossPostProcessor(loss_fn)`` and ``megatron_forward_backward``. The model config
-    needs ``calculate_per_token_loss=True`` (:meth:`transformer_config` sets it).
+    fields, all ``[B, ...]``) and each microbatch's loss comes from the
+    :meth:`loss_post_processor` hook. The model config needs ``calculate_per_token_loss=True``
+    (:meth:`transformer_config` sets it).
 
     Args:
         loss_fn: the loss (``lightning_mcore_rl.losses``); ``None`` runs :meth:`forward_step`.
+        sampling_params: temperature / top-k / top-p the rollouts were sampled with; applied to
+            the logits of every logprob path, training and forward-only (temperature once).
     """
 
-    def __init__(self, loss_fn: Any | None = None) -> None:
+    def __init__(
+        self, loss_fn: Any | None = None, sampling_params: TrainingSamplingParams | None = None
+    ) -> None:
         super().__init__()
         self.loss_fn = loss_fn
+        self._sampling_params = sampling_params
         self.chunks: torch.nn.ModuleList | None = None
 
     # ---------------------------------------------------------------- model construction
@@ -106,136 +106,115 @@ class MCoreRLModule(LightningModule):
                 )
         return TransformerConfig(**{**fields, **owned})
 
+    def configure_callbacks(self) -> list[Callback]:
+        """:class:`~lightning_mcore_rl.callbacks.TrainingStatistics`, unless the Trainer already
+        has one (a subclass or an explicit instance: never logged twice). Call ``super()`` when
+        overriding."""
+        from lightning_mcore_rl.callbacks import TrainingStatistics
+
+        callbacks: list[Callback] = getattr(self.trainer, "callbacks", [])
+        if any(isinstance(c, TrainingStatistics) for c in callbacks):
+            return []
+        return [TrainingStatistics()]
+
+    # ---------------------------------------------------------------- post-processing hooks
+
+    def sampling_params(self) -> TrainingSamplingParams | None:
+        """Sampling parameters of every logprob path (default: the constructor's)."""
+        return self._sampling_params
+
+    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+        """The per-microbatch training-loss callback for a step of ``num_microbatches``."""
+        from lightning_mcore_rl.train import LossPostProcessor
+
+        if self.loss_fn is None:
+            raise ValueError(
+                f"{type(self).__name__} has no `loss_fn`; pass `MCoreRLModule(loss_fn=...)` or "
+                "override `forward_step` for the LM path."
+            )
+        return LossPostProcessor(
+            self.loss_fn,
+            self.mcore_strategy.policy_config(),
+            num_microbatches,
+            sampling_params=self.sampling_params(),
+        )
+
+    def logprobs_post_processor(self) -> LogprobsPostProcessor:
+        """The forward-only callback of :meth:`compute_logprobs`."""
+        from lightning_mcore_rl.train import LogprobsPostProcessor
+
+        return LogprobsPostProcessor(
+            self.mcore_strategy.policy_config(), sampling_params=self.sampling_params()
+        )
+
+    def topk_logits_post_processor(self, k: int) -> TopkLogitsPostProcessor:
+        """The forward-only callback of :meth:`compute_topk_logits`."""
+        from lightning_mcore_rl.train import TopkLogitsPostProcessor
+
+        return TopkLogitsPostProcessor(self.mcore_strategy.policy_config(), k)
+
+    def teacher_payload_post_processor(
+        self, payload: str, payload_dtype: torch.dtype
+    ) -> TeacherFullPayloadPostProcessor:
+        """The forward-only callback of :meth:`compute_teacher_payload`."""
+        from lightning_mcore_rl.train import TeacherFullPayloadPostProcessor
+
+        return TeacherFullPayloadPostProcessor(
+            self.mcore_strategy.policy_config(), payload, payload_dtype,
+            sampling_params=self.sampling_params(),
+        )  # fmt: skip
+
     # ---------------------------------------------------------------- steps
 
     def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> Any:
-        """Megatron ``forward_step_func`` (default: LM cross entropy, see ``lm_forward_step``)."""
+        """Megatron ``forward_step_func`` of the LM path (default: mean token cross entropy on
+        ``tokens``/``labels``, :func:`~lightning_mcore_rl.train.lm_forward_step`)."""
+        from lightning_mcore_rl.train import lm_forward_step
+
         return lm_forward_step(data_iterator, model)
 
     def forward_backward(self, batch: Mapping[str, Any], forward_only: bool = False) -> StepOutput:
-        """Run megatron's schedule over this DP rank's share of one global batch.
+        """Run this DP rank's share of one global batch through the strategy's step.
 
         Returns:
-            ``StepOutput(loss, metrics)``, identical on every rank.
+            ``StepOutput(loss, metrics, ...)``, identical on every rank.
         """
-        if self.loss_fn is not None:
-            return self._loss_fn_forward_backward(batch, forward_only)
-        step: ForwardStepFunc = self.forward_step
-        return self.mcore_strategy.forward_backward(batch, step, forward_only=forward_only)
-
-    def policy_config(self) -> Any:
-        """The ``PolicyConfig`` of the post-processors (default: packing from the strategy)."""
-        from lightning_mcore_rl.train import PolicyConfig
-
-        return PolicyConfig(sequence_packing=self.mcore_strategy.parallel.sequence_packing)
-
-    def _run_post_processed(
-        self, batch: Mapping[str, Any], make_post: Callable[[int], Any], forward_only: bool
-    ) -> tuple[list[dict[str, Any]], Any]:
-        """``process_global_batch`` (fixed-size or token-budget microbatches, from the strategy) +
-        ``megatron_forward_backward`` with the post-processor ``make_post(num_microbatches)``;
-        per-microbatch results on the last PP stage and the ``GlobalBatch`` (its
-        ``restore_order`` puts per-sample outputs back in input order)."""
-        from megatron.core import parallel_state as ps
-
-        from lightning_mcore_rl.data import BatchedDataDict
-        from lightning_mcore_rl.train import megatron_forward_backward, process_global_batch
-
-        strategy = self.mcore_strategy
-        for i, chunk in enumerate(strategy.model_chunks):
-            if not cast("TransformerConfig", chunk.config).calculate_per_token_loss:
-                raise ValueError(
-                    f"Model chunk {i} needs `TransformerConfig.calculate_per_token_loss=True` "
-                    "for the loss_fn path (build it with `self.transformer_config(...)`)."
-                )
-        data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
-        global_batch = process_global_batch(
-            data,
-            ps.get_data_parallel_group(),
-            strategy.micro_batch_size,
-            sequence_packing=strategy.parallel.sequence_packing,
-            equal_shapes=strategy.parallel.pp > 1,
-            max_tokens_per_microbatch=strategy.max_tokens_per_microbatch,
-            cp_rank=ps.get_context_parallel_rank(),
-            cp_size=strategy.parallel.cp,
-        )
-        post = make_post(global_batch.num_microbatches)
-        chunks = strategy.model_chunks
-        iterators = [global_batch.iterator() for _ in chunks]
-        outputs = megatron_forward_backward(
-            chunks if len(chunks) > 1 else chunks[0],
-            iterators if len(chunks) > 1 else iterators[0],
-            global_batch.num_microbatches,
-            global_batch.seq_length,
-            global_batch.micro_batch_size,
-            post,
-            forward_only=forward_only,
-            global_valid_seqs=global_batch.global_valid_seqs,
-            global_valid_toks=global_batch.global_valid_toks,
-        )
-        return outputs, global_batch
+        return self.mcore_strategy.forward_backward(self, batch, forward_only=forward_only)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
-        """One optimizer step's forward and backward; logs ``train_loss`` (+ metrics) once."""
-        out = self.forward_backward(batch)
-        metrics = {f"train_{k}": v for k, v in out.metrics.items()}
-        self.log_dict({"train_loss": out.loss, **metrics}, batch_size=1, prog_bar=False)
-        return out.loss
+        """One optimizer step's forward and backward (``TrainingStatistics`` logs it)."""
+        return self.forward_backward(batch).loss
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
-        """Forward-only schedule; logs ``val_loss`` and ``val_<metric>`` (means over validation
-        batches; a ``loss_fn``'s ``MIN``/``MAX`` metrics by min/max, ``NONE`` counts summed)."""
-        out = self.forward_backward(batch, forward_only=True)
-        self.log("val_loss", out.loss, batch_size=1)
-        norms: Mapping[str, MetricNormalizer] = getattr(self.loss_fn, "metric_normalizations", {})
-        for name, value in out.metrics.items():
-            reduce_fx = _VAL_REDUCE_FX.get(norms.get(name), "mean")
-            self.log(f"val_{name}", value, batch_size=1, reduce_fx=reduce_fx)
-        return out.loss
+        """Forward-only step (``TrainingStatistics`` logs ``val_loss`` and ``val_<metric>``)."""
+        return self.forward_backward(batch, forward_only=True).loss
 
-    # ---------------------------------------------------------------- loss_fn / forward-only paths
-
-    def _loss_fn_forward_backward(self, batch: Mapping[str, Any], forward_only: bool) -> StepOutput:
-        """The ``lightning_mcore_rl.train`` step: each microbatch's ``loss`` (and every other
-        metric) is reduced by the loss's ``metric_normalizations`` over microbatches and DP
-        ranks, which gives the global-batch value (``ValueError`` for an undeclared metric)."""
-        from lightning_mcore_rl.train import LossPostProcessor
-
-        loss_fn = self.loss_fn
-        assert loss_fn is not None  # forward_backward takes this path only with a loss_fn
-
-        def make_post(num_microbatches: int) -> Any:
-            return LossPostProcessor(loss_fn, self.policy_config(), num_microbatches)
-
-        outputs, _ = self._run_post_processed(batch, make_post, forward_only)
-        return reduce_step_outputs(
-            outputs,
-            device=self.mcore_strategy.root_device,
-            normalizations=loss_fn.metric_normalizations,
-            source=type(loss_fn).__name__,
-        )
+    # ---------------------------------------------------------------- forward-only passes
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Token logprobs ``[B, S]`` (stored convention: 0 at position 0) of this DP rank's batch,
-        forward-only through ``LogprobsPostProcessor``, in the batch's sample order (also with
-        token-budget microbatches), on every rank (broadcast from the last pipeline stage)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+        """Token logprobs ``[B, S]`` (0 at position 0) of this DP rank's batch, forward-only
+        (dropout off) through :meth:`logprobs_post_processor`, in the batch's sample order, on
+        every rank."""
+        out = self.mcore_strategy.forward_only(self, batch, self.logprobs_post_processor())
+        return out["logprobs"]
 
-        from lightning_mcore_rl.train import LogprobsPostProcessor
+    @torch.no_grad()
+    def compute_topk_logits(
+        self, batch: Mapping[str, Any], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact global top-``k`` logits and vocabulary indices ``[B, S, K]`` per position
+        (position-aligned with the inputs), forward-only, on every rank."""
+        post = self.topk_logits_post_processor(k)
+        out = self.mcore_strategy.forward_only(self, batch, post)
+        return out["topk_logits"], out["topk_indices"]
 
-        def make_post(num_microbatches: int) -> Any:
-            return LogprobsPostProcessor(self.policy_config())
-
-        outputs, global_batch = self._run_post_processed(batch, make_post, forward_only=True)
-        logprobs = [o["logprobs"] for o in outputs]
-        holder = [global_batch.restore_order(logprobs).cpu() if outputs else None]
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast_object_list(
-                holder,
-                src=ps.get_pipeline_model_parallel_last_rank(),
-                group=ps.get_pipeline_model_parallel_group(),
-            )
-        assert holder[0] is not None
-        return holder[0]
+    @torch.no_grad()
+    def compute_teacher_payload(
+        self, batch: Mapping[str, Any], payload: str, payload_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled-token logprobs ``[B, S]`` and the full-vocabulary payload ``[B, S, D]``
+        (``"logits"``: ``D = V``; ``"hidden_states"``: ``D = H``), forward-only, on every rank."""
+        post = self.teacher_payload_post_processor(payload, payload_dtype)
+        out = self.mcore_strategy.forward_only(self, batch, post)
+        return out["logprobs"], out["teacher_full_payload"]

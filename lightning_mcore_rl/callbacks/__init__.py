@@ -1,5 +1,6 @@
 """Lightning callbacks for megatron-core RL training."""
 
 from lightning_mcore_rl.callbacks.metrics_history import MetricsHistory
+from lightning_mcore_rl.callbacks.training_statistics import TIMING_METRICS, TrainingStatistics
 
-__all__ = ["MetricsHistory"]
+__all__ = ["TIMING_METRICS", "MetricsHistory", "TrainingStatistics"]

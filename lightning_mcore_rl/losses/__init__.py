@@ -18,10 +18,13 @@ from lightning_mcore_rl.losses.config import (
 from lightning_mcore_rl.losses.distillation import DistillationLossFn, OPDFullLossFn
 from lightning_mcore_rl.losses.draft import DraftCrossEntropyLossFn
 from lightning_mcore_rl.losses.interfaces import (
+    MEAN_RULE,
+    REDUCTION_RULES,
     LossFunction,
     LossInputType,
     LossType,
     MetricNormalizer,
+    ReductionRule,
     combine_microbatch_metrics,
     rescale_metrics,
 )
@@ -54,7 +57,10 @@ __all__ = [
     "LossFunction",
     "LossInputType",
     "LossType",
+    "MEAN_RULE",
     "MetricNormalizer",
+    "REDUCTION_RULES",
+    "ReductionRule",
     "MseValueLossConfig",
     "MseValueLossFn",
     "NLLLossFn",

@@ -12,9 +12,10 @@ data-parallel ranks gives the global value, whatever the split
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -103,6 +104,34 @@ class LossFunction(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ReductionRule:
+    """How metrics of one :class:`MetricNormalizer` combine.
+
+    Attributes:
+        combine: across packed sequences, microbatches, pipeline stages and data-parallel ranks
+            of one global batch (``sum`` of contributions, or ``min``/``max``).
+        across_batches: across the global batches of a validation epoch (each already a
+            global-batch value: normalised means average, counts add up).
+    """
+
+    combine: Literal["sum", "min", "max"]
+    across_batches: Literal["mean", "sum", "min", "max"]
+
+
+REDUCTION_RULES: dict[MetricNormalizer, ReductionRule] = {
+    MetricNormalizer.TOKENS: ReductionRule(combine="sum", across_batches="mean"),
+    MetricNormalizer.SEQUENCES: ReductionRule(combine="sum", across_batches="mean"),
+    MetricNormalizer.NONE: ReductionRule(combine="sum", across_batches="sum"),
+    MetricNormalizer.MIN: ReductionRule(combine="min", across_batches="min"),
+    MetricNormalizer.MAX: ReductionRule(combine="max", across_batches="max"),
+}
+"""The one rule table every reduction of loss metrics in the package follows."""
+
+MEAN_RULE = ReductionRule(combine="sum", across_batches="mean")
+"""Rule of a per-microbatch mean (the LM path's loss, divided by the count after the sum)."""
+
+
 def _as_float(value: Tensor | float) -> float:
     return float(value.detach().item()) if isinstance(value, Tensor) else float(value)
 
@@ -136,17 +165,20 @@ def combine_microbatch_metrics(
                     f"Metric `{key}` has no entry in `metric_normalizations` "
                     f"(known: {sorted(metric_normalizations)})."
                 )
-            how = metric_normalizations[key]
+            combine = REDUCTION_RULES[MetricNormalizer(metric_normalizations[key])].combine
             x = _as_float(value)
             if key not in combined:
                 combined[key] = x
-            elif how is MetricNormalizer.MIN:
-                combined[key] = min(combined[key], x)
-            elif how is MetricNormalizer.MAX:
-                combined[key] = max(combined[key], x)
             else:
-                combined[key] += x
+                combined[key] = _COMBINE_FLOATS[combine](combined[key], x)
     return combined
+
+
+_COMBINE_FLOATS: dict[str, Callable[[float, float], float]] = {
+    "sum": lambda a, b: a + b,
+    "min": min,
+    "max": max,
+}
 
 
 def rescale_metrics(

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses.draft import DraftCrossEntropyLossFn
-from lightning_mcore_rl.losses.interfaces import LossFunction, MetricNormalizer
+from lightning_mcore_rl.losses.interfaces import REDUCTION_RULES, LossFunction, MetricNormalizer
 from lightning_mcore_rl.losses.loss_input import prepare_loss_input
 
 # ``prepare_fn(logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group,
@@ -34,6 +34,13 @@ _SEQ_METRIC_MAX = frozenset(
      "opd_full_decomposition_error"}
 )  # fmt: skip
 """Metrics combined across packed sequences with ``max`` when the loss declares no normaliser."""
+
+
+_COMBINE_TENSORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "sum": torch.add,
+    "min": torch.minimum,
+    "max": torch.maximum,
+}
 
 
 def _as_ints(values: Tensor | Sequence[int]) -> list[int]:
@@ -131,9 +138,11 @@ class SequencePackingLossWrapper(_PackedWrapperBase):
 
     def _combine(self, key: str) -> Callable[[Tensor, Tensor], Tensor]:
         how = getattr(self.loss_fn, "metric_normalizations", {}).get(key)
-        if how is MetricNormalizer.MIN or key in _SEQ_METRIC_MIN:
+        if how is not None:
+            return _COMBINE_TENSORS[REDUCTION_RULES[MetricNormalizer(how)].combine]
+        if key in _SEQ_METRIC_MIN:
             return torch.minimum
-        if how is MetricNormalizer.MAX or key in _SEQ_METRIC_MAX:
+        if key in _SEQ_METRIC_MAX:
             return torch.maximum
         return torch.add
 

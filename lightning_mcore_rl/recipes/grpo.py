@@ -29,6 +29,7 @@ from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantage
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn
 from lightning_mcore_rl.module import MCoreRLModule
+from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.rollout import ModularCountingTask, generate
 from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
 
@@ -151,11 +152,15 @@ class GRPOModule(MCoreRLModule):
                 "GRPOModule applies the reference KL in the loss; `use_kl_in_reward=True` is "
                 "not supported by this recipe."
             )
-        super().__init__(loss_fn=ClippedPGLossFn(loss))
+        rollout = rollout or RolloutSpec()
+        super().__init__(
+            loss_fn=ClippedPGLossFn(loss),
+            sampling_params=TrainingSamplingParams(temperature=rollout.temperature),
+        )
         self.kl_penalty = loss.reference_policy_kl_penalty
         self.task = task or ModularCountingTask()
         self.model_spec = model or TinyGPTSpec()
-        self.rollout = rollout or RolloutSpec()
+        self.rollout = rollout
         self.lr = lr
         self.save_hyperparameters(
             {
@@ -215,12 +220,7 @@ class GRPOModule(MCoreRLModule):
             with self.reference_weights():
                 data["reference_policy_logprobs"] = self.compute_logprobs(data)
         out = self.forward_backward(data)
-        self.log_dict(
-            {"train_loss": out.loss, "reward": self._global_mean(rewards)},
-            batch_size=1,
-            prog_bar=True,
-        )
-        self.log_dict({f"train_{k}": v for k, v in out.metrics.items()}, batch_size=1)
+        self.log("reward", self._global_mean(rewards), batch_size=1, prog_bar=True)
         return out.loss
 
     @contextlib.contextmanager
@@ -252,11 +252,10 @@ class GRPOModule(MCoreRLModule):
             ``(batch, rewards [b*G])`` with ``input_ids/generation_logprobs/token_mask/advantages
             [b*G, P+N]``, ``input_lengths``, ``sample_mask``.
         """
-        from megatron.core import parallel_state as ps
-
         spec = self.rollout
+        groups = self.mcore_strategy.groups
         generator = torch.Generator().manual_seed(
-            spec.seed + 1_000_003 * self.global_step + ps.get_data_parallel_rank()
+            spec.seed + 1_000_003 * self.global_step + groups.dp_rank
         )
         out = generate(
             self.mcore_strategy.model_chunks[0],
@@ -264,7 +263,7 @@ class GRPOModule(MCoreRLModule):
             max_new_tokens=spec.max_new_tokens,
             generator=generator,
             temperature=spec.temperature,
-            tp_group=ps.get_tensor_model_parallel_group(),
+            tp_group=groups.tp_group,
         )
         rewards = self.task.rewards(out.tokens, out.completion_mask)
         token_mask = out.completion_mask.float()
@@ -282,10 +281,8 @@ class GRPOModule(MCoreRLModule):
 
     def _global_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over all data-parallel ranks (identical on every rank)."""
-        from megatron.core import parallel_state as ps
-
         stats = torch.stack([values.sum(), torch.tensor(float(values.numel()))]).float()
-        dist.all_reduce(stats, group=ps.get_data_parallel_group())
+        dist.all_reduce(stats, group=self.mcore_strategy.groups.dp_group)
         return stats[0] / stats[1]
 
 

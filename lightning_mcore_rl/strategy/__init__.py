@@ -7,16 +7,11 @@ from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
     MegatronOptimizerSpec,
     MegatronStepResult,
+    check_trainer_flags,
 )
 from lightning_mcore_rl.strategy.precision import MCorePrecision
 from lightning_mcore_rl.strategy.resumable import ResumableLoader, resumable_dataloader
-from lightning_mcore_rl.strategy.schedule import StepOutput, lm_forward_step
-from lightning_mcore_rl.strategy.strategy import (
-    MCoreRLStrategy,
-    check_trainer_flags,
-    register_strategy,
-    split_microbatches,
-)
+from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy, register_strategy
 
 __all__ = [
     "CheckpointConfig",
@@ -28,10 +23,7 @@ __all__ = [
     "MegatronStepResult",
     "ParallelSizes",
     "ResumableLoader",
-    "StepOutput",
     "check_trainer_flags",
-    "lm_forward_step",
     "register_strategy",
     "resumable_dataloader",
-    "split_microbatches",
 ]

@@ -174,3 +174,27 @@ def resolve_optimizer_config(
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
     )
+
+
+def check_trainer_flags(
+    accumulate_grad_batches: int,
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str | None,
+) -> float:
+    """Validate the Trainer flags megatron implements itself; return ``OptimizerConfig.clip_grad``
+    (``0.0`` — no clipping — when ``gradient_clip_val`` is None, NOT megatron's default 1.0)."""
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            f"`Trainer(accumulate_grad_batches={accumulate_grad_batches})` is not supported by "
+            "MCoreRLStrategy: one Lightning batch is one optimizer step. Put the samples of the "
+            "whole global batch into each batch (DataLoader batch_size = global batch / DP); the "
+            "strategy splits it into microbatches of `micro_batch_size`."
+        )
+    # The Trainer stores a GradClipAlgorithmType (a str enum): compare and report its value.
+    gradient_clip_algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
+    if gradient_clip_algorithm not in (None, "norm"):
+        raise ValueError(
+            f"`Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r})` is not supported: "
+            "megatron clips by the global gradient norm; use gradient_clip_algorithm='norm'."
+        )
+    return 0.0 if gradient_clip_val is None else float(gradient_clip_val)

@@ -1,13 +1,15 @@
 """``MCoreRLStrategy``: megatron-core's schedules, DDP, optimizer and ``dist_checkpointing``
 under a Lightning ``Trainer``.
 
-A thin adapter over public Lightning hooks; the mechanics live in trainer-free modules
-(:mod:`.schedule`, :mod:`.checkpoint`, :mod:`.optimizer`). The pitfalls each hook handles are
-listed in ``docs/strategy.md``.
+A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightning's
+``ModelParallelStrategy``). The step's mechanics live in the trainer-free
+:mod:`lightning_mcore_rl.train.step` (split, schedule, statistics), the rest in :mod:`.model`,
+:mod:`.checkpoint` and :mod:`.optimizer`. The pitfalls each hook handles: ``docs/strategy.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -15,105 +17,54 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
+from lightning_mcore_rl.strategy.model import unwrap_model, wrap_chunks
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
     MegatronOptimizerSpec,
+    MegatronStepResult,
+    check_trainer_flags,
     resolve_optimizer_config,
 )
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
-from lightning_mcore_rl.strategy.schedule import (
-    ForwardStepFunc,
-    StepOutput,
-    lm_forward_step,
-    reduce_step_outputs,
-    run_schedule,
-    unwrap_model,
-    wrap_chunks,
-)
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
 
+    from lightning_mcore_rl.module import MCoreRLModule
+    from lightning_mcore_rl.train import Microbatching, ParallelGroups, PolicyConfig, StepOutput
+    from lightning_mcore_rl.train.post_processors import PostProcessingFunction
+
 _DEFAULT_SEED = 1234
-_PROCESS_EMULATION: list[Any] = []  # the process-lifetime cpu_emulation() context, entered once
 
 
-def check_trainer_flags(
-    accumulate_grad_batches: int,
-    gradient_clip_val: float | None,
-    gradient_clip_algorithm: str | None,
-) -> float:
-    """Validate the Trainer flags megatron implements itself; return ``OptimizerConfig.clip_grad``
-    (``0.0`` — no clipping — when ``gradient_clip_val`` is None, NOT megatron's default 1.0)."""
-    if accumulate_grad_batches != 1:
-        raise ValueError(
-            f"`Trainer(accumulate_grad_batches={accumulate_grad_batches})` is not supported by "
-            "MCoreRLStrategy: one Lightning batch is one optimizer step. Put the samples of the "
-            "whole global batch into each batch (DataLoader batch_size = global batch / DP); the "
-            "strategy splits it into microbatches of `micro_batch_size`."
-        )
-    # The Trainer stores a GradClipAlgorithmType (a str enum): compare and report its value.
-    gradient_clip_algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
-    if gradient_clip_algorithm not in (None, "norm"):
-        raise ValueError(
-            f"`Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r})` is not supported: "
-            "megatron clips by the global gradient norm; use gradient_clip_algorithm='norm'."
-        )
-    return 0.0 if gradient_clip_val is None else float(gradient_clip_val)
-
-
-def check_token_budget(
-    max_tokens_per_microbatch: int | None, micro_batch_size: int, parallel: ParallelSizes
-) -> None:
-    """Validate ``max_tokens_per_microbatch`` against the other microbatching settings.
-
-    Raises:
-        ValueError: not a positive int (or None); given with ``micro_batch_size`` > 1 (the budget
-            decides how many samples each microbatch holds); with pipeline parallelism but
-            without ``sequence_packing`` (padded budget microbatches differ in shape).
-    """
-    if max_tokens_per_microbatch is None:
-        return
-    if (
-        isinstance(max_tokens_per_microbatch, bool)
-        or not isinstance(max_tokens_per_microbatch, int)
-        or max_tokens_per_microbatch < 1
-    ):
-        raise ValueError(
-            "`max_tokens_per_microbatch` must be a positive int or None, got "
-            f"{max_tokens_per_microbatch!r}."
-        )
-    if micro_batch_size != 1:
-        raise ValueError(
-            f"`micro_batch_size={micro_batch_size}` contradicts "
-            f"`max_tokens_per_microbatch={max_tokens_per_microbatch}`: with a token budget the "
-            "budget decides how many samples each microbatch holds; leave micro_batch_size at 1."
-        )
-    if parallel.pp > 1 and not parallel.sequence_packing:
-        raise ValueError(
-            f"`max_tokens_per_microbatch` with `pipeline_model_parallel_size={parallel.pp}` needs "
-            "`sequence_packing=True`: padded token-budget microbatches hold different numbers of "
-            "samples, and megatron's pipeline p2p sends one shape for every microbatch."
-        )
-
-
-class MCoreRLStrategy(DDPStrategy):
+class MCoreRLStrategy(ParallelStrategy):
     """Train megatron-core models (TP/PP/VPP/CP/SP/DP) with Lightning.
 
     One Lightning batch is this data-parallel rank's share of ONE global batch and ONE optimizer
-    step; ``forward_backward`` splits it into microbatches and runs megatron's schedule.
+    step; :meth:`forward_backward` runs it through :func:`lightning_mcore_rl.train.run_global_batch`.
 
     Args:
         tensor_model_parallel_size: TP size.
@@ -125,20 +76,15 @@ class MCoreRLStrategy(DDPStrategy):
         use_distributed_optimizer: shard optimizer state and main params over DP.
         micro_batch_size: samples per microbatch for fixed-size microbatching.
         max_tokens_per_microbatch: token budget per microbatch (``None``: fixed-size
-            microbatches). The ``loss_fn`` path then groups each DP rank's samples into
-            microbatches of at most this many tokens (THD tokens with ``sequence_packing``, else
-            rows x longest row), the same number on every DP rank; ``micro_batch_size`` must stay
-            1 (a larger value contradicts the budget and raises). Pipeline parallelism needs
-            ``sequence_packing`` with a budget. The default LM path (``forward_step``) has no
-            per-sample lengths and rejects a budget.
+            microbatches); ``loss_fn`` path only (needs ``input_lengths``), ``micro_batch_size``
+            must stay 1, and pipeline parallelism needs ``sequence_packing`` with a budget.
         ddp: megatron DDP options.
         checkpoint: checkpoint format options.
         process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
         cluster_environment: Lightning cluster environment (default: detected).
         timeout: process-group timeout.
 
-    Accelerator, devices and precision come from the ``Trainer``; torch-DDP options do not exist
-    here (megatron's DDP is configured by ``ddp``).
+    Accelerator, devices and precision come from the ``Trainer``.
     """
 
     strategy_name = "mcore_rl"
@@ -158,12 +104,10 @@ class MCoreRLStrategy(DDPStrategy):
         checkpoint: CheckpointConfig | None = None,
         process_group_backend: str | None = None,
         cluster_environment: ClusterEnvironment | None = None,
-        timeout: timedelta | None = timedelta(minutes=30),
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(
-                f"`micro_batch_size` must be a positive int, got {micro_batch_size!r}."
-            )
+        from lightning_mcore_rl.train import Microbatching
+
         self.parallel = ParallelSizes(
             tp=tensor_model_parallel_size,
             pp=pipeline_model_parallel_size,
@@ -172,22 +116,44 @@ class MCoreRLStrategy(DDPStrategy):
             sequence_parallel=sequence_parallel,
             sequence_packing=sequence_packing,
         )
-        check_token_budget(max_tokens_per_microbatch, micro_batch_size, self.parallel)
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.microbatching: Microbatching = Microbatching(
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            sequence_packing=sequence_packing,
+            equal_shapes=pipeline_model_parallel_size > 1,
+        )
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.micro_batch_size = micro_batch_size
         self.ddp_config = ddp if ddp is not None else MegatronDDPConfig()
         self.checkpoint_config = checkpoint if checkpoint is not None else CheckpointConfig()
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
         self._default_precision = MCorePrecision()
+        self._groups: ParallelGroups | None = None
+        self._backend = contextlib.ExitStack()
         self._chunks: list[torch.nn.Module] = []
         self._chunks_for: list[torch.nn.Module] = []
-        super().__init__(
-            cluster_environment=cluster_environment,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        self._last_output: StepOutput | None = None
+        self.num_nodes = 1
+        super().__init__(cluster_environment=cluster_environment)
 
-    # ---------------------------------------------------------------- environment and layout
+    # ---------------------------------------------------------------- layout
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per fixed-size microbatch."""
+        return self.microbatching.micro_batch_size
+
+    @property
+    def max_tokens_per_microbatch(self) -> int | None:
+        """Token budget per microbatch (``None``: fixed-size microbatches)."""
+        return self.microbatching.max_tokens_per_microbatch
+
+    @property
+    def groups(self) -> ParallelGroups:
+        """This rank's megatron groups, read once in ``setup_environment``."""
+        if self._groups is None:
+            raise RuntimeError("The parallel groups exist only after `setup_environment`.")
+        return self._groups
 
     @property
     def vp_stages(self) -> list[int | None]:
@@ -204,6 +170,18 @@ class MCoreRLStrategy(DDPStrategy):
         """The megatron optimizer behind the Lightning optimizer (fitting only)."""
         return self._adapter().megatron_optimizer
 
+    @property
+    def last_optimizer_step(self) -> MegatronStepResult | None:
+        """``(update_successful, grad_norm, num_zeros)`` of the latest optimizer step."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return optimizer.last_step if isinstance(optimizer, MegatronOptimizerAdapter) else None
+
+    def policy_config(self) -> PolicyConfig:
+        """The post-processors' ``PolicyConfig`` for this layout (packing)."""
+        from lightning_mcore_rl.train import PolicyConfig
+
+        return PolicyConfig(sequence_packing=self.parallel.sequence_packing)
+
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """``TransformerConfig`` fields the strategy and ``Trainer(precision=...)`` own."""
         dtype = self.precision_plugin.params_dtype
@@ -219,7 +197,51 @@ class MCoreRLStrategy(DDPStrategy):
             **pipeline_p2p_settings(self.parallel.vpp),
         }
 
+    def run_config(self) -> dict[str, Any]:
+        """The run's layout, precision and micro-batching (logged as hyperparameters)."""
+        p = self.parallel
+        return {
+            "world_size": self.world_size,
+            "tensor_model_parallel_size": p.tp,
+            "pipeline_model_parallel_size": p.pp,
+            "virtual_pipeline_model_parallel_size": p.vpp,
+            "context_parallel_size": p.cp,
+            "data_parallel_size": self.world_size // p.model_parallel_size,
+            "sequence_parallel": p.sequence_parallel,
+            "sequence_packing": p.sequence_packing,
+            "use_distributed_optimizer": self.use_distributed_optimizer,
+            "micro_batch_size": self.micro_batch_size,
+            "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
+            "precision": self.precision_plugin.precision,
+        }
+
+    # ---------------------------------------------------------------- Lightning plumbing
+
     @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning's hook for custom parallel strategies: inject ``DistributedSampler`` s
+        (sized by :attr:`distributed_sampler_kwargs`) and sync logged values when asked."""
+        return True
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """All TP/PP/CP ranks of a data-parallel replica must read the same samples."""
+        return {"num_replicas": self.groups.dp_size, "rank": self.groups.dp_rank}
+
+    @property
+    @override
     def precision_plugin(self) -> MCorePrecision:
         """The megatron precision plugin (lazy ``"32-true"`` default: the setter must keep
         ``None``, or Lightning's connector would take it as the user's and ignore
@@ -228,54 +250,64 @@ class MCoreRLStrategy(DDPStrategy):
         return plugin if isinstance(plugin, MCorePrecision) else self._default_precision
 
     @precision_plugin.setter
+    @override
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = None if plugin is None else to_mcore_precision(plugin)
 
-    @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """All TP/PP/CP ranks of a data-parallel replica must read the same samples."""
-        from megatron.core import parallel_state as ps
-
-        return {
-            "num_replicas": ps.get_data_parallel_world_size(),
-            "rank": ps.get_data_parallel_rank(),
-        }
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
-        self.parallel.check_world_size(self.world_size)
-        super().setup_environment()  # device, process group (reused if initialised), reset_seed
-        if self.root_device.type == "cpu" and not _PROCESS_EMULATION:
-            # For the whole process: Lightning runs hooks, validation and checkpointing from many
-            # places after this point and no strategy hook brackets all of them.
+        """Device, process group, the CPU backend (CPU runs; left in ``teardown``), megatron's
+        groups (once per process) and the :class:`ParallelGroups` passed down from here."""
+        self.parallel.check_world_size(self.num_nodes * self.num_processes)
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if self.root_device.type == "cpu":
             from lightning_mcore_rl.cpu import cpu_emulation
 
-            context = cpu_emulation()
-            context.__enter__()
-            _PROCESS_EMULATION.append(context)
+            self._backend.enter_context(cpu_emulation())
         self._init_model_parallel()
 
+    def _set_world_ranks(self) -> None:
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(
+            self.node_rank * self.num_processes + self.local_rank
+        )
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
     def _init_model_parallel(self) -> None:
-        """``initialize_model_parallel`` once per process, then seed megatron's RNG tracker with
-        ``seed_everything``'s seed (``PL_GLOBAL_SEED``, default 1234)."""
+        """``initialize_model_parallel`` once per process, seed megatron's RNG tracker with
+        ``seed_everything``'s seed (``PL_GLOBAL_SEED``, default 1234), read the groups."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+        from lightning_mcore_rl.train import ParallelGroups
+
         p = self.parallel
         if ps.model_parallel_is_initialized():
-            existing = (
-                ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size(),
-                ps.get_context_parallel_world_size(),
-            )
+            groups = ParallelGroups.from_megatron()
+            existing = (groups.tp_size, groups.pp_size, groups.vpp_size, groups.cp_size)
             if existing != (p.tp, p.pp, p.vpp, p.cp):
                 raise RuntimeError(
                     f"megatron's parallel state is already initialised with (tp, pp, vpp, cp) = "
                     f"{existing}, but this strategy asks for {(p.tp, p.pp, p.vpp, p.cp)}; call "
                     "`megatron.core.parallel_state.destroy_model_parallel()` first."
                 )
+            self._groups = groups
             return
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp,
@@ -287,13 +319,35 @@ class MCoreRLStrategy(DDPStrategy):
         rng_state = torch.get_rng_state()
         model_parallel_cuda_manual_seed(int(os.environ.get("PL_GLOBAL_SEED", _DEFAULT_SEED)))
         torch.set_rng_state(rng_state)
+        self._groups = ParallelGroups.from_megatron()
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(
+        self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     # ---------------------------------------------------------------- model, optimizer
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Wrap chunks (no torch DDP, no ``_sync_module_states``: it would overwrite TP shards
-        with rank 0's), build the megatron optimizer when fitting."""
+        """Wrap chunks (no torch DDP, no parameter broadcast: it would overwrite TP shards with
+        rank 0's), build the megatron optimizer when fitting."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -363,51 +417,66 @@ class MCoreRLStrategy(DDPStrategy):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Lightning's step (closure = training step, then megatron's ``step()``), then log the
-        pre-clip global ``grad_norm`` megatron computed (already model-parallel reduced)."""
+        """Lightning's step (closure = training step, then megatron's ``step()``), then the
+        :class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callbacks log it."""
+        from lightning_mcore_rl.callbacks import TrainingStatistics
+
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        last = optimizer.last_step if isinstance(optimizer, MegatronOptimizerAdapter) else None
-        if last is not None and last.grad_norm is not None and self.lightning_module is not None:
-            self.lightning_module.log("grad_norm", last.grad_norm, batch_size=1, on_step=True)
+        module = self.lightning_module
+        if module is not None:
+            trainer = module.trainer
+            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(callback, TrainingStatistics):
+                    callback.on_optimizer_step(trainer, module)
         return result
 
-    # ---------------------------------------------------------------- one megatron step
+    # ---------------------------------------------------------------- the step
 
     def forward_backward(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        forward_step_func: ForwardStepFunc = lm_forward_step,
-        *,
-        forward_only: bool = False,
+        self, module: MCoreRLModule, batch: Mapping[str, Any], *, forward_only: bool = False
     ) -> StepOutput:
-        """Split this DP rank's batch into microbatches of ``micro_batch_size`` and run megatron's
-        schedule with ``forward_step_func`` (default: LM loss on ``tokens``/``labels``).
+        """One global batch through :func:`~lightning_mcore_rl.train.run_global_batch`: the
+        module's ``loss_post_processor`` hook (``loss_fn`` path) or ``forward_step`` (LM path).
 
         Returns:
-            The step's loss and metrics, identical on every rank.
-
-        Raises:
-            ValueError: the strategy has ``max_tokens_per_microbatch`` (token budgets need the
-                ``loss_fn`` path's per-sample lengths).
+            The step's loss and metrics, identical on every rank (also kept for the
+            :class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback).
         """
-        if self.max_tokens_per_microbatch is not None:
-            raise ValueError(
-                f"`max_tokens_per_microbatch={self.max_tokens_per_microbatch}` is supported on "
-                "the `MCoreRLModule(loss_fn=...)` path only (batches with `input_lengths`); "
-                "this `forward_step` path splits into fixed `micro_batch_size` microbatches. "
-                "Set `max_tokens_per_microbatch=None` or use a `loss_fn`."
+        from lightning_mcore_rl.train import run_global_batch
+
+        common: dict[str, Any] = {"forward_only": forward_only, "device": self.root_device}
+        if module.loss_fn is not None:
+            common.update(
+                post_processor_factory=module.loss_post_processor,
+                normalizations=module.loss_fn.metric_normalizations,
+                sampling_params=module.sampling_params(),
             )
-        microbatches = split_microbatches(batch, self.micro_batch_size)
-        first = next(iter(microbatches[0].values()))
-        outputs = run_schedule(
-            self._chunks,
-            microbatches,
-            forward_step_func,
-            seq_length=first.shape[1],
-            micro_batch_size=first.shape[0],
-            forward_only=forward_only,
-        )
-        return reduce_step_outputs(outputs, device=self.root_device)
+        else:
+            common["forward_step_func"] = module.forward_step
+        out = run_global_batch(self._chunks, batch, self.groups, self.microbatching, **common)
+        self._last_output = out
+        return out
+
+    def forward_only(
+        self,
+        module: MCoreRLModule,
+        batch: Mapping[str, Any],
+        post_processor: PostProcessingFunction,
+    ) -> dict[str, torch.Tensor]:
+        """A forward-only post-processor pass (dropout off) through
+        :func:`~lightning_mcore_rl.train.run_forward_only`: per-sample outputs in the batch's
+        order, on every rank."""
+        from lightning_mcore_rl.train import run_forward_only
+
+        return run_forward_only(
+            self._chunks, batch, self.groups, self.microbatching, post_processor,
+            sampling_params=module.sampling_params(),
+        )  # fmt: skip
+
+    def take_step_output(self) -> StepOutput | None:
+        """The latest :meth:`forward_backward` result, cleared (read once per step)."""
+        out, self._last_output = self._last_output, None
+        return out
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -479,13 +548,14 @@ class MCoreRLStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """No ``.cpu()`` of the module or optimizer state: on GPU it would break the aliasing
-        between megatron DDP's buffers and the parameters. Megatron's parallel state is kept for
-        later ``validate``/``fit`` calls in this process."""
+        """No ``.cpu()`` of the module or optimizer state (on GPU it would break the aliasing
+        between megatron DDP's buffers and the parameters); the CPU backend is left. Megatron's
+        parallel state is kept for later ``validate``/``fit`` calls in this process."""
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        self._backend.close()
 
     # ---------------------------------------------------------------- helpers
 
@@ -525,25 +595,6 @@ class MCoreRLStrategy(DDPStrategy):
         return self.optimizers[0]
 
 
-def split_microbatches(
-    batch: Mapping[str, torch.Tensor], micro_batch_size: int
-) -> list[dict[str, torch.Tensor]]:
-    """Split every tensor of ``batch`` (``[B, ...]``) into ``B / micro_batch_size`` microbatches."""
-    sizes = {key: value.shape[0] for key, value in batch.items()}
-    if not sizes or len(set(sizes.values())) != 1:
-        raise ValueError(f"The batch's tensors must share dim 0 (samples), got sizes {sizes}.")
-    size = next(iter(sizes.values()))
-    if size % micro_batch_size != 0:
-        raise ValueError(
-            f"This rank's batch has {size} samples, not divisible by micro_batch_size="
-            f"{micro_batch_size}; use a DataLoader batch_size that is a multiple of it."
-        )
-    return [
-        {key: value[i : i + micro_batch_size] for key, value in batch.items()}
-        for i in range(0, size, micro_batch_size)
-    ]
-
-
 def _scheduler_config(scheduler: Any) -> LRSchedulerConfig:
     """A scheduler or a Lightning scheduler dict -> ``LRSchedulerConfig``."""
     if isinstance(scheduler, Mapping):
@@ -563,3 +614,6 @@ def register_strategy() -> None:
             MCoreRLStrategy,
             description="megatron-core TP/PP/VPP/CP/DP training (lightning-mcore-rl)",
         )
+
+
+__all__ = ["MCoreRLStrategy", "check_trainer_flags", "register_strategy"]

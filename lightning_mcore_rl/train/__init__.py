@@ -9,6 +9,9 @@ applies the temperature in place and binds a post-processor: :class:`LossPostPro
 :class:`TopkLogitsPostProcessor` or :class:`TeacherFullPayloadPostProcessor` (forward-only).
 :func:`aggregate_training_statistics` reduces the losses over DP.
 
+:func:`run_global_batch` / :func:`run_forward_only` (:mod:`.step`) are the one trainer-free
+entry the strategy calls for a whole global batch: split, schedule, statistics.
+
 Shapes: ``B`` sequences, ``S`` width, ``T`` packed tokens, ``V_l = V/TP``, ``CP`` context-parallel
 size; model output ``[B, S/CP, V_l]`` (padded) or ``[1, T/CP, V_l]`` (packed).
 """
@@ -22,14 +25,18 @@ from lightning_mcore_rl.train.forward import (
 )
 from lightning_mcore_rl.train.groups import (
     CP_NEEDS_PACKING,
+    ParallelGroups,
+    current_parallel_groups,
     should_reduce_loss_across_context_parallel,
     strip_context_parallel_local_loss_metric,
+    use_parallel_groups,
 )
 from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,
     ProcessedMicrobatch,
     causal_attention_mask,
+    check_microbatching,
     process_global_batch,
     process_microbatch,
 )
@@ -41,12 +48,31 @@ from lightning_mcore_rl.train.post_processors import (
 )
 from lightning_mcore_rl.train.schedule import (
     megatron_forward_backward,
+    run_schedule,
     suspend_activation_offload_for_forward_only,
 )
-from lightning_mcore_rl.train.statistics import aggregate_training_statistics
+from lightning_mcore_rl.train.statistics import (
+    StepOutput,
+    aggregate_training_statistics,
+    batch_counts,
+    reduce_step_statistics,
+)
+from lightning_mcore_rl.train.step import (
+    ForwardStepFunc,
+    Microbatching,
+    lm_forward_step,
+    run_forward_only,
+    run_global_batch,
+    split_global_batch,
+    split_lm_batch,
+)
 
 __all__ = [
     "CP_NEEDS_PACKING",
+    "ForwardStepFunc",
+    "Microbatching",
+    "ParallelGroups",
+    "StepOutput",
     "GlobalBatch",
     "LogprobsPostProcessor",
     "LossPostProcessor",
@@ -57,6 +83,17 @@ __all__ = [
     "TopkLogitsPostProcessor",
     "_prepare_padding_mask_for_model",
     "aggregate_training_statistics",
+    "batch_counts",
+    "check_microbatching",
+    "current_parallel_groups",
+    "lm_forward_step",
+    "reduce_step_statistics",
+    "run_forward_only",
+    "run_global_batch",
+    "run_schedule",
+    "split_global_batch",
+    "split_lm_batch",
+    "use_parallel_groups",
     "apply_temperature_scaling",
     "causal_attention_mask",
     "forward_with_post_processing_fn",

@@ -1,4 +1,4 @@
-"""The forward step Megatron's schedule calls per microbatch (spec §2.1–2.3).
+"""The forward step Megatron's schedule calls per microbatch (docs/behaviour-reference.md §2.1–2.3).
 
 ``forward_with_post_processing_fn`` pulls a :class:`ProcessedMicrobatch`, runs
 :func:`model_forward`, applies the sampling temperature in place and returns

@@ -1,9 +1,12 @@
-"""Process groups read from Megatron at the boundary, and CP/packing layout helpers."""
+"""Process groups (read from megatron once, passed down) and CP/packing layout helpers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -17,25 +20,86 @@ OutputProcessor = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
 CP_NEEDS_PACKING = "Context Parallelism (CP>1) requires sequence packing to be enabled."
 
 
-class ParallelGroups(NamedTuple):
-    """This rank's TP group/rank and CP group/size, read from Megatron at the boundary."""
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's megatron process groups, ranks and sizes, read ONCE (by the strategy in
+    ``setup_environment``, :meth:`from_megatron`) and passed down; nothing below reads
+    megatron's ``parallel_state`` per microbatch.
+
+    Attributes:
+        tp_group: tensor-parallel group (``tp_rank``/``tp_size``).
+        pp_group: pipeline-parallel group (``pp_rank``/``pp_size``; ``pp_last_rank`` is the
+            global rank of this pipeline's last stage).
+        dp_group: data-parallel group WITHOUT CP (CP ranks hold the same samples).
+        cp_group: context-parallel group (``cp_rank``/``cp_size``).
+        vpp_size: model chunks per pipeline rank (``None`` without virtual pipelining).
+    """
 
     tp_group: Any
     tp_rank: int
+    tp_size: int
+    pp_group: Any
+    pp_rank: int
+    pp_size: int
+    pp_last_rank: int
+    dp_group: Any
+    dp_rank: int
+    dp_size: int
     cp_group: Any
+    cp_rank: int
     cp_size: int
+    vpp_size: int | None = None
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (the loss and the outputs)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def from_megatron(cls) -> ParallelGroups:
+        """Read megatron's initialised ``parallel_state`` (the one place that does)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp_group=ps.get_tensor_model_parallel_group(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+            dp_group=ps.get_data_parallel_group(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            cp_group=ps.get_context_parallel_group(),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
+            vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        )
 
 
-def megatron_groups() -> ParallelGroups:
-    """The groups from Megatron's ``parallel_state`` (must be initialised)."""
-    from megatron.core import parallel_state as ps
+_CURRENT: contextvars.ContextVar[ParallelGroups | None] = contextvars.ContextVar(
+    "lightning_mcore_rl_parallel_groups", default=None
+)
 
-    return ParallelGroups(
-        ps.get_tensor_model_parallel_group(),
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_context_parallel_group(),
-        ps.get_context_parallel_world_size(),
-    )
+
+@contextlib.contextmanager
+def use_parallel_groups(groups: ParallelGroups) -> Iterator[ParallelGroups]:
+    """Make ``groups`` what :func:`current_parallel_groups` returns inside the block: the step
+    entry (:func:`~lightning_mcore_rl.train.step.run_global_batch`) wraps megatron's schedule in
+    it, so the per-microbatch callbacks use the strategy's groups."""
+    token = _CURRENT.set(groups)
+    try:
+        yield groups
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_parallel_groups() -> ParallelGroups:
+    """The groups of the enclosing :func:`use_parallel_groups` block; outside one (a seed
+    function called directly) they are read from megatron's ``parallel_state``."""
+    groups = _CURRENT.get()
+    return groups if groups is not None else ParallelGroups.from_megatron()
 
 
 def vocab_range(output: Tensor, tp_rank: int) -> tuple[int, int]:
@@ -52,7 +116,9 @@ def gather_packed_over_cp(local: Tensor, cu: list[int], cp_group: Any) -> Tensor
     cp_size = cp_group.size()
     full = local.new_zeros(1, cu[-1], *local.shape[2:])
     for start, end in zip(cu[:-1], cu[1:], strict=True):
-        if end > start:  # per sequence: gathering the whole row misplaces tokens (trap 3)
+        if (
+            end > start
+        ):  # per sequence: gathering the whole row misplaces tokens (docs/behaviour-reference.md trap 3)
             span = local[:, start // cp_size : end // cp_size]
             full[:, start:end] = allgather_cp_sharded_tensor(span, cp_group, seq_dim=1)
     return full

@@ -1,4 +1,4 @@
-"""``LossPostProcessor``: the per-microbatch training-loss callback (spec §2.5)."""
+"""``LossPostProcessor``: the per-microbatch training-loss callback (docs/behaviour-reference.md §2.5)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from lightning_mcore_rl.train.groups import OutputProcessor
 
 
 class LossPostProcessor:
-    """Per-microbatch loss callback for Megatron's schedule (spec §2.5).
+    """Per-microbatch loss callback for Megatron's schedule (docs/behaviour-reference.md §2.5).
 
     Args:
         loss_fn: Loss function to wrap.
@@ -77,7 +77,7 @@ class LossPostProcessor:
     def scale_loss(self, loss: Tensor, cp_size: int) -> Tensor:
         """``R = L * M / CP^2`` (``cp_normalize``) or ``L * M / CP``: the ONE place of this scaling.
 
-        Derivation (spec §2.5, trap 5). Megatron's schedule multiplies a 2-tuple loss by ``CP``
+        Derivation (docs/behaviour-reference.md §2.5, trap 5). Megatron's schedule multiplies a 2-tuple loss by ``CP``
         and divides it by ``M`` before backward, so it back-propagates ``R * CP / M = L / CP``.
         ``calculate_per_token_loss=True`` with ``average_in_collective=False`` makes DDP *sum*
         gradients over DP x CP without rescaling (the 2-tuple path reports 0 tokens). Every CP
@@ -181,7 +181,7 @@ class LossPostProcessor:
             The callable Megatron applies to the model output; metrics are the loss
             function's, unscaled.
         """
-        groups = pg.megatron_groups()
+        groups = pg.current_parallel_groups()
         if prepacked_loss_mask is not None:
             wrapper = self._direct_packed_sft(prepacked_loss_mask)
         else:

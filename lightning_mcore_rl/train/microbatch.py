@@ -1,4 +1,4 @@
-"""From a global batch to the ``ProcessedMicrobatch`` stream the forward step consumes (spec §6.3).
+"""From a global batch to the ``ProcessedMicrobatch`` stream the forward step consumes (docs/behaviour-reference.md §6.3).
 
 :func:`process_global_batch` computes the global valid counts once over the data-parallel group
 and splits the batch into fixed-size microbatches, or into token-budget microbatches (equal in
@@ -214,10 +214,16 @@ def process_global_batch(
             (before any collective): a budget that is not a positive int or is below the longest
             sequence, padded token-budget microbatches with ``equal_shapes``.
     """
+    check_microbatching(
+        micro_batch_size if max_tokens_per_microbatch is None else 1,  # ignored with a budget
+        max_tokens_per_microbatch,
+        sequence_packing=bool(microbatch_kwargs.get("sequence_packing", False)),
+        equal_shapes=equal_shapes,
+    )
     budget: TokenBudgetMicrobatches | None = None
     if max_tokens_per_microbatch is None:
         size = batch.size
-        if micro_batch_size < 1 or size % micro_batch_size != 0:
+        if size % micro_batch_size != 0:
             raise ValueError(
                 f"the local batch size {size} must be divisible by micro_batch_size "
                 f"{micro_batch_size}"
@@ -225,7 +231,7 @@ def process_global_batch(
         data_microbatches = list(batch.make_microbatch_iterator(micro_batch_size))
     else:
         budget = _token_budget_microbatches(
-            batch, dp_group, max_tokens_per_microbatch, equal_shapes, microbatch_kwargs
+            batch, dp_group, max_tokens_per_microbatch, microbatch_kwargs
         )
         data_microbatches = budget.microbatches
     counts = compute_global_valid_counts(batch, dp_group)
@@ -252,14 +258,28 @@ def process_global_batch(
     )
 
 
-def _token_budget_microbatches(
-    batch: BatchedDataDict,
-    dp_group: Any,
-    max_tokens_per_microbatch: int,
+def check_microbatching(
+    micro_batch_size: int,
+    max_tokens_per_microbatch: int | None,
+    *,
+    sequence_packing: bool,
     equal_shapes: bool,
-    microbatch_kwargs: dict[str, Any],
-) -> TokenBudgetMicrobatches:
-    """Validate the budget (before any collective), then the DP-balanced token-budget split."""
+) -> None:
+    """THE validation of a microbatching choice (host only, before any collective).
+
+    Raises:
+        ValueError: ``micro_batch_size`` not a positive int; ``max_tokens_per_microbatch`` not a
+            positive int or None; a budget with ``micro_batch_size != 1`` (the budget decides how
+            many samples each microbatch holds); a padded budget with ``equal_shapes`` (pipeline
+            parallelism: padded budget microbatches hold different numbers of samples, and
+            megatron's p2p sends one ``[seq_length, mbs, hidden]`` shape).
+    """
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise ValueError(f"`micro_batch_size` must be a positive int, got {micro_batch_size!r}.")
+    if micro_batch_size < 1:
+        raise ValueError(f"`micro_batch_size` must be a positive int, got {micro_batch_size!r}.")
+    if max_tokens_per_microbatch is None:
+        return
     if (
         isinstance(max_tokens_per_microbatch, bool)
         or not isinstance(max_tokens_per_microbatch, int)
@@ -267,22 +287,37 @@ def _token_budget_microbatches(
     ):
         raise ValueError(
             "`max_tokens_per_microbatch` must be a positive int or None, got "
-            f"{max_tokens_per_microbatch!r}"
+            f"{max_tokens_per_microbatch!r}."
         )
-    packing = bool(microbatch_kwargs.get("sequence_packing", False))
-    if equal_shapes and not packing:
+    if micro_batch_size != 1:
         raise ValueError(
-            "token-budget microbatches hold different numbers of samples, so the padded layout "
-            "cannot give pipeline parallelism one [seq_length, mbs, hidden] shape; enable "
-            "sequence packing (one THD row per microbatch) or drop the token budget"
+            f"`micro_batch_size={micro_batch_size}` contradicts "
+            f"`max_tokens_per_microbatch={max_tokens_per_microbatch}`: with a token budget the "
+            "budget decides how many samples each microbatch holds; leave micro_batch_size at 1."
         )
+    if equal_shapes and not sequence_packing:
+        raise ValueError(
+            f"`max_tokens_per_microbatch={max_tokens_per_microbatch}` with pipeline parallelism "
+            "needs `sequence_packing=True`: padded token-budget microbatches hold different "
+            "numbers of samples, and megatron's pipeline p2p sends one shape for every "
+            "microbatch."
+        )
+
+
+def _token_budget_microbatches(
+    batch: BatchedDataDict,
+    dp_group: Any,
+    max_tokens_per_microbatch: int,
+    microbatch_kwargs: dict[str, Any],
+) -> TokenBudgetMicrobatches:
+    """The DP-balanced token-budget split (validated by :func:`check_microbatching`)."""
     # make_token_budget_microbatches checks the budget against the longest sequence before its
     # collective (the MAX of microbatch counts over DP).
     return make_token_budget_microbatches(
         batch,
         max_tokens_per_microbatch,
         dp_group,
-        packed=packing,
+        packed=bool(microbatch_kwargs.get("sequence_packing", False)),
         pad_individual=int(microbatch_kwargs.get("pad_individual", 1)),
         length_key=microbatch_kwargs.get("seq_length_key", "input_lengths"),
     )

@@ -35,7 +35,7 @@ from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
 
 
 class LogprobsPostProcessor:
-    """Forward-only callback returning stored-convention token logprobs ``[B, S]`` (spec §2.6).
+    """Forward-only callback returning stored-convention token logprobs ``[B, S]`` (docs/behaviour-reference.md §2.6).
 
     Args:
         cfg: :class:`PolicyConfig` or NeMo RL's policy mapping.
@@ -103,7 +103,7 @@ class LogprobsPostProcessor:
         """
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            g = pg.megatron_groups()
+            g = pg.current_parallel_groups()
             with torch.no_grad():
                 lp = self._next_token(output_tensor, data_dict, input_ids, cu_seqlens_padded, g)
                 lp = F.pad(lp, (1, 0))  # stored convention: [B, S] with a leading 0
@@ -118,7 +118,7 @@ class LogprobsPostProcessor:
 
 
 class TopkLogitsPostProcessor:
-    """Forward-only callback returning the exact global top-k logits per position (spec §2.7).
+    """Forward-only callback returning the exact global top-k logits per position (docs/behaviour-reference.md §2.7).
 
     Args:
         cfg: :class:`PolicyConfig` or NeMo RL's policy mapping.
@@ -149,7 +149,7 @@ class TopkLogitsPostProcessor:
         """
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            g = pg.megatron_groups()
+            g = pg.current_parallel_groups()
             start, end = pg.vocab_range(output_tensor, g.tp_rank)
             values, indices = distributed_vocab_topk(
                 output_tensor, self.k, g.tp_group, start, end, self.cfg.logprob_chunk_size
@@ -175,7 +175,7 @@ class TopkLogitsPostProcessor:
 
 
 class TeacherFullPayloadPostProcessor:
-    """Emit sampled-token logprobs plus the teacher's full-vocabulary payload (spec §2.8).
+    """Emit sampled-token logprobs plus the teacher's full-vocabulary payload (docs/behaviour-reference.md §2.8).
 
     The payload is returned in canonical ``[B, S, D]`` layout with TP and CP undone, on CPU in
     ``payload_dtype`` (Megatron's retained outputs then hold no accelerator memory).
@@ -252,7 +252,7 @@ class TeacherFullPayloadPostProcessor:
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
             loss, result = logprobs(output_tensor)
-            g = pg.megatron_groups()
+            g = pg.current_parallel_groups()
             with torch.no_grad():
                 local = self._local_payload(output_tensor, hidden_states, g)
                 if g.cp_size > 1 and not self.cfg.sequence_packing:

@@ -1,10 +1,11 @@
-"""One forward(-backward) pass over a global batch through Megatron's real schedule (spec §2.4)."""
+"""One forward(-backward) pass over a global batch through Megatron's real schedule
+(docs/behaviour-reference.md §2.4); :func:`run_schedule` is the package's one schedule runner."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -119,8 +120,6 @@ def megatron_forward_backward(
     Returns:
         Per-microbatch metric dicts on the last pipeline stage, ``[]`` elsewhere.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     forward_step = functools.partial(
         forward_with_post_processing_fn,
         post_processing_fn=post_processing_fn,
@@ -137,14 +136,56 @@ def megatron_forward_backward(
         router_replay_train=router_replay_train,
         model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
     )
+    chunks = model if isinstance(model, list) else [model]
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    return run_schedule(
+        forward_step,
+        chunks,
+        iterators,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
+
+
+def run_schedule(
+    forward_step_func: Callable[..., Any],
+    chunks: Sequence[torch.nn.Module],
+    data_iterators: Sequence[Iterator[Any]],
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+) -> list[dict[str, Any]]:
+    """THE schedule runner: megatron's ``get_forward_backward_func()`` (no pipelining, 1F1B or
+    interleaved, chosen from the parallel state) with activation offloading suspended for
+    forward-only passes.
+
+    Args:
+        forward_step_func: megatron's ``forward_step_func(data_iterator, model)``.
+        chunks: the model chunks (one per virtual pipeline stage).
+        data_iterators: one iterator over the same microbatches per chunk.
+        num_microbatches: ``M``.
+        seq_length: model input width (``S``, or ``T`` packed); sizes the PP messages.
+        micro_batch_size: samples per microbatch (1 packed).
+        forward_only: skip the backward pass.
+
+    Returns:
+        The loss functions' metric dicts, one per microbatch, on the last pipeline stage.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model: ModelChunks = list(chunks) if len(chunks) > 1 else chunks[0]
     with suspend_activation_offload_for_forward_only(model, forward_only):
         return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data_iterator,
+            forward_step_func=forward_step_func,
+            data_iterator=list(data_iterators) if len(chunks) > 1 else data_iterators[0],
             model=model,
             num_microbatches=num_microbatches,
             seq_length=seq_length,
-            micro_batch_size=mbs,
+            micro_batch_size=micro_batch_size,
             decoder_seq_length=seq_length,
             forward_only=forward_only,
         )

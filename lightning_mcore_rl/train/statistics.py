@@ -1,12 +1,26 @@
-"""Training statistics across microbatches and data-parallel ranks (spec §2.9)."""
+"""Training statistics across microbatches, pipeline stages and data-parallel ranks
+(docs/behaviour-reference.md §2.9): the seed's :func:`aggregate_training_statistics` and the
+step's :func:`reduce_step_statistics`, which follows the rule table of
+:data:`~lightning_mcore_rl.losses.REDUCTION_RULES`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_mcore_rl.losses import (
+    MEAN_RULE,
+    REDUCTION_RULES,
+    MetricNormalizer,
+    ReductionRule,
+    combine_microbatch_metrics,
+)
+from lightning_mcore_rl.train.groups import ParallelGroups
 
 
 def _materialise(all_mb_metrics: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -33,7 +47,7 @@ def aggregate_training_statistics(
     """Sum the per-gradient-buffer losses over DP and list the metrics per microbatch.
 
     Exactly one collective: ``all_reduce(global_loss, op=SUM, group=data_parallel_group)``. CP
-    ranks hold identical losses, so the reduction is over DP only (spec trap 4).
+    ranks hold identical losses, so the reduction is over DP only (docs/behaviour-reference.md trap 4).
 
     Args:
         all_mb_metrics: One metric dict per microbatch (keys may differ between microbatches).
@@ -55,3 +69,217 @@ def aggregate_training_statistics(
         for key, value in metrics.items():
             mb_metrics.setdefault(key, []).append(value)
     return mb_metrics, global_loss
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One global batch's statistics, identical on every rank.
+
+    Attributes:
+        loss: scalar fp32 loss of the whole global batch (``loss_fn`` path: the sum of the
+            globally normalised microbatch losses over microbatches and DP ranks; LM path: the
+            mean of the per-microbatch mean losses).
+        metrics: the loss's other metrics, each combined by its ``MetricNormalizer`` rule
+            (:data:`~lightning_mcore_rl.losses.REDUCTION_RULES`): the value of the whole batch.
+        microbatch_losses: this DP replica's per-microbatch losses (for exact comparisons).
+        samples: samples in the global batch (all DP ranks).
+        tokens: real tokens in the global batch (``input_lengths`` when given, else the width of
+            every row), counted once per DP replica.
+        response_length_mean: mean ``token_mask`` tokens per valid sample (``nan`` without a
+            ``token_mask``); ``response_length_max`` likewise.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    microbatch_losses: tuple[float, ...] = ()
+    samples: float = 0.0
+    tokens: float = 0.0
+    response_length_mean: float = float("nan")
+    response_length_max: float = float("nan")
+
+
+def batch_counts(batch: Mapping[str, Any]) -> dict[str, float]:
+    """This DP rank's sample/token/response-length counts, on the host (no collective).
+
+    Returns:
+        ``samples``, ``tokens``, ``response_tokens`` and ``responses`` (sums, reduced over DP by
+        summing) and ``response_length_max`` (reduced by max; ``-inf`` without a ``token_mask``).
+    """
+    ids = batch.get("input_ids", batch.get("tokens"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        return {"samples": 0.0, "tokens": 0.0, "response_tokens": 0.0, "responses": 0.0,
+                "response_length_max": float("-inf")}  # fmt: skip
+    lengths = batch.get("input_lengths")
+    tokens = float(lengths.sum()) if isinstance(lengths, torch.Tensor) else float(ids.numel())
+    counts = {"samples": float(ids.shape[0]), "tokens": tokens}
+    token_mask = batch.get("token_mask")
+    if isinstance(token_mask, torch.Tensor):
+        sample_mask = batch.get("sample_mask")
+        valid = (
+            sample_mask.bool()
+            if isinstance(sample_mask, torch.Tensor)
+            else torch.ones(ids.shape[0], dtype=torch.bool)
+        )
+        per_sample = token_mask.float().sum(-1)[valid]
+        counts["response_tokens"] = float(per_sample.sum())
+        counts["responses"] = float(per_sample.numel())
+        counts["response_length_max"] = float(per_sample.max()) if per_sample.numel() else 0.0
+    else:
+        counts.update(responses=0.0, response_tokens=0.0, response_length_max=float("-inf"))
+    return counts
+
+
+def reduce_step_statistics(
+    outputs: Sequence[Mapping[str, Any]],
+    counts: Mapping[str, float],
+    groups: ParallelGroups,
+    *,
+    normalizations: Mapping[str, MetricNormalizer] | None,
+    source: str,
+    device: torch.device | str = "cpu",
+) -> StepOutput:
+    """Make one global batch's loss, metrics and counts identical on every rank.
+
+    On the last pipeline stage: the per-microbatch losses are summed over DP with the seed's
+    :func:`aggregate_training_statistics` (one all-reduce), every other metric is combined over
+    microbatches and reduced over DP by its rule in
+    :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (one fp64 all-reduce per kind: sum, and
+    min/max only when such metrics exist; the batch counts ride along). The result is then
+    broadcast over the pipeline group (one object broadcast). TP/CP ranks already agree.
+
+    Args:
+        outputs: the schedule's per-microbatch metric dicts (last stage; ``[]`` elsewhere), each
+            with a ``loss``.
+        counts: this DP rank's :func:`batch_counts`.
+        groups: this rank's groups.
+        normalizations: the loss's ``metric_normalizations``; ``None`` (LM path): every metric
+            is a per-microbatch mean and is averaged over microbatches and DP ranks.
+        source: names the loss in the error for an undeclared metric.
+        device: where the collectives' tensors live (the CUDA device under NCCL).
+
+    Raises:
+        ValueError: (on every rank) a metric has no entry in ``normalizations``.
+    """
+    payload: dict[str, Any] | None = None
+    if groups.is_pipeline_last_stage:
+        payload = _reduce_on_last_stage(outputs, counts, groups, normalizations, source, device)
+    if groups.pp_size > 1:
+        holder = [payload]
+        dist.broadcast_object_list(holder, src=groups.pp_last_rank, group=groups.pp_group)
+        payload = holder[0]
+    assert payload is not None  # the last stage always fills it
+    if payload["error"] is not None:
+        raise ValueError(payload["error"])
+    summed = payload["counts"]
+    responses = summed["responses"]
+    return StepOutput(
+        loss=torch.tensor(payload["loss"], dtype=torch.float32),
+        metrics={k: torch.tensor(v, dtype=torch.float32) for k, v in payload["metrics"].items()},
+        microbatch_losses=tuple(payload["microbatch_losses"]),
+        samples=summed["samples"],
+        tokens=summed["tokens"],
+        response_length_mean=summed["response_tokens"] / responses if responses else math.nan,
+        response_length_max=summed["response_length_max"] if responses else math.nan,
+    )
+
+
+def _reduce_on_last_stage(
+    outputs: Sequence[Mapping[str, Any]],
+    counts: Mapping[str, float],
+    groups: ParallelGroups,
+    normalizations: Mapping[str, MetricNormalizer] | None,
+    source: str,
+    device: torch.device | str,
+) -> dict[str, Any]:
+    """The last stage's part of :func:`reduce_step_statistics` (DP collectives only)."""
+    host = _materialise([dict(o) for o in outputs])
+    local_losses = [float(o["loss"]) for o in host]
+    _, global_loss = aggregate_training_statistics(
+        [], [torch.tensor(x, dtype=torch.float32, device=device) for x in local_losses],
+        groups.dp_group,
+    )  # fmt: skip
+    metrics_only = [{k: v for k, v in o.items() if k != "loss"} for o in host]
+    error = None
+    rules: dict[str, ReductionRule]
+    if normalizations is None:
+        keys = sorted({k for o in metrics_only for k in o})
+        rules = dict.fromkeys(keys, MEAN_RULE)
+        local = {k: sum(o[k] for o in metrics_only if k in o) for k in keys}
+    else:
+        undeclared = sorted({k for o in metrics_only for k in o} - set(normalizations))
+        if undeclared:
+            error = (
+                f"{source} returned metric(s) {undeclared} without an entry in its "
+                f"`metric_normalizations` (declared: {sorted(normalizations)}); declare a "
+                "`MetricNormalizer` for each so it is reduced exactly over microbatches and "
+                "data-parallel ranks."
+            )
+        rules = {k: REDUCTION_RULES[MetricNormalizer(v)] for k, v in normalizations.items()}
+        rules.pop("loss", None)
+        local = {} if error else combine_microbatch_metrics(metrics_only, normalizations)
+    reduced = _all_reduce_by_rule(local, rules, counts, error is not None, groups, device)
+    if reduced is None:
+        error = error or (
+            f"{source} returned an undeclared metric on another data-parallel rank (see that "
+            "rank's error)."
+        )
+        return {"error": error}
+    metrics, summed = reduced
+    loss = float(global_loss.double().sum())
+    if normalizations is None:  # per-microbatch means: average over microbatches and DP
+        denominator = max(len(host), 1) * groups.dp_size
+        loss /= denominator
+        metrics = {k: v / denominator for k, v in metrics.items()}
+    return {
+        "error": None,
+        "loss": loss,
+        "metrics": metrics,
+        "microbatch_losses": local_losses,
+        "counts": summed,
+    }
+
+
+def _all_reduce_by_rule(
+    values: Mapping[str, float],
+    rules: Mapping[str, ReductionRule],
+    counts: Mapping[str, float],
+    failed: bool,
+    groups: ParallelGroups,
+    device: torch.device | str,
+) -> tuple[dict[str, float], dict[str, float]] | None:
+    """Reduce ``values`` (by rule) and ``counts`` over DP: one fp64 all-reduce per kind.
+
+    The sum tensor also carries how many ranks hold each metric (a metric held by none is
+    dropped; one held by some ranks is reduced over those) and an error flag: ``None`` on every
+    rank when any rank ``failed``.
+    """
+    identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+    count_kinds = {k: ("max" if k == "response_length_max" else "sum") for k in counts}
+    names = {kind: sorted(k for k, r in rules.items() if r.combine == kind) for kind in identity}
+    packed = {kind: [values.get(k, identity[kind]) for k in keys] for kind, keys in names.items()}
+    count_names = {
+        kind: sorted(k for k, c in count_kinds.items() if c == kind) for kind in identity
+    }
+    for kind in identity:
+        packed[kind] += [counts[k] for k in count_names[kind]]
+    packed["sum"] += [float(k in values) for k in sorted(rules)] + [float(failed)]
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    tensors = {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in packed.items()}
+    if groups.dp_size > 1:
+        for kind, tensor in tensors.items():
+            if tensor.numel():
+                dist.all_reduce(tensor, op=ops[kind], group=groups.dp_group)
+    host = {kind: tensor.cpu().tolist() for kind, tensor in tensors.items()}  # <= 3 transfers
+    held = host["sum"][len(names["sum"]) + len(count_names["sum"]) :]
+    if held[-1] > 0:
+        return None
+    holders = dict(zip(sorted(rules), held[:-1], strict=True))
+    metrics = {
+        k: host[kind][i] for kind, keys in names.items() for i, k in enumerate(keys) if holders[k]
+    }
+    summed = {
+        k: host[kind][len(names[kind]) + i]
+        for kind, keys in count_names.items()
+        for i, k in enumerate(keys)
+    }
+    return metrics, summed

@@ -17,9 +17,9 @@ from lightning_mcore_rl.strategy import (
     MegatronDDPConfig,
     ParallelSizes,
     check_trainer_flags,
-    split_microbatches,
 )
 from lightning_mcore_rl.strategy.precision import to_mcore_precision
+from lightning_mcore_rl.train import Microbatching, split_lm_batch
 
 
 @pytest.mark.parametrize(
@@ -120,11 +120,13 @@ def test_transformer_config_kwargs_follow_strategy_and_precision():
     assert strategy.vp_stages == [0, 1]
 
 
-def test_split_microbatches():
+def test_split_lm_batch():
     batch = {"tokens": torch.arange(12).view(6, 2), "labels": torch.arange(12).view(6, 2)}
-    parts = split_microbatches(batch, 2)
+    parts = split_lm_batch(batch, Microbatching(micro_batch_size=2))
     assert len(parts) == 3 and torch.equal(parts[1]["tokens"], batch["tokens"][2:4])
     with pytest.raises(ValueError, match="6 samples, not divisible by micro_batch_size=4"):
-        split_microbatches(batch, 4)
-    with pytest.raises(ValueError, match="must share dim 0"):
-        split_microbatches({"tokens": torch.zeros(2, 1), "labels": torch.zeros(3, 1)}, 1)
+        split_lm_batch(batch, Microbatching(micro_batch_size=4))
+    with pytest.raises(ValueError, match="dim 0"):
+        split_lm_batch({"tokens": torch.zeros(2, 1), "labels": torch.zeros(3, 1)}, Microbatching())
+    with pytest.raises(ValueError, match="needs the `MCoreRLModule\\(loss_fn=...\\)` path"):
+        split_lm_batch(batch, Microbatching(max_tokens_per_microbatch=8))

@@ -9,7 +9,7 @@ import torch
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.data import BatchedDataDict
-from lightning_mcore_rl.train import GlobalBatch, process_global_batch
+from lightning_mcore_rl.train import GlobalBatch, process_global_batch, split_lm_batch
 
 
 def _batch(lengths: list[int], width: int = 12) -> BatchedDataDict:
@@ -38,7 +38,7 @@ def test_budget_must_be_a_positive_int(budget: object) -> None:
 
 
 def test_padded_budget_microbatches_cannot_give_pipeline_equal_shapes() -> None:
-    with pytest.raises(ValueError, match="enable sequence packing"):
+    with pytest.raises(ValueError, match="needs `sequence_packing=True`"):
         process_global_batch(
             _batch([3, 4]), None, 1, equal_shapes=True, max_tokens_per_microbatch=8
         )
@@ -75,7 +75,8 @@ def test_strategy_accepts_a_budget() -> None:
     assert MCoreRLStrategy().max_tokens_per_microbatch is None
 
 
-def test_strategy_forward_step_path_rejects_a_budget() -> None:
+def test_forward_step_path_rejects_a_budget() -> None:
     strategy = MCoreRLStrategy(max_tokens_per_microbatch=64)
+    batch = {"tokens": torch.ones(2, 4), "labels": torch.ones(2, 4)}
     with pytest.raises(ValueError, match="loss_fn"):
-        strategy.forward_backward({"tokens": torch.ones(2, 4), "labels": torch.ones(2, 4)})
+        split_lm_batch(batch, strategy.microbatching)

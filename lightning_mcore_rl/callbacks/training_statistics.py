@@ -1,0 +1,180 @@
+"""``TrainingStatistics``: log every step's loss, metrics, grad norm, timing and throughput."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
+    from lightning_mcore_rl.train import StepOutput
+
+MetricValue = float | torch.Tensor
+
+TIMING_METRICS = ("step_time", "tokens_per_sec", "samples_per_sec")
+"""Logged keys that measure wall time (all others are functions of the data and the model)."""
+
+
+class TrainingStatistics(Callback):
+    """Logs the statistics of every optimizer step through ``pl_module.log_dict`` — once per
+    step, identical on every rank — so CSV, TensorBoard and W&B loggers receive each value once.
+
+    The step's loss and metrics come from the strategy's step
+    (:class:`~lightning_mcore_rl.train.StepOutput`: every metric already combined by its
+    ``MetricNormalizer`` rule over packed sequences, microbatches, pipeline stages and
+    data-parallel ranks). Logged per training step:
+
+    * ``train_loss``, ``train_<metric>`` for each loss metric, ``grad_norm`` (pre-clip, global);
+    * ``step_time`` (s, the slowest rank), ``tokens_per_sec`` / ``samples_per_sec`` (real tokens
+      and samples of the global batch, counted once per data-parallel replica);
+    * ``response_length_mean`` / ``response_length_max`` (``token_mask`` tokens per valid sample,
+      when batches have a ``token_mask``).
+
+    Validation: ``val_loss`` and ``val_<metric>``, aggregated over the epoch's batches by the
+    ``across_batches`` column of :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (means of
+    normalised metrics, sums of counts, min/max). At fit start the loggers receive the run's
+    layout, precision, micro-batching and loss settings as hyperparameters.
+
+    :class:`~lightning_mcore_rl.MCoreRLModule` adds one to every run; pass an instance (or a
+    subclass overriding :meth:`step_metrics`) in ``Trainer(callbacks=...)`` to replace it. The
+    strategy calls :meth:`on_optimizer_step` right after megatron's optimizer step (the step's
+    grad norm exists only then), before any callback's ``on_train_batch_end``.
+
+    Args:
+        prog_bar: metric names also shown in the progress bar.
+    """
+
+    def __init__(self, prog_bar: tuple[str, ...] = ("train_loss",)) -> None:
+        self.prog_bar = prog_bar
+        self._start: float | None = None
+
+    # ---------------------------------------------------------------- hooks
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Log the run configuration as hyperparameters (rank 0's loggers)."""
+        config = self.run_config(trainer, pl_module)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(config)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._start = time.perf_counter()
+
+    def on_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Log the step (called by the strategy right after each optimizer step, so every
+        callback's ``on_train_batch_end`` already sees this step's values)."""
+        strategy = _strategy(trainer)
+        output = strategy.take_step_output()
+        if output is None:
+            return
+        elapsed = time.perf_counter() - (self._start or time.perf_counter())
+        elapsed = _slowest(elapsed, strategy.root_device)
+        values = self.step_metrics(trainer, pl_module, output, elapsed)
+        shown = {k: v for k, v in values.items() if k in self.prog_bar}
+        hidden = {k: v for k, v in values.items() if k not in self.prog_bar}
+        for group, prog_bar in ((shown, True), (hidden, False)):
+            if group:
+                pl_module.log_dict(
+                    group, batch_size=1, on_step=True, on_epoch=False, prog_bar=prog_bar
+                )
+
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        from lightning_mcore_rl.losses import MEAN_RULE, REDUCTION_RULES, MetricNormalizer
+
+        output = _strategy(trainer).take_step_output()
+        if output is None:
+            return
+        norms: Mapping[str, Any] = getattr(
+            getattr(pl_module, "loss_fn", None), "metric_normalizations", {}
+        )
+        pl_module.log("val_loss", output.loss, batch_size=1, prog_bar=True)
+        for name, value in output.metrics.items():
+            how = norms.get(name)
+            rule = MEAN_RULE if how is None else REDUCTION_RULES[MetricNormalizer(how)]
+            pl_module.log(f"val_{name}", value, batch_size=1, reduce_fx=rule.across_batches)
+
+    # ---------------------------------------------------------------- what is logged
+
+    def step_metrics(
+        self, trainer: Trainer, pl_module: LightningModule, output: StepOutput, step_time: float
+    ) -> dict[str, MetricValue]:
+        """The values logged for one training step (override to add; keep them identical on
+        every rank).
+
+        Args:
+            trainer: the Trainer.
+            pl_module: the module.
+            output: the step's statistics.
+            step_time: wall time of the step in seconds (the slowest rank's).
+        """
+        values: dict[str, MetricValue] = {"train_loss": output.loss}
+        values.update({f"train_{k}": v for k, v in output.metrics.items()})
+        last = _strategy(trainer).last_optimizer_step
+        if last is not None and last.grad_norm is not None:
+            values["grad_norm"] = float(last.grad_norm)
+        values["step_time"] = step_time
+        if step_time > 0:
+            values["tokens_per_sec"] = output.tokens / step_time
+            values["samples_per_sec"] = output.samples / step_time
+        if not math.isnan(output.response_length_mean):
+            values["response_length_mean"] = output.response_length_mean
+            values["response_length_max"] = output.response_length_max
+        return values
+
+    def run_config(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        """Hyperparameters: the strategy's layout, precision and micro-batching, and the loss's
+        class and settings (``loss/<field>``)."""
+        config: dict[str, Any] = {
+            f"strategy/{k}": v for k, v in _strategy(trainer).run_config().items()
+        }
+        loss_fn = getattr(pl_module, "loss_fn", None)
+        if loss_fn is not None:
+            config["loss/class"] = type(loss_fn).__name__
+            cfg = getattr(loss_fn, "cfg", None)
+            if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+                for key, value in dataclasses.asdict(cfg).items():
+                    config[f"loss/{key}"] = value if _is_plain(value) else str(value)
+        sampling = getattr(pl_module, "sampling_params", None)
+        params = sampling() if callable(sampling) else None
+        if dataclasses.is_dataclass(params) and not isinstance(params, type):
+            for key, value in dataclasses.asdict(params).items():
+                config[f"sampling/{key}"] = value
+        return config
+
+
+def _strategy(trainer: Trainer) -> MCoreRLStrategy:
+    from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, MCoreRLStrategy):
+        raise TypeError(f"TrainingStatistics needs MCoreRLStrategy, got {type(strategy).__name__}.")
+    return strategy
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The max of ``seconds`` over all ranks (one small all-reduce), so every rank logs it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return seconds
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.cpu())
+
+
+def _is_plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))

@@ -1,0 +1,282 @@
+"""The ONE trainer-free entry that runs a global batch: split, megatron's schedule, statistics.
+
+``MCoreRLStrategy`` is its only caller in the package; the Lightning layer adds nothing to the
+step's numerics. Two kinds of pass share the splitter (:func:`split_global_batch`) and the schedule
+runner (:func:`~lightning_mcore_rl.train.schedule.run_schedule`):
+
+* :func:`run_global_batch` — training (forward + backward) or validation (forward-only), returning
+  the step's :class:`~lightning_mcore_rl.train.statistics.StepOutput`. With a
+  ``post_processor_factory`` (the ``loss_fn`` path) each microbatch goes through
+  :func:`~lightning_mcore_rl.train.forward_with_post_processing_fn` and the factory's
+  :class:`~lightning_mcore_rl.train.LossPostProcessor`; with a ``forward_step_func`` (the LM path)
+  megatron's own ``forward_step_func`` contract applies.
+* :func:`run_forward_only` — a forward-only post-processor pass (logprobs, top-k logits, teacher
+  payloads), returning its per-sample outputs in the batch's order on every rank.
+
+Both run inside :func:`~lightning_mcore_rl.train.groups.use_parallel_groups`, so every
+per-microbatch callback uses the strategy's :class:`ParallelGroups` (no ``parallel_state`` reads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses import MetricNormalizer
+from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.train.groups import ParallelGroups, use_parallel_groups
+from lightning_mcore_rl.train.microbatch import (
+    GlobalBatch,
+    check_microbatching,
+    process_global_batch,
+)
+from lightning_mcore_rl.train.post_processors import (
+    LossPostProcessor,
+    PostProcessingFunction,
+    TeacherFullPayloadPostProcessor,
+)
+from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
+from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
+
+ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[Tensor, Callable[..., Any]]]
+"""Megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)``."""
+
+
+@dataclass(frozen=True)
+class Microbatching:
+    """How a global batch is split into microbatches (validated once, at construction).
+
+    Attributes:
+        micro_batch_size: samples per fixed-size microbatch (must stay 1 with a token budget).
+        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed size); THD
+            tokens when packing, else rows x longest row. Needs per-sample ``input_lengths``.
+        sequence_packing: pack each microbatch into one THD row.
+        equal_shapes: every microbatch gets the same shape (pipeline parallelism: megatron's
+            p2p sends one shape); padded token-budget microbatches cannot, so that raises.
+    """
+
+    micro_batch_size: int = 1
+    max_tokens_per_microbatch: int | None = None
+    sequence_packing: bool = False
+    equal_shapes: bool = False
+
+    def __post_init__(self) -> None:
+        check_microbatching(
+            self.micro_batch_size,
+            self.max_tokens_per_microbatch,
+            sequence_packing=self.sequence_packing,
+            equal_shapes=self.equal_shapes,
+        )
+
+
+def split_global_batch(
+    batch: Mapping[str, Any], groups: ParallelGroups, microbatching: Microbatching
+) -> GlobalBatch:
+    """This DP rank's share of a global batch -> processed microbatches with the global valid
+    counts (:func:`~lightning_mcore_rl.train.process_global_batch`; CP shards per rank)."""
+    data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
+    return process_global_batch(
+        data,
+        groups.dp_group,
+        microbatching.micro_batch_size,
+        sequence_packing=microbatching.sequence_packing,
+        equal_shapes=microbatching.equal_shapes,
+        max_tokens_per_microbatch=microbatching.max_tokens_per_microbatch,
+        cp_rank=groups.cp_rank,
+        cp_size=groups.cp_size,
+    )
+
+
+def split_lm_batch(batch: Mapping[str, Any], microbatching: Microbatching) -> list[BatchedDataDict]:
+    """Fixed-size microbatches of an LM batch (``{"tokens", "labels"}``), same splitter."""
+    if microbatching.max_tokens_per_microbatch is not None:
+        raise ValueError(
+            f"`max_tokens_per_microbatch={microbatching.max_tokens_per_microbatch}` needs the "
+            "`MCoreRLModule(loss_fn=...)` path (batches with `input_lengths`); the "
+            "`forward_step` path splits into fixed `micro_batch_size` microbatches."
+        )
+    data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
+    size = data.size
+    if size % microbatching.micro_batch_size != 0:
+        raise ValueError(
+            f"This rank's batch has {size} samples, not divisible by micro_batch_size="
+            f"{microbatching.micro_batch_size}; use a DataLoader batch_size that is a multiple "
+            "of it."
+        )
+    return list(data.make_microbatch_iterator(microbatching.micro_batch_size))
+
+
+def run_global_batch(
+    chunks: Sequence[torch.nn.Module],
+    batch: Mapping[str, Any],
+    groups: ParallelGroups,
+    microbatching: Microbatching,
+    *,
+    post_processor_factory: Callable[[int], LossPostProcessor] | None = None,
+    normalizations: Mapping[str, MetricNormalizer] | None = None,
+    forward_step_func: ForwardStepFunc | None = None,
+    sampling_params: TrainingSamplingParams | None = None,
+    forward_only: bool = False,
+    use_fused_linear_logprobs: bool = False,
+    device: torch.device | str = "cpu",
+) -> StepOutput:
+    """Forward(-backward) of one global batch; gradients land in the DDP buffers, finalised.
+
+    Args:
+        chunks: this rank's (wrapped) model chunks, one per virtual pipeline stage.
+        batch: this DP rank's share of the global batch ``[B, ...]``.
+        groups: this rank's groups.
+        microbatching: how the batch is split.
+        post_processor_factory: ``loss_fn`` path: ``M -> LossPostProcessor`` (the module's
+            ``loss_post_processor`` hook).
+        normalizations: the loss's ``metric_normalizations`` (``loss_fn`` path).
+        forward_step_func: LM path: megatron's ``forward_step_func`` over dict microbatches.
+        sampling_params: applied to the last stage's logits exactly once (temperature in place,
+            top-k/top-p by the post-processors); ``loss_fn`` path only.
+        forward_only: no backward (validation).
+        use_fused_linear_logprobs: see :func:`~lightning_mcore_rl.train.model_forward`.
+        device: where statistics' collectives run.
+
+    Returns:
+        The :class:`StepOutput`, identical on every rank.
+    """
+    if (post_processor_factory is None) == (forward_step_func is None):
+        raise TypeError("pass exactly one of `post_processor_factory` and `forward_step_func`")
+    counts = batch_counts(batch)
+    with use_parallel_groups(groups):
+        if forward_step_func is not None:
+            microbatches = split_lm_batch(batch, microbatching)
+            first = cast(Tensor, next(iter(microbatches[0].values())))  # [b, S]
+            outputs = run_schedule(
+                forward_step_func,
+                chunks,
+                [iter(microbatches) for _ in chunks],
+                num_microbatches=len(microbatches),
+                seq_length=first.shape[1],
+                micro_batch_size=first.shape[0],
+                forward_only=forward_only,
+            )
+            source = "forward_step"
+        else:
+            assert post_processor_factory is not None  # exactly one of the two, checked above
+            _check_per_token_loss(chunks)
+            global_batch = split_global_batch(batch, groups, microbatching)
+            post = post_processor_factory(global_batch.num_microbatches)
+            outputs = _megatron_pass(
+                chunks, global_batch, post, sampling_params, forward_only,
+                use_fused_linear_logprobs,
+            )  # fmt: skip
+            source = type(post.loss_fn).__name__
+        return reduce_step_statistics(
+            outputs, counts, groups, normalizations=normalizations, source=source, device=device
+        )
+
+
+def run_forward_only(
+    chunks: Sequence[torch.nn.Module],
+    batch: Mapping[str, Any],
+    groups: ParallelGroups,
+    microbatching: Microbatching,
+    post_processor: PostProcessingFunction,
+    *,
+    sampling_params: TrainingSamplingParams | None = None,
+    use_fused_linear_logprobs: bool = False,
+) -> dict[str, Tensor]:
+    """A forward-only pass with ``post_processor`` (dropout off, train mode restored after).
+
+    Returns:
+        Every per-sample output of the post-processor (``logprobs [B, S]``, ``topk_logits``/
+        ``topk_indices [B, S, K]``, ``teacher_full_payload [B, S, D]``) in the batch's sample
+        order, on CPU, on every rank (broadcast from the last pipeline stage).
+    """
+    with use_parallel_groups(groups), _eval_mode(chunks), torch.no_grad():
+        global_batch = split_global_batch(batch, groups, microbatching)
+        outputs = _megatron_pass(
+            chunks, global_batch, post_processor, sampling_params, True,
+            use_fused_linear_logprobs,
+        )  # fmt: skip
+    result: dict[str, Tensor] | None = None
+    if groups.is_pipeline_last_stage:
+        keys = [k for k in outputs[0] if isinstance(outputs[0][k], Tensor) and outputs[0][k].dim()]
+        result = {k: global_batch.restore_order([o[k] for o in outputs]).cpu() for k in keys}
+    if groups.pp_size > 1:
+        holder = [result]
+        dist.broadcast_object_list(holder, src=groups.pp_last_rank, group=groups.pp_group)
+        result = holder[0]
+    assert result is not None  # the last stage always fills it
+    return result
+
+
+def _megatron_pass(
+    chunks: Sequence[torch.nn.Module],
+    global_batch: GlobalBatch,
+    post: PostProcessingFunction,
+    sampling_params: TrainingSamplingParams | None,
+    forward_only: bool,
+    use_fused_linear_logprobs: bool,
+) -> list[dict[str, Any]]:
+    capture = isinstance(post, TeacherFullPayloadPostProcessor) and post.payload == "hidden_states"
+    iterators = [global_batch.iterator() for _ in chunks]
+    return megatron_forward_backward(
+        list(chunks) if len(chunks) > 1 else chunks[0],
+        cast(Any, iterators if len(chunks) > 1 else iterators[0]),
+        global_batch.num_microbatches,
+        global_batch.seq_length,
+        global_batch.micro_batch_size,
+        post,
+        forward_only=forward_only,
+        global_valid_seqs=global_batch.global_valid_seqs,
+        global_valid_toks=global_batch.global_valid_toks,
+        sampling_params=sampling_params,
+        enable_opd_full_capture=capture,
+        use_fused_linear_logprobs=use_fused_linear_logprobs,
+    )
+
+
+def _check_per_token_loss(chunks: Sequence[torch.nn.Module]) -> None:
+    from megatron.core.utils import get_model_config
+
+    for i, chunk in enumerate(chunks):
+        if not get_model_config(chunk).calculate_per_token_loss:
+            raise ValueError(
+                f"Model chunk {i} needs `TransformerConfig.calculate_per_token_loss=True` for "
+                "the loss_fn path (build it with `MCoreRLModule.transformer_config(...)`)."
+            )
+
+
+@contextlib.contextmanager
+def _eval_mode(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Every submodule in eval mode (dropout off) for the block; each one's previous
+    ``training`` flag restored after, also on error."""
+    modules = [m for chunk in chunks for m in chunk.modules()]
+    previous = [m.training for m in modules]
+    try:
+        for chunk in chunks:
+            chunk.eval()
+        yield
+    finally:
+        for module, flag in zip(modules, previous, strict=True):
+            module.training = flag
+
+
+def lm_forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Any]:
+    """Megatron ``forward_step_func`` for a plain LM loss on ``{"tokens", "labels"}`` ``[b, S]``
+    microbatches (the microbatch loss is the mean per-token cross entropy)."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    per_token_loss = model(tokens, position_ids, None, labels=batch["labels"])  # [b, S]
+
+    def loss_func(output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        loss = output.float().mean()
+        # clone: the schedule divides the returned loss in place by num_microbatches.
+        return loss, {"loss": loss.detach().clone()}
+
+    return per_token_loss, loss_func
