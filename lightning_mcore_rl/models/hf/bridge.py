@@ -240,13 +240,16 @@ class HFBridge:
         owner = {key: pp_ranks[stage] for stage, keys in enumerate(owned) for key in keys}
         device = next(iter(local.values()))[1].device
         tp_group = ps.get_tensor_model_parallel_group()
+        tp_size = dist.get_world_size(tp_group)
         for key in shapes:
             if key not in owner:
                 continue  # k/v/up: produced together with the group's first name
             if key in local:
                 pm, mine = local[key]
-                shards = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
-                dist.all_gather(shards, mine.detach().contiguous(), group=tp_group)
+                shards = [mine.detach().clone()]  # never yield a view of a live parameter
+                if tp_size > 1:
+                    shards = [torch.empty_like(mine) for _ in range(tp_size)]
+                    dist.all_gather(shards, mine.detach().contiguous(), group=tp_group)
                 tensors = merge_shards(pm, shards, self.arch)
                 names = pm.hf_names
             else:

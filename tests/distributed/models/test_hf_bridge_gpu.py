@@ -35,7 +35,8 @@ def _te_and_local_logits(rank: int, directory: str) -> dict[str, torch.Tensor]:
         out[f"{label}_fused_norms"] = len(names)
         with torch.no_grad():
             out[label] = chunk(ids, positions, None).float().cpu()
-        exported = dict(bridge.export_hf_weights([chunk], dtype=torch.float32))
+        # gloo collectives take CPU tensors
+        exported = dict(bridge.export_hf_weights([chunk.cpu()], dtype=torch.float32))
         out[f"{label}_export_names"] = sorted(exported)
     return out
 
