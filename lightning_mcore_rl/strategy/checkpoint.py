@@ -54,6 +54,19 @@ def is_distributed_optimizer(optimizer: Any) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in inner)
 
 
+def load_template(
+    model_state: dict[str, Any], optimizer: Any | None, sharding: str
+) -> dict[str, Any]:
+    """What :func:`load` fills: the live model's sharded state dict (any TP/PP layout the
+    weights were saved under maps onto it) and, when fitting, the optimizer's."""
+    template: dict[str, Any] = {"state_dict": model_state}
+    if optimizer is not None:
+        template["optimizer_states"] = [
+            sharded_optimizer_state_dict(optimizer, model_state, sharding=sharding, is_loading=True)
+        ]
+    return template
+
+
 def sharded_optimizer_state_dict(
     optimizer: Any, model_state: dict[str, Any], *, sharding: str, is_loading: bool
 ) -> dict[str, Any]:

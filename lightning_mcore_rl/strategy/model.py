@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -43,3 +43,41 @@ def wrap_chunks(
         for chunk in chunks:
             cast("TransformerConfig", chunk.config).finalize_model_grads_func = finalize_model_grads
     return wrapped
+
+
+def checked_chunks(
+    module: Any, vp_stages: Sequence[int | None], expected: Mapping[str, Any]
+) -> list[torch.nn.Module]:
+    """The module's raw chunks (``module.chunks``), one per VPP stage, each with a megatron config
+    holding the ``expected`` strategy/precision fields.
+
+    Raises:
+        TypeError: no ``chunks`` or a chunk without a megatron ``config``.
+        ValueError: the wrong number of chunks, or a config field that disagrees.
+    """
+    chunks = getattr(module, "chunks", None)
+    if chunks is None:
+        raise TypeError(
+            f"MCoreRLStrategy needs a LightningModule with megatron model chunks in "
+            f"`self.chunks` (subclass `MCoreRLModule`); {type(module).__name__} has none "
+            "after `configure_model`."
+        )
+    if len(chunks) != len(vp_stages):
+        raise ValueError(
+            f"The module built {len(chunks)} model chunk(s) but the strategy runs "
+            f"{len(vp_stages)} (one per virtual pipeline stage); build one chunk per entry of "
+            "`strategy.vp_stages`."
+        )
+    for index, chunk in enumerate(chunks):
+        config = getattr(chunk, "config", None)
+        if config is None:
+            raise TypeError(f"Model chunk {index} ({type(chunk).__name__}) has no megatron config.")
+        for key, value in expected.items():
+            actual = getattr(config, key)
+            if actual != value:
+                raise ValueError(
+                    f"Model chunk {index}: `TransformerConfig.{key}={actual!r}` but the strategy "
+                    f"and Trainer set {value!r}; build the config with "
+                    "`strategy.transformer_config_kwargs()` (see `MCoreRLModule.transformer_config`)."
+                )
+    return list(chunks)

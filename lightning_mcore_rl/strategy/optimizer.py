@@ -9,11 +9,12 @@ closure (its ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_gr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -198,3 +199,39 @@ def check_trainer_flags(
             "megatron clips by the global gradient norm; use gradient_clip_algorithm='norm'."
         )
     return 0.0 if gradient_clip_val is None else float(gradient_clip_val)
+
+
+def build_optimizer(
+    spec: object,
+    chunks: Sequence[torch.nn.Module],
+    *,
+    clip_grad: float,
+    bf16: bool,
+    use_distributed_optimizer: bool,
+) -> tuple[MegatronOptimizerAdapter, list[LRSchedulerConfig]]:
+    """``configure_optimizers()``'s result (a megatron ``OptimizerConfig`` or a
+    :class:`MegatronOptimizerSpec` with a scheduler factory) -> the megatron optimizer over the
+    DDP ``chunks`` behind a torch-optimizer facade, and Lightning's scheduler configs."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    if not isinstance(spec, MegatronOptimizerSpec):
+        spec = MegatronOptimizerSpec(config=spec)
+    config = resolve_optimizer_config(
+        spec.config,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    adapter = MegatronOptimizerAdapter(get_megatron_optimizer(config, list(chunks)))
+    if spec.lr_scheduler is None:
+        return adapter, []
+    return adapter, [_scheduler_config(spec.lr_scheduler(adapter))]
+
+
+def _scheduler_config(scheduler: Any) -> LRSchedulerConfig:
+    """A scheduler or a Lightning scheduler dict -> ``LRSchedulerConfig``."""
+    if isinstance(scheduler, Mapping):
+        if "scheduler" not in scheduler:
+            raise ValueError("A scheduler dict from the factory needs a 'scheduler' key.")
+        return LRSchedulerConfig(**scheduler)
+    return LRSchedulerConfig(scheduler=scheduler)

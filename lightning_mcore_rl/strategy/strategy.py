@@ -10,7 +10,6 @@ A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightni
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -34,20 +33,19 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from typing_extensions import override
 
 from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
-from lightning_mcore_rl.strategy.model import unwrap_model, wrap_chunks
+from lightning_mcore_rl.strategy.model import checked_chunks, unwrap_model, wrap_chunks
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
-    MegatronOptimizerSpec,
     MegatronStepResult,
+    build_optimizer,
     check_trainer_flags,
-    resolve_optimizer_config,
 )
+from lightning_mcore_rl.strategy.parallel import init_model_parallel
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
 
 if TYPE_CHECKING:
@@ -56,8 +54,6 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.module import MCoreRLModule
     from lightning_mcore_rl.train import Microbatching, ParallelGroups, PolicyConfig, StepOutput
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
-
-_DEFAULT_SEED = 1234
 
 
 class MCoreRLStrategy(ParallelStrategy):
@@ -279,7 +275,7 @@ class MCoreRLStrategy(ParallelStrategy):
             from lightning_mcore_rl.cpu import cpu_emulation
 
             self._backend.enter_context(cpu_emulation())
-        self._init_model_parallel()
+        self._groups = init_model_parallel(self.parallel)
 
     def _set_world_ranks(self) -> None:
         assert self.cluster_environment is not None
@@ -288,38 +284,6 @@ class MCoreRLStrategy(ParallelStrategy):
         )
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    def _init_model_parallel(self) -> None:
-        """``initialize_model_parallel`` once per process, seed megatron's RNG tracker with
-        ``seed_everything``'s seed (``PL_GLOBAL_SEED``, default 1234), read the groups."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        from lightning_mcore_rl.train import ParallelGroups
-
-        p = self.parallel
-        if ps.model_parallel_is_initialized():
-            groups = ParallelGroups.from_megatron()
-            existing = (groups.tp_size, groups.pp_size, groups.vpp_size, groups.cp_size)
-            if existing != (p.tp, p.pp, p.vpp, p.cp):
-                raise RuntimeError(
-                    f"megatron's parallel state is already initialised with (tp, pp, vpp, cp) = "
-                    f"{existing}, but this strategy asks for {(p.tp, p.pp, p.vpp, p.cp)}; call "
-                    "`megatron.core.parallel_state.destroy_model_parallel()` first."
-                )
-            self._groups = groups
-            return
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=p.tp,
-            pipeline_model_parallel_size=p.pp,
-            virtual_pipeline_model_parallel_size=p.vpp,
-            context_parallel_size=p.cp,
-        )
-        # Under CPU emulation the "CUDA" generator IS torch's CPU generator: keep its state.
-        rng_state = torch.get_rng_state()
-        model_parallel_cuda_manual_seed(int(os.environ.get("PL_GLOBAL_SEED", _DEFAULT_SEED)))
-        torch.set_rng_state(rng_state)
-        self._groups = ParallelGroups.from_megatron()
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -351,9 +315,9 @@ class MCoreRLStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        raw = self._raw_chunks()
-        for i, chunk in enumerate(raw):
-            self._check_chunk_config(i, chunk)
+        raw = checked_chunks(
+            self.lightning_module, self.vp_stages, self.transformer_config_kwargs()
+        )
         needs_ddp = fitting and not any(hasattr(c, "zero_grad_buffer") for c in self._chunks)
         if self._chunks_for != raw or needs_ddp:
             ddp = None
@@ -372,29 +336,21 @@ class MCoreRLStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         """``configure_optimizers()`` -> megatron ``OptimizerConfig`` (or a
         :class:`MegatronOptimizerSpec` with a scheduler factory) -> megatron optimizer."""
-        from megatron.core.optimizer import get_megatron_optimizer
-
         clip_grad = check_trainer_flags(
             trainer.accumulate_grad_batches,
             trainer.gradient_clip_val,
             trainer.gradient_clip_algorithm,
         )
         assert self.lightning_module is not None
-        # an OptimizerConfig or a MegatronOptimizerSpec, outside Lightning's declared return type
-        spec: object = self.lightning_module.configure_optimizers()
-        if not isinstance(spec, MegatronOptimizerSpec):
-            spec = MegatronOptimizerSpec(config=spec)
-        config = resolve_optimizer_config(
-            spec.config,
+        adapter, schedulers = build_optimizer(
+            self.lightning_module.configure_optimizers(),
+            self._chunks,
             clip_grad=clip_grad,
             bf16=self.precision_plugin.bf16,
             use_distributed_optimizer=self.use_distributed_optimizer,
         )
-        adapter = MegatronOptimizerAdapter(get_megatron_optimizer(config, self._chunks))
         self.optimizers = [adapter]
-        self.lr_scheduler_configs = []
-        if spec.lr_scheduler is not None:
-            self.lr_scheduler_configs = [_scheduler_config(spec.lr_scheduler(adapter))]
+        self.lr_scheduler_configs = schedulers
 
     @override
     def model_to_device(self) -> None:
@@ -521,20 +477,11 @@ class MCoreRLStrategy(ParallelStrategy):
         """Load into a template built from the live model (and optimizer when fitting): any TP/PP
         layout the weights were saved under works."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        model_state = self.lightning_module_state_dict()
-        template: dict[str, Any] = {"state_dict": model_state}
-        if self.optimizers:
-            template["optimizer_states"] = [
-                ckpt.sharded_optimizer_state_dict(
-                    self.megatron_optimizer,
-                    model_state,
-                    sharding=self.checkpoint_config.optimizer_sharding,
-                    is_loading=True,
-                )
-            ]
+        optimizer = self.megatron_optimizer if self.optimizers else None
+        sharding = self.checkpoint_config.optimizer_sharding
+        template = ckpt.load_template(self.lightning_module_state_dict(), optimizer, sharding)
         assert self.lightning_module is not None
-        safe = ckpt.user_types(dict(self.lightning_module.hparams))
-        return ckpt.load(template, path, safe)
+        return ckpt.load(template, path, ckpt.user_types(dict(self.lightning_module.hparams)))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -559,49 +506,10 @@ class MCoreRLStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------------- helpers
 
-    def _raw_chunks(self) -> list[torch.nn.Module]:
-        module = self.lightning_module
-        chunks = getattr(module, "chunks", None)
-        if chunks is None:
-            raise TypeError(
-                f"MCoreRLStrategy needs a LightningModule with megatron model chunks in "
-                f"`self.chunks` (subclass `MCoreRLModule`); {type(module).__name__} has none "
-                "after `configure_model`."
-            )
-        if len(chunks) != len(self.vp_stages):
-            raise ValueError(
-                f"The module built {len(chunks)} model chunk(s) but the strategy runs "
-                f"{len(self.vp_stages)} (virtual_pipeline_model_parallel_size="
-                f"{self.parallel.vpp}); build one chunk per entry of `strategy.vp_stages`."
-            )
-        return list(chunks)
-
-    def _check_chunk_config(self, index: int, chunk: torch.nn.Module) -> None:
-        config = getattr(chunk, "config", None)
-        if config is None:
-            raise TypeError(f"Model chunk {index} ({type(chunk).__name__}) has no megatron config.")
-        for key, expected in self.transformer_config_kwargs().items():
-            actual = getattr(config, key)
-            if actual != expected:
-                raise ValueError(
-                    f"Model chunk {index}: `TransformerConfig.{key}={actual!r}` but the strategy "
-                    f"and Trainer set {expected!r}; build the config with "
-                    "`strategy.transformer_config_kwargs()` (see `MCoreRLModule.transformer_config`)."
-                )
-
     def _adapter(self) -> MegatronOptimizerAdapter:
         if not self.optimizers or not isinstance(self.optimizers[0], MegatronOptimizerAdapter):
             raise RuntimeError("The megatron optimizer exists only while fitting, after `setup`.")
         return self.optimizers[0]
-
-
-def _scheduler_config(scheduler: Any) -> LRSchedulerConfig:
-    """A scheduler or a Lightning scheduler dict -> ``LRSchedulerConfig``."""
-    if isinstance(scheduler, Mapping):
-        if "scheduler" not in scheduler:
-            raise ValueError("A scheduler dict from the factory needs a 'scheduler' key.")
-        return LRSchedulerConfig(**scheduler)
-    return LRSchedulerConfig(scheduler=scheduler)
 
 
 def register_strategy() -> None:
