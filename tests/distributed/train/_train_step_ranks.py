@@ -171,7 +171,7 @@ def hand_reference() -> HandReference:
     ``r = exp(c - p)``, ``L = sum m max(-A r, -A clip(r, 0.8, 1.2)) / N_t
     + beta sum m w k3 / N_t`` with ``k3 = exp(ref - c) - (ref - c) - 1`` (clamps inactive:
     |ref - c| << 20) and ``w = exp(c - c.detach())``: value 1, but it adds the score-function
-    gradient ``beta k3 dc`` (spec §4.2: d penalty / dc = beta w (k3 + 1 - e^r) / N_t).
+    gradient ``beta k3 dc`` (docs/behaviour-reference.md §4.2: d penalty / dc = beta w (k3 + 1 - e^r) / N_t).
     """
     config = tiny_gpt_config(calculate_per_token_loss=True)
     model = tiny_gpt(config, vocab_size=V, seed=0, transformer_layer_spec=spec())
