@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -173,3 +174,48 @@ def init_distributed_optimizer_state_for_load(optimizer: Any) -> None:
     """
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner._init_optimizer_states_with_dummy_values()
+
+
+# (message regex, category, module regex) of the warnings megatron-core 0.16 always issues
+# without Transformer Engine / Apex, and its own deprecations (the ones pyproject's pytest
+# `filterwarnings` ignores). `warnings` matches both regexes at the start of the string.
+EXPECTED_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    # megatron.core.optimizer, .optimizer.clip_grads, .distributed.fsdp...mixed_precision (import)
+    (
+        r"Transformer Engine and Apex are not installed\. Falling back to ",
+        UserWarning,
+        r"megatron\.",
+    ),
+    # megatron.core.models.backends, .models.gpt.gpt_layer_specs (local layer spec)
+    (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\."),
+    # TransformerConfig.__post_init__: the default cuda_graph_scope, unused without CUDA graphs
+    (
+        r"full scope is deprecated\. Use empty cuda_graph_scope",
+        UserWarning,
+        r"megatron\.core\.transformer\.transformer_config",
+    ),
+    # megatron-core's deprecations of its own API (hidden by default outside __main__)
+    (r"", DeprecationWarning, r"megatron\."),
+)
+
+CPU_EXPECTED_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    # ColumnParallelLinear: a CUDA scheduling hint, meaningless on CPU (kept on GPU)
+    (
+        r"When using async grad allreduce it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+        UserWarning,
+        r"megatron\.core\.tensor_parallel\.layers",
+    ),
+)
+
+
+def filter_expected_warnings(cpu: bool = False) -> None:
+    """Ignore the warnings megatron-core issues in every run without Transformer Engine / Apex
+    (:data:`EXPECTED_WARNINGS`); ``cpu=True`` also ignores its CUDA-only hints
+    (:data:`CPU_EXPECTED_WARNINGS`). Every other warning, megatron's included, still shows.
+
+    Process-wide and idempotent (``warnings.filterwarnings`` drops duplicate filters); call it
+    before megatron-core is imported, as its Transformer Engine / Apex warnings fire at import.
+    """
+    for message, category, module in EXPECTED_WARNINGS + (CPU_EXPECTED_WARNINGS if cpu else ()):
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -68,6 +68,19 @@ class RolloutSpec:
     seed: int = 1234
 
 
+DEFAULT_TASK = ModularCountingTask()
+"""The recipes' default task (frozen, so one shared instance is safe)."""
+
+DEFAULT_MODEL = TinyGPTSpec()
+"""``GRPOModule``'s default policy size (each module copies it)."""
+
+DEFAULT_ROLLOUT = RolloutSpec()
+"""``GRPOModule``'s default sampling settings (each module copies it)."""
+
+DEFAULT_GRPO_LOSS = ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
+"""``GRPOModule``'s default loss: NeMo RL's clipped PG defaults without the reference KL."""
+
+
 class PromptDataset(Dataset):
     """``num_prompts`` fixed random prompts of a task (map-style, so a ``DistributedSampler``
     splits them over data-parallel ranks)."""
@@ -95,7 +108,7 @@ class PromptDataModule(LightningDataModule):
 
     def __init__(
         self,
-        task: ModularCountingTask | None = None,
+        task: ModularCountingTask | None = DEFAULT_TASK,
         prompts_per_step: int = 16,
         num_steps: int = 150,
         seed: int = 0,
@@ -132,7 +145,8 @@ class GRPOModule(MCoreRLModule):
         task: the rewarded task.
         model: policy size.
         rollout: sampling settings.
-        loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios. With
+        loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios; default
+            :data:`DEFAULT_GRPO_LOSS` (NeMo RL's defaults without the reference KL). With
             ``reference_policy_kl_penalty > 0`` the reference policy is the initial model: its
             logprobs are computed each step by temporarily loading the seed's weights.
         lr: Adam learning rate.
@@ -140,26 +154,27 @@ class GRPOModule(MCoreRLModule):
 
     def __init__(
         self,
-        task: ModularCountingTask | None = None,
-        model: TinyGPTSpec | None = None,
-        rollout: RolloutSpec | None = None,
-        loss: ClippedPGLossConfig | None = None,
+        task: ModularCountingTask | None = DEFAULT_TASK,
+        model: TinyGPTSpec | None = DEFAULT_MODEL,
+        rollout: RolloutSpec | None = DEFAULT_ROLLOUT,
+        loss: ClippedPGLossConfig | None = DEFAULT_GRPO_LOSS,
         lr: float = 5e-3,
     ) -> None:
-        loss = loss or ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
+        loss = loss or DEFAULT_GRPO_LOSS
         if loss.use_kl_in_reward:
             raise ValueError(
                 "GRPOModule applies the reference KL in the loss; `use_kl_in_reward=True` is "
                 "not supported by this recipe."
             )
-        rollout = rollout or RolloutSpec()
+        # the mutable spec defaults are shared instances: each module keeps its own copy
+        rollout = replace(rollout) if rollout is not None else RolloutSpec()
         super().__init__(
             loss_fn=ClippedPGLossFn(loss),
             sampling_params=TrainingSamplingParams(temperature=rollout.temperature),
         )
         self.kl_penalty = loss.reference_policy_kl_penalty
         self.task = task or ModularCountingTask()
-        self.model_spec = model or TinyGPTSpec()
+        self.model_spec = replace(model) if model is not None else TinyGPTSpec()
         self.rollout = rollout
         self.lr = lr
         self.save_hyperparameters(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,53 @@ def test_prompt_datamodule_splits_prompts_over_data_parallel_ranks():
     data.trainer.strategy.distributed_sampler_kwargs["num_replicas"] = 3
     with pytest.raises(ValueError, match=r"`prompts_per_step` \(16\) must be divisible by the"):
         data.train_dataloader()
+
+
+def test_print_config_shows_the_effective_recipe_settings(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from lightning_mcore_rl.recipes.grpo import DEFAULT_GRPO_LOSS, RolloutSpec, TinyGPTSpec
+
+    monkeypatch.chdir(tmp_path)
+    path = Path(__file__).parents[3] / "examples" / "configs" / "grpo_tiny.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["--config", str(path), "--print_config"], run=False)
+    assert exit_info.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    model = config["model"]["init_args"]
+    assert model["loss"] == asdict(DEFAULT_GRPO_LOSS)  # no `loss: null`
+    assert model["loss"]["reference_policy_kl_penalty"] == 0.0
+    assert model["loss"]["ratio_clip_min"] == 0.2 and model["loss"]["ratio_clip_max"] == 0.2
+    assert model["model"] == asdict(TinyGPTSpec())
+    assert model["rollout"] == asdict(RolloutSpec())
+    assert config["data"]["init_args"]["task"] == {
+        "vocab_size": 16,
+        "prompt_length": 8,
+        "modulus": 4,
+    }
+
+
+def test_recipe_settings_override_from_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = Path(__file__).parents[3] / "examples" / "configs" / "grpo_tiny.yaml"
+    cli = build_cli(
+        [
+            "--config",
+            str(path),
+            "--model.init_args.loss.ratio_clip_max=0.28",
+            "--model.init_args.model.num_layers=3",
+        ],
+        run=False,
+    )
+    assert cli.model.loss_fn.cfg.ratio_clip_max == 0.28
+    assert cli.model.loss_fn.cfg.ratio_clip_min == 0.2  # the rest keeps the defaults
+    assert cli.model.kl_penalty == 0.0
+    assert cli.model.model_spec.num_layers == 3 and cli.model.model_spec.hidden_size == 64
+
+
+def test_grpo_module_defaults_are_not_shared_between_instances():
+    first, second = GRPOModule(), GRPOModule()
+    first.rollout.group_size = 8
+    first.model_spec.num_layers = 5
+    assert second.rollout.group_size == 4 and second.model_spec.num_layers == 2
+    assert GRPOModule(loss=None, model=None, rollout=None, task=None).kl_penalty == 0.0
