@@ -24,7 +24,9 @@ TIMING_METRICS = ("step_time", "tokens_per_sec", "samples_per_sec")
 
 class TrainingStatistics(Callback):
     """Logs the statistics of every optimizer step through ``pl_module.log_dict`` — once per
-    step, identical on every rank — so CSV, TensorBoard and W&B loggers receive each value once.
+    step, identical on every rank — so CSV, TensorBoard and W&B loggers receive each value once
+    (at Lightning's step, 0-based; every ``Trainer(log_every_n_steps=...)`` steps: set 1, since
+    Lightning's default of 50 sends a short run's loggers nothing).
 
     The step's loss and metrics come from the strategy's step
     (:class:`~lightning_mcore_rl.train.StepOutput`: every metric already combined by its
@@ -45,7 +47,9 @@ class TrainingStatistics(Callback):
     :class:`~lightning_mcore_rl.MCoreRLModule` adds one to every run; pass an instance (or a
     subclass overriding :meth:`step_metrics`) in ``Trainer(callbacks=...)`` to replace it. The
     strategy calls :meth:`on_optimizer_step` right after megatron's optimizer step (the step's
-    grad norm exists only then), before any callback's ``on_train_batch_end``.
+    grad norm exists only then), before any callback's ``on_train_batch_end``. The
+    :data:`TIMING_METRICS` are logged in float64 (``tokens_per_sec * step_time`` gives back the
+    token count); other Python numbers get Lightning's float32.
 
     Args:
         prog_bar: metric names also shown in the progress bar.
@@ -77,7 +81,8 @@ class TrainingStatistics(Callback):
             return
         elapsed = time.perf_counter() - (self._start or time.perf_counter())
         elapsed = _slowest(elapsed, strategy.root_device)
-        values = self.step_metrics(trainer, pl_module, output, elapsed)
+        raw = self.step_metrics(trainer, pl_module, output, elapsed)
+        values = {k: _float64(v) if k in TIMING_METRICS else v for k, v in raw.items()}
         shown = {k: v for k, v in values.items() if k in self.prog_bar}
         hidden = {k: v for k, v in values.items() if k not in self.prog_bar}
         for group, prog_bar in ((shown, True), (hidden, False)):
@@ -174,6 +179,11 @@ def _slowest(seconds: float, device: torch.device) -> float:
     value = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.cpu())
+
+
+def _float64(value: MetricValue) -> MetricValue:
+    """A Python number as a 0-d float64 tensor (``self.log`` would round it to float32)."""
+    return torch.tensor(value, dtype=torch.float64) if isinstance(value, (int, float)) else value
 
 
 def _is_plain(value: Any) -> bool:
