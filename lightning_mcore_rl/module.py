@@ -120,7 +120,10 @@ class MCoreRLModule(LightningModule):
     # ---------------------------------------------------------------- post-processing hooks
 
     def sampling_params(self) -> TrainingSamplingParams | None:
-        """Sampling parameters of every logprob path (default: the constructor's)."""
+        """Sampling parameters of every logprob path (default: the constructor's). Their
+        temperature is THE temperature of every pass (applied once to the logits, before any
+        post-processor); post-processors use only their top-k/top-p, and one built with a
+        different temperature raises ``ValueError``."""
         return self._sampling_params
 
     def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:

@@ -222,6 +222,7 @@ def _megatron_pass(
     forward_only: bool,
     use_fused_linear_logprobs: bool,
 ) -> list[dict[str, Any]]:
+    _check_temperature(post, sampling_params)
     capture = isinstance(post, TeacherFullPayloadPostProcessor) and post.payload == "hidden_states"
     iterators = [global_batch.iterator() for _ in chunks]
     return megatron_forward_backward(
@@ -238,6 +239,23 @@ def _megatron_pass(
         enable_opd_full_capture=capture,
         use_fused_linear_logprobs=use_fused_linear_logprobs,
     )
+
+
+def _check_temperature(
+    post: PostProcessingFunction, sampling_params: TrainingSamplingParams | None
+) -> None:
+    """The temperature is applied once, upstream, from ``sampling_params``; a post-processor
+    built with another one would silently have it ignored, so that is an error."""
+    inner = post.logprobs if isinstance(post, TeacherFullPayloadPostProcessor) else post
+    own = getattr(inner, "sampling_params", None)
+    step = 1.0 if sampling_params is None else sampling_params.temperature
+    if own is not None and own.temperature != step:
+        raise ValueError(
+            f"{type(post).__name__} was built with temperature={own.temperature} but the step "
+            f"applies temperature={step} (the module's `sampling_params()`); the temperature is "
+            "applied once to the logits before any post-processor, so set it in "
+            "`sampling_params()` and build the post-processor with the same one."
+        )
 
 
 def _check_per_token_loss(chunks: Sequence[torch.nn.Module]) -> None:

@@ -294,3 +294,18 @@ def test_process_microbatch_errors() -> None:
         process_microbatch(data, sequence_packing=True)
     with pytest.raises(ValueError, match="pad_full_seq_to"):
         process_microbatch(_data(), pad_full_seq_to=3)
+
+
+def test_a_post_processor_with_another_temperature_is_rejected() -> None:
+    from lightning_mcore_rl.ops import TrainingSamplingParams
+    from lightning_mcore_rl.train import LogprobsPostProcessor, TeacherFullPayloadPostProcessor
+    from lightning_mcore_rl.train.step import _check_temperature
+
+    hot = TrainingSamplingParams(temperature=2.0)
+    _check_temperature(LogprobsPostProcessor(None, sampling_params=hot), hot)  # same: fine
+    _check_temperature(LogprobsPostProcessor(None), None)
+    with pytest.raises(ValueError, match=r"built with temperature=2.0 but the step applies"):
+        _check_temperature(LogprobsPostProcessor(None, sampling_params=hot), None)
+    payload = TeacherFullPayloadPostProcessor(None, "logits", torch.float32, sampling_params=hot)
+    with pytest.raises(ValueError, match="temperature=1.5"):
+        _check_temperature(payload, TrainingSamplingParams(temperature=1.5))
