@@ -14,6 +14,12 @@ Next-token convention: logits at position ``t`` score token ``t+1``; loss inputs
 
 __version__ = "0.1.0"
 
+# megatron-core warns at import that Transformer Engine / Apex are missing (expected without a
+# GPU stack): filter exactly those before anything imports it.
+from lightning_mcore_rl._compat import filter_expected_warnings  # noqa: E402
+
+filter_expected_warnings()
+
 # Importing the package registers the strategy name "mcore_rl" with Lightning. This imports
 # Lightning (not megatron-core: the strategy imports megatron lazily inside its hooks).
 from lightning_mcore_rl.module import MCoreRLModule  # noqa: E402

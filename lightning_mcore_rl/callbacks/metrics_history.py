@@ -139,10 +139,9 @@ class MetricsHistory(Callback):
 
 def _logger_step(trainer: Trainer) -> int:
     """The step index Lightning's loggers give the current training step (0-based): the count of
-    optimizer steps before it. Between a step's ``on_train_batch_end`` and the end of the
-    validation run after it, Lightning has not incremented it yet."""
-    stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
-    return int(stepped) if stepped is not None else max(trainer.global_step - 1, 0)
+    optimizer steps before it. ``global_step`` already counts this step's optimizer step from
+    its ``on_train_batch_end`` to the end of the validation run after it."""
+    return max(trainer.global_step - 1, 0)
 
 
 def _scalars(metrics: Mapping[str, Tensor]) -> dict[str, float]:

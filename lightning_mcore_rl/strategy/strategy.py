@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
@@ -262,6 +263,7 @@ class MCoreRLStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Device, process group, the CPU backend (CPU runs; left in ``teardown``), megatron's
         groups (once per process) and the :class:`ParallelGroups` passed down from here."""
+        filter_expected_warnings(cpu=self.root_device.type == "cpu")
         self.parallel.check_world_size(self.num_nodes * self.num_processes)
         super().setup_environment()
         reset_seed()
