@@ -2,10 +2,18 @@
 
 from lightning_mcore_rl.recipes.grpo import (
     GRPOModule,
+    HFModelSpec,
     PromptDataModule,
     PromptDataset,
     RolloutSpec,
     TinyGPTSpec,
 )
 
-__all__ = ["GRPOModule", "PromptDataModule", "PromptDataset", "RolloutSpec", "TinyGPTSpec"]
+__all__ = [
+    "GRPOModule",
+    "HFModelSpec",
+    "PromptDataModule",
+    "PromptDataset",
+    "RolloutSpec",
+    "TinyGPTSpec",
+]

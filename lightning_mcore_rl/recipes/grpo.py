@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.rollout import ModularCountingTask, generate
 from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.models import HFBridge
 
 
 @dataclass
@@ -49,6 +52,18 @@ class TinyGPTSpec:
     hidden_size: int = 64
     num_attention_heads: int = 4
     seed: int = 0
+
+
+@dataclass
+class HFModelSpec:
+    """A Hugging Face causal LM as the policy (see ``docs/models.md`` for the architectures).
+
+    Attributes:
+        path: a directory with ``config.json`` and ``*.safetensors``; its vocabulary must cover
+            the task's token ids and ``max_position_embeddings`` the prompt + completion.
+    """
+
+    path: str
 
 
 @dataclass
@@ -143,19 +158,21 @@ class GRPOModule(MCoreRLModule):
 
     Args:
         task: the rewarded task.
-        model: policy size.
+        model: the policy: a tiny GPT (:class:`TinyGPTSpec`) or a Hugging Face checkpoint
+            (:class:`HFModelSpec`, imported with :class:`~lightning_mcore_rl.models.HFBridge`).
         rollout: sampling settings.
         loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios; default
             :data:`DEFAULT_GRPO_LOSS` (NeMo RL's defaults without the reference KL). With
             ``reference_policy_kl_penalty > 0`` the reference policy is the initial model: its
-            logprobs are computed each step by temporarily loading the seed's weights.
+            logprobs are computed each step by temporarily loading the initial weights again
+            (regenerated from the tiny GPT's seed, or re-read from the HF checkpoint).
         lr: Adam learning rate.
     """
 
     def __init__(
         self,
         task: ModularCountingTask | None = DEFAULT_TASK,
-        model: TinyGPTSpec | None = DEFAULT_MODEL,
+        model: TinyGPTSpec | HFModelSpec | None = DEFAULT_MODEL,
         rollout: RolloutSpec | None = DEFAULT_ROLLOUT,
         loss: ClippedPGLossConfig | None = DEFAULT_GRPO_LOSS,
         lr: float = 5e-3,
@@ -175,6 +192,7 @@ class GRPOModule(MCoreRLModule):
         self.kl_penalty = loss.reference_policy_kl_penalty
         self.task = task or ModularCountingTask()
         self.model_spec = replace(model) if model is not None else TinyGPTSpec()
+        self._bridge: HFBridge | None = None
         self.rollout = rollout
         self.lr = lr
         self.save_hyperparameters(
@@ -187,10 +205,14 @@ class GRPOModule(MCoreRLModule):
         )
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The tiny GPT (layout-invariant deterministic weights), built from the strategy's config."""
+        """The policy chunk for ``vp_stage``, built from the strategy's config: the tiny GPT
+        (layout-invariant deterministic weights) or the HF checkpoint's shards."""
         from lightning_mcore_rl.models.tiny_gpt import tiny_gpt
 
         spec = self.model_spec
+        if isinstance(spec, HFModelSpec):
+            bridge = self.hf_bridge()
+            return bridge.build_chunk(self.transformer_config(**bridge.config_fields()), vp_stage)
         config = self.transformer_config(
             num_layers=spec.num_layers,
             hidden_size=spec.hidden_size,
@@ -212,6 +234,31 @@ class GRPOModule(MCoreRLModule):
             seed=spec.seed,
             vp_stage=vp_stage,
         )
+
+    def hf_bridge(self) -> HFBridge:
+        """The :class:`~lightning_mcore_rl.models.HFBridge` of an :class:`HFModelSpec` policy,
+        checked against the task (``ValueError``: vocabulary or positions too small)."""
+        from lightning_mcore_rl.models import HFBridge
+
+        spec = self.model_spec
+        if not isinstance(spec, HFModelSpec):
+            raise TypeError(f"the policy is a {type(spec).__name__}, not an HFModelSpec")
+        if self._bridge is None:
+            bridge = HFBridge.from_pretrained(spec.path)
+            if bridge.vocab_size < self.task.vocab_size:
+                raise ValueError(
+                    f"The HF model at {spec.path!r} has vocab_size={bridge.vocab_size}, below the "
+                    f"task's vocab_size={self.task.vocab_size}; its token ids would not exist."
+                )
+            length = self.task.prompt_length + self.rollout.max_new_tokens
+            positions = bridge.arch.max_position_embeddings
+            if positions < length:
+                raise ValueError(
+                    f"The HF model at {spec.path!r} has max_position_embeddings={positions}, "
+                    f"below prompt_length + max_new_tokens = {length}."
+                )
+            self._bridge = bridge
+        return self._bridge
 
     def configure_optimizers(self) -> Any:
         """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
@@ -242,17 +289,22 @@ class GRPOModule(MCoreRLModule):
     def reference_weights(self) -> Iterator[None]:
         """Temporarily give the model its initial weights (the reference policy).
 
-        The tiny GPT's initial weights are a pure function of the seed (whatever the layout), so
-        they are regenerated instead of kept as a second copy, and a resumed run keeps the same
-        reference. The current weights are restored on exit, also on error.
+        The initial weights are regenerated instead of kept as a second copy (the tiny GPT's are
+        a pure function of the seed whatever the layout; an HF policy's shards are re-read from
+        its checkpoint), so a resumed run keeps the same reference. The current weights are
+        restored on exit, also on error.
         """
         from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
 
+        spec = self.model_spec
         params = [p for chunk in self.mcore_strategy.model_chunks for p in chunk.parameters()]
         current = [p.detach().clone() for p in params]
         try:
             for chunk in self.mcore_strategy.model_chunks:
-                load_deterministic_weights(_unwrap(chunk), self.model_spec.seed)
+                if isinstance(spec, HFModelSpec):
+                    self.hf_bridge().load_weights(chunk)
+                else:
+                    load_deterministic_weights(_unwrap(chunk), spec.seed)
             yield
         finally:
             with torch.no_grad():

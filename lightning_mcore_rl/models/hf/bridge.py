@@ -200,6 +200,17 @@ class HFBridge:
         self._load(model, ps.get_tensor_model_parallel_rank(), tp)
         return model
 
+    def load_weights(self, chunk: torch.nn.Module) -> None:
+        """Overwrite a built chunk (possibly wrapped in megatron DDP / ``Float16Module``) with
+        this directory's weights again, e.g. to run the initial model as a reference policy."""
+        from megatron.core import parallel_state as ps
+
+        self._load(
+            _unwrap(chunk),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        )
+
     @torch.no_grad()
     def _load(self, model: torch.nn.Module, rank: int, world: int) -> None:
         for name, param in model.named_parameters():

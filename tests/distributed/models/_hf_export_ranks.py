@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from _hf_ranks import SEQ, VOCAB, input_ids
+from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
@@ -15,11 +16,12 @@ from lightning_mcore_rl.models import HFBridge
 
 
 class _Rows(Dataset):
-    """LM samples ``{"tokens": [SEQ], "labels": [SEQ]}``."""
+    """Four LM samples ``{"tokens": [SEQ], "labels": [SEQ]}``: one global batch, the same every
+    step (so the loss must fall)."""
 
     def __init__(self) -> None:
         self.rows = torch.randint(
-            0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(5)
+            0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5)
         )
 
     def __len__(self) -> int:
@@ -47,19 +49,29 @@ class HFModule(MCoreRLModule):
         return OptimizerConfig(optimizer="adam", lr=1e-3)
 
 
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        self.values.append(float(trainer.callback_metrics["train_loss"]))
+
+
 def fit_and_checkpoint(rank: int, hf_dir: str, ckpt: str) -> dict[str, Any]:
-    """Train 2 steps at TP=2, save ``ckpt``; return the trained model's TP-gathered logits on
-    :func:`input_ids` (rank 0)."""
+    """Train 6 steps at TP=2 on one repeated global batch, save ``ckpt``; return the per-step
+    losses and the trained model's TP-gathered logits on :func:`input_ids` (rank 0)."""
     from lightning.pytorch import Trainer
     from megatron.core import parallel_state as ps
 
     module = HFModule(hf_dir)
+    losses = _Losses()
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
         strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2),
-        max_steps=2,
+        max_steps=6,
         logger=False,
+        callbacks=[losses],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -73,4 +85,4 @@ def fit_and_checkpoint(rank: int, hf_dir: str, ckpt: str) -> dict[str, Any]:
         logits = chunk(ids, torch.arange(SEQ).expand_as(ids), None).contiguous()
     parts = [torch.empty_like(logits) for _ in range(2)]
     torch.distributed.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
-    return {"logits": torch.cat(parts, dim=-1) if rank == 0 else None}
+    return {"logits": torch.cat(parts, dim=-1) if rank == 0 else None, "losses": losses.values}

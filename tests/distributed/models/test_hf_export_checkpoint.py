@@ -22,7 +22,11 @@ def test_export_checkpoint_matches_trained_model(tmp_path):
     source = tmp_path / "source"
     build_hf_model(hf_configs()["qwen2_tied"], source, seed=4)
     ckpt = tmp_path / "ckpt"
-    trained, _ = run_on_ranks(fit_and_checkpoint, 2, str(source), str(ckpt), timeout=240)
+    trained, peer = run_on_ranks(fit_and_checkpoint, 2, str(source), str(ckpt), timeout=240)
+    losses = trained["losses"]
+    print(f"export_checkpoint: train_loss per step {[round(x, 4) for x in losses]}")
+    assert losses == peer["losses"] and len(losses) == 6  # identical on both TP ranks
+    assert losses[-1] < losses[0] - 0.05  # training on one repeated batch: the loss falls
 
     assert (
         main(["--ckpt", str(ckpt), "--hf-source", str(source), "--out", str(tmp_path / "out")]) == 0
