@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torchmetrics import Metric
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
@@ -37,7 +38,9 @@ class TrainingStatistics(Callback):
     * ``step_time`` (s, the slowest rank), ``tokens_per_sec`` / ``samples_per_sec`` (real tokens
       and samples of the global batch, counted once per data-parallel replica);
     * ``response_length_mean`` / ``response_length_max`` (``token_mask`` tokens per valid sample,
-      when batches have a ``token_mask``).
+      when batches have a ``token_mask``);
+    * ``skipped_steps``: steps skipped so far by the strategy's non-finite policy, from the
+      first skipped step on (a skipped step logs only this value).
 
     Validation: ``val_loss`` and ``val_<metric>``, aggregated over the epoch's batches by the
     ``across_batches`` column of :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (means of
@@ -58,6 +61,7 @@ class TrainingStatistics(Callback):
     def __init__(self, prog_bar: tuple[str, ...] = ("train_loss",)) -> None:
         self.prog_bar = prog_bar
         self._start: float | None = None
+        self._val_metrics: dict[str, Metric] = {}
 
     # ---------------------------------------------------------------- hooks
 
@@ -108,11 +112,28 @@ class TrainingStatistics(Callback):
         norms: Mapping[str, Any] = getattr(
             getattr(pl_module, "loss_fn", None), "metric_normalizations", {}
         )
-        pl_module.log("val_loss", output.loss, batch_size=1, prog_bar=True)
-        for name, value in output.metrics.items():
+        values = {"loss": output.loss, **output.metrics}
+        for name, value in values.items():
             how = norms.get(name)
             rule = MEAN_RULE if how is None else REDUCTION_RULES[MetricNormalizer(how)]
-            pl_module.log(f"val_{name}", value, batch_size=1, reduce_fx=rule.across_batches)
+            metric = self._validation_metric(f"val_{name}", rule.across_batches, value.device)
+            metric.update(value)
+            pl_module.log(
+                f"val_{name}", metric, on_step=False, on_epoch=True, batch_size=1,
+                prog_bar=name == "loss", metric_attribute=f"training_statistics.val_{name}",
+            )  # fmt: skip
+
+    def _validation_metric(self, name: str, aggregation: str, device: torch.device) -> Metric:
+        """The epoch aggregation of ``name`` (torchmetrics, by the rule table's
+        ``across_batches``; Lightning computes it at epoch end and resets it). The values are
+        global-batch values, already identical on every rank: no synchronisation."""
+        from lightning_mcore_rl.metrics import AGGREGATIONS
+
+        metric = self._val_metrics.get(name)
+        if metric is None:
+            metric = AGGREGATIONS[aggregation](sync_on_compute=False).to(device)
+            self._val_metrics[name] = metric
+        return metric
 
     # ---------------------------------------------------------------- what is logged
 
@@ -128,9 +149,16 @@ class TrainingStatistics(Callback):
             output: the step's statistics.
             step_time: wall time of the step in seconds (the slowest rank's).
         """
-        values: dict[str, MetricValue] = {"train_loss": output.loss}
+        strategy = _strategy(trainer)
+        # the non-finite policy's count, from the first skipped step on
+        skipped: dict[str, MetricValue] = (
+            {"skipped_steps": float(strategy.skipped_steps)} if strategy.skipped_steps else {}
+        )
+        if strategy.step_skipped:  # no loss, metrics or grad norm: the step did not run/update
+            return skipped
+        values: dict[str, MetricValue] = {"train_loss": output.loss, **skipped}
         values.update({f"train_{k}": v for k, v in output.metrics.items()})
-        last = _strategy(trainer).last_optimizer_step
+        last = strategy.last_optimizer_step
         if last is not None and last.grad_norm is not None:
             values["grad_norm"] = float(last.grad_norm)
         values["step_time"] = step_time

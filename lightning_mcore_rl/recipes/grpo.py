@@ -20,16 +20,17 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.strategies import ParallelStrategy
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics.aggregation import MeanMetric
 
 from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn
 from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
 from lightning_mcore_rl.rollout import ModularCountingTask, generate
 from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
 
@@ -119,6 +120,9 @@ class PromptDataModule(LightningDataModule):
         prompts_per_step: global prompts per optimizer step (divisible by DP).
         num_steps: how many steps' worth of distinct prompts to make (one epoch).
         seed: prompt seed, also the seed of their (per-epoch) shuffled order.
+        val_prompts: held-out prompts for validation (0: no validation loop), split over DP
+            (divisible by DP) in batches of ``prompts_per_step / DP``.
+        val_seed: seed of the held-out prompts.
     """
 
     def __init__(
@@ -127,22 +131,23 @@ class PromptDataModule(LightningDataModule):
         prompts_per_step: int = 16,
         num_steps: int = 150,
         seed: int = 0,
+        val_prompts: int = 0,
+        val_seed: int = 1,
     ) -> None:
         super().__init__()
         self.task = task or ModularCountingTask()
         self.prompts_per_step = prompts_per_step
         self.num_steps = num_steps
         self.seed = seed
+        self.val_prompts = val_prompts
+        self.val_seed = val_seed
 
     def train_dataloader(self) -> ResumableLoader:
         """Per-rank batches of ``prompts_per_step / DP`` prompts ``[b, P]``: each data-parallel
         rank reads its own prompts, shuffled with a fixed seed (re-permuted per epoch). The loader
         is a :class:`~lightning_mcore_rl.strategy.ResumableLoader`, so ``fit(ckpt_path=...)``
         mid-epoch continues with the next unseen batch."""
-        assert self.trainer is not None  # Lightning attaches the Trainer before this hook
-        # the recipe runs under MCoreRLStrategy, a ParallelStrategy
-        strategy = cast(ParallelStrategy, self.trainer.strategy)
-        dp = strategy.distributed_sampler_kwargs["num_replicas"]
+        dp = self._data_parallel_size()
         if self.prompts_per_step % dp != 0:
             raise ValueError(
                 f"`prompts_per_step` ({self.prompts_per_step}) must be divisible by the "
@@ -150,7 +155,28 @@ class PromptDataModule(LightningDataModule):
             )
         dataset = PromptDataset(self.task, self.prompts_per_step * self.num_steps, self.seed)
         batch_size = self.prompts_per_step // dp
+        assert self.trainer is not None  # attached before the hook (_data_parallel_size checked)
         return resumable_dataloader(dataset, self.trainer, batch_size, seed=self.seed)
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Held-out prompts ``[b, P]`` (``val_prompts``; none when 0). Lightning gives each
+        data-parallel rank its share (a ``DistributedSampler`` over the DP group, no shuffling)."""
+        if self.val_prompts == 0:
+            return []
+        dp = self._data_parallel_size()
+        if self.val_prompts % dp != 0:
+            raise ValueError(
+                f"`val_prompts` ({self.val_prompts}) must be divisible by the data-parallel "
+                f"size ({dp}): every rank must score the same number of prompts."
+            )
+        dataset = PromptDataset(self.task, self.val_prompts, self.val_seed)
+        return DataLoader(dataset, batch_size=max(self.prompts_per_step // dp, 1))
+
+    def _data_parallel_size(self) -> int:
+        assert self.trainer is not None  # Lightning attaches the Trainer before the hooks
+        # the recipe runs under MCoreRLStrategy, a ParallelStrategy
+        strategy = cast(ParallelStrategy, self.trainer.strategy)
+        return int(strategy.distributed_sampler_kwargs["num_replicas"])
 
 
 class GRPOModule(MCoreRLModule):
@@ -167,6 +193,9 @@ class GRPOModule(MCoreRLModule):
             logprobs are computed each step by temporarily loading the initial weights again
             (regenerated from the tiny GPT's seed, or re-read from the HF checkpoint).
         lr: Adam learning rate.
+        pass_at_k: the ``k`` of the validation's ``val_pass@k`` (each ``<= group_size``: the
+            validation samples ``group_size`` completions per held-out prompt; a completion is
+            correct when its reward is 1).
     """
 
     def __init__(
@@ -176,6 +205,7 @@ class GRPOModule(MCoreRLModule):
         rollout: RolloutSpec | None = DEFAULT_ROLLOUT,
         loss: ClippedPGLossConfig | None = DEFAULT_GRPO_LOSS,
         lr: float = 5e-3,
+        pass_at_k: tuple[int, ...] = (1,),
     ) -> None:
         loss = loss or DEFAULT_GRPO_LOSS
         if loss.use_kl_in_reward:
@@ -195,6 +225,9 @@ class GRPOModule(MCoreRLModule):
         self._bridge: HFBridge | None = None
         self.rollout = rollout
         self.lr = lr
+        self.pass_at_k = tuple(pass_at_k)
+        self.evaluation: RolloutEvaluation | None = None
+        self.rollout_reward: MeanMetric | None = None
         self.save_hyperparameters(
             {
                 "task": asdict(self.task),
@@ -282,7 +315,9 @@ class GRPOModule(MCoreRLModule):
             with self.reference_weights():
                 data["reference_policy_logprobs"] = self.compute_logprobs(data)
         out = self.forward_backward(data)
-        self.log("reward", self._global_mean(rewards), batch_size=1, prog_bar=True)
+        assert self.rollout_reward is not None  # built in setup()
+        self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
+        self.log("reward", self.rollout_reward, on_step=True, on_epoch=False, prog_bar=True)
         return out.loss
 
     @contextlib.contextmanager
@@ -311,6 +346,55 @@ class GRPOModule(MCoreRLModule):
                 for param, value in zip(params, current, strict=True):
                     param.copy_(value)
 
+    def setup(self, stage: str) -> None:
+        """The rollout reward and validation metrics (torchmetrics over the data-parallel group,
+        known once the strategy has built megatron's groups, which happens before this hook)."""
+        group, device = self.mcore_strategy.groups.dp_group, self.mcore_strategy.root_device
+        if self.evaluation is None:
+            self.evaluation = RolloutEvaluation(self.pass_at_k, self.rollout.group_size, group).to(
+                device
+            )
+        if self.rollout_reward is None:
+            self.rollout_reward = MeanMetric(process_group=group, dist_sync_on_step=True).to(device)
+
+    @torch.no_grad()
+    def validation_step(  # type: ignore[override]
+        self, batch: torch.Tensor, batch_idx: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """Sample ``G`` completions per held-out prompt and score them (no training).
+
+        Returns:
+            This rank's ``rewards``, ``correct``, ``lengths`` and ``truncated`` ``[b*G]``.
+        """
+        assert self.evaluation is not None  # built in setup()
+        seed = self.rollout.seed + 7_000_003 * (batch_idx + 1) + self.mcore_strategy.groups.dp_rank
+        out, rewards = self._sample(batch, torch.Generator().manual_seed(seed))
+        lengths = out.completion_mask.sum(dim=1)
+        scores = {
+            "rewards": rewards,
+            "correct": rewards >= 1.0,
+            "lengths": lengths,
+            "truncated": lengths >= self.rollout.max_new_tokens,
+        }
+        self.evaluation.update(**scores)
+        self.evaluation.log(self)
+        return scores
+
+    def _sample(
+        self, prompts: torch.Tensor, generator: torch.Generator
+    ) -> tuple[Any, torch.Tensor]:
+        """``G`` completions per prompt (group-major ``[b*G, P+N]``) and their rewards."""
+        spec = self.rollout
+        out = generate(
+            self.mcore_strategy.model_chunks[0],
+            prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
+            max_new_tokens=spec.max_new_tokens,
+            generator=generator,
+            temperature=spec.temperature,
+            tp_group=self.mcore_strategy.groups.tp_group,
+        )
+        return out, self.task.rewards(out.tokens, out.completion_mask)
+
     @torch.no_grad()
     def make_rollout(self, prompts: torch.Tensor) -> tuple[BatchedDataDict, torch.Tensor]:
         """Sample ``G`` completions per prompt and build the GRPO batch.
@@ -320,19 +404,10 @@ class GRPOModule(MCoreRLModule):
             [b*G, P+N]``, ``input_lengths``, ``sample_mask``.
         """
         spec = self.rollout
-        groups = self.mcore_strategy.groups
         generator = torch.Generator().manual_seed(
-            spec.seed + 1_000_003 * self.global_step + groups.dp_rank
+            spec.seed + 1_000_003 * self.global_step + self.mcore_strategy.groups.dp_rank
         )
-        out = generate(
-            self.mcore_strategy.model_chunks[0],
-            prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
-            max_new_tokens=spec.max_new_tokens,
-            generator=generator,
-            temperature=spec.temperature,
-            tp_group=groups.tp_group,
-        )
-        rewards = self.task.rewards(out.tokens, out.completion_mask)
+        out, rewards = self._sample(prompts, generator)
         token_mask = out.completion_mask.float()
         batch = BatchedDataDict(
             input_ids=out.tokens,
@@ -345,12 +420,6 @@ class GRPOModule(MCoreRLModule):
             generation_logprobs=out.logprobs,
         )
         return batch, rewards
-
-    def _global_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """Mean over all data-parallel ranks (identical on every rank)."""
-        stats = torch.stack([values.sum(), torch.tensor(float(values.numel()))]).float()
-        dist.all_reduce(stats, group=self.mcore_strategy.groups.dp_group)
-        return stats[0] / stats[1]
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

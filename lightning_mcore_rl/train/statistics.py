@@ -247,39 +247,38 @@ def _all_reduce_by_rule(
     groups: ParallelGroups,
     device: torch.device | str,
 ) -> tuple[dict[str, float], dict[str, float]] | None:
-    """Reduce ``values`` (by rule) and ``counts`` over DP: one fp64 all-reduce per kind.
+    """Reduce ``values`` (by rule) and ``counts`` over DP in ONE synchronisation of a
+    :class:`~lightning_mcore_rl.metrics.RuleReduction` (fp64).
 
-    The sum tensor also carries how many ranks hold each metric (a metric held by none is
-    dropped; one held by some ranks is reduced over those) and an error flag: ``None`` on every
-    rank when any rank ``failed``.
+    The vector also carries how many ranks hold each metric (a metric held by none is dropped;
+    one held by some ranks is reduced over those) and an error flag: ``None`` on every rank when
+    any rank ``failed``.
     """
+    from lightning_mcore_rl.metrics import RuleReduction
+    from lightning_mcore_rl.metrics.reduction import Combine
+
+    names = sorted(rules)
+    count_names = sorted(counts)
     identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
-    count_kinds = {k: ("max" if k == "response_length_max" else "sum") for k in counts}
-    names = {kind: sorted(k for k, r in rules.items() if r.combine == kind) for kind in identity}
-    packed = {kind: [values.get(k, identity[kind]) for k in keys] for kind, keys in names.items()}
-    count_names = {
-        kind: sorted(k for k, c in count_kinds.items() if c == kind) for kind in identity
-    }
-    for kind in identity:
-        packed[kind] += [counts[k] for k in count_names[kind]]
-    packed["sum"] += [float(k in values) for k in sorted(rules)] + [float(failed)]
-    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-    tensors = {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in packed.items()}
-    if groups.dp_size > 1:
-        for kind, tensor in tensors.items():
-            if tensor.numel():
-                dist.all_reduce(tensor, op=ops[kind], group=groups.dp_group)
-    host = {kind: tensor.cpu().tolist() for kind, tensor in tensors.items()}  # <= 3 transfers
-    held = host["sum"][len(names["sum"]) + len(count_names["sum"]) :]
-    if held[-1] > 0:
+    count_kinds: list[Combine] = [
+        "max" if k == "response_length_max" else "sum" for k in count_names
+    ]
+    kinds = [rules[k].combine for k in names] + count_kinds + ["sum"] * (len(names) + 1)
+    local = (
+        [values.get(k, identity[rules[k].combine]) for k in names]
+        + [counts[k] for k in count_names]
+        + [float(k in values) for k in names]
+        + [float(failed)]
+    )
+    reduction = RuleReduction(
+        kinds, process_group=groups.dp_group, device=device, sync=groups.dp_size > 1
+    )
+    reduction.update(torch.tensor(local, dtype=torch.float64))
+    reduced = reduction.compute().cpu().tolist()  # the one host transfer
+    n, c = len(names), len(count_names)
+    if reduced[-1] > 0:
         return None
-    holders = dict(zip(sorted(rules), held[:-1], strict=True))
-    metrics = {
-        k: host[kind][i] for kind, keys in names.items() for i, k in enumerate(keys) if holders[k]
-    }
-    summed = {
-        k: host[kind][len(names[kind]) + i]
-        for kind, keys in count_names.items()
-        for i, k in enumerate(keys)
-    }
+    holders = reduced[n + c : 2 * n + c]
+    metrics = {k: reduced[i] for i, k in enumerate(names) if holders[i] > 0}
+    summed = {k: reduced[n + i] for i, k in enumerate(count_names)}
     return metrics, summed

@@ -1,0 +1,89 @@
+"""Rule-based reductions on torchmetrics: the per-step statistics over the data-parallel group
+(one sync) and the aggregations across validation batches."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, SumMetric
+
+Combine = Literal["sum", "min", "max"]
+
+AGGREGATIONS: dict[str, type[Metric]] = {
+    "sum": SumMetric,
+    "mean": MeanMetric,
+    "min": MinMetric,
+    "max": MaxMetric,
+}
+"""The torchmetrics aggregation of each rule name of
+:data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (``combine`` and ``across_batches``)."""
+
+_IDENTITY: dict[str, float] = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+
+
+class RuleReduction(Metric):
+    """A vector of values, each reduced over ``process_group`` by its own rule (``sum``,
+    ``min`` or ``max``), in ONE synchronisation: the single state is all-gathered once
+    (``[world, n]``) and each column reduced by its rule.
+
+    The step statistics use it with the data-parallel group (TP/PP ranks of one replica hold the
+    same values, so the world group would count them several times).
+
+    Args:
+        kinds: the rule of each entry.
+        process_group: the group to reduce over (``None``: the world).
+        device: where the state lives (the collectives' device: CUDA under NCCL).
+        sync: synchronise on ``compute`` (``False`` for a group of one process).
+    """
+
+    full_state_update = False
+    values: Tensor
+
+    def __init__(
+        self,
+        kinds: Sequence[Combine],
+        process_group: Any | None = None,
+        device: torch.device | str = "cpu",
+        sync: bool = True,
+    ) -> None:
+        super().__init__(process_group=process_group, dist_sync_on_step=False, sync_on_compute=sync)
+        self.kinds = tuple(kinds)
+        masks = {k: torch.tensor([x == k for x in self.kinds], dtype=torch.bool) for k in _IDENTITY}
+        self._masks = {k: m.to(device) for k, m in masks.items()}
+        identity = torch.tensor([_IDENTITY[k] for k in self.kinds], dtype=torch.float64)
+        self.add_state("values", default=identity.to(device), dist_reduce_fx=self._reduce_columns)
+
+    def _reduce_columns(self, stacked: Tensor) -> Tensor:
+        """``[world, n]`` gathered states -> ``[n]``: each column by its rule."""
+        if stacked.dim() == 1:  # a single process: nothing was gathered
+            return stacked
+        return torch.where(
+            self._masks["min"],
+            stacked.min(dim=0).values,
+            torch.where(self._masks["max"], stacked.max(dim=0).values, stacked.sum(dim=0)),
+        )
+
+    def update(self, values: Tensor) -> None:
+        """Combine ``values [n]`` into the state, each entry by its rule."""
+        values = values.to(self.values)
+        if values.shape != self.values.shape:
+            raise ValueError(
+                f"`values` must have shape {tuple(self.values.shape)}, got {tuple(values.shape)}"
+            )
+        combined = torch.where(
+            self._masks["min"],
+            torch.minimum(self.values, values),
+            torch.where(
+                self._masks["max"], torch.maximum(self.values, values), self.values + values
+            ),
+        )
+        self.values = combined
+
+    def compute(self) -> Tensor:
+        """The reduced ``[n]`` fp64 values."""
+        return self.values
