@@ -143,7 +143,12 @@ class ClippedPGLossConfig:
             raise ValueError(
                 f"`loss_aggregation_constant` must be > 0, got {self.loss_aggregation_constant}."
             )
-        for name in ("ratio_clip_min", "ratio_clip_max", "positive_example_nll_weight"):
+        for name in (
+            "ratio_clip_min",
+            "ratio_clip_max",
+            "positive_example_nll_weight",
+            "reference_policy_kl_penalty",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
         if self.entropy_coef < 0:
@@ -251,7 +256,7 @@ class DPOLossConfig:
 
     def __post_init__(self) -> None:
         """Validate the weights."""
-        for name in ("preference_loss_weight", "sft_loss_weight"):
+        for name in ("preference_loss_weight", "sft_loss_weight", "reference_policy_kl_penalty"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
 
@@ -306,5 +311,10 @@ class OPDFullLossConfig:
     """True: token mean over the global batch; False: mean over sequences of token means."""
 
     def __post_init__(self) -> None:
-        """Validate the KL type."""
+        """Validate the KL type and penalty."""
         _check_choice("reference_policy_kl_type", self.reference_policy_kl_type, _KL_TYPES)
+        if self.reference_policy_kl_penalty < 0:
+            raise ValueError(
+                "`reference_policy_kl_penalty` must be >= 0, got "
+                f"{self.reference_policy_kl_penalty}."
+            )

@@ -37,6 +37,16 @@ class MegatronDDPConfig:
     check_for_nan_in_grad: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "average_in_collective",
+                     "check_for_nan_in_grad"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`MegatronDDPConfig.{name}` must be a bool.")
+        if self.grad_reduce_in_fp32 is not None and not isinstance(self.grad_reduce_in_fp32, bool):
+            raise TypeError("`MegatronDDPConfig.grad_reduce_in_fp32` must be a bool or None.")
+        if isinstance(self.bucket_size, bool) or not isinstance(
+            self.bucket_size, (int, type(None))
+        ):
+            raise TypeError("`MegatronDDPConfig.bucket_size` must be an int or None.")
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(
                 f"`MegatronDDPConfig.bucket_size` must be positive or None, got {self.bucket_size}."
@@ -65,8 +75,9 @@ class CheckpointConfig:
     """How checkpoints are written with megatron ``dist_checkpointing``.
 
     Attributes:
-        optimizer_sharding: distributed-optimizer format. ``"dp_reshardable"`` (fast; a resume may
-            change DP only) or ``"fully_reshardable"`` (any TP/PP/DP change). megatron's default
+        optimizer_sharding: distributed-optimizer format. ``"dp_reshardable"`` (fast; resume
+            under the saved TP/PP/DP sizes only: another layout raises ``ValueError`` naming
+            ``"fully_reshardable"``) or ``"fully_reshardable"`` (any TP/PP/DP change). megatron's default
             ``fully_sharded_model_space`` needs ``ShardedTensor.flattened_range``, unsupported in
             megatron-core 0.16 without Transformer Engine.
         atomic: write into a temporary sibling directory and rename it into place when every rank
@@ -77,6 +88,8 @@ class CheckpointConfig:
     atomic: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.atomic, bool):
+            raise TypeError(f"`CheckpointConfig.atomic` must be a bool, got {self.atomic!r}.")
         if self.optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
             raise ValueError(
                 "`CheckpointConfig.optimizer_sharding` must be 'dp_reshardable' or "
@@ -110,8 +123,21 @@ class ParallelSizes:
             ("pipeline_model_parallel_size", self.pp),
             ("context_parallel_size", self.cp),
         ):
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(
+                    f"`{name}` must be a positive int, got {type(size).__name__} {size!r} "
+                    "(a bool is not a size)."
+                )
+            if size < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {size!r}.")
+        for name, flag in (("sequence_parallel", self.sequence_parallel),
+                           ("sequence_packing", self.sequence_packing)):  # fmt: skip
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be a bool, got {type(flag).__name__} {flag!r}.")
+        if isinstance(self.vpp, bool):
+            raise TypeError(
+                "`virtual_pipeline_model_parallel_size` must be None or an int >= 2, got a bool."
+            )
         if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 2):
             raise ValueError(
                 "`virtual_pipeline_model_parallel_size` must be None or an int >= 2, "

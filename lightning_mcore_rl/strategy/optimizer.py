@@ -9,6 +9,7 @@ closure (its ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_gr
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ class _StepRecord:
     wrapper, which copies the adapter's ``__dict__`` and so cannot see later attribute writes."""
 
     last: MegatronStepResult | None = None
+    guard: Any = None  # the strategy's NonFiniteGuard (strategy/nonfinite.py)
 
 
 @dataclass
@@ -100,19 +102,32 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         """The result of the latest :meth:`step` (``None`` before the first)."""
         return self._record.last
 
+    def use_guard(self, guard: Any) -> None:
+        """Consult ``guard`` (a :class:`~lightning_mcore_rl.strategy.nonfinite.NonFiniteGuard`)
+        before every megatron step: a skipped step never calls megatron's ``step()``."""
+        self._record.guard = guard
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (forward+backward), then megatron's step (unscale, clip, update).
+        """Run ``closure`` (forward+backward), then megatron's step (unscale, clip, update) —
+        unless the non-finite guard skips the step (non-finite inputs, loss or gradients on any
+        rank): then nothing changes, as on megatron's own ``update_successful=False`` path.
 
         Returns:
             The closure's result (the training-step loss), as ``torch.optim`` optimizers do.
         """
         loss = closure() if closure is not None else None
+        guard = self._record.guard
+        if guard is not None and guard.skip_update():
+            self._record.last = MegatronStepResult(False, None, None)
+            return loss
         ok, grad_norm, num_zeros = self.megatron_optimizer.step()
         self._record.last = MegatronStepResult(
             update_successful=bool(ok),
             grad_norm=None if grad_norm is None else float(grad_norm),
             num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
         )
+        if guard is not None:
+            guard.after_update(self._record.last.update_successful, self._record.last.grad_norm)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -198,7 +213,19 @@ def check_trainer_flags(
             f"`Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r})` is not supported: "
             "megatron clips by the global gradient norm; use gradient_clip_algorithm='norm'."
         )
-    return 0.0 if gradient_clip_val is None else float(gradient_clip_val)
+    if gradient_clip_val is None:
+        return 0.0
+    if isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)):
+        raise TypeError(
+            "`Trainer(gradient_clip_val=...)` must be a number or None, got "
+            f"{type(gradient_clip_val).__name__}."
+        )
+    if not math.isfinite(gradient_clip_val) or gradient_clip_val < 0:
+        raise ValueError(
+            f"`Trainer(gradient_clip_val={gradient_clip_val})` must be a finite number >= 0 "
+            "(0 or None: no clipping)."
+        )
+    return float(gradient_clip_val)
 
 
 def build_optimizer(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,10 +16,17 @@ if TYPE_CHECKING:
 DEFAULT_SEED = 1234
 
 
-def init_model_parallel(parallel: ParallelSizes) -> ParallelGroups:
+def init_model_parallel(
+    parallel: ParallelSizes, timeout: timedelta | None = None
+) -> ParallelGroups:
     """``initialize_model_parallel`` once per process (a later call with the same layout reuses
     it), megatron's RNG tracker seeded with ``seed_everything``'s seed (``PL_GLOBAL_SEED``,
     default 1234); returns this rank's :class:`~lightning_mcore_rl.train.ParallelGroups`.
+
+    ``timeout`` (the strategy's process-group timeout) bounds every collective of every group
+    megatron creates (TP, PP, DP, CP, model-parallel, embedding, ...): megatron builds
+    ``timedelta(minutes=distributed_timeout_minutes)``, so a fraction of a minute is exact.
+    ``None`` keeps megatron's 30 minutes.
 
     Raises:
         RuntimeError: megatron's state already holds another layout.
@@ -44,9 +52,48 @@ def init_model_parallel(parallel: ParallelSizes) -> ParallelGroups:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp,
         context_parallel_size=p.cp,
+        **({} if timeout is None else {"distributed_timeout_minutes": timeout_minutes(timeout)}),
     )
     # Under CPU emulation the "CUDA" generator IS torch's CPU generator: keep its state.
     rng_state = torch.get_rng_state()
     model_parallel_cuda_manual_seed(int(os.environ.get("PL_GLOBAL_SEED", DEFAULT_SEED)))
     torch.set_rng_state(rng_state)
     return ParallelGroups.from_megatron()
+
+
+def check_strategy_args(
+    *, use_distributed_optimizer: Any, timeout: Any, ddp: Any, checkpoint: Any
+) -> None:
+    """Type checks of the strategy's non-size arguments (sizes: :class:`ParallelSizes`).
+
+    Raises:
+        TypeError: a flag that is not a bool, a timeout that is not a ``timedelta``/None, a
+            ``ddp``/``checkpoint`` of the wrong class.
+        ValueError: a non-positive timeout.
+    """
+    from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig
+
+    if not isinstance(use_distributed_optimizer, bool):
+        raise TypeError(
+            "`use_distributed_optimizer` must be a bool, got "
+            f"{type(use_distributed_optimizer).__name__}."
+        )
+    if timeout is not None:
+        if not isinstance(timeout, timedelta):
+            raise TypeError(
+                f"`timeout` must be a datetime.timedelta or None, got {type(timeout).__name__}."
+            )
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"`timeout` must be positive, got {timeout}.")
+    for name, value, cls in (("ddp", ddp, MegatronDDPConfig),
+                             ("checkpoint", checkpoint, CheckpointConfig)):  # fmt: skip
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                f"`{name}` must be a {cls.__name__} or None, got {type(value).__name__}."
+            )
+
+
+def timeout_minutes(timeout: timedelta) -> float:
+    """``timeout`` as megatron's ``distributed_timeout_minutes`` (a float: megatron passes it to
+    ``timedelta(minutes=...)``)."""
+    return timeout.total_seconds() / 60.0

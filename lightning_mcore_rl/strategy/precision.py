@@ -9,6 +9,7 @@ the schedule has already run the backward inside ``training_step``, gradients li
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -70,9 +71,36 @@ def to_mcore_precision(plugin: Precision) -> MCorePrecision:
     if isinstance(plugin, MCorePrecision):
         return plugin
     flag = getattr(plugin, "precision", None)
+    requested = _requested_precision()
+    if str(requested) in ("16", "16-mixed"):
+        # Lightning turns "16-mixed" on CPU into "bf16-mixed" (with a warning) before the
+        # plugin reaches the strategy; megatron fp16 needs loss scaling, which is not supported.
+        raise ValueError(
+            f"MCoreRLStrategy supports precision {list(SUPPORTED_PRECISION)}, got "
+            f"{requested!r}: fp16 with loss scaling is not supported (Lightning would run it "
+            "as 'bf16-mixed' on CPU); pass `Trainer(precision='bf16-mixed')` explicitly."
+        )
     if type(plugin) in (Precision, MixedPrecision, HalfPrecision) and flag in SUPPORTED_PRECISION:
         return MCorePrecision(flag)
     raise ValueError(
         f"MCoreRLStrategy supports precision {list(SUPPORTED_PRECISION)}, got {flag!r} "
         f"({type(plugin).__name__}); pass one of those to `Trainer(precision=...)`."
     )
+
+
+def _requested_precision() -> Any:
+    """The ``precision`` the user passed to ``Trainer(...)``, read from Lightning's accelerator
+    connector frame while it hands the plugin over (``None`` outside of it). Read only: the
+    connector rewrites its own flag for CPU ``"16-mixed"``, the argument keeps the request."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if frame.f_code.co_name == "__init__" and type(owner).__name__ == (
+                "_AcceleratorConnector"
+            ):
+                return frame.f_locals.get("precision")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame

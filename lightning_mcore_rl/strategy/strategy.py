@@ -10,6 +10,7 @@ A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightni
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -40,14 +41,16 @@ from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
 from lightning_mcore_rl.strategy.model import checked_chunks, unwrap_model, wrap_chunks
+from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard, NonFinitePolicy
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
     MegatronStepResult,
     build_optimizer,
     check_trainer_flags,
 )
-from lightning_mcore_rl.strategy.parallel import init_model_parallel
+from lightning_mcore_rl.strategy.parallel import check_strategy_args, init_model_parallel
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
+from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -79,7 +82,13 @@ class MCoreRLStrategy(ParallelStrategy):
         checkpoint: checkpoint format options.
         process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
         cluster_environment: Lightning cluster environment (default: detected).
-        timeout: process-group timeout.
+        timeout: process-group timeout of the world group AND of every megatron group (TP, PP,
+            DP, CP, model-parallel): a rank left waiting for a failed peer raises after it.
+        nonfinite: ``"skip"`` (default) a step whose inputs, loss or gradients are not finite
+            on every rank (no parameter or optimizer-state change; counted and logged as
+            ``skipped_steps``), or ``"raise"`` at the first one (``docs/reliability.md``).
+        max_consecutive_skips: under ``"skip"``, stop with an error after this many
+            consecutive skipped steps.
 
     Accelerator, devices and precision come from the ``Trainer``.
     """
@@ -102,9 +111,17 @@ class MCoreRLStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        nonfinite: NonFinitePolicy = "skip",
+        max_consecutive_skips: int = 10,
     ) -> None:
         from lightning_mcore_rl.train import Microbatching
 
+        check_strategy_args(
+            use_distributed_optimizer=use_distributed_optimizer,
+            timeout=timeout,
+            ddp=ddp,
+            checkpoint=checkpoint,
+        )
         self.parallel = ParallelSizes(
             tp=tensor_model_parallel_size,
             pp=pipeline_model_parallel_size,
@@ -130,6 +147,7 @@ class MCoreRLStrategy(ParallelStrategy):
         self._chunks: list[torch.nn.Module] = []
         self._chunks_for: list[torch.nn.Module] = []
         self._last_output: StepOutput | None = None
+        self.nonfinite_guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
         self.num_nodes = 1
         super().__init__(cluster_environment=cluster_environment)
 
@@ -172,6 +190,16 @@ class MCoreRLStrategy(ParallelStrategy):
         """``(update_successful, grad_norm, num_zeros)`` of the latest optimizer step."""
         optimizer = self.optimizers[0] if self.optimizers else None
         return optimizer.last_step if isinstance(optimizer, MegatronOptimizerAdapter) else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Training steps skipped by the non-finite policy so far (logged as ``skipped_steps``)."""
+        return self.nonfinite_guard.skipped_steps
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the latest training step was skipped (no update)."""
+        return self.nonfinite_guard.step_skipped
 
     def policy_config(self) -> PolicyConfig:
         """The post-processors' ``PolicyConfig`` for this layout (packing)."""
@@ -258,6 +286,7 @@ class MCoreRLStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+        self._launcher = ResumeGuardLauncher(self._launcher)  # ckpt_path="last": strategy/resume.py
 
     @override
     def setup_environment(self) -> None:
@@ -277,7 +306,7 @@ class MCoreRLStrategy(ParallelStrategy):
             from lightning_mcore_rl.cpu import cpu_emulation
 
             self._backend.enter_context(cpu_emulation())
-        self._groups = init_model_parallel(self.parallel)
+        self._groups = init_model_parallel(self.parallel, self._timeout)
 
     def _set_world_ranks(self) -> None:
         assert self.cluster_environment is not None
@@ -351,6 +380,7 @@ class MCoreRLStrategy(ParallelStrategy):
             bf16=self.precision_plugin.bf16,
             use_distributed_optimizer=self.use_distributed_optimizer,
         )
+        adapter.use_guard(self.nonfinite_guard)
         self.optimizers = [adapter]
         self.lr_scheduler_configs = schedulers
 
@@ -366,6 +396,7 @@ class MCoreRLStrategy(ParallelStrategy):
         for chunk in self._chunks:  # fitting: setup() wrapped every chunk in megatron DDP
             cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
+        self.nonfinite_guard.begin_step(self._chunks, self.root_device)
 
     @override
     def optimizer_step(
@@ -401,19 +432,30 @@ class MCoreRLStrategy(ParallelStrategy):
             :class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback).
         """
         from lightning_mcore_rl.train import run_global_batch
+        from lightning_mcore_rl.train.validation import loss_input_keys
 
-        common: dict[str, Any] = {"forward_only": forward_only, "device": self.root_device}
+        check = functools.partial(self._check_inputs, training=not forward_only)
+        common: dict[str, Any] = {
+            "forward_only": forward_only, "device": self.root_device, "input_check": check,
+        }  # fmt: skip
         if module.loss_fn is not None:
             common.update(
                 post_processor_factory=module.loss_post_processor,
                 normalizations=module.loss_fn.metric_normalizations,
                 sampling_params=module.sampling_params(),
+                required_keys=loss_input_keys(module.loss_fn),
             )
         else:
             common["forward_step_func"] = module.forward_step
         out = run_global_batch(self._chunks, batch, self.groups, self.microbatching, **common)
+        if not forward_only:
+            self.nonfinite_guard.note_loss(out.loss)
         self._last_output = out
         return out
+
+    def _check_inputs(self, finding: Any, error: BaseException | None, training: bool) -> bool:
+        self.nonfinite_guard.device = self.root_device
+        return self.nonfinite_guard.check_inputs(finding, error, training=training)
 
     def forward_only(
         self,
@@ -429,6 +471,7 @@ class MCoreRLStrategy(ParallelStrategy):
         return run_forward_only(
             self._chunks, batch, self.groups, self.microbatching, post_processor,
             sampling_params=module.sampling_params(),
+            input_check=functools.partial(self._check_inputs, training=False),
         )  # fmt: skip
 
     def take_step_output(self) -> StepOutput | None:
@@ -468,6 +511,7 @@ class MCoreRLStrategy(ParallelStrategy):
                 "configure checkpoints with `MCoreRLStrategy(checkpoint=CheckpointConfig(...))`."
             )
         path = Path(self.broadcast(str(filepath)))
+        checkpoint = {**checkpoint, ckpt.LAYOUT_KEY: self._layout()}
         ckpt.save(checkpoint, path, atomic=self.checkpoint_config.atomic)
 
     @override
@@ -483,7 +527,8 @@ class MCoreRLStrategy(ParallelStrategy):
         sharding = self.checkpoint_config.optimizer_sharding
         template = ckpt.load_template(self.lightning_module_state_dict(), optimizer, sharding)
         assert self.lightning_module is not None
-        return ckpt.load(template, path, ckpt.user_types(dict(self.lightning_module.hparams)))
+        types = ckpt.user_types(dict(self.lightning_module.hparams))
+        return ckpt.load(template, path, types, layout=self._layout())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -507,6 +552,13 @@ class MCoreRLStrategy(ParallelStrategy):
         self._backend.close()
 
     # ---------------------------------------------------------------- helpers
+
+    def _layout(self) -> dict[str, Any]:
+        config = self.run_config()
+        keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "data_parallel_size", "use_distributed_optimizer")  # fmt: skip
+        return {**{k: config[k] for k in keys},
+                "optimizer_sharding": self.checkpoint_config.optimizer_sharding}  # fmt: skip
 
     def _adapter(self) -> MegatronOptimizerAdapter:
         if not self.optimizers or not isinstance(self.optimizers[0], MegatronOptimizerAdapter):

@@ -44,9 +44,19 @@ from lightning_mcore_rl.train.post_processors import (
 )
 from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
 from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
+from lightning_mcore_rl.train.validation import (
+    BatchSpec,
+    NonFinite,
+    model_vocab_size,
+    validate_batch,
+)
 
 ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[Tensor, Callable[..., Any]]]
 """Megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)``."""
+
+InputCheck = Callable[[NonFinite | None, BaseException | None], bool]
+"""``check(first_nonfinite, validation_error) -> skip``: the caller's agreement over ranks (the
+strategy's non-finite policy: one all-reduce; re-raises the error, True skips the step)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,8 @@ def run_global_batch(
     forward_only: bool = False,
     use_fused_linear_logprobs: bool = False,
     device: torch.device | str = "cpu",
+    required_keys: Sequence[str] = (),
+    input_check: InputCheck | None = None,
 ) -> StepOutput:
     """Forward(-backward) of one global batch; gradients land in the DDP buffers, finalised.
 
@@ -143,12 +155,30 @@ def run_global_batch(
         forward_only: no backward (validation).
         use_fused_linear_logprobs: see :func:`~lightning_mcore_rl.train.model_forward`.
         device: where statistics' collectives run.
+        required_keys: batch keys the loss reads
+            (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), checked up front.
+        input_check: see :data:`InputCheck`; ``None``: a validation error raises at once and
+            non-finite inputs are not looked at.
 
     Returns:
-        The :class:`StepOutput`, identical on every rank.
+        The :class:`StepOutput`, identical on every rank; ``loss = nan`` and nothing else run
+        when ``input_check`` skipped the step.
+
+    Raises:
+        ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
+            collective of the step.
     """
     if (post_processor_factory is None) == (forward_step_func is None):
         raise TypeError("pass exactly one of `post_processor_factory` and `forward_step_func`")
+    spec = BatchSpec(
+        lm=forward_step_func is not None,
+        vocab_size=model_vocab_size(chunks),
+        required=tuple(required_keys),
+        needs_lengths=microbatching.sequence_packing
+        or microbatching.max_tokens_per_microbatch is not None,
+    )
+    if _checked_inputs_skip(batch, spec, input_check):
+        return StepOutput(loss=torch.tensor(float("nan")))
     counts = batch_counts(batch)
     with use_parallel_groups(groups):
         if forward_step_func is not None:
@@ -188,6 +218,7 @@ def run_forward_only(
     *,
     sampling_params: TrainingSamplingParams | None = None,
     use_fused_linear_logprobs: bool = False,
+    input_check: InputCheck | None = None,
 ) -> dict[str, Tensor]:
     """A forward-only pass with ``post_processor`` (dropout off, train mode restored after).
 
@@ -195,7 +226,17 @@ def run_forward_only(
         Every per-sample output of the post-processor (``logprobs [B, S]``, ``topk_logits``/
         ``topk_indices [B, S, K]``, ``teacher_full_payload [B, S, D]``) in the batch's sample
         order, on CPU, on every rank (broadcast from the last pipeline stage).
+
+    Raises:
+        ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
+            collective (with ``input_check``: after its one agreement all-reduce).
     """
+    spec = BatchSpec(
+        vocab_size=model_vocab_size(chunks),
+        needs_lengths=microbatching.sequence_packing
+        or microbatching.max_tokens_per_microbatch is not None,
+    )
+    _checked_inputs_skip(batch, spec, input_check)
     with use_parallel_groups(groups), _eval_mode(chunks), torch.no_grad():
         global_batch = split_global_batch(batch, groups, microbatching)
         outputs = _megatron_pass(
@@ -212,6 +253,20 @@ def run_forward_only(
         result = holder[0]
     assert result is not None  # the last stage always fills it
     return result
+
+
+def _checked_inputs_skip(
+    batch: Mapping[str, Any], spec: BatchSpec, input_check: InputCheck | None
+) -> bool:
+    """ONE validation pass of ``batch`` (host only); the verdict through ``input_check``."""
+    try:
+        finding = validate_batch(batch, spec)
+    except (ValueError, TypeError) as err:
+        if input_check is None:
+            raise
+        input_check(None, err)  # agrees with the other ranks, then re-raises ``err``
+        raise
+    return input_check(finding, None) if input_check is not None else False
 
 
 def _megatron_pass(

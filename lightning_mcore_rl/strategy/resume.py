@@ -1,0 +1,89 @@
+"""``ckpt_path="last"`` never silently starts over: the strategy's launcher resolves it first.
+
+Lightning resolves ``fit(ckpt_path="last")`` to the newest ``last*.ckpt`` of the
+``ModelCheckpoint`` directories before the strategy sees the run, and starts from step 0 (with a
+warning) when there is none. :class:`ResumeGuardLauncher` wraps the strategy's launcher (or the
+direct call when the processes were created externally) and, before the trainer function runs,
+on every rank:
+
+* renames back a ``last.ckpt`` whose save was interrupted between the two renames of the
+  fallback replacement (:func:`~lightning_mcore_rl.strategy.checkpoint.recover_interrupted`);
+* raises ``FileNotFoundError`` when ``ckpt_path="last"`` finds no ``last`` checkpoint although
+  complete checkpoints exist there (a fresh start would silently discard them). An empty
+  checkpoint directory still starts fresh (the first launch of a restartable job).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+from lightning_mcore_rl.strategy import checkpoint as ckpt
+
+
+class ResumeGuardLauncher(_Launcher):
+    """Runs :func:`guard_last_checkpoint` before ``inner`` launches (or, with no inner launcher,
+    before the trainer function is called directly)."""
+
+    def __init__(self, inner: _Launcher | None) -> None:
+        self.inner = inner
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return self.inner.is_interactive_compatible if self.inner is not None else True
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            guard_last_checkpoint(function, args, kwargs, trainer)
+        if self.inner is not None:
+            return self.inner.launch(function, *args, trainer=trainer, **kwargs)
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        if self.inner is not None:
+            kill = getattr(self.inner, "kill", None)
+            if kill is not None:
+                kill(signum)
+
+
+def guard_last_checkpoint(
+    function: Callable, args: tuple[Any, ...], kwargs: dict[str, Any], trainer: Any
+) -> None:
+    """If the trainer function is called with ``ckpt_path="last"``: recover interrupted saves in
+    every ``ModelCheckpoint`` directory, then refuse a fresh start over complete checkpoints.
+
+    Raises:
+        FileNotFoundError: no ``last*.ckpt`` but complete ``*.ckpt`` checkpoints exist.
+    """
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return
+    if bound.arguments.get("ckpt_path") != "last":
+        return
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    directories = [
+        Path(cb.dirpath)
+        for cb in getattr(trainer, "checkpoint_callbacks", [])
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None
+    ]
+    for directory in directories:
+        ckpt.recover_interrupted(directory)
+    for directory in directories:
+        complete = ckpt.complete_checkpoints(directory)
+        if complete and not any(p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) for p in
+                                complete):  # fmt: skip
+            raise FileNotFoundError(
+                f'`fit(ckpt_path="last")` found no last checkpoint in {directory}, but complete '
+                f"checkpoints exist there ({', '.join(p.name for p in complete)}); resuming "
+                "from none would silently start over. Pass the one to resume from, e.g. "
+                f'`ckpt_path="{complete[-1]}"`, or set `ModelCheckpoint(save_last=True)`.'
+            )
+
+
+__all__ = ["ResumeGuardLauncher", "guard_last_checkpoint"]

@@ -1,0 +1,282 @@
+"""THE host-side validation of one batch, before any collective (trainer-free).
+
+:func:`validate_batch` runs once per batch at the top of
+:func:`~lightning_mcore_rl.train.run_global_batch` and
+:func:`~lightning_mcore_rl.train.run_forward_only`. It reads only the batch and the model's
+vocabulary size, so every rank holding the same data reaches the same verdict without
+communicating: a malformed batch raises ``ValueError``/``TypeError`` naming the key before the
+first collective of the step. Non-finite floats are not an error here: the first one is returned
+(:class:`NonFinite`) for the caller's non-finite policy (the strategy skips or raises, all ranks
+agreeing with one all-reduce of a flag).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LM_KEYS = ("tokens", "labels")
+"""The LM path's batch keys (``[B, S]`` integer ids)."""
+
+PER_TOKEN_KEYS = (
+    "advantages",
+    "prev_logprobs",
+    "generation_logprobs",
+    "reference_policy_logprobs",
+    "curr_logprobs_unfiltered",
+    "returns",
+    "values",
+)
+"""Float ``[B, S]`` loss inputs: their width must be the width of ``input_ids``."""
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """The first non-finite entry of a batch (what the non-finite policy reports).
+
+    Attributes:
+        key: the batch key.
+        position: the index of the first NaN/±inf entry.
+        value: that entry (``nan``, ``inf`` or ``-inf``).
+    """
+
+    key: str
+    position: tuple[int, ...]
+    value: float
+
+    def describe(self) -> str:
+        """``"`advantages`[1, 4] = inf"``."""
+        return f"`{self.key}`{list(self.position)} = {self.value}"
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What a batch must look like for one pass.
+
+    Attributes:
+        lm: the LM path (``{"tokens", "labels"}``); otherwise the ``loss_fn`` path
+            (``input_ids``, ``sample_mask``, ...).
+        vocab_size: ``V``: every id (tokens, labels, ``input_ids``, top-k indices) must lie in
+            ``[0, V)``; ``None`` skips the check.
+        required: further keys the pass needs (the loss's inputs, :func:`loss_input_keys`).
+        needs_lengths: ``input_lengths`` is required (packing or a token budget).
+    """
+
+    lm: bool = False
+    vocab_size: int | None = None
+    required: tuple[str, ...] = ()
+    needs_lengths: bool = False
+
+
+def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
+    """Check ``batch`` against ``spec`` on the host (no collective, same verdict on every rank
+    holding the same data).
+
+    Returns:
+        The first non-finite float entry (batch key order, then row-major), or ``None``.
+
+    Raises:
+        TypeError: the batch is not a mapping; a required value is not a tensor; ids, lengths
+            or masks have the wrong dtype (bool is not an id).
+        ValueError: an empty batch (no keys or zero samples), a missing key, tensors whose
+            first dimension (samples) or width differ, ``input_lengths`` outside ``[1, S]``,
+            masks of the wrong shape or with values other than 0/1, a ``token_mask`` set
+            beyond ``input_lengths``, ids outside ``[0, V)``.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"A batch must be a mapping of tensors (a dict or BatchedDataDict), got "
+            f"{type(batch).__name__}."
+        )
+    if len(batch) == 0:
+        raise ValueError("The batch is empty (no keys); the DataLoader yielded an empty mapping.")
+    ids_key = "tokens" if spec.lm else "input_ids"
+    required: tuple[str, ...] = LM_KEYS if spec.lm else ("input_ids", "sample_mask")
+    if spec.needs_lengths and not spec.lm:
+        required = (*required, "input_lengths")
+    for key in (*required, *spec.required):
+        if key not in batch:
+            raise ValueError(f"The batch is missing the key `{key}` (present: {sorted(batch)}).")
+        if not isinstance(batch[key], Tensor):
+            raise TypeError(f"`{key}` must be a torch.Tensor, got {type(batch[key]).__name__}.")
+    ids = batch[ids_key]
+    _check_ids(ids_key, ids, spec.vocab_size)
+    size, width = ids.shape
+    if size == 0:
+        raise ValueError(
+            f"The batch is empty: `{ids_key}` has 0 samples (shape {list(ids.shape)})."
+        )
+    if width == 0:
+        raise ValueError(f"`{ids_key}` has width 0 (shape {list(ids.shape)}); S must be >= 1.")
+    for key, value in batch.items():
+        if isinstance(value, Tensor) and (value.dim() == 0 or value.shape[0] != size):
+            raise ValueError(
+                f"`{key}` has {_samples(value)} samples but `{ids_key}` has {size}: every tensor "
+                "of a batch holds one entry per sample along dim 0."
+            )
+    if spec.lm:
+        _check_ids("labels", batch["labels"], spec.vocab_size, shape=(size, width))
+    else:
+        _check_loss_batch(batch, size, width, spec.vocab_size)
+    return first_nonfinite(batch)
+
+
+def _samples(value: Tensor) -> str:
+    return "no" if value.dim() == 0 else str(value.shape[0])
+
+
+def _check_ids(
+    key: str, ids: Any, vocab_size: int | None, shape: tuple[int, ...] | None = None
+) -> None:
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"`{key}` must be a torch.Tensor, got {type(ids).__name__}.")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"`{key}` must hold integer token ids, got dtype {ids.dtype}.")
+    if shape is not None and tuple(ids.shape) != shape:
+        raise ValueError(f"`{key}` must have shape {list(shape)}, got {list(ids.shape)}.")
+    if shape is None and ids.dim() != 2:
+        raise ValueError(f"`{key}` must be [B, S], got shape {list(ids.shape)}.")
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = (ids < 0) if low < 0 else (ids >= int(vocab_size or 0))
+        where = [int(i) for i in bad.nonzero()[0]]
+        value = int(ids[tuple(where)])
+        bound = "V" if vocab_size is None else f"V={vocab_size}"
+        raise ValueError(
+            f"`{key}` holds id {value} at {where}, outside the vocabulary [0, {bound}) of the "
+            "model."
+        )
+
+
+def _check_loss_batch(
+    batch: Mapping[str, Any], size: int, width: int, vocab_size: int | None
+) -> None:
+    lengths = batch.get("input_lengths")
+    if lengths is not None:
+        if not isinstance(lengths, Tensor):
+            raise TypeError(
+                f"`input_lengths` must be a torch.Tensor, got {type(lengths).__name__}."
+            )
+        if lengths.dtype == torch.bool or lengths.is_floating_point():
+            raise TypeError(f"`input_lengths` must be an integer tensor, got {lengths.dtype}.")
+        if tuple(lengths.shape) != (size,):
+            raise ValueError(f"`input_lengths` must be [B]=[{size}], got {list(lengths.shape)}.")
+        bad = (lengths < 1) | (lengths > width)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"`input_lengths`[{row}] = {int(lengths[row])} is outside [1, S={width}] "
+                "(S = the width of `input_ids`)."
+            )
+    for key, shape in (("sample_mask", (size,)), ("token_mask", (size, width))):
+        mask = batch.get(key)
+        if mask is None:
+            continue
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"`{key}` must be a torch.Tensor, got {type(mask).__name__}.")
+        if mask.is_complex():
+            raise TypeError(f"`{key}` must be a bool, integer or float mask, got {mask.dtype}.")
+        if tuple(mask.shape) != shape:
+            raise ValueError(f"`{key}` must have shape {list(shape)}, got {list(mask.shape)}.")
+        values = mask.float()
+        off = ~((values == 0) | (values == 1))
+        if bool(off.any()):
+            where = [int(i) for i in off.nonzero()[0]]
+            raise ValueError(
+                f"`{key}` must hold 0/1 values, got {float(values[tuple(where)])} at {where}."
+            )
+    token_mask = batch.get("token_mask")
+    if isinstance(lengths, Tensor) and isinstance(token_mask, Tensor):
+        beyond = torch.arange(width)[None, :] >= lengths.cpu()[:, None]
+        stray = beyond & (token_mask.cpu().float() != 0)
+        if bool(stray.any()):
+            row, col = (int(i) for i in stray.nonzero()[0])
+            raise ValueError(
+                f"`token_mask`[{row}, {col}] is set but `input_lengths`[{row}] = "
+                f"{int(lengths[row])}: the mask does not match the lengths."
+            )
+    for key in PER_TOKEN_KEYS:
+        value = batch.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            raise TypeError(f"`{key}` must be a torch.Tensor, got {type(value).__name__}.")
+        if tuple(value.shape) != (size, width):
+            raise ValueError(
+                f"`{key}` must have shape [B, S]={[size, width]} like `input_ids`, got "
+                f"{list(value.shape)}."
+            )
+    indices = batch.get("teacher_topk_indices")
+    if isinstance(indices, Tensor):
+        if indices.dim() != 3 or tuple(indices.shape[:2]) != (size, width):
+            raise ValueError(
+                f"`teacher_topk_indices` must be [B, S, K] with [B, S]={[size, width]}, got "
+                f"{list(indices.shape)}."
+            )
+        _check_ids("teacher_topk_indices", indices.flatten(1), vocab_size)
+
+
+def first_nonfinite(batch: Mapping[str, Any]) -> NonFinite | None:
+    """The first NaN/±inf entry of the batch's floating-point tensors (``None`` if all finite)."""
+    for key, value in batch.items():
+        if not isinstance(value, Tensor) or not value.is_floating_point() or value.numel() == 0:
+            continue
+        bad = ~torch.isfinite(value)
+        if bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            return NonFinite(key=str(key), position=where, value=float(value[where]))
+    return None
+
+
+def loss_input_keys(loss_fn: Any) -> tuple[str, ...]:
+    """The batch keys ``loss_fn`` reads (checked up front instead of inside the loss, after the
+    step's first collectives). A loss may declare them as ``input_keys``; the package's losses
+    are known here. Unknown losses: ``()``."""
+    declared = getattr(loss_fn, "input_keys", None)
+    if isinstance(declared, Sequence) and not isinstance(declared, str):
+        return tuple(str(k) for k in declared)
+    name = type(loss_fn).__name__
+    cfg = getattr(loss_fn, "cfg", None)
+    if name == "ClippedPGLossFn":
+        keys = ["token_mask", "advantages", "generation_logprobs"]
+        if not getattr(cfg, "force_on_policy_ratio", False):
+            keys.append("prev_logprobs")
+        if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+            keys.append("reference_policy_logprobs")
+        return tuple(keys)
+    if name == "NLLLossFn":
+        return ("token_mask",)
+    if name == "MseValueLossFn":
+        return ("token_mask", "returns")
+    return ()
+
+
+def model_vocab_size(chunks: Sequence[torch.nn.Module]) -> int | None:
+    """``V`` of the model: the ``vocab_size`` of the first chunk (unwrapped through megatron's
+    DDP/``Float16Module`` ``.module``), ``None`` when the model does not expose one."""
+    for chunk in chunks:
+        module: Any = chunk
+        for _ in range(8):
+            size = getattr(module, "vocab_size", None)
+            if isinstance(size, int) and not isinstance(size, bool):
+                return size
+            module = getattr(module, "module", None)
+            if module is None:
+                break
+    return None
+
+
+__all__ = [
+    "BatchSpec",
+    "NonFinite",
+    "first_nonfinite",
+    "loss_input_keys",
+    "model_vocab_size",
+    "validate_batch",
+]
