@@ -9,7 +9,6 @@ the schedule has already run the backward inside ``training_step``, gradients li
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -64,6 +63,11 @@ class MCorePrecision(Precision):
 def to_mcore_precision(plugin: Precision) -> MCorePrecision:
     """Translate the plugin Lightning's connector built from ``Trainer(precision=...)``.
 
+    ``"16-mixed"`` raises (fp16 needs megatron's loss scaling, which is not supported) wherever
+    it reaches the strategy. On CPU it does not: Lightning's connector itself replaces it with
+    ``"bf16-mixed"`` (with its own warning, "AMP with fp16 is not supported on CPU") before any
+    strategy sees the plugin, and leaves no public trace of the original flag.
+
     Raises:
         ValueError: a precision megatron cannot run here (``"64-true"``, ``"16-mixed"``,
             Transformer Engine, bitsandbytes, ...).
@@ -71,14 +75,10 @@ def to_mcore_precision(plugin: Precision) -> MCorePrecision:
     if isinstance(plugin, MCorePrecision):
         return plugin
     flag = getattr(plugin, "precision", None)
-    requested = _requested_precision()
-    if str(requested) in ("16", "16-mixed"):
-        # Lightning turns "16-mixed" on CPU into "bf16-mixed" (with a warning) before the
-        # plugin reaches the strategy; megatron fp16 needs loss scaling, which is not supported.
+    if flag in ("16", "16-mixed"):
         raise ValueError(
-            f"MCoreRLStrategy supports precision {list(SUPPORTED_PRECISION)}, got "
-            f"{requested!r}: fp16 with loss scaling is not supported (Lightning would run it "
-            "as 'bf16-mixed' on CPU); pass `Trainer(precision='bf16-mixed')` explicitly."
+            f"MCoreRLStrategy supports precision {list(SUPPORTED_PRECISION)}, got {flag!r}: "
+            "fp16 with loss scaling is not supported; use `Trainer(precision='bf16-mixed')`."
         )
     if type(plugin) in (Precision, MixedPrecision, HalfPrecision) and flag in SUPPORTED_PRECISION:
         return MCorePrecision(flag)
@@ -86,21 +86,3 @@ def to_mcore_precision(plugin: Precision) -> MCorePrecision:
         f"MCoreRLStrategy supports precision {list(SUPPORTED_PRECISION)}, got {flag!r} "
         f"({type(plugin).__name__}); pass one of those to `Trainer(precision=...)`."
     )
-
-
-def _requested_precision() -> Any:
-    """The ``precision`` the user passed to ``Trainer(...)``, read from Lightning's accelerator
-    connector frame while it hands the plugin over (``None`` outside of it). Read only: the
-    connector rewrites its own flag for CPU ``"16-mixed"``, the argument keeps the request."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if frame.f_code.co_name == "__init__" and type(owner).__name__ == (
-                "_AcceleratorConnector"
-            ):
-                return frame.f_locals.get("precision")
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
