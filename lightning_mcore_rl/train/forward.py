@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp_rank
+from lightning_mcore_rl.train.groups import current_parallel_groups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import (
     KNOWN_POST_PROCESSORS,
@@ -60,16 +61,15 @@ def _prepare_padding_mask_for_model(
     """
     if padding_mask is None:
         return None
-    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.utils import get_model_config
 
     if model_slices_context_parallel_inputs:
-        cp_size = ps.get_context_parallel_world_size()
-        if cp_size > 1:
+        groups = current_parallel_groups()
+        if groups.cp_size > 1:
             padding_mask = get_tokens_on_this_cp_rank(
-                padding_mask, ps.get_context_parallel_rank(), cp_size, seq_dim=1
+                padding_mask, groups.cp_rank, groups.cp_size, seq_dim=1
             )
     if not get_model_config(model).sequence_parallel:
         return padding_mask
