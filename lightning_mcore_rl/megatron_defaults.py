@@ -28,3 +28,18 @@ def pipeline_p2p_settings(virtual_pipeline_model_parallel_size: int | None) -> d
     ):
         return {"overlap_p2p_comm": True, "batch_p2p_comm": False}
     return {"overlap_p2p_comm": False, "batch_p2p_comm": True}
+
+
+def local_spec_settings() -> dict[str, bool]:
+    """``TransformerConfig`` settings of a model on megatron's local layer spec (no Apex or
+    Transformer Engine, e.g. on CPU): weights created on CPU, every fusion that needs Apex/TE off.
+    """
+    return {
+        "use_cpu_initialization": True,
+        "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+    }

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
+from lightning_mcore_rl.megatron_defaults import local_spec_settings, pipeline_p2p_settings
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -57,7 +57,6 @@ def tiny_gpt_config(
         "ffn_hidden_size": 4 * hidden_size,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
-        "use_cpu_initialization": True,
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size": vpp,
@@ -66,12 +65,7 @@ def tiny_gpt_config(
         "bf16": bf16,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
-        "gradient_accumulation_fusion": False,
-        "bias_activation_fusion": False,
-        "bias_dropout_fusion": False,
-        "masked_softmax_fusion": False,
-        "persist_layer_norm": False,
-        "apply_rope_fusion": False,
+        **local_spec_settings(),
         **pipeline_p2p_settings(vpp),
     }
     kwargs.update(overrides)

@@ -28,6 +28,7 @@ from torchmetrics.aggregation import MeanMetric
 from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn
+from lightning_mcore_rl.megatron_defaults import local_spec_settings
 from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
@@ -253,11 +254,7 @@ class GRPOModule(MCoreRLModule):
             ffn_hidden_size=4 * spec.hidden_size,
             hidden_dropout=0.0,
             attention_dropout=0.0,
-            use_cpu_initialization=True,
-            gradient_accumulation_fusion=False,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
+            **local_spec_settings(),
         )
         length = self.task.prompt_length + self.rollout.max_new_tokens
         return tiny_gpt(

@@ -159,6 +159,31 @@ class ParallelSizes:
                 "(context parallelism shards packed THD sequences)."
             )
 
+    def transformer_config_kwargs(self, bf16: bool, dtype: Any) -> dict[str, Any]:
+        """The ``TransformerConfig`` fields this layout and a precision own."""
+        from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
+
+        layout = self.hparams()
+        del layout["sequence_packing"]  # a property of the batches, not of the model
+        return {
+            **layout,
+            "bf16": bf16,
+            "params_dtype": dtype,
+            "pipeline_dtype": dtype,
+            **pipeline_p2p_settings(self.vpp),
+        }
+
+    def hparams(self) -> dict[str, Any]:
+        """The layout under the strategy's argument names (logged as hyperparameters)."""
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "sequence_parallel": self.sequence_parallel,
+            "sequence_packing": self.sequence_packing,
+        }
+
     @property
     def model_parallel_size(self) -> int:
         """``tp * pp * cp``: ranks holding one replica of the model."""

@@ -37,7 +37,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_mcore_rl._compat import filter_expected_warnings
-from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
 from lightning_mcore_rl.strategy.model import checked_chunks, unwrap_model, wrap_chunks
@@ -209,31 +208,15 @@ class MCoreRLStrategy(ParallelStrategy):
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """``TransformerConfig`` fields the strategy and ``Trainer(precision=...)`` own."""
-        dtype = self.precision_plugin.params_dtype
-        return {
-            "tensor_model_parallel_size": self.parallel.tp,
-            "pipeline_model_parallel_size": self.parallel.pp,
-            "virtual_pipeline_model_parallel_size": self.parallel.vpp,
-            "context_parallel_size": self.parallel.cp,
-            "sequence_parallel": self.parallel.sequence_parallel,
-            "bf16": self.precision_plugin.bf16,
-            "params_dtype": dtype,
-            "pipeline_dtype": dtype,
-            **pipeline_p2p_settings(self.parallel.vpp),
-        }
+        plugin = self.precision_plugin
+        return self.parallel.transformer_config_kwargs(plugin.bf16, plugin.params_dtype)
 
     def run_config(self) -> dict[str, Any]:
         """The run's layout, precision and micro-batching (logged as hyperparameters)."""
-        p = self.parallel
         return {
             "world_size": self.world_size,
-            "tensor_model_parallel_size": p.tp,
-            "pipeline_model_parallel_size": p.pp,
-            "virtual_pipeline_model_parallel_size": p.vpp,
-            "context_parallel_size": p.cp,
-            "data_parallel_size": self.world_size // p.model_parallel_size,
-            "sequence_parallel": p.sequence_parallel,
-            "sequence_packing": p.sequence_packing,
+            **self.parallel.hparams(),
+            "data_parallel_size": self.world_size // self.parallel.model_parallel_size,
             "use_distributed_optimizer": self.use_distributed_optimizer,
             "micro_batch_size": self.micro_batch_size,
             "max_tokens_per_microbatch": self.max_tokens_per_microbatch,

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_mcore_rl.megatron_defaults import local_spec_settings
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 # megatron-core 0.16 ``RotaryEmbedding._apply_scaling`` hard-codes these llama3 parameters.
@@ -81,14 +83,8 @@ class Architecture:
             "qk_layernorm": self.qk_layernorm,
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
-            "use_cpu_initialization": True,
             "perform_initialization": False,  # build_chunk overwrites every parameter
-            "gradient_accumulation_fusion": False,
-            "bias_activation_fusion": False,
-            "bias_dropout_fusion": False,
-            "masked_softmax_fusion": False,
-            "persist_layer_norm": False,
-            "apply_rope_fusion": False,
+            **local_spec_settings(),
         }
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
