@@ -129,7 +129,10 @@ def save(checkpoint: dict[str, Any], path: Path, *, atomic: bool) -> None:
 
     Raises:
         OSError: ``errno.ENOSPC`` (the disk is full) with the free space of the checkpoint's
-            file system in the message; the partial temporary directory is removed.
+            file system in the message; the partial temporary directory is removed. Also when
+            the full disk reaches it inside megatron's shard writer (torch's
+            ``CheckpointException``, on the coordinating rank 0: the other ranks' exception
+            carries no failure details and is re-raised as it is).
     """
     from megatron.core import dist_checkpointing
 
@@ -140,12 +143,13 @@ def save(checkpoint: dict[str, Any], path: Path, *, atomic: bool) -> None:
             target.mkdir(parents=True)
         _barrier()
         dist_checkpointing.save(checkpoint, str(target))
-    except OSError as err:
-        if _is_disk_full(err):
-            if atomic:
-                _remove_quietly(target)
-            raise _disk_full_error(err, path) from err
-        raise
+    except BaseException as err:  # megatron's shard writers fail with a CheckpointException
+        cause = _disk_full_cause(err)
+        if cause is None:
+            raise
+        if atomic:
+            _remove_quietly(target)
+        raise _disk_full_error(cause, path) from err
     _barrier()
     if atomic and _is_rank_zero():
         replace_directory(target, path)
@@ -224,16 +228,41 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: (p / "metadata.json").stat().st_mtime)
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full_cause(err: BaseException) -> BaseException | None:
+    """The disk-full error behind ``err``, or None: an ``OSError`` with ``ENOSPC``/``EDQUOT`` in
+    its cause/context chain, or in the failures of torch's ``CheckpointException`` (a
+    ``BaseException``; rank -> (exception, traceback)), where megatron's shard writer reports a
+    worker's ``OSError`` as ``RuntimeError("Worker failure: [Errno 28] ...")`` whose cause is
+    lost on the way (pickled through the workers' queue and ``gather_object``): only the
+    ``[Errno N]`` text is left."""
+    pending: list[BaseException | None] = [err]
+    seen: set[int] = set()
+    while pending:
+        item = pending.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno in _DISK_FULL:
+            return item
+        if isinstance(item, RuntimeError) and any(f"[Errno {n}]" in str(item) for n in _DISK_FULL):
+            return item
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, Mapping):
+            for value in failures.values():
+                first = value[0] if isinstance(value, tuple) and value else value
+                pending.append(first if isinstance(first, BaseException) else None)
+        pending.extend((item.__cause__, item.__context__))
+    return None
+
+
 def _is_disk_full(err: BaseException) -> bool:
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return _disk_full_cause(err) is not None
 
 
-def _disk_full_error(err: OSError, path: Path) -> OSError:
+def _disk_full_error(err: BaseException, path: Path) -> OSError:
     probe = path.parent if path.parent.exists() else Path(".")
     try:
         free = shutil.disk_usage(probe).free

@@ -4,6 +4,7 @@ checkpoint replacement, rejected batches)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import warnings
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossFn
@@ -120,7 +121,7 @@ def _trainer(steps: int, strategy: MCoreRLStrategy, **kwargs: Any) -> Trainer:
     return Trainer(**options)
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     def bits(t: torch.Tensor) -> torch.Tensor:
         return t.detach().contiguous().view(-1).view(torch.uint8)
 
@@ -141,7 +142,9 @@ def nonfinite_rank(rank: int) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(GRPO(), DataLoader(data, batch_size=2, sampler=_sampler(data)))
-    out["skip_unchanged"] = [_equal(b, a) for b, a in zip(snaps.before, snaps.after, strict=True)]
+    out["skip_unchanged"] = [
+        bitwise_equal(b, a) for b, a in zip(snaps.before, snaps.after, strict=True)
+    ]
     out["skipped_logged"] = [m.get("skipped_steps") for m in snaps.logged]
     out["loss_logged"] = [m.get("train_loss") for m in snaps.logged]
     out["warnings"] = [
@@ -162,7 +165,7 @@ def nonfinite_rank(rank: int) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - the message is the result
         out["weight_error"] = f"{type(err).__name__}: {err}"
     out["weight_unchanged"] = [
-        _equal(b, a) for b, a in zip(snaps.before, snaps.after, strict=False)
+        bitwise_equal(b, a) for b, a in zip(snaps.before, snaps.after, strict=False)
     ]
 
     data = Rollouts(8, poison={(1, "prev_logprobs"): float("-inf")})
@@ -354,3 +357,168 @@ def fuzz_rank(rank: int) -> dict[str, Any]:
     case()
     good = module.forward_backward(rollout_batch(2, seed=99))
     return {"results": results, "good_loss": float(good.loss)}
+
+
+# ---------------------------------------------------------------------- training continues
+
+# (step, DistributedSampler row, key, value): batch 2 per rank, 4 rows a step, shuffle=False, so
+# rank r reads rows 4k+r, 4k+2+r at step k; row 4k+r is its batch index 0, 4k+2+r index 1.
+CONTINUE_CASES = (
+    (1, 7, "advantages", float("inf")),  # rank 1, `advantages`[1, 5]
+    (3, 12, "prev_logprobs", float("nan")),  # rank 0, `prev_logprobs`[0, 5]
+    (5, 21, "prev_logprobs", float("-inf")),  # rank 1, `prev_logprobs`[0, 5]
+)
+CONTINUE_STEPS = 7
+
+
+class StepRecords(Snapshots):
+    """:class:`Snapshots` plus, per step: skipped?, the logged loss, megatron's grad norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[bool, float | None, float | None]] = []
+
+    def on_train_batch_end(self, trainer: Trainer, module: Any, *args: Any) -> None:
+        super().on_train_batch_end(trainer, module, *args)
+        strategy = trainer.strategy
+        last = strategy.last_optimizer_step
+        skipped = bool(strategy.step_skipped)
+        loss = None if skipped else float(trainer.callback_metrics["train_loss"])
+        self.steps.append((skipped, loss, None if last is None else last.grad_norm))
+
+
+def nonfinite_continue_rank(rank: int) -> dict[str, Any]:
+    """DP=2, nonfinite="skip", no LR scheduler. The bad run reads 7 steps where steps 1, 3, 5
+    each carry ONE non-finite input on ONE rank (:data:`CONTINUE_CASES`); the reference run
+    reads only the good steps 0, 2, 4, 6 (the same rows). Returns both runs' records."""
+    data = Rollouts(4 * CONTINUE_STEPS, poison={(row, key): value
+                                                for _, row, key, value in CONTINUE_CASES})  # fmt: skip
+    bad_steps = {step for step, *_ in CONTINUE_CASES}
+    good_rows = [r for r in range(len(data)) if r // 4 not in bad_steps]
+    out: dict[str, Any] = {}
+    for name, dataset, steps in (
+        ("reference", Subset(data, good_rows), CONTINUE_STEPS - len(bad_steps)),
+        ("bad", data, CONTINUE_STEPS),
+    ):
+        records = StepRecords()
+        trainer = _trainer(steps, MCoreRLStrategy(micro_batch_size=1), callbacks=[records])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(GRPO(), DataLoader(dataset, batch_size=2, sampler=_sampler(dataset)))
+        out[name] = {
+            "steps": records.steps,
+            "after": records.after,
+            "unchanged": [
+                bitwise_equal(b, a) for b, a in zip(records.before, records.after, strict=True)
+            ],
+            "skipped_logged": [m.get("skipped_steps") for m in records.logged],
+            "warnings": [
+                str(w.message) for w in caught if "Skipped the training step" in str(w.message)
+            ],
+            "global_step": trainer.global_step,
+        }
+    return out
+
+
+# ---------------------------------------------------------------------- full disk
+
+
+def _tree_bytes(path: str) -> dict[str, bytes]:
+    root = os.path.abspath(path)
+    found: dict[str, bytes] = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(folder, name)
+            with open(full, "rb") as f:
+                found[os.path.relpath(full, root)] = f.read()
+    return found
+
+
+class FullDisk(Callback):
+    """A full disk cannot be produced here, so the ``OSError(ENOSPC)`` is injected where the bytes
+    are written. Before step 2 (after the step-1 saves): snapshot the checkpoint directory, then
+    (a) ``trainer.save_checkpoint`` over ``last.ckpt`` with ``torch.save`` (megatron's writer of
+    ``common.pt``) failing; (b) for the rest of the fit, megatron's shard writer
+    (``filesystem_async``, run in forked worker processes) gets files whose ``write`` writes part
+    of the bytes and then fails, so ``ModelCheckpoint``'s step-2 save fails."""
+
+    def __init__(self, ckpt_dir: str) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.out: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, idx: int) -> None:
+        if idx != 1:
+            return
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        self.out["before"] = _tree_bytes(self.ckpt_dir)
+        self.out["listing_before"] = sorted(os.listdir(self.ckpt_dir))
+        real_save = torch.save
+
+        def full_save(*args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        torch.save = full_save
+        try:
+            trainer.save_checkpoint(os.path.join(self.ckpt_dir, "last.ckpt"))
+            self.out["save_error"] = None
+        except OSError as err:
+            self.out["save_error"] = (err.errno, str(err))
+        finally:
+            torch.save = real_save
+        self.out["after_save"] = _tree_bytes(self.ckpt_dir)
+        self.out["listing_after_save"] = sorted(os.listdir(self.ckpt_dir))
+
+        class FullFile:
+            def __init__(self, stream: Any) -> None:
+                self.stream = stream
+
+            def write(self, data: Any) -> int:
+                self.stream.write(bytes(memoryview(data).cast("B")[:16]))  # part of the bytes
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.stream, name)
+
+            def __enter__(self) -> FullFile:
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                self.stream.close()
+
+        def full_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            stream = open(file, mode, *args, **kwargs)  # noqa: SIM115 - closed by FullFile
+            return FullFile(stream) if "w" in mode else stream
+
+        filesystem_async.open = full_open  # type: ignore[attr-defined]
+
+
+def full_disk_rank(rank: int, ckpt_dir: str) -> dict[str, Any]:
+    """One rank: ModelCheckpoint saves `step=1.ckpt` and `last.ckpt`; then the two injected full
+    disks (:class:`FullDisk`); then `fit(ckpt_path="last")` resumes from the intact step 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1,
+                            save_top_k=-1, save_last=True)  # fmt: skip
+    fault = FullDisk(ckpt_dir)
+    trainer = _trainer(3, MCoreRLStrategy(micro_batch_size=2), callbacks=[saver, fault],
+                       enable_checkpointing=True, gradient_clip_val=None)  # fmt: skip
+    try:
+        trainer.fit(TinyLM(), DataLoader(LMRows(8), batch_size=2))
+        fault.out["fit_error"] = None
+    except BaseException as err:  # noqa: BLE001 - the error is the result
+        errno_ = err.errno if isinstance(err, OSError) else None
+        fault.out["fit_error"] = (type(err).__name__, errno_, str(err))
+    finally:
+        if "open" in vars(filesystem_async):
+            del filesystem_async.open  # type: ignore[attr-defined]
+    fault.out["after_fit"] = _tree_bytes(ckpt_dir)
+    fault.out["listing_after_fit"] = sorted(os.listdir(ckpt_dir))
+    losses = Losses()
+    trainer = _trainer(2, MCoreRLStrategy(micro_batch_size=2), callbacks=[losses],
+                       gradient_clip_val=None)  # fmt: skip
+    trainer.fit(TinyLM(), DataLoader(LMRows(8), batch_size=2),
+                ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))  # fmt: skip
+    fault.out["resumed_steps"] = [s[0] for s in losses.steps]
+    return fault.out

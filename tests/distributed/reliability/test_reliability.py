@@ -3,6 +3,7 @@ failure, ``last.ckpt`` across an interrupted replacement, rejected batches (fuzz
 
 from __future__ import annotations
 
+import errno
 import math
 import multiprocessing as mp
 import os
@@ -12,8 +13,13 @@ from pathlib import Path
 
 from _reliability_runs import (
     BAD_CASES,
+    CONTINUE_CASES,
+    CONTINUE_STEPS,
+    bitwise_equal,
+    full_disk_rank,
     full_run_rank,
     fuzz_rank,
+    nonfinite_continue_rank,
     nonfinite_rank,
     resume_last_rank,
     timeout_rank,
@@ -42,6 +48,62 @@ def test_nonfinite_steps_are_skipped_on_every_rank_without_any_change():
                      " ".join(results[1]["warnings"]))  # fmt: skip
     assert "another data-parallel rank" in " ".join(results[0]["warnings"])
     assert "`prev_logprobs`[0, 5] = -inf" in results[1]["raise_error"]
+
+
+def test_training_continues_after_skipped_steps_exactly_as_without_the_bad_batches():
+    """Per input case (+inf `advantages`, NaN and -inf `prev_logprobs`, each on ONE rank) the
+    step is skipped on both ranks with no parameter/Adam-state change, `skipped_steps` counts it,
+    and every later step equals, bitwise, the run that never saw the bad batches."""
+    results = run_on_ranks(nonfinite_continue_rank, 2, timeout=150)
+    bad_steps = [step for step, *_ in CONTINUE_CASES]
+    good_steps = [k for k in range(CONTINUE_STEPS) if k not in bad_steps]  # 0, 2, 4, 6
+    for rank, out in enumerate(results):
+        bad, ref = out["bad"], out["reference"]
+        assert bad["global_step"] == CONTINUE_STEPS and ref["global_step"] == len(good_steps)
+        assert [s[0] for s in bad["steps"]] == [k in bad_steps for k in range(CONTINUE_STEPS)]
+        assert not any(s[0] for s in ref["steps"])
+        # a skipped step: parameters and Adam moments bitwise unchanged, no loss/grad norm
+        assert bad["unchanged"] == [k in bad_steps for k in range(CONTINUE_STEPS)], rank
+        assert all(bad["steps"][k][1:] == (None, None) for k in bad_steps)
+        # skipped_steps logged from the first skip on, counting each case once
+        assert bad["skipped_logged"] == [None, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0], rank
+        assert all(m is None for m in ref["skipped_logged"])
+        # the step after each bad one (and every good step) == the reference's, bitwise:
+        # (skipped, loss, grad norm) as Python floats, then parameters + Adam state after it
+        for ref_step, k in enumerate(good_steps):
+            assert bad["steps"][k] == ref["steps"][ref_step], (rank, k, ref_step)
+            assert bitwise_equal(bad["after"][k], ref["after"][ref_step]), (rank, k)
+            assert math.isfinite(bad["steps"][k][1]) and math.isfinite(bad["steps"][k][2])
+    for step, row, key, value in CONTINUE_CASES:
+        holder, index = row % 2, (row % 4) // 2
+        told = [w for w in results[holder]["bad"]["warnings"]
+                if f"`{key}`[{index}, 5] = {value} on this rank" in w]  # fmt: skip
+        assert len(told) == 1, (step, key, results[holder]["bad"]["warnings"])
+    assert len(results[0]["bad"]["warnings"]) == len(results[1]["bad"]["warnings"]) == 3
+    assert results[0]["bad"]["steps"] == results[1]["bad"]["steps"]
+    print("steps (skipped, loss, grad norm):", results[0]["bad"]["steps"])
+
+
+def test_a_full_disk_is_reported_with_the_free_space_and_keeps_the_previous_checkpoint(tmp_path):
+    """A full disk cannot be produced here: the OSError(ENOSPC) is injected where the bytes are
+    written (``torch.save`` of ``common.pt``; megatron's shard writer in its forked workers)."""
+    [out] = run_on_ranks(full_disk_rank, 1, str(tmp_path), timeout=120)
+    message = r"The disk is full: saving checkpoint .*{} failed \([0-9.]+ MiB free on the file"
+    assert out["listing_before"] == ["last.ckpt", "step=1.ckpt"]
+    # (a) trainer.save_checkpoint over last.ckpt, common.pt's torch.save fails
+    assert out["save_error"] is not None and out["save_error"][0] == errno.ENOSPC
+    assert re.search(message.format("last.ckpt"), out["save_error"][1]), out["save_error"]
+    assert out["listing_after_save"] == out["listing_before"]  # no .last.ckpt.tmp left
+    assert out["after_save"] == out["before"]  # last.ckpt and step=1.ckpt byte for byte
+    # (b) ModelCheckpoint's step-2 save, the shard files fail after part of their bytes
+    name, code, text = out["fit_error"]
+    assert (name, code) == ("OSError", errno.ENOSPC), out["fit_error"]
+    assert re.search(message.format("step=2.ckpt"), text), text
+    assert out["listing_after_fit"] == out["listing_before"]  # no .step=2.ckpt.tmp, no step=2
+    assert out["after_fit"] == out["before"]
+    assert ckpt.is_complete(tmp_path / "last.ckpt")
+    assert out["resumed_steps"] == [2], "resumed from the intact step-1 last.ckpt"
+    print(out["save_error"][1], "|", text, sep="\n")
 
 
 def test_a_failed_rank_bounds_the_others_by_the_strategy_timeout():

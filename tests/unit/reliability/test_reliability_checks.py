@@ -179,6 +179,15 @@ def test_full_disk_and_layout_messages(tmp_path: Path):
     message = str(ckpt._disk_full_error(err, tmp_path / "x.ckpt"))
     assert ckpt._is_disk_full(RuntimeError("wrapped").with_traceback(None)) is False
     assert re.search(r"The disk is full: .* MiB free", message)
+    # megatron's shard writer: torch's CheckpointException (a BaseException) holding the
+    # worker's OSError only as text (its cause does not survive the workers' queue)
+    from torch.distributed.checkpoint import CheckpointException
+
+    worker = RuntimeError("Worker failure: [Errno 28] No space left on device")
+    wrapped = CheckpointException("write", {0: (worker, None)})
+    assert ckpt._disk_full_cause(wrapped) is worker
+    assert ckpt._is_disk_full(CheckpointException("write", {})) is False
+    assert ckpt._is_disk_full(RuntimeError("Worker failure: [Errno 5] I/O error")) is False
     saved = {"use_distributed_optimizer": True, "optimizer_sharding": "dp_reshardable",
              "data_parallel_size": 2, "tensor_model_parallel_size": 1,
              "pipeline_model_parallel_size": 1}  # fmt: skip
