@@ -8,7 +8,10 @@ loss, on two CPU ranks, under three stacks:
 * ``hf_ddp``    the ``transformers`` model under torch DDP (gloo) with the losses TRL / HF Trainer
   run: ``F.cross_entropy`` for NLL, ``log_softmax`` over the full vocabulary + ``gather`` for
   ClippedPG;
-* ``bare``      the bare megatron loop: megatron DDP + megatron Adam + ``run_global_batch``.
+* ``bare``      the bare megatron loop: megatron DDP + megatron Adam + ``run_global_batch``;
+* ``trainer_recompute`` / ``hf_ddp_recompute``: ``trainer`` / ``hf_ddp`` with full activation
+  recompute of every layer (megatron ``recompute_granularity="full"``, transformers
+  ``activation_checkpointing_enable()``); not in the default set.
 
 Losses: ``NLLLossFn`` and ``ClippedPGLossFn`` (no reference KL; HF side written out by hand).
 Each (stack, loss) pair runs in two fresh processes started by ``torchrun --standalone
@@ -20,7 +23,8 @@ Usage::
     .venv/bin/python benchmarks/peer_update_step.py --tokens-per-rank 2048 --steps 2
 
 Prints a markdown table (median step time of the timed steps, slowest rank; tokens/s over the
-global batch; peak RSS per rank, the larger of the two; step-0 loss) and the ratios to ``hf_ddp``.
+global batch; peak RSS per rank, the larger of the two; step-0 loss) and the ratios to the HF
+peer (``hf_ddp``; ``hf_ddp_recompute`` for the ``*_recompute`` rows).
 """
 
 from __future__ import annotations
@@ -40,7 +44,14 @@ from typing import Any
 
 import torch
 
-STACKS = ("trainer", "trainer_chunked", "hf_ddp", "bare")
+STACKS = ("trainer", "trainer_chunked", "hf_ddp", "bare", "trainer_recompute", "hf_ddp_recompute")
+# full activation recompute of every layer on both sides (megatron ``recompute_granularity="full"``,
+# transformers ``activation_checkpointing_enable()``): only with --stacks ... *_recompute
+MEGATRON_RECOMPUTE = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
 LOSSES = ("nll", "clipped_pg")
 LR = 1e-5
 ADAM_EPS = 1e-8
@@ -161,7 +172,9 @@ def _timed_step(fn: Any, profile: Profile | None = None, step: int = 0) -> float
     return float(elapsed)
 
 
-def run_hf_ddp(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]:
+def run_hf_ddp(
+    args: argparse.Namespace, loss: str, rank: int, recompute: bool = False
+) -> dict[str, Any]:
     """transformers + torch DDP, the losses written as TRL / HF Trainer compute them."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -174,6 +187,8 @@ def run_hf_ddp(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]
         args.hf_dir, dtype=torch.float32, attn_implementation="sdpa"
     )
     model.train()
+    if recompute:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.0)
     batch = rank_batch(args, rank)
@@ -213,7 +228,9 @@ def run_hf_ddp(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]
     return {"step_times": times, "losses": losses, "setup_rss_mib": setup_rss}
 
 
-def _bridge_module(args: argparse.Namespace, loss: str, chunk_size: int | None) -> Any:
+def _bridge_module(
+    args: argparse.Namespace, loss: str, chunk_size: int | None, recompute: bool
+) -> Any:
     from lightning.pytorch import Callback
 
     from lightning_mcore_rl import MCoreRLModule
@@ -223,7 +240,8 @@ def _bridge_module(args: argparse.Namespace, loss: str, chunk_size: int | None) 
     class LlamaModule(MCoreRLModule):
         def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
             bridge = HFBridge.from_pretrained(args.hf_dir)
-            return bridge.build_chunk(self.transformer_config(**bridge.config_fields()), vp_stage)
+            fields = {**bridge.config_fields(), **(MEGATRON_RECOMPUTE if recompute else {})}
+            return bridge.build_chunk(self.transformer_config(**fields), vp_stage)
 
         def configure_optimizers(self) -> Any:
             from megatron.core.optimizer import OptimizerConfig
@@ -273,7 +291,7 @@ def _bridge_module(args: argparse.Namespace, loss: str, chunk_size: int | None) 
 
 
 def run_trainer(
-    args: argparse.Namespace, loss: str, rank: int, chunk_size: int | None
+    args: argparse.Namespace, loss: str, rank: int, chunk_size: int | None, recompute: bool = False
 ) -> dict[str, Any]:
     """``Trainer(strategy=MCoreRLStrategy())``, DP=2, one microbatch per rank."""
     from lightning.pytorch import Trainer
@@ -284,7 +302,7 @@ def run_trainer(
     batch = rank_batch(args, rank)
     rows = [{k: v[i] for k, v in batch.items()} for i in range(args.rows_per_rank)]
     steps = args.warmup + args.steps
-    module, timer = _bridge_module(args, loss, chunk_size)
+    module, timer = _bridge_module(args, loss, chunk_size, recompute)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -375,13 +393,14 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     base_rss = psutil.Process().memory_info().rss
-    if args.worker == "hf_ddp":
-        result = run_hf_ddp(args, args.loss, rank)
+    if args.worker in ("hf_ddp", "hf_ddp_recompute"):
+        result = run_hf_ddp(args, args.loss, rank, recompute=args.worker == "hf_ddp_recompute")
     elif args.worker == "bare":
         result = run_bare(args, args.loss, rank)
     else:
         chunk = args.chunk_size if args.worker == "trainer_chunked" else None
-        result = run_trainer(args, args.loss, rank, chunk)
+        recompute = args.worker == "trainer_recompute"
+        result = run_trainer(args, args.loss, rank, chunk, recompute)
     record = {
         **result,
         "rank": rank,
@@ -426,11 +445,13 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 def summarise(
     stack: str, loss: str, ranks: list[dict[str, Any]], tokens: int, warmup: int
 ) -> dict[str, Any]:
-    step_s = statistics.median(ranks[0]["step_times"][warmup:])
+    timed = ranks[0]["step_times"][warmup:]
+    step_s = statistics.median(timed)
     return {
         "stack": stack,
         "loss": loss,
         "step_s": step_s,
+        "min_step_s": min(timed),
         "all_step_s": ranks[0]["step_times"],
         "tokens_per_s": tokens / step_s,
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
@@ -473,16 +494,18 @@ def driver(args: argparse.Namespace) -> None:
     )
     print()
     print(
-        "| loss | stack | s/step | tokens/s | vs hf_ddp | peak RSS/rank MiB | vs hf_ddp "
-        "| step peak - setup MiB | vs hf_ddp | step-0 loss | vs hf_ddp |"
+        "| loss | stack | s/step (min) | tokens/s | vs HF | peak RSS/rank MiB | vs HF "
+        "| step peak - setup MiB | vs HF | step-0 loss | vs HF |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for loss in args.losses:
         rows = [r for r in results if r["loss"] == loss]
-        ref = next((r for r in rows if r["stack"] == "hf_ddp"), rows[0])
         for r in rows:
+            peer = "hf_ddp_recompute" if r["stack"].endswith("_recompute") else "hf_ddp"
+            ref = next((p for p in rows if p["stack"] == peer), rows[0])
             print(
-                f"| {loss} | {r['stack']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                f"| {loss} | {r['stack']} | {r['step_s']:.2f} ({r['min_step_s']:.2f}) | "
+                f"{r['tokens_per_s']:.0f} | "
                 f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x | {r['peak_rss_mib']:.0f} | "
                 f"{r['peak_rss_mib'] / ref['peak_rss_mib']:.2f}x | {step_mib(r):.0f} | "
                 f"{step_mib(r) / step_mib(ref):.2f}x | {r['loss0']:.8f} | "
@@ -494,7 +517,7 @@ def driver(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stacks", nargs="+", default=list(STACKS), choices=STACKS)
+    parser.add_argument("--stacks", nargs="+", default=list(STACKS[:4]), choices=STACKS)
     parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
     parser.add_argument("--rows-per-rank", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
