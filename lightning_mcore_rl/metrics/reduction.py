@@ -26,6 +26,16 @@ AGGREGATIONS: dict[str, type[Metric]] = {
 _IDENTITY: dict[str, float] = {"sum": 0.0, "min": math.inf, "max": -math.inf}
 
 
+def _all_gather_same_shape(tensor: Tensor, group: Any | None = None) -> list[Tensor]:
+    """ONE all-gather: every rank's state has the same shape by construction, so torchmetrics'
+    default (a barrier and an all-gather of the shapes first) would cost two more collectives
+    per step."""
+    group = group if group is not None else torch.distributed.group.WORLD
+    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 class RuleReduction(Metric):
     """A vector of values, each reduced over ``process_group`` by its own rule (``sum``,
     ``min`` or ``max``), in ONE synchronisation: the single state is all-gathered once
@@ -51,7 +61,12 @@ class RuleReduction(Metric):
         device: torch.device | str = "cpu",
         sync: bool = True,
     ) -> None:
-        super().__init__(process_group=process_group, dist_sync_on_step=False, sync_on_compute=sync)
+        super().__init__(
+            process_group=process_group,
+            dist_sync_on_step=False,
+            sync_on_compute=sync,
+            dist_sync_fn=_all_gather_same_shape,
+        )
         self.kinds = tuple(kinds)
         masks = {k: torch.tensor([x == k for x in self.kinds], dtype=torch.bool) for k in _IDENTITY}
         self._masks = {k: m.to(device) for k, m in masks.items()}
