@@ -88,6 +88,10 @@ class MCoreRLStrategy(ParallelStrategy):
             ``skipped_steps``), or ``"raise"`` at the first one (``docs/reliability.md``).
         max_consecutive_skips: under ``"skip"``, stop with an error after this many
             consecutive skipped steps.
+        use_fused_linear_logprobs: the last pipeline stage returns its final hidden states and
+            the post-processors compute logprobs from hidden x output weight in sequence chunks
+            (never materialising the ``[tokens, V/TP]`` logits).
+        logprob_chunk_size: sequence chunk of the logprob / top-k kernels (``None``: unchunked).
 
     Accelerator, devices and precision come from the ``Trainer``.
     """
@@ -112,8 +116,10 @@ class MCoreRLStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         nonfinite: NonFinitePolicy = "skip",
         max_consecutive_skips: int = 10,
+        use_fused_linear_logprobs: bool = False,
+        logprob_chunk_size: int | None = None,
     ) -> None:
-        from lightning_mcore_rl.train import Microbatching
+        from lightning_mcore_rl.train import Microbatching, PolicyConfig
 
         check_strategy_args(
             use_distributed_optimizer=use_distributed_optimizer,
@@ -136,6 +142,10 @@ class MCoreRLStrategy(ParallelStrategy):
             equal_shapes=pipeline_model_parallel_size > 1,
         )
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
+        self._policy = PolicyConfig(
+            sequence_packing=sequence_packing, logprob_chunk_size=logprob_chunk_size
+        )
         self.ddp_config = ddp if ddp is not None else MegatronDDPConfig()
         self.checkpoint_config = checkpoint if checkpoint is not None else CheckpointConfig()
         self._process_group_backend = process_group_backend
@@ -201,10 +211,8 @@ class MCoreRLStrategy(ParallelStrategy):
         return self.nonfinite_guard.step_skipped
 
     def policy_config(self) -> PolicyConfig:
-        """The post-processors' ``PolicyConfig`` for this layout (packing)."""
-        from lightning_mcore_rl.train import PolicyConfig
-
-        return PolicyConfig(sequence_packing=self.parallel.sequence_packing)
+        """The post-processors' ``PolicyConfig`` (packing, logprob chunk size)."""
+        return self._policy
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """``TransformerConfig`` fields the strategy and ``Trainer(precision=...)`` own."""
@@ -220,6 +228,8 @@ class MCoreRLStrategy(ParallelStrategy):
             "use_distributed_optimizer": self.use_distributed_optimizer,
             "micro_batch_size": self.micro_batch_size,
             "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
+            "use_fused_linear_logprobs": self.use_fused_linear_logprobs,
+            "logprob_chunk_size": self._policy.logprob_chunk_size,
             "precision": self.precision_plugin.precision,
         }
 
