@@ -430,6 +430,7 @@ class MCoreRLStrategy(ParallelStrategy):
         check = functools.partial(self._check_inputs, training=not forward_only)
         common: dict[str, Any] = {
             "forward_only": forward_only, "device": self.root_device, "input_check": check,
+            "use_fused_linear_logprobs": self.use_fused_linear_logprobs,
         }  # fmt: skip
         if module.loss_fn is not None:
             common.update(
@@ -464,6 +465,7 @@ class MCoreRLStrategy(ParallelStrategy):
         return run_forward_only(
             self._chunks, batch, self.groups, self.microbatching, post_processor,
             sampling_params=module.sampling_params(),
+            use_fused_linear_logprobs=self.use_fused_linear_logprobs,
             input_check=functools.partial(self._check_inputs, training=False),
         )  # fmt: skip
 
