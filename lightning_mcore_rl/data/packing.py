@@ -11,7 +11,7 @@ docs/behaviour-reference.md trap 3).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, get_args
 
 import torch
 
@@ -21,10 +21,17 @@ if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
 
 Fp8Recipe = Literal["tensorwise", "delayed", "blockwise", "mxfp8"]
+MoeTokenDispatcherType = Literal["allgather", "alltoall", "flex"]
+"""megatron's ``TransformerConfig.moe_token_dispatcher_type`` values."""
+MoeFlexDispatcherBackend = Literal["deepep", "hybridep"]
+"""megatron's ``TransformerConfig.moe_flex_dispatcher_backend`` values."""
 
 # Packed-total multiple each FP8 recipe's GEMM kernels need
 # (docs/behaviour-reference.md §6.1, NeMo RL PR #1569).
 _FP8_DIVISOR: dict[str, int] = {"tensorwise": 16, "delayed": 16, "blockwise": 128, "mxfp8": 32}
+# HybridEP's deep_ep JIT kernels need MAX_NUM_OF_TOKENS_PER_RANK divisible by their
+# NUM_OF_TOKENS_PER_CHUNK = 128 (docs/behaviour-reference.md §6.1, NeMo RL PR #4079).
+_HYBRIDEP_DIVISOR = 128
 
 
 class PackedSequences(NamedTuple):
@@ -79,6 +86,8 @@ def get_pack_sequence_parameters(
     pad_individual: int,
     max_seq_len_in_batch: int,
     fp8: Fp8Recipe | None = None,
+    moe_token_dispatcher_type: MoeTokenDispatcherType = "allgather",
+    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = "deepep",
 ) -> tuple[int, int, int | None]:
     """Padding knobs for :func:`pack_sequences` under a parallel layout.
 
@@ -94,16 +103,23 @@ def get_pack_sequence_parameters(
         max_seq_len_in_batch: with PP > 1, the longest packed microbatch (sum of its padded
             spans) of the global batch; every microbatch is padded up to it.
         fp8: FP8 recipe, or ``None`` without FP8.
+        moe_token_dispatcher_type: megatron's MoE token dispatcher (its config field, default
+            ``"allgather"``).
+        moe_flex_dispatcher_backend: megatron's backend of the ``"flex"`` dispatcher (its
+            config field, default ``"deepep"``); ``"hybridep"`` with the flex dispatcher needs
+            packed totals divisible by 128.
 
     Returns:
         ``(pad_individual, pad_packed_multiple, pad_packed_to)``: ``pad_packed_multiple`` is
-        ``divisor * minimum_pad_individual`` when FP8 needs a divisor (16 tensorwise/delayed,
-        128 blockwise, 32 mxfp8) else 1; ``pad_packed_to`` is ``max_seq_len_in_batch`` rounded
-        up to ``pad_packed_multiple`` when PP > 1, else ``None``.
+        ``divisor * minimum_pad_individual`` when a divisor applies, else 1, the divisor being
+        the largest of FP8's (16 tensorwise/delayed, 128 blockwise, 32 mxfp8) and HybridEP's
+        (128, flex dispatcher with the ``"hybridep"`` backend); ``pad_packed_to`` is
+        ``max_seq_len_in_batch`` rounded up to ``pad_packed_multiple`` when PP > 1, else
+        ``None``.
 
     Raises:
-        ValueError: a size < 1, an unknown ``fp8`` recipe, or a ``pad_individual`` that is not a
-            multiple of the layout's minimum.
+        ValueError: a size < 1, an unknown ``fp8`` recipe or MoE dispatcher option, or a
+            ``pad_individual`` that is not a multiple of the layout's minimum.
     """
     sizes = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
@@ -116,6 +132,12 @@ def get_pack_sequence_parameters(
             raise ValueError(f"`{name}` must be >= 1, got {value}")
     if fp8 is not None and fp8 not in _FP8_DIVISOR:
         raise ValueError(f"`fp8` must be None or one of {sorted(_FP8_DIVISOR)}, got {fp8!r}")
+    for name, option, allowed in (
+        ("moe_token_dispatcher_type", moe_token_dispatcher_type, MoeTokenDispatcherType),
+        ("moe_flex_dispatcher_backend", moe_flex_dispatcher_backend, MoeFlexDispatcherBackend),
+    ):
+        if option not in get_args(allowed):
+            raise ValueError(f"`{name}` must be one of {list(get_args(allowed))}, got {option!r}")
     minimum = minimum_pad_individual(
         tensor_model_parallel_size=tensor_model_parallel_size,
         sequence_parallel=sequence_parallel,
@@ -129,6 +151,8 @@ def get_pack_sequence_parameters(
             "(2*CP*TP with both); set make_sequence_length_divisible_by accordingly."
         )
     divisor = _FP8_DIVISOR[fp8] if fp8 is not None else 1
+    if moe_token_dispatcher_type == "flex" and moe_flex_dispatcher_backend == "hybridep":
+        divisor = max(divisor, _HYBRIDEP_DIVISOR)  # 128 is a multiple of every FP8 divisor
     pad_packed_multiple = divisor * minimum if divisor > 1 else 1
     pad_packed_to = (
         round_up(max_seq_len_in_batch, pad_packed_multiple)

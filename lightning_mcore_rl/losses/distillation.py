@@ -58,7 +58,9 @@ class DistillationLossFn:
 
     Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``. Loss inputs:
     ``student_topk_logprobs [B, S-1, K]``, ``teacher_topk_logprobs [B, S-1, K]``,
-    ``H_all [B, S-1]`` (required for the tail correction).
+    ``H_all [B, S-1]`` (required for the tail correction). Metrics: ``loss`` and
+    ``num_valid_samples = B``, every row of the microbatch, masked ones included (as the
+    reference reports it).
     """
 
     loss_type = LossType.TOKEN_LEVEL
@@ -140,7 +142,10 @@ class DistillationLossFn:
             check_shape("H_all", H_all, tuple(tm.shape))
         per_token = self.per_token_kl(s, t, H_all)
         loss = masked_mean(per_token, tm * sm.unsqueeze(-1), None, global_valid_toks)
-        return loss, detach_metrics({"loss": loss, "num_valid_samples": sm.sum()})
+        # The reference reports the row count (its `data["input_ids"].shape[0]`), masked samples
+        # included, unlike the other losses' `sum(sample_mask)`.
+        rows = torch.tensor(float(s.shape[0]), dtype=s.dtype, device=s.device)
+        return loss, detach_metrics({"loss": loss, "num_valid_samples": rows})
 
 
 class OPDFullLossFn:

@@ -43,6 +43,26 @@ def _check_pairs(sample_mask: Tensor) -> None:
         )
 
 
+def split_output_tensor(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """Split interleaved rows into ``(chosen, rejected)``: rows ``0, 2, ...`` and ``1, 3, ...``.
+
+    Args:
+        tensor: ``[B, ...]`` per-sample values, ``B`` even (``B/2`` pairs).
+
+    Returns:
+        ``(tensor[::2], tensor[1::2])``, each ``[B/2, ...]`` (strided views, no copy).
+
+    Raises:
+        ValueError: ``tensor`` is 0-dim or ``B`` is odd.
+    """
+    if tensor.dim() == 0:
+        raise ValueError(
+            "`tensor` must have a leading sample dimension [B, ...], got a 0-dim tensor."
+        )
+    _check_pairs(tensor)
+    return tensor[::2], tensor[1::2]
+
+
 def preference_terms(
     rewards: Tensor, sample_mask: Tensor, global_valid_seqs: Tensor | float, beta: float = 1.0
 ) -> dict[str, Tensor]:
@@ -57,9 +77,8 @@ def preference_terms(
     Returns:
         ``loss``, ``accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean`` (0-dim).
     """
-    _check_pairs(sample_mask)
-    chosen, rejected = rewards[::2], rewards[1::2]
-    sm_c, sm_r = sample_mask[::2], sample_mask[1::2]
+    chosen, rejected = split_output_tensor(rewards)
+    sm_c, sm_r = split_output_tensor(sample_mask)
     pairs = global_valid_seqs / 2
     per_pair = -F.logsigmoid(beta * (chosen - rejected))
     return {
@@ -79,6 +98,8 @@ class PreferenceLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGIT
+    split_output_tensor = staticmethod(split_output_tensor)
+    """``(chosen, rejected)`` rows of an interleaved ``[B, ...]`` tensor (the reference's method)."""
 
     def __init__(self) -> None:
         self.metric_normalizations = dict.fromkeys(_PAIR_METRICS, MetricNormalizer.SEQUENCES)
@@ -130,6 +151,8 @@ class DPOLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGPROB
+    split_output_tensor = staticmethod(split_output_tensor)
+    """As :attr:`PreferenceLossFn.split_output_tensor` (the reference's DPO inherits it)."""
 
     def __init__(
         self,
@@ -178,7 +201,7 @@ class DPOLossFn:
         sft = torch.zeros((), dtype=c.dtype)
         if cfg.sft_loss_weight > 0:
             nll = per_sample_nll(c, tm * sm.unsqueeze(-1), cfg.sft_average_log_probs)  # [B]
-            sft = masked_mean(nll[::2], sm[::2], None, global_valid_seqs / 2)
+            sft = masked_mean(split_output_tensor(nll)[0], sm[::2], None, global_valid_seqs / 2)
         loss = cfg.sft_loss_weight * sft + cfg.preference_loss_weight * preference
         metrics.update(
             loss=loss, sft_loss=sft, preference_loss=preference, num_valid_samples=sm.sum() / 2

@@ -241,16 +241,19 @@ class SequencePackingFusionLossWrapper(_PackedWrapperBase):
 class DraftLossWrapper:
     """Policy loss plus ``loss_weight`` times the draft model's soft cross-entropy.
 
-    See docs/behaviour-reference.md §3.6.
+    See docs/behaviour-reference.md §3.6. The reference's signature: ``prepare_fn`` and
+    ``data_dict`` are required, by position or by keyword.
 
     The draft input (policy logits rolled left by one as the teacher, ``student_logits`` from the
-    data) is built by ``prepare_fn`` for ``draft_loss_fn`` (``LossInputType.DRAFT``).
+    data) is built by ``prepare_fn`` for a :class:`DraftCrossEntropyLossFn`
+    (``LossInputType.DRAFT``).
 
     Args:
-        loss_fn: The wrapped policy loss, called as ``loss_fn(logits, data, gvs, gvt)``.
-        prepare_fn: Input preparation for the draft loss (default :func:`prepare_loss_input`).
+        loss_fn: The wrapped policy loss, called as ``loss_fn(logits, data, gvs, gvt, **kwargs)``.
+        prepare_fn: Input preparation for the draft loss (e.g. :func:`prepare_loss_input`).
+        data_dict: The microbatch the wrapper is built for, kept as ``self.data_dict`` as in the
+            reference; each call uses its own ``data`` argument.
         loss_weight: Weight of the draft loss.
-        draft_loss_fn: The draft loss (default :class:`DraftCrossEntropyLossFn`).
         vocab_parallel_rank: TP rank.
         vocab_parallel_group: TP group.
         context_parallel_group: CP group.
@@ -259,17 +262,18 @@ class DraftLossWrapper:
     def __init__(
         self,
         loss_fn: Callable[..., LossResult],
-        prepare_fn: PrepareFn = prepare_loss_input,
+        prepare_fn: PrepareFn,
+        data_dict: BatchedDataDict,
         loss_weight: float = 1.0,
-        draft_loss_fn: LossFunction | None = None,
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: Any = None,
         context_parallel_group: Any = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.prepare_fn = prepare_fn
+        self.data_dict = data_dict
         self.loss_weight = loss_weight
-        self.draft_loss_fn = draft_loss_fn or DraftCrossEntropyLossFn()
+        self.draft_loss_fn = DraftCrossEntropyLossFn()
         self.vocab_parallel_rank = vocab_parallel_rank
         self.vocab_parallel_group = vocab_parallel_group
         self.context_parallel_group = context_parallel_group
@@ -280,6 +284,7 @@ class DraftLossWrapper:
         data: BatchedDataDict,
         global_valid_seqs: Tensor | float,
         global_valid_toks: Tensor | float | None,
+        **kwargs: Any,
     ) -> LossResult:
         """Policy loss + weighted draft loss; adds the ``draft_loss`` metric.
 
@@ -288,6 +293,7 @@ class DraftLossWrapper:
             data: The microbatch, with ``student_logits [B, S, V_draft]``.
             global_valid_seqs: Valid sequences of the global batch.
             global_valid_toks: Valid tokens of the global batch (required).
+            **kwargs: Passed on to ``loss_fn``.
 
         Returns:
             ``(policy_loss + loss_weight * draft_loss, metrics)``.
@@ -299,7 +305,9 @@ class DraftLossWrapper:
             raise ValueError(
                 "DraftLossWrapper needs `global_valid_toks` to normalise the draft loss"
             )
-        loss, metrics = self.loss_fn(next_token_logits, data, global_valid_seqs, global_valid_toks)
+        loss, metrics = self.loss_fn(
+            next_token_logits, data, global_valid_seqs, global_valid_toks, **kwargs
+        )
         draft_input, data = self.prepare_fn(
             next_token_logits, data, self.draft_loss_fn, self.vocab_parallel_rank,
             self.vocab_parallel_group, self.context_parallel_group,
