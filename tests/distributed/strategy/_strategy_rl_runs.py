@@ -55,12 +55,15 @@ class RolloutRows(Dataset):
 
 
 class GRPOModule(MCoreRLModule):
-    def __init__(self) -> None:
+    """ClippedPG on the tiny GPT of ``num_layers`` layers (split over the PP x VPP chunks)."""
+
+    def __init__(self, num_layers: int = 2) -> None:
         super().__init__(loss_fn=ClippedPGLossFn(PG_CFG))
+        self.num_layers = num_layers
         self.microbatch_losses: list[tuple[float, ...]] = []
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        config = tiny_gpt_config(calculate_per_token_loss=True)
+        config = tiny_gpt_config(num_layers=self.num_layers, calculate_per_token_loss=True)
         return tiny_gpt(config, vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
 
     def configure_optimizers(self) -> Any:
