@@ -1,18 +1,27 @@
-"""Core attention that honours THD ``cu_seqlens`` without Transformer Engine.
+"""Core attention that honours THD ``cu_seqlens`` without Transformer Engine, also under CP.
 
 megatron-core's local ``DotProductAttention`` rejects ``packed_seq_params`` (only
-``TEDotProductAttention`` takes THD input), so packing could not run on CPU or on the local layer
-spec. :class:`PackedDotProductAttention` is a drop-in ``core_attention`` for
-``get_gpt_layer_local_spec()``: with ``packed_seq_params`` (``qkv_format="thd"``) it runs causal
-attention within each span ``[cu_seqlens_q[i], cu_seqlens_q[i+1])`` — block-diagonal causal
-attention, computed span by span with ``torch.nn.functional.scaled_dot_product_attention`` so the
-cost is ``sum(len_i^2)``, not ``T^2``; without it, ordinary causal (or masked) attention on
-``[sq, b, np, hn]``.
+``TEDotProductAttention`` takes THD input) and context parallelism, so packing could not run on
+CPU or on the local layer spec. :class:`PackedDotProductAttention` is a drop-in
+``core_attention`` for ``get_gpt_layer_local_spec()``: with ``packed_seq_params``
+(``qkv_format="thd"``) it runs causal attention within each span
+``[cu_seqlens_q[i], cu_seqlens_q[i+1])`` — block-diagonal causal attention, computed span by span
+with ``torch.nn.functional.scaled_dot_product_attention`` so the cost is ``sum(len_i^2)``, not
+``T^2``; without it, ordinary causal (or masked) attention on ``[sq, b, np, hn]``.
+
+Context parallelism (CP > 1, packed input only): each CP rank holds the zigzag shard of every span
+(a span of ``L`` tokens is cut into ``2*CP`` chunks; rank ``r`` holds chunks ``r`` and
+``2*CP-1-r``, :func:`~lightning_mcore_rl.data.packing.cp_local_indices`). Keys and values are
+all-gathered over the CP group megatron hands the attention (``pg_collection.cp``, read at
+construction) with :func:`~lightning_mcore_rl.ops.context_parallel.allgather_cp_to_positions`
+(backward: a reduce-scatter of their gradients to the owners), and each local query attends to
+the keys of its span at global positions ``<=`` its own. Per rank the cost is ``sum(len_i^2)/CP``.
 
 Supported with packing: learned absolute position embeddings with per-document ``position_ids``
-(:func:`~lightning_mcore_rl.data.packing.packed_position_ids`) and RoPE (megatron applies it per
-span from ``cu_seqlens_q_padded``). Not supported: context parallelism (needs TE's CP attention),
-sliding windows and non-vanilla softmax; these raise at construction.
+(:func:`~lightning_mcore_rl.data.packing.packed_position_ids`, laid out like the CP shard) and RoPE
+(megatron's attention applies it per span from ``cu_seqlens_q_padded`` with CP-aware positions,
+``rope_utils._apply_rotary_pos_emb_thd``). Not supported: CP on padded input (CP needs packing),
+sliding windows and non-vanilla softmax; these raise.
 """
 
 from __future__ import annotations
@@ -23,6 +32,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from lightning_mcore_rl.data.packing import cp_local_indices
+from lightning_mcore_rl.ops.context_parallel import (
+    allgather_cp_to_positions,
+    get_tokens_on_this_cp_rank,
+)
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -42,7 +57,8 @@ class PackedDotProductAttention(MegatronModule):
 
     Output ``o_t = sum_{s <= t, s in span(t)} softmax_s(scale * q_t . k_s) v_s``: tokens attend
     causally within their own span only. Padding is part of each span, so real tokens (which
-    precede their span's padding) never see it.
+    precede their span's padding) never see it. Under CP, ``T`` above is this rank's ``T/CP``
+    tokens (its zigzag shard of every span) and ``t``, ``s`` are positions in the full span.
 
     Args:
         config: the transformer config.
@@ -51,8 +67,10 @@ class PackedDotProductAttention(MegatronModule):
         attention_type: ``"self"`` (recorded only, as in megatron).
         attention_dropout: dropout probability; default ``config.attention_dropout``.
         softmax_scale: default ``1/sqrt(hn)``.
-        cp_comm_type: accepted for signature compatibility; CP is unsupported.
-        pg_collection: process groups (``tp`` used); default megatron's global groups.
+        cp_comm_type: accepted for signature compatibility; keys/values are always all-gathered
+            (TE's ``"all_gather"`` scheme).
+        pg_collection: process groups (``tp``, and ``cp`` under context parallelism); default
+            megatron's global groups.
     """
 
     def __init__(
@@ -67,12 +85,6 @@ class PackedDotProductAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"PackedDotProductAttention does not support context parallelism "
-                f"(context_parallel_size={config.context_parallel_size}); use Transformer Engine's "
-                "TEDotProductAttention for CP > 1."
-            )
         if config.window_size is not None:
             raise ValueError(f"sliding-window attention is unsupported, got {config.window_size}")
         if config.softmax_type != "vanilla":
@@ -80,8 +92,17 @@ class PackedDotProductAttention(MegatronModule):
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        cp = getattr(pg_collection, "cp", None)
+        self.cp_group = cp if cp is not None and cp.size() > 1 else None
+        cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        if cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"the attention's CP group has {cp_size} ranks but "
+                f"`config.context_parallel_size` is {config.context_parallel_size}; build the "
+                "model after megatron's parallel state (or pass its pg_collection)."
+            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -126,6 +147,12 @@ class PackedDotProductAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if packed_seq_params is not None:
             return self._forward_packed(query, key, value, mask_type, packed_seq_params)
+        if self.cp_group is not None:
+            raise ValueError(
+                f"context parallelism (CP={self.cp_group.size()}) needs packed THD input "
+                "(`packed_seq_params`, i.e. sequence_packing=True); got padded input of shape "
+                f"{tuple(query.shape)}"
+            )
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         if attention_mask is not None:
@@ -151,12 +178,16 @@ class PackedDotProductAttention(MegatronModule):
             raise ValueError(f"packed attention needs a causal mask type, got {mask_type}")
         if not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
             raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        bounds = params.cu_seqlens_q.tolist()
-        if query.ndim != 3 or bounds[-1] != query.shape[0]:
+        cu = params.cu_seqlens_q
+        bounds = cu.tolist()
+        cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        if query.ndim != 3 or bounds[-1] != query.shape[0] * cp_size:
             raise ValueError(
-                f"packed query must be [T, np, hn] with T = cu_seqlens_q[-1] = {bounds[-1]}, got "
-                f"shape {tuple(query.shape)}"
+                f"packed query must be [T/CP, np, hn] with T = cu_seqlens_q[-1] = {bounds[-1]} "
+                f"and CP = {cp_size}, got shape {tuple(query.shape)}"
             )
+        if cp_size > 1:
+            return self._forward_packed_cp(query, key, value, cu)
         pieces = []
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             if end == start:
@@ -165,6 +196,39 @@ class PackedDotProductAttention(MegatronModule):
             q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             pieces.append(self._attend(q, k, v, attn_mask=None, is_causal=True)[0])
         # [np, T, hn] -> [T, np*hn]
+        return torch.cat(pieces, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _forward_packed_cp(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor
+    ) -> torch.Tensor:
+        """Packed attention under CP: ``query/key/value [T/CP, n, hn]`` (this rank's zigzag
+        shard of every span) -> ``[T/CP, np*hn]``; keys and values gathered to ``[T, ng, hn]``."""
+        cp_group = self.cp_group
+        assert cp_group is not None  # only called under CP
+        cp_rank, cp_size = cp_group.rank(), cp_group.size()
+        bounds = cu.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if (end - start) % (2 * cp_size) != 0:
+                raise ValueError(
+                    f"span [{start}, {end}) of cu_seqlens_q is not a multiple of 2*CP = "
+                    f"{2 * cp_size}; pack with pad_individual a multiple of 2*CP"
+                )
+        positions = torch.cat([cp_local_indices(cu, r, cp_size) for r in range(cp_size)])
+        # one all-gather for keys and values: [T/CP, ng, 2*hn] -> [T, ng, 2*hn]
+        kv = allgather_cp_to_positions(torch.cat([key, value], dim=-1), positions, cp_group)
+        full_key, full_value = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end == start:
+                continue
+            # this rank's query positions inside the span (chunks r and 2CP-1-r of 2CP)
+            span = torch.arange(end - start, device=query.device)
+            q_pos = get_tokens_on_this_cp_rank(span, cp_rank, cp_size, seq_dim=0)  # [L/CP]
+            allowed = q_pos[:, None] >= span[None, :]  # [L/CP, L], True = attends (causal)
+            q = query[start // cp_size : end // cp_size].transpose(0, 1).unsqueeze(0)
+            k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (full_key, full_value))
+            pieces.append(self._attend(q, k, v, attn_mask=allowed, is_causal=False)[0])
+        # [np, T/CP, hn] -> [T/CP, np*hn]
         return torch.cat(pieces, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
 
     def _attend(
@@ -189,6 +253,30 @@ class PackedDotProductAttention(MegatronModule):
             is_causal=is_causal,
             scale=self.softmax_scale,
         )
+
+
+def check_packed_core_attention(model: torch.nn.Module) -> None:
+    """Raise unless every core attention of ``model`` takes packed THD input.
+
+    megatron's local ``DotProductAttention`` (``get_gpt_layer_local_spec()``, megatron's default
+    non-TE spec) asserts ``packed_seq_params is None`` mid-forward; this names the fix up front.
+
+    Args:
+        model: a model chunk (possibly wrapped by DDP / ``Float16Module``).
+
+    Raises:
+        ValueError: a submodule is megatron's local ``DotProductAttention``.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    for name, module in model.named_modules():
+        if isinstance(module, DotProductAttention):
+            raise ValueError(
+                f"sequence packing needs a core attention that takes packed THD input, but "
+                f"`{name}` is megatron's local DotProductAttention; build the model with "
+                "`transformer_layer_spec=lightning_mcore_rl.data.get_packed_local_layer_spec()` "
+                "(local spec, CPU) or Transformer Engine's GPT layer spec."
+            )
 
 
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:

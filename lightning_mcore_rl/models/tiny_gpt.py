@@ -93,7 +93,9 @@ def tiny_gpt(
         max_sequence_length: longest sequence (learned position embeddings).
         seed: weight seed; the same seed gives the same full weights under any layout.
         vp_stage: virtual-pipeline chunk index (``None`` without VPP).
-        transformer_layer_spec: layer spec; default megatron's local (non-TE) GPT spec.
+        transformer_layer_spec: layer spec; default megatron's local (non-TE) GPT spec with the
+            packed- and CP-capable core attention
+            (:func:`~lightning_mcore_rl.data.get_packed_local_layer_spec`).
         share_embeddings_and_output_weights: tie the output layer to the word embedding.
         position_embedding_type: ``"learned_absolute"`` or ``"rope"``.
 
@@ -102,7 +104,8 @@ def tiny_gpt(
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from lightning_mcore_rl.data import get_packed_local_layer_spec
 
     config = config if config is not None else tiny_gpt_config()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -110,7 +113,7 @@ def tiny_gpt(
         raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({tp}).")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec or get_gpt_layer_local_spec(),
+        transformer_layer_spec=transformer_layer_spec or get_packed_local_layer_spec(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

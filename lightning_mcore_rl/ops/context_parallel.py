@@ -7,7 +7,7 @@ on every rank. Example, CP=2 and 16 tokens: rank 0 holds ``[0..3, 12..15]``, ran
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -139,3 +139,65 @@ def allgather_cp_sharded_tensor(
             f"even, got {tensor.shape[seq_dim]} (shape {tuple(tensor.shape)})"
         )
     return _AllGatherCPTensor.apply(tensor, cp_group, seq_dim)
+
+
+class _AllGatherToPositions(torch.autograd.Function):
+    """All-gather every CP rank's rows and put them at given positions of the full tensor.
+
+    Shapes: ``local [n, ...]`` -> ``full [CP*n, ...]``; ``positions [CP*n]`` (a permutation of
+    ``0..CP*n-1``, rank-major: ``positions[r*n + j]`` is where row ``j`` of rank ``r`` goes).
+    Forward: ``full[positions[r*n + j]] = local_r[j]`` (all-gather, then one index copy).
+    Backward: ``dlocal_r[j] = sum_{r'} dfull_{r'}[positions[r*n + j]]``: every rank picks each
+    owner's rows out of its own full gradient and a reduce-scatter sums them at the owner.
+    Dual pair: forward all-gather, backward reduce-scatter.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, positions: torch.Tensor, cp_group: Any) -> Any:
+        local = local.contiguous()
+        gathered = local.new_empty(cp_group.size() * local.shape[0], *local.shape[1:])
+        dist.all_gather_into_tensor(gathered, local, group=cp_group)
+        ctx.save_for_backward(positions)
+        ctx.cp_group = cp_group
+        return torch.empty_like(gathered).index_copy_(0, positions, gathered)
+
+    @staticmethod
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (positions,) = ctx.saved_tensors
+        picked = grad_full.index_select(0, positions).contiguous()  # [CP*n, ...] rank-major
+        grad_local = picked.new_empty(picked.shape[0] // ctx.cp_group.size(), *picked.shape[1:])
+        dist.reduce_scatter_tensor(grad_local, picked, group=ctx.cp_group)
+        return grad_local, None, None
+
+
+def allgather_cp_to_positions(
+    local: torch.Tensor, positions: torch.Tensor, cp_group: Any
+) -> torch.Tensor:
+    """Differentiable all-gather of CP shards into a full tensor laid out by ``positions``.
+
+    The CP attention gathers a packed row's keys and values with it: each rank holds the zigzag
+    shard of every span (``positions`` from
+    :func:`~lightning_mcore_rl.data.packing.cp_local_indices` of each rank, concatenated).
+    Forward: all-gather; backward: reduce-scatter (SUM) of the full gradient to the owners.
+
+    Args:
+        local: ``[n, ...]`` this rank's rows (the same ``n`` on every CP rank).
+        positions: ``[CP*n]`` long: ``positions[r*n + j]`` is the full-tensor row of rank ``r``'s
+            row ``j`` (a permutation, identical on every CP rank).
+        cp_group: context-parallel group; ``None`` or a group of size 1 returns ``local``.
+
+    Returns:
+        ``[CP*n, ...]`` identical on every CP rank.
+
+    Raises:
+        ValueError: ``positions`` is not 1-D of length ``CP*n`` (before any collective).
+    """
+    _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
+    if positions.ndim != 1 or positions.numel() != cp_size * local.shape[0]:
+        raise ValueError(
+            f"`positions` must be 1-D of length CP*n = {cp_size}*{local.shape[0]}, got shape "
+            f"{tuple(positions.shape)}"
+        )
+    if cp_size == 1:
+        return local
+    return cast(torch.Tensor, _AllGatherToPositions.apply(local, positions.long(), cp_group))

@@ -140,6 +140,7 @@ class MCoreRLStrategy(ParallelStrategy):
             max_tokens_per_microbatch=max_tokens_per_microbatch,
             sequence_packing=sequence_packing,
             equal_shapes=pipeline_model_parallel_size > 1,
+            sequence_parallel=sequence_parallel,
         )
         self.use_distributed_optimizer = use_distributed_optimizer
         self.use_fused_linear_logprobs = use_fused_linear_logprobs

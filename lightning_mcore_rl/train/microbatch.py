@@ -23,8 +23,10 @@ from lightning_mcore_rl.data import (
     TokenBudgetMicrobatches,
     compute_global_valid_counts,
     make_token_budget_microbatches,
+    minimum_pad_individual,
     pack_sequences,
     packed_position_ids,
+    round_up,
 )
 
 
@@ -71,6 +73,7 @@ def process_microbatch(
     pad_packed_multiple: int = 1,
     pad_packed_to: int | None = None,
     pad_full_seq_to: int | None = None,
+    pad_width_multiple: int = 1,
     cp_rank: int = 0,
     cp_size: int = 1,
 ) -> ProcessedMicrobatch:
@@ -80,12 +83,14 @@ def process_microbatch(
         data_dict: ``input_ids [B, S]`` (+ ``input_lengths [B]`` when packing) and loss fields.
         sequence_packing: Pack into one THD row.
         seq_length_key: Key of the real lengths ``[B]`` (packing).
-        pad_individual: Per-sequence span multiple (``2*CP`` with CP; see
-            :func:`~lightning_mcore_rl.data.get_pack_sequence_parameters`).
+        pad_individual: Per-sequence span multiple (``2*CP`` with CP, times ``TP`` with SP:
+            :func:`layout_padding`).
         pad_packed_multiple: Packed-total multiple.
         pad_packed_to: Exact packed length ``T`` (pipeline parallelism needs equal shapes).
         pad_full_seq_to: Padded layout only: right-pad the model ids to this width (equal
             shapes across microbatches for pipeline parallelism).
+        pad_width_multiple: Padded layout only: right-pad the model ids to a multiple of this
+            (``TP`` under sequence parallelism, which splits the sequence over TP ranks).
         cp_rank: Context-parallel rank.
         cp_size: ``CP``; the padded layout supports CP = 1 only.
 
@@ -119,11 +124,17 @@ def process_microbatch(
         )
     if cp_size > 1:
         raise ValueError("Context Parallelism (CP>1) requires sequence packing to be enabled.")
-    model_ids = input_ids
+    model_width = round_up(width, pad_width_multiple)
     if pad_full_seq_to is not None:
-        if pad_full_seq_to < width:
-            raise ValueError(f"`pad_full_seq_to`={pad_full_seq_to} is below the width S={width}")
-        model_ids = torch.nn.functional.pad(input_ids, (0, pad_full_seq_to - width))
+        if pad_full_seq_to < width or pad_full_seq_to % pad_width_multiple != 0:
+            raise ValueError(
+                f"`pad_full_seq_to`={pad_full_seq_to} must be >= the width S={width} and a "
+                f"multiple of `pad_width_multiple`={pad_width_multiple}"
+            )
+        model_width = pad_full_seq_to
+    model_ids = input_ids
+    if model_width > width:
+        model_ids = torch.nn.functional.pad(input_ids, (0, model_width - width))
     padded_width = model_ids.shape[1]
     position_ids = torch.arange(padded_width, device=input_ids.device).expand(batch, -1)
     return ProcessedMicrobatch(
@@ -136,6 +147,37 @@ def process_microbatch(
         cu_seqlens_padded=None,
         original_seq_length=width,
     )
+
+
+def layout_padding(
+    *, sequence_packing: bool, tp_size: int, cp_size: int, sequence_parallel: bool
+) -> dict[str, int]:
+    """The padding the parallel layout needs, as :func:`process_microbatch` keyword arguments.
+
+    Packed: every span a multiple of ``minimum_pad_individual`` = ``(2*CP if CP > 1) * (TP if
+    SP)`` (CP's zigzag cuts each span into ``2*CP`` chunks; SP then splits the rank's ``T/CP``
+    tokens over TP), so the packed total is one too (the last span absorbs no extra padding).
+    Padded: the width a multiple of ``TP`` under SP.
+
+    Args:
+        sequence_packing: the packed THD layout (else padded ``[B, S]``).
+        tp_size: ``TP``.
+        cp_size: ``CP``.
+        sequence_parallel: megatron sequence parallelism.
+
+    Returns:
+        ``{"pad_individual": n}`` packed, ``{"pad_width_multiple": n}`` padded.
+    """
+    sp_tp = tp_size if sequence_parallel else 1
+    if not sequence_packing:
+        return {"pad_width_multiple": sp_tp}
+    return {
+        "pad_individual": minimum_pad_individual(
+            tensor_model_parallel_size=tp_size,
+            sequence_parallel=sequence_parallel,
+            context_parallel_size=cp_size,
+        )
+    }
 
 
 @dataclass

@@ -29,12 +29,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.data.packed_attention import check_packed_core_attention
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.groups import ParallelGroups, use_parallel_groups
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,
     check_microbatching,
+    layout_padding,
     process_global_batch,
 )
 from lightning_mcore_rl.train.post_processors import (
@@ -70,12 +73,16 @@ class Microbatching:
         sequence_packing: pack each microbatch into one THD row.
         equal_shapes: every microbatch gets the same shape (pipeline parallelism: megatron's
             p2p sends one shape); padded token-budget microbatches cannot, so that raises.
+        sequence_parallel: the model runs megatron sequence parallelism: packed spans are padded
+            to a multiple of ``2*CP*TP`` (``TP`` without CP), padded rows to a multiple of ``TP``
+            (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`).
     """
 
     micro_batch_size: int = 1
     max_tokens_per_microbatch: int | None = None
     sequence_packing: bool = False
     equal_shapes: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_microbatching(
@@ -90,8 +97,15 @@ def split_global_batch(
     batch: Mapping[str, Any], groups: ParallelGroups, microbatching: Microbatching
 ) -> GlobalBatch:
     """This DP rank's share of a global batch -> processed microbatches with the global valid
-    counts (:func:`~lightning_mcore_rl.train.process_global_batch`; CP shards per rank)."""
+    counts (:func:`~lightning_mcore_rl.train.process_global_batch`; CP shards per rank), padded
+    as the layout needs (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`)."""
     data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
+    padding = layout_padding(
+        sequence_packing=microbatching.sequence_packing,
+        tp_size=groups.tp_size,
+        cp_size=groups.cp_size,
+        sequence_parallel=microbatching.sequence_parallel,
+    )
     return process_global_batch(
         data,
         groups.dp_group,
@@ -101,6 +115,7 @@ def split_global_batch(
         max_tokens_per_microbatch=microbatching.max_tokens_per_microbatch,
         cp_rank=groups.cp_rank,
         cp_size=groups.cp_size,
+        **padding,
     )
 
 
@@ -153,7 +168,9 @@ def run_global_batch(
         sampling_params: applied to the last stage's logits exactly once (temperature in place,
             top-k/top-p by the post-processors); ``loss_fn`` path only.
         forward_only: no backward (validation).
-        use_fused_linear_logprobs: see :func:`~lightning_mcore_rl.train.model_forward`.
+        use_fused_linear_logprobs: the last stage returns hidden states and the loss
+            post-processor computes logprobs from hidden x output weight
+            (:mod:`lightning_mcore_rl.train.fused`); ``loss_fn`` path only.
         device: where statistics' collectives run.
         required_keys: batch keys the loss reads
             (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), checked up front.
@@ -165,11 +182,18 @@ def run_global_batch(
         when ``input_check`` skipped the step.
 
     Raises:
-        ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
-            collective of the step.
+        ValueError, TypeError: a malformed batch (:func:`validate_batch`), or what
+            ``use_fused_linear_logprobs`` cannot serve (the LM path, top-k/top-p, non-GPT
+            chunks), before any collective of the step.
     """
     if (post_processor_factory is None) == (forward_step_func is None):
         raise TypeError("pass exactly one of `post_processor_factory` and `forward_step_func`")
+    if use_fused_linear_logprobs and forward_step_func is not None:
+        raise ValueError(
+            "`use_fused_linear_logprobs=True` needs the `MCoreRLModule(loss_fn=...)` path; the "
+            "`forward_step` path computes megatron's own loss from logits"
+        )
+    check_fused_linear_logprobs(chunks, None, sampling_params, use_fused_linear_logprobs)
     spec = BatchSpec(
         lm=forward_step_func is not None,
         vocab_size=model_vocab_size(chunks),
@@ -229,8 +253,11 @@ def run_forward_only(
 
     Raises:
         ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
-            collective (with ``input_check``: after its one agreement all-reduce).
+            collective (with ``input_check``: after its one agreement all-reduce); what
+            ``use_fused_linear_logprobs`` cannot serve (top-k logits, teacher payloads,
+            top-k/top-p), before any collective.
     """
+    check_fused_linear_logprobs(chunks, post_processor, sampling_params, use_fused_linear_logprobs)
     spec = BatchSpec(
         vocab_size=model_vocab_size(chunks),
         needs_lengths=microbatching.sequence_packing
@@ -278,6 +305,9 @@ def _megatron_pass(
     use_fused_linear_logprobs: bool,
 ) -> list[dict[str, Any]]:
     _check_temperature(post, sampling_params)
+    if global_batch.microbatches[0].packed_seq_params is not None:
+        for chunk in chunks:
+            check_packed_core_attention(chunk)  # before megatron's schedule runs
     capture = isinstance(post, TeacherFullPayloadPostProcessor) and post.payload == "hidden_states"
     iterators = [global_batch.iterator() for _ in chunks]
     return megatron_forward_backward(

@@ -16,6 +16,7 @@ class RunSpec:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    cp: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     bf16: bool = False
@@ -32,5 +33,5 @@ class RunSpec:
         return "bf16-mixed" if self.bf16 else "32-true"
 
     def local_batch(self, world_size: int) -> int:
-        """Rows per data-parallel rank and step."""
-        return self.global_batch // (world_size // (self.tp * self.pp))
+        """Rows per data-parallel rank and step (CP ranks hold the same rows)."""
+        return self.global_batch // (world_size // (self.tp * self.pp * self.cp))

@@ -23,20 +23,26 @@ from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 
 
 class PackedGRPOModule(MCoreRLModule):
-    """The base ``training_step`` (logs ``train_loss`` and every loss metric)."""
+    """The base ``training_step`` (logs ``train_loss`` and every loss metric); the strategy's
+    sequence parallelism, learned absolute positions or RoPE."""
 
-    def __init__(self) -> None:
+    def __init__(self, position_embedding_type: str = "learned_absolute") -> None:
         super().__init__(loss_fn=ClippedPGLossFn(PG_CFG))
+        self.position_embedding_type = position_embedding_type
         self.attention_layouts: set[str] = set()  # "thd" / "sbhd": what the attention received
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        config = tiny_gpt_config(calculate_per_token_loss=True)
+        config = tiny_gpt_config(
+            calculate_per_token_loss=True,
+            sequence_parallel=self.mcore_strategy.parallel.sequence_parallel,
+        )
         chunk = tiny_gpt(
             config,
             vocab_size=VOCAB,
             seed=0,
             vp_stage=vp_stage,
             transformer_layer_spec=get_packed_local_layer_spec(),
+            position_embedding_type=self.position_embedding_type,
         )
         for sub in chunk.modules():
             if isinstance(sub, PackedDotProductAttention):

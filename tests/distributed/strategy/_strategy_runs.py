@@ -158,6 +158,7 @@ def strategy_kwargs(spec: RunSpec) -> dict[str, Any]:
         "tensor_model_parallel_size": spec.tp,
         "pipeline_model_parallel_size": spec.pp,
         "virtual_pipeline_model_parallel_size": spec.vpp,
+        "context_parallel_size": spec.cp,
         "sequence_parallel": spec.sequence_parallel,
         "use_distributed_optimizer": spec.distributed_optimizer,
         "micro_batch_size": spec.mbs,
@@ -168,7 +169,6 @@ def make_trainer(spec: RunSpec, world_size: int, **kwargs: Any) -> Trainer:
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": world_size,
-        "strategy": MCoreRLStrategy(**strategy_kwargs(spec)),
         "max_steps": spec.steps,
         "logger": False,
         "enable_checkpointing": False,
@@ -179,6 +179,8 @@ def make_trainer(spec: RunSpec, world_size: int, **kwargs: Any) -> Trainer:
         "precision": spec.precision,
     }
     options.update(kwargs)
+    if "strategy" not in options:
+        options["strategy"] = MCoreRLStrategy(**strategy_kwargs(spec))
     return Trainer(**options)
 
 
