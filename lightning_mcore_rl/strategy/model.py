@@ -45,6 +45,27 @@ def wrap_chunks(
     return wrapped
 
 
+class WrappedChunks:
+    """The wrapped chunks megatron's schedule runs, re-wrapped only when the module's raw chunks
+    change or a ``fit`` needs megatron DDP around chunks an evaluation wrapped without it."""
+
+    def __init__(self) -> None:
+        self.wrapped: list[torch.nn.Module] = []
+        self._raw: list[torch.nn.Module] = []
+
+    def update(
+        self, raw: Sequence[torch.nn.Module], *, bf16: bool, ddp_config: Any | None
+    ) -> list[torch.nn.Module]:
+        """The wrapped chunks for ``raw`` (see :func:`wrap_chunks`)."""
+        needs_ddp = ddp_config is not None and not any(
+            hasattr(c, "zero_grad_buffer") for c in self.wrapped
+        )
+        if self._raw != list(raw) or needs_ddp:
+            self.wrapped = wrap_chunks(raw, bf16=bf16, ddp_config=ddp_config)
+            self._raw = list(raw)
+        return self.wrapped
+
+
 def checked_chunks(
     module: Any, vp_stages: Sequence[int | None], expected: Mapping[str, Any]
 ) -> list[torch.nn.Module]:

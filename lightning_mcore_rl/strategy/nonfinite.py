@@ -1,24 +1,26 @@
 """The non-finite policy: skip (or stop at) a step whose inputs, loss or gradients are not finite.
 
 Trainer-free; the strategy owns one :class:`NonFiniteGuard` and the optimizer adapter consults
-it. Every decision is agreed by all ranks with ONE small all-reduce, so a skipped step is skipped
-everywhere (no parameter, gradient-buffer-derived or optimizer-state change: megatron's
-``step()`` is not called, which is megatron's own ``update_successful=False`` outcome):
+it. Every rank takes the same decision, so a skipped step is skipped everywhere (no parameter or
+optimizer-state change: megatron's update is not run, which is megatron's own
+``update_successful=False`` outcome):
 
 * inputs (:meth:`NonFiniteGuard.check_inputs`, before the model runs): the host-side
   :func:`~lightning_mcore_rl.train.validation.validate_batch` verdict of each rank — an invalid
   batch on any rank makes every rank raise, a non-finite float (advantages, logprobs, masks...)
   skips the step, naming the key and first bad position on the rank that holds it;
-* loss and gradients (:meth:`NonFiniteGuard.skip_update`, after the backward, before megatron's
-  ``step()``): the sum of squares of every rank's DDP gradient buffers (fp32) and a flag for a
-  non-finite loss, all-reduced once: NaN/inf in any gradient — or a norm that overflows, like
-  megatron's — skips the step before megatron computes its norm, clips or updates anything.
+* the loss (:meth:`NonFiniteGuard.skip_before_update`, after the backward; identical on every
+  rank) and the gradients (:meth:`NonFiniteGuard.skip_on_grad_norm`): megatron's own global
+  gradient norm, computed once by the optimizer adapter's step
+  (:func:`~lightning_mcore_rl.strategy.optimizer.megatron_step`) between ``prepare_grads`` and
+  the clipping — NaN/inf in any gradient on any rank, or a norm that overflows, skips the step
+  before anything is clipped or updated.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -76,20 +78,19 @@ class NonFiniteGuard:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.step_skipped = False
-        self.chunks: Sequence[torch.nn.Module] = ()
         self.device: torch.device | str = "cpu"
         self._loss: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- per step
 
-    def begin_step(self, chunks: Sequence[torch.nn.Module], device: torch.device | str) -> None:
-        """A new training step over ``chunks`` (their DDP grad buffers are checked)."""
-        self.chunks, self.device = chunks, device
+    def begin_step(self, device: torch.device | str) -> None:
+        """A new training step (collectives of :meth:`check_inputs` on ``device``)."""
+        self.device = device
         self.step_skipped = False
         self._loss = None
 
     def note_loss(self, loss: torch.Tensor) -> None:
-        """The step's loss (identical on every rank), checked in :meth:`skip_update`."""
+        """The step's loss (identical on every rank), checked in :meth:`skip_before_update`."""
         self._loss = loss
 
     def check_inputs(self, finding: Any, error: BaseException | None, *, training: bool) -> bool:
@@ -127,40 +128,31 @@ class NonFiniteGuard:
             return True
         return False
 
-    def skip_update(self) -> bool:
-        """Before megatron's ``step()``: True if the step must not update (skipped on input, or
-        a non-finite loss/gradient found with ONE all-reduce over all ranks)."""
+    def skip_before_update(self) -> bool:
+        """Before megatron's optimizer step: True if the step must not update (skipped on
+        input, or a non-finite loss; the loss is identical on every rank, so is the verdict)."""
         if self.step_skipped:
             return True
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for chunk in self.chunks:
-            for buffer in _grad_buffers(chunk):
-                squares += torch.linalg.vector_norm(buffer.grad_data, dtype=torch.float32) ** 2
         loss = self._loss
-        loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-        flags = torch.stack([squares, torch.tensor(float(loss_bad), device=squares.device)])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flags)
-        total, bad_loss = float(flags[0]), float(flags[1]) > 0
-        if bad_loss:
-            self._skip(f"a non-finite loss ({float(loss) if loss is not None else 'nan'})")
-            return True
-        if not torch.isfinite(torch.tensor(total)):
-            self._skip(f"a non-finite gradient (sum of squares over all ranks: {total})")
+        if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
+            self._skip(f"a non-finite loss ({float(loss)})")
             return True
         return False
 
-    def after_update(self, update_successful: bool, grad_norm: float | None) -> None:
-        """After megatron's ``step()``: its ``update_successful=False`` counts as a skipped step;
-        a non-finite grad norm the pre-check could not see (it never is, short of an fp32
-        overflow of the de-duplicated norm) is reported under the policy."""
-        if not update_successful:
+    def skip_on_grad_norm(self, grad_norm: float) -> bool:
+        """Between megatron's gradient norm and its update: True (skip) if the norm is NaN/inf
+        — any non-finite gradient on any rank, or a norm that overflows."""
+        if math.isfinite(grad_norm):
+            return False
+        self._skip(f"a non-finite gradient (megatron's global grad norm: {grad_norm})")
+        return True
+
+    def after_update(self, update_successful: bool) -> None:
+        """After megatron's step: ``update_successful=False`` counts as a skipped step."""
+        if update_successful:
+            self.consecutive_skips = 0
+        elif not self.step_skipped:
             self._skip("megatron's optimizer (update_successful=False)")
-            return
-        if grad_norm is not None and not torch.isfinite(torch.tensor(grad_norm)):
-            self._skip(f"megatron's grad norm {grad_norm} (the update already ran)")
-            return
-        self.consecutive_skips = 0
 
     # ---------------------------------------------------------------- helpers
 
@@ -187,16 +179,6 @@ class NonFiniteGuard:
             NonFiniteWarning,
             stacklevel=3,
         )
-
-
-def _grad_buffers(chunk: torch.nn.Module) -> list[Any]:
-    """Megatron DDP's gradient buffers (its ``buffers`` list shadows ``Module.buffers``)."""
-    found: list[Any] = []
-    for name in ("buffers", "expert_parallel_buffers"):
-        value = getattr(chunk, name, None)
-        if isinstance(value, list):
-            found.extend(value)
-    return found
 
 
 def _all_reduce_max(value: int, device: torch.device | str) -> int:

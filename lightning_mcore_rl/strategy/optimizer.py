@@ -108,26 +108,23 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self._record.guard = guard
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (forward+backward), then megatron's step (unscale, clip, update) —
-        unless the non-finite guard skips the step (non-finite inputs, loss or gradients on any
-        rank): then nothing changes, as on megatron's own ``update_successful=False`` path.
+        """Run ``closure`` (forward+backward), then megatron's step (:func:`megatron_step`:
+        unscale, norm, clip, update) — unless the non-finite guard skips the step (non-finite
+        inputs or loss, or a non-finite megatron gradient norm): then nothing changes, as on
+        megatron's own ``update_successful=False`` path.
 
         Returns:
             The closure's result (the training-step loss), as ``torch.optim`` optimizers do.
         """
         loss = closure() if closure is not None else None
         guard = self._record.guard
-        if guard is not None and guard.skip_update():
+        if guard is not None and guard.skip_before_update():
             self._record.last = MegatronStepResult(False, None, None)
             return loss
-        ok, grad_norm, num_zeros = self.megatron_optimizer.step()
-        self._record.last = MegatronStepResult(
-            update_successful=bool(ok),
-            grad_norm=None if grad_norm is None else float(grad_norm),
-            num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
-        )
+        check = guard.skip_on_grad_norm if guard is not None else None
+        self._record.last = megatron_step(self.megatron_optimizer, check)
         if guard is not None:
-            guard.after_update(self._record.last.update_successful, self._record.last.grad_norm)
+            guard.after_update(self._record.last.update_successful)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -143,6 +140,48 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"MegatronOptimizerAdapter({type(self.megatron_optimizer).__name__})"
+
+
+def megatron_step(
+    optimizer: Any, skip_on_grad_norm: Callable[[float], bool] | None = None
+) -> MegatronStepResult:
+    """Megatron's ``MegatronOptimizer.step()`` by its public parts, consulting
+    ``skip_on_grad_norm(norm)`` between megatron's gradient norm and the update.
+
+    The same operations in the same order as megatron's ``step()`` of ``FP32Optimizer``,
+    ``MixedPrecisionOptimizer`` and ``ChainedOptimizer`` (``prepare_grads``, ``get_grad_norm``,
+    ``clip_grad_by_total_norm_fp32`` per member with ``clip_grad > 0``, ``count_zeros``,
+    ``step_with_ready_grads``), so the update is bitwise megatron's; the norm is computed once
+    (reduced over megatron's grad-stats group: the model-parallel group, or the whole world
+    with the distributed optimizer; data-parallel replicas hold all-reduced gradients), so every
+    rank takes the same decision without a collective of its own. Unlike megatron's ``step()``,
+    the norm is also computed (and reported) without clipping.
+
+    Returns:
+        ``(update_successful, grad_norm, num_zeros_in_grad)``; ``update_successful=False`` when
+        megatron found inf/NaN (fp16 loss scaling) or ``skip_on_grad_norm`` returned True.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():
+        return MegatronStepResult(False, None, None)
+    grad_norm = float(optimizer.get_grad_norm())
+    if skip_on_grad_norm is not None and skip_on_grad_norm(grad_norm):
+        return MegatronStepResult(False, grad_norm, None)
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(member, "is_stub_optimizer", False) or member.config.clip_grad <= 0.0:
+            continue
+        params = member.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=member.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=member.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    config = optimizer.config
+    num_zeros = int(optimizer.count_zeros()) if config.log_num_zeros_in_grad else None
+    return MegatronStepResult(bool(optimizer.step_with_ready_grads()), grad_norm, num_zeros)
 
 
 def resolve_optimizer_config(

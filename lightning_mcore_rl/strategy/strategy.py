@@ -3,8 +3,8 @@ under a Lightning ``Trainer``.
 
 A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightning's
 ``ModelParallelStrategy``). The step's mechanics live in the trainer-free
-:mod:`lightning_mcore_rl.train.step` (split, schedule, statistics), the rest in :mod:`.model`,
-:mod:`.checkpoint` and :mod:`.optimizer`. The pitfalls each hook handles: ``docs/strategy.md``.
+:mod:`lightning_mcore_rl.train.step` (split, schedule, statistics), the rest in :mod:`.base`
+(processes, world group), :mod:`.model`, :mod:`.checkpoint` and :mod:`.optimizer`. The pitfalls each hook handles: ``docs/strategy.md``.
 """
 
 from __future__ import annotations
@@ -17,29 +17,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
+from lightning_mcore_rl.strategy.base import ProcessGroupStrategy
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
-from lightning_mcore_rl.strategy.model import checked_chunks, unwrap_model, wrap_chunks
+from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks, unwrap_model
 from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard, NonFinitePolicy
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
@@ -59,7 +49,7 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
 
-class MCoreRLStrategy(ParallelStrategy):
+class MCoreRLStrategy(ProcessGroupStrategy):
     """Train megatron-core models (TP/PP/VPP/CP/SP/DP) with Lightning.
 
     One Lightning batch is this data-parallel rank's share of ONE global batch and ONE optimizer
@@ -149,29 +139,16 @@ class MCoreRLStrategy(ParallelStrategy):
         )
         self.ddp_config = ddp if ddp is not None else MegatronDDPConfig()
         self.checkpoint_config = checkpoint if checkpoint is not None else CheckpointConfig()
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._default_precision = MCorePrecision()
         self._groups: ParallelGroups | None = None
         self._backend = contextlib.ExitStack()
+        self._wrapped = WrappedChunks()
         self._chunks: list[torch.nn.Module] = []
-        self._chunks_for: list[torch.nn.Module] = []
         self._last_output: StepOutput | None = None
         self.nonfinite_guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
-        self.num_nodes = 1
-        super().__init__(cluster_environment=cluster_environment)
+        super().__init__(process_group_backend, cluster_environment, timeout)
 
     # ---------------------------------------------------------------- layout
-
-    @property
-    def micro_batch_size(self) -> int:
-        """Samples per fixed-size microbatch."""
-        return self.microbatching.micro_batch_size
-
-    @property
-    def max_tokens_per_microbatch(self) -> int | None:
-        """Token budget per microbatch (``None``: fixed-size microbatches)."""
-        return self.microbatching.max_tokens_per_microbatch
 
     @property
     def groups(self) -> ParallelGroups:
@@ -227,31 +204,14 @@ class MCoreRLStrategy(ParallelStrategy):
             **self.parallel.hparams(),
             "data_parallel_size": self.world_size // self.parallel.model_parallel_size,
             "use_distributed_optimizer": self.use_distributed_optimizer,
-            "micro_batch_size": self.micro_batch_size,
-            "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
+            "micro_batch_size": self.microbatching.micro_batch_size,
+            "max_tokens_per_microbatch": self.microbatching.max_tokens_per_microbatch,
             "use_fused_linear_logprobs": self.use_fused_linear_logprobs,
             "logprob_chunk_size": self._policy.logprob_chunk_size,
             "precision": self.precision_plugin.precision,
         }
 
     # ---------------------------------------------------------------- Lightning plumbing
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def is_distributed(self) -> bool:
-        """Lightning's hook for custom parallel strategies: inject ``DistributedSampler`` s
-        (sized by :attr:`distributed_sampler_kwargs`) and sync logged values when asked."""
-        return True
-
-    @property
-    def num_processes(self) -> int:
-        """Processes on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     @override
@@ -275,11 +235,7 @@ class MCoreRLStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+        super()._configure_launcher()
         self._launcher = ResumeGuardLauncher(self._launcher)  # ckpt_path="last": strategy/resume.py
 
     @override
@@ -289,47 +245,11 @@ class MCoreRLStrategy(ParallelStrategy):
         filter_expected_warnings(cpu=self.root_device.type == "cpu")
         self.parallel.check_world_size(self.num_nodes * self.num_processes)
         super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        assert self.cluster_environment is not None
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         if self.root_device.type == "cpu":
             from lightning_mcore_rl.cpu import cpu_emulation
 
             self._backend.enter_context(cpu_emulation())
         self._groups = init_model_parallel(self.parallel, self._timeout)
-
-    def _set_world_ranks(self) -> None:
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(
-            self.node_rank * self.num_processes + self.local_rank
-        )
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
-
-    @override
-    def reduce(
-        self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # ---------------------------------------------------------------- model, optimizer
 
@@ -343,16 +263,13 @@ class MCoreRLStrategy(ParallelStrategy):
         raw = checked_chunks(
             self.lightning_module, self.vp_stages, self.transformer_config_kwargs()
         )
-        needs_ddp = fitting and not any(hasattr(c, "zero_grad_buffer") for c in self._chunks)
-        if self._chunks_for != raw or needs_ddp:
-            ddp = None
-            if fitting:
-                ddp = self.ddp_config.to_megatron(
-                    precision=self.precision_plugin.precision,
-                    use_distributed_optimizer=self.use_distributed_optimizer,
-                )
-            self._chunks = wrap_chunks(raw, bf16=self.precision_plugin.bf16, ddp_config=ddp)
-            self._chunks_for = raw
+        plugin = self.precision_plugin
+        ddp = None
+        if fitting:
+            ddp = self.ddp_config.to_megatron(
+                precision=plugin.precision, use_distributed_optimizer=self.use_distributed_optimizer
+            )
+        self._chunks = self._wrapped.update(raw, bf16=plugin.bf16, ddp_config=ddp)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -390,7 +307,7 @@ class MCoreRLStrategy(ParallelStrategy):
         for chunk in self._chunks:  # fitting: setup() wrapped every chunk in megatron DDP
             cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
-        self.nonfinite_guard.begin_step(self._chunks, self.root_device)
+        self.nonfinite_guard.begin_step(self.root_device)
 
     @override
     def optimizer_step(

@@ -46,7 +46,7 @@ trainer:
     cli = build_cli([*BASE, f"--config={config}"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MCoreRLStrategy)
-    assert strategy.micro_batch_size == 2 and strategy.use_distributed_optimizer
+    assert strategy.microbatching.micro_batch_size == 2 and strategy.use_distributed_optimizer
     assert strategy.ddp_config.overlap_grad_reduce is True
     assert strategy.checkpoint_config.optimizer_sharding == "fully_reshardable"
     assert strategy.precision_plugin.precision == "bf16-mixed"
@@ -72,7 +72,7 @@ def test_cli_strategy_class_on_the_command_line_takes_init_args(form):
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MCoreRLStrategy)
-    assert strategy.parallel.tp == 2 and strategy.micro_batch_size == 4
+    assert strategy.parallel.tp == 2 and strategy.microbatching.micro_batch_size == 4
 
 
 def test_cli_offers_no_lightning_optimizer_arguments(capsys):

@@ -71,8 +71,8 @@ def test_strategy_accepts_a_budget() -> None:
     strategy = MCoreRLStrategy(
         max_tokens_per_microbatch=64, pipeline_model_parallel_size=2, sequence_packing=True
     )
-    assert strategy.max_tokens_per_microbatch == 64
-    assert MCoreRLStrategy().max_tokens_per_microbatch is None
+    assert strategy.microbatching.max_tokens_per_microbatch == 64
+    assert MCoreRLStrategy().microbatching.max_tokens_per_microbatch is None
 
 
 def test_forward_step_path_rejects_a_budget() -> None:
