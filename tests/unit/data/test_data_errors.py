@@ -52,12 +52,18 @@ def test_token_budget_errors() -> None:
         make_token_budget_microbatches(_batch(), 3, dp_group=None)  # type: ignore[arg-type]
 
 
-def test_packed_attention_rejects_context_parallelism() -> None:
+def test_packed_attention_cp_group_must_match_the_config() -> None:
+    from types import SimpleNamespace
+
+    from helpers.unit import FakeGroup
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
     config = TransformerConfig(
         num_layers=1, hidden_size=8, num_attention_heads=2, context_parallel_size=2
     )
-    with pytest.raises(ValueError, match=r"does not support context parallelism .*=2"):
-        PackedDotProductAttention(config, 1, AttnMaskType.causal, "self")
+    groups = SimpleNamespace(tp=FakeGroup(), cp=FakeGroup())  # a CP group of 1 rank
+    with pytest.raises(
+        ValueError, match=r"CP group has 1 ranks but `config.context_parallel_size` is 2"
+    ):
+        PackedDotProductAttention(config, 1, AttnMaskType.causal, "self", pg_collection=groups)
