@@ -126,16 +126,16 @@ def _distillation_loss_input(
     See docs/behaviour-reference.md §5.10. ``vocab_parallel_group=None`` takes the plain path
     (full-vocab ``[B, S, V]`` logits, CP = 1).
     """
+    if vocab_parallel_group is None and _group_size(context_parallel_group) > 1:
+        raise ValueError(
+            "DISTILLATION loss input with context parallelism needs `vocab_parallel_group` "
+            "(the TP group); the plain path takes full-sequence, full-vocab logits"
+        )
     cfg = cast(Any, loss_fn).cfg  # DISTILLATION losses carry a config (not in the protocol)
     teacher_logits = cast(Tensor, data["teacher_topk_logits"])
     teacher_indices = cast(Tensor, data["teacher_topk_indices"])
     calculate_entropy = cfg.zero_outside_topk and cfg.kl_type != "forward"
     if vocab_parallel_group is None:
-        if _group_size(context_parallel_group) > 1:
-            raise ValueError(
-                "DISTILLATION loss input with context parallelism needs `vocab_parallel_group` "
-                "(the TP group); the plain path takes full-sequence, full-vocab logits"
-            )
         out = _plain_distillation_topk_logprobs(
             logits, teacher_logits, teacher_indices, cfg.zero_outside_topk, calculate_entropy
         )

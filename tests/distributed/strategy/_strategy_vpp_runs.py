@@ -37,7 +37,7 @@ def _fit(spec: RunSpec, world_size: int) -> ScheduleRun:
     destroy_megatron_state()  # the next fit has another (virtual) pipeline layout
     return ScheduleRun(
         recorded=RecordedRun(
-            attention_layouts=[],  # megatron's local attention: not recorded here
+            attention_layouts=[],  # not recorded: the batches are padded, never packed
             logprobs=recorder.logprobs,
             lengths=recorder.lengths,
             metrics=recorder.metrics,

@@ -26,6 +26,7 @@ from lightning_mcore_rl.losses import (
     prepare_loss_input,
     wrap_loss_fn_with_input_preparation,
 )
+from lightning_mcore_rl.train import LossPostProcessor, ParallelGroups, use_parallel_groups
 
 LN = math.log
 G1 = FakeGroup()  # size 1: the TP path on one process, no collective is ever issued
@@ -189,9 +190,10 @@ def test_moe_dispatcher_options_are_validated() -> None:
 # 4. DraftLossWrapper takes the reference's arguments, `data_dict=` included, by keyword.
 
 
-def test_draft_wrapper_accepts_the_reference_keywords() -> None:
-    # B = 1, S = 2, V = 2, ids [0, 1], token_mask [0, 1]: one scored token (N_t = 1).
-    # Policy logits: position 0 = log([0.25, 0.75]) scores token 1, position 1 = [0, 0].
+def _draft_case() -> tuple[torch.Tensor, BatchedDataDict]:
+    """B = 1, S = 2, V = 2, ids [0, 1], token_mask [0, 1]: one scored token (N_t = 1). Policy
+    logits: position 0 = log([0.25, 0.75]) scores token 1, position 1 = [0, 0]; the draft's
+    student logits: position 0 = log([0.75, 0.25])."""
     policy_logits = torch.stack([torch.log(torch.tensor([0.25, 0.75])), torch.zeros(2)])[None]
     data = BatchedDataDict(
         input_ids=torch.tensor([[0, 1]]),
@@ -199,6 +201,17 @@ def test_draft_wrapper_accepts_the_reference_keywords() -> None:
         sample_mask=torch.tensor([1.0]),
         student_logits=torch.stack([torch.log(torch.tensor([0.75, 0.25])), torch.zeros(2)])[None],
     )
+    return policy_logits, data
+
+
+# Policy NLL: -ln 0.75. Draft: teacher = policy logits rolled left (position 0 <- [0, 0], softmax
+# [0.5, 0.5]), mask rolled to [1, 0]; soft CE at position 0 against the student's
+# [ln 0.75, ln 0.25]: -(0.5 ln 0.75 + 0.5 ln 0.25) = 0.5 ln(16/3).
+DRAFT_CE = 0.5 * LN(16 / 3)
+
+
+def test_draft_wrapper_accepts_the_reference_keywords() -> None:
+    policy_logits, data = _draft_case()
     wrapper = DraftLossWrapper(
         loss_fn=wrap_loss_fn_with_input_preparation,
         prepare_fn=prepare_loss_input,
@@ -218,12 +231,25 @@ def test_draft_wrapper_accepts_the_reference_keywords() -> None:
         loss_fn=NLLLossFn(),
         prepare_fn=prepare_loss_input,
     )
-    # Policy NLL: -ln 0.75. Draft: teacher = policy logits rolled left (position 0 <- [0, 0],
-    # softmax [0.5, 0.5]), mask rolled to [1, 0]; soft CE at position 0 against the student's
-    # [ln 0.75, ln 0.25]: -(0.5 ln 0.75 + 0.5 ln 0.25) = 0.5 ln(16/3).
-    draft = 0.5 * LN(16 / 3)
-    assert metrics["draft_loss"].item() == pytest.approx(draft, rel=1e-6)
-    assert loss.item() == pytest.approx(-LN(0.75) + 0.5 * draft, rel=1e-6)
+    assert metrics["draft_loss"].item() == pytest.approx(DRAFT_CE, rel=1e-6)
+    assert loss.item() == pytest.approx(-LN(0.75) + 0.5 * DRAFT_CE, rel=1e-6)
+
+
+def test_loss_post_processor_wraps_draft_batches_with_the_reference_arguments() -> None:
+    # A batch with `student_logits` gets DraftLossWrapper(..., data_dict=batch,
+    # loss_weight=cfg.draft.loss_weight, TP/CP groups) around the policy loss (reference:
+    # nemo_rl/models/megatron/train.py). M = 1, CP = 1: the returned loss is unscaled.
+    policy_logits, data = _draft_case()
+    g = FakeGroup()
+    groups = ParallelGroups(
+        tp_group=g, tp_rank=0, tp_size=1, pp_group=g, pp_rank=0, pp_size=1, pp_last_rank=0,
+        dp_group=g, dp_rank=0, dp_size=1, cp_group=g, cp_rank=0, cp_size=1,
+    )  # fmt: skip
+    post = LossPostProcessor(NLLLossFn(), {"draft": {"loss_weight": 0.5}})
+    with use_parallel_groups(groups):
+        loss, metrics = post(data, None, torch.tensor(1.0), torch.tensor(1.0))(policy_logits)
+    assert metrics["draft_loss"].item() == pytest.approx(DRAFT_CE, rel=1e-6)
+    assert loss.item() == pytest.approx(-LN(0.75) + 0.5 * DRAFT_CE, rel=1e-6)
 
 
 def test_draft_wrapper_positional_order_is_the_references() -> None:
