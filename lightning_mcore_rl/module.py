@@ -140,14 +140,18 @@ class MCoreRLModule(LightningModule):
             self.mcore_strategy.policy_config(),
             num_microbatches,
             sampling_params=self.sampling_params(),
+            use_fused_linear_logprobs=self.mcore_strategy.use_fused_linear_logprobs,
         )
 
     def logprobs_post_processor(self) -> LogprobsPostProcessor:
         """The forward-only callback of :meth:`compute_logprobs`."""
         from lightning_mcore_rl.train import LogprobsPostProcessor
 
+        strategy = self.mcore_strategy
         return LogprobsPostProcessor(
-            self.mcore_strategy.policy_config(), sampling_params=self.sampling_params()
+            strategy.policy_config(),
+            sampling_params=self.sampling_params(),
+            use_fused_linear_logprobs=strategy.use_fused_linear_logprobs,
         )
 
     def topk_logits_post_processor(self, k: int) -> TopkLogitsPostProcessor:

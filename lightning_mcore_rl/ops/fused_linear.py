@@ -12,7 +12,7 @@ use the logits path (:func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 import torch.distributed as dist
@@ -235,6 +235,18 @@ def _reject_filtering(sampling_params: TrainingSamplingParams | None) -> float:
     return sampling_params.temperature
 
 
+@overload
+def from_hidden_to_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_start_index: int,
+    vocab_end_index: int, tp_group: Any, cp_group: Any = ..., chunk_size: int | None = ...,
+    sampling_params: TrainingSamplingParams | None = ..., *, return_entropy: Literal[False] = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def from_hidden_to_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_start_index: int,
+    vocab_end_index: int, tp_group: Any, cp_group: Any = ..., chunk_size: int | None = ...,
+    sampling_params: TrainingSamplingParams | None = ..., *, return_entropy: Literal[True],
+) -> FusedLinearLogprobsOutput: ...  # fmt: skip
 def from_hidden_to_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -245,7 +257,9 @@ def from_hidden_to_logprobs(
     cp_group: Any = None,
     chunk_size: int | None = None,
     sampling_params: TrainingSamplingParams | None = None,
-) -> torch.Tensor:
+    *,
+    return_entropy: bool = False,
+) -> torch.Tensor | FusedLinearLogprobsOutput:
     """Dense next-token logprobs from hidden states (fused counterpart of the logits path).
 
     Args:
@@ -258,9 +272,11 @@ def from_hidden_to_logprobs(
         cp_group: context-parallel group; ``None`` means CP = 1.
         chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
         sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
+        return_entropy: also return the entropy of the distribution scoring each next token.
 
     Returns:
-        ``[B, S-1]`` fp32, as :func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`.
+        ``[B, S-1]`` fp32, as :func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`;
+        with ``return_entropy`` a :class:`FusedLinearLogprobsOutput` of two ``[B, S-1]``.
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
@@ -270,17 +286,42 @@ def from_hidden_to_logprobs(
     )
     batch, local_seq, width = hidden.shape
     check_dense_layout(local_seq, batch, target, cp_size, weight.shape[0] * tp_size)
+    entropy: list[torch.Tensor] = []
 
     def kernel(local_target: torch.Tensor) -> torch.Tensor:
         flat = fused_linear_logprobs(
             hidden.reshape(-1, width), weight, local_target.reshape(-1), vocab_start_index,
-            vocab_end_index, tp_group, chunk_size, temperature,
+            vocab_end_index, tp_group, chunk_size, temperature, return_entropy,
         )  # fmt: skip
+        if flat.entropy is not None:
+            entropy.append(flat.entropy.view(batch, local_seq))
         return flat.logprobs.view(batch, local_seq)
 
-    return run_dense(kernel, target, local_seq, cp_group)
+    logprobs = run_dense(kernel, target, local_seq, cp_group)
+    if not return_entropy:
+        return logprobs
+    # the same CP gather and trim as the logprobs (the entropy does not depend on the target)
+    return FusedLinearLogprobsOutput(
+        logprobs, run_dense(lambda _: entropy[0], target, local_seq, cp_group)
+    )
 
 
+@overload
+def from_hidden_to_logprobs_packed_sequences(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | Sequence[int], unpacked_seqlen: int,
+    vocab_start_index: int, vocab_end_index: int, tp_group: Any, cp_group: Any = ...,
+    chunk_size: int | None = ..., sampling_params: TrainingSamplingParams | None = ...,
+    target_is_pre_rolled: bool = ..., *, return_entropy: Literal[False] = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def from_hidden_to_logprobs_packed_sequences(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | Sequence[int], unpacked_seqlen: int,
+    vocab_start_index: int, vocab_end_index: int, tp_group: Any, cp_group: Any = ...,
+    chunk_size: int | None = ..., sampling_params: TrainingSamplingParams | None = ...,
+    target_is_pre_rolled: bool = ..., *, return_entropy: Literal[True],
+) -> FusedLinearLogprobsOutput: ...  # fmt: skip
 def from_hidden_to_logprobs_packed_sequences(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -294,7 +335,9 @@ def from_hidden_to_logprobs_packed_sequences(
     chunk_size: int | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     target_is_pre_rolled: bool = False,
-) -> torch.Tensor:
+    *,
+    return_entropy: bool = False,
+) -> torch.Tensor | FusedLinearLogprobsOutput:
     """Packed (THD) next-token logprobs from hidden states, with per-sequence rolls and CP gathers.
 
     Args:
@@ -310,9 +353,11 @@ def from_hidden_to_logprobs_packed_sequences(
         chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
         sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
         target_is_pre_rolled: see ``target``.
+        return_entropy: also return the entropy of the distribution scoring each next token.
 
     Returns:
-        ``[B, S-1]`` fp32, as the packed logits path.
+        ``[B, S-1]`` fp32, as the packed logits path; with ``return_entropy`` a
+        :class:`FusedLinearLogprobsOutput` of two ``[B, S-1]``.
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
@@ -326,14 +371,25 @@ def from_hidden_to_logprobs_packed_sequences(
     cu = normalise_cu_seqlens(cu_seqlens_padded, local_len, cp_size)
     check_packed_target(target, local_len, cp_size, cu, target_is_pre_rolled)
     check_token_ids(target, weight.shape[0] * tp_size, "target")
+    entropy: list[torch.Tensor] = []
 
     def kernel(local_target: torch.Tensor) -> torch.Tensor:
         flat = fused_linear_logprobs(
             hidden[0], weight, local_target[0], vocab_start_index, vocab_end_index, tp_group,
-            chunk_size, temperature,
+            chunk_size, temperature, return_entropy,
         )  # fmt: skip
+        if flat.entropy is not None:
+            entropy.append(flat.entropy.unsqueeze(0))
         return flat.logprobs.unsqueeze(0)
 
-    return run_packed(
+    logprobs = run_packed(
         kernel, target, cu, local_len, unpacked_seqlen, cp_group, target_is_pre_rolled
     )
+    if not return_entropy:
+        return logprobs
+    # the same per-sequence CP gather and unpacking as the logprobs
+    rows = run_packed(
+        lambda _: entropy[0], target, cu, local_len, unpacked_seqlen, cp_group,
+        target_is_pre_rolled,
+    )  # fmt: skip
+    return FusedLinearLogprobsOutput(logprobs, rows)

@@ -3,19 +3,31 @@
 ``forward_with_post_processing_fn`` pulls a :class:`ProcessedMicrobatch`, runs
 :func:`model_forward`, applies the sampling temperature in place and returns
 ``(output, post_processor(...))``; Megatron applies the callable to the last stage's output.
+With ``use_fused_linear_logprobs`` the last stage outputs its final hidden states instead of
+logits and the post-processor gets a :class:`~lightning_mcore_rl.train.fused.FusedLMHead` (the
+output weight and the temperature) to finish the LM head itself (:mod:`.fused`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp_rank
+from lightning_mcore_rl.train.fused import (
+    FUSED_NEEDS_LOGITS,
+    FusedLMHead,
+    check_fused_chunks,
+    lm_head_returns_hidden,
+    output_weight,
+    reject_filtering,
+    unwrap_model,
+)
 from lightning_mcore_rl.train.groups import current_parallel_groups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import (
@@ -28,16 +40,48 @@ from lightning_mcore_rl.train.post_processors import (
 )
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers."""
-    while hasattr(model, "module"):
-        model = cast(torch.nn.Module, model.module)  # DDP / Float16Module wrap a module
-    return model
-
-
 def _is_last_stage(model: torch.nn.Module) -> bool:
     """Whether this chunk computes the LM head (Megatron's ``post_process``)."""
-    return bool(getattr(_unwrap(model), "post_process", True))
+    return bool(getattr(unwrap_model(model), "post_process", True))
+
+
+def check_fused_linear_logprobs(
+    chunks: Sequence[torch.nn.Module],
+    post_processing_fn: PostProcessingFunction | None,
+    sampling_params: TrainingSamplingParams | None,
+    enabled: bool,
+) -> None:
+    """Reject what the fused linear logprobs path cannot serve, identically on every rank.
+
+    Called before megatron's schedule (and by the step entries before their first collective),
+    so no rank is left waiting in a collective for one that raised.
+
+    Args:
+        chunks: This rank's model chunks.
+        post_processing_fn: The pass's post-processor (``None``: not built yet).
+        sampling_params: The step's sampling parameters.
+        enabled: ``use_fused_linear_logprobs`` of the pass.
+
+    Raises:
+        ValueError: A loss / logprobs post-processor built with the other setting; with
+            ``enabled``: top-k/top-p filtering, a top-k or teacher-payload post-processor,
+            multi-token prediction.
+        TypeError: With ``enabled``, a chunk that is not a megatron ``GPTModel``.
+    """
+    if isinstance(post_processing_fn, (LossPostProcessor, LogprobsPostProcessor)):
+        own = post_processing_fn.use_fused_linear_logprobs
+        if own != enabled:
+            raise ValueError(
+                f"{type(post_processing_fn).__name__} was built with use_fused_linear_logprobs="
+                f"{own} but the pass runs with use_fused_linear_logprobs={enabled}; build it "
+                "with the strategy's setting (the MCoreRLModule hooks do)"
+            )
+    if not enabled:
+        return
+    if isinstance(post_processing_fn, (TopkLogitsPostProcessor, TeacherFullPayloadPostProcessor)):
+        raise ValueError(FUSED_NEEDS_LOGITS.format(what=type(post_processing_fn).__name__))
+    reject_filtering(sampling_params, "the step's sampling_params")
+    check_fused_chunks(chunks)
 
 
 def _prepare_padding_mask_for_model(
@@ -73,7 +117,7 @@ def _prepare_padding_mask_for_model(
             )
     if not get_model_config(model).sequence_parallel:
         return padding_mask
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     if isinstance(inner, GPTModel) and inner.pre_process:
         return padding_mask  # GPTModel.forward scatters it (megatron-core gpt_model.py)
     scattered = tensor_parallel.scatter_to_sequence_parallel_region(
@@ -112,7 +156,9 @@ def model_forward(
         mtp_loss_mask: Passed as ``loss_mask`` (multi-token prediction).
         padding_mask: MoE-routing padding mask (see :func:`_prepare_padding_mask_for_model`).
         straggler_timer: Called once; the forward runs inside the returned context.
-        use_fused_linear_logprobs: Not supported (see Raises).
+        use_fused_linear_logprobs: On the last stage, return the final hidden states (after the
+            final norm) instead of logits: the output layer is bypassed for this forward
+            (:func:`~lightning_mcore_rl.train.fused.lm_head_returns_hidden`).
         labels_cp_sharded: Target labels: the model then returns per-token losses
             (direct prepacked SFT).
         loss_mask_cp_sharded: Loss mask passed with ``labels_cp_sharded``.
@@ -120,22 +166,17 @@ def model_forward(
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
 
     Returns:
-        Logits ``[B, S/CP, V_l]`` / ``[1, T/CP, V_l]`` on the last stage, hidden states elsewhere,
-        per-token losses when labels are given.
+        Logits ``[B, S/CP, V_l]`` / ``[1, T/CP, V_l]`` on the last stage (fused: its final
+        hidden states ``[B, S/CP, H]`` / ``[1, T/CP, H]`` in the model dtype), hidden states
+        elsewhere, per-token losses when labels are given.
 
     Raises:
         ValueError: Labels together with fused linear logprobs.
-        NotImplementedError: Fused linear logprobs (megatron-core 0.16's ``GPTModel`` has no
-            ``return_logprobs_for_linear_ce_fusion``) or multimodal inputs (no VLM here).
+        TypeError: Fused linear logprobs on a last stage that is not a megatron ``GPTModel``.
+        NotImplementedError: Multimodal inputs (no VLM here).
     """
-    if use_fused_linear_logprobs:
-        if labels_cp_sharded is not None:
-            raise ValueError("Direct packed SFT labels do not support fused linear logprobs")
-        raise NotImplementedError(
-            "fused linear logprobs need a GPTModel that returns logprobs for linear-CE fusion "
-            "(`return_logprobs_for_linear_ce_fusion`), which megatron-core 0.16 lacks; use "
-            "logits, or lightning_mcore_rl.ops.from_hidden_to_logprobs on captured hidden states"
-        )
+    if use_fused_linear_logprobs and labels_cp_sharded is not None:
+        raise ValueError("Direct packed SFT labels do not support fused linear logprobs")
     if media_token_validity_mask is not None:
         raise NotImplementedError("multimodal inputs are not supported by this project")
     kwargs: dict[str, Any] = {}
@@ -151,12 +192,16 @@ def model_forward(
         kwargs["labels"] = labels_cp_sharded
         if loss_mask_cp_sharded is not None:
             kwargs["loss_mask"] = loss_mask_cp_sharded
+    fused = use_fused_linear_logprobs and _is_last_stage(model)
+    if fused:
+        check_fused_chunks([model])
     timer = straggler_timer() if straggler_timer is not None else contextlib.nullcontext()
-    with timer:
+    bypass = lm_head_returns_hidden(model) if fused else contextlib.nullcontext()
+    with timer, bypass:
         output = model(input_ids_cp_sharded, position_ids, attention_mask, **kwargs)
     if isinstance(output, tuple):
         output = output[0]
-    if not defer_fp32_logits and labels_cp_sharded is None and _is_last_stage(model):
+    if not (defer_fp32_logits or fused) and labels_cp_sharded is None and _is_last_stage(model):
         output = output.float()
     return output
 
@@ -182,7 +227,7 @@ def apply_temperature_scaling(
 def _capture_lm_head_input(model: torch.nn.Module, enabled: bool) -> Iterator[dict[str, Tensor]]:
     """Record the input of the model's ``output_layer`` (pre-LM-head states ``[S/CP, B, H]``)."""
     captured: dict[str, Tensor] = {}
-    output_layer = getattr(_unwrap(model), "output_layer", None)
+    output_layer = getattr(unwrap_model(model), "output_layer", None)
     if not enabled or output_layer is None:
         yield captured
         return
@@ -223,12 +268,14 @@ def forward_with_post_processing_fn(
         defer_fp32_logits: Keep logits in the model dtype.
         global_valid_seqs: Valid sequences of the global batch (loss post-processor).
         global_valid_toks: Valid tokens of the global batch (loss post-processor).
-        sampling_params: Temperature (applied here, in place, on the last stage) and top-k/p.
+        sampling_params: Temperature (applied here, in place, on the last stage; fused: handed
+            to the post-processor, which divides ``hidden x W^T`` by it) and top-k/p.
         straggler_timer: See :func:`model_forward`.
         draft_model: EAGLE draft model; not supported (raises).
         enable_hidden_capture: Draft-model hidden capture; not supported (raises).
         enable_opd_full_capture: Capture pre-LM-head hidden states for the teacher payload.
-        use_fused_linear_logprobs: See :func:`model_forward`.
+        use_fused_linear_logprobs: See :func:`model_forward`; the loss / logprobs post-processor
+            then gets ``lm_head=FusedLMHead(...)`` on the last stage.
         use_router_replay: MoE router replay; not supported (raises).
         router_replay_train: MoE router replay in training; requires ``use_router_replay``.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
@@ -238,6 +285,8 @@ def forward_with_post_processing_fn(
 
     Raises:
         TypeError: Unknown post-processor type.
+        ValueError: Options the fused path cannot serve (:func:`check_fused_linear_logprobs`;
+            megatron_forward_backward checks them before the schedule already).
         NotImplementedError: Router replay or draft models (no MoE replay / EAGLE here).
     """
     if not isinstance(post_processing_fn, KNOWN_POST_PROCESSORS):
@@ -245,6 +294,9 @@ def forward_with_post_processing_fn(
             f"Unknown post-processing function type {type(post_processing_fn).__name__}; "
             f"expected one of {[cls.__name__ for cls in KNOWN_POST_PROCESSORS]}"
         )
+    check_fused_linear_logprobs(
+        [model], post_processing_fn, sampling_params, use_fused_linear_logprobs
+    )
     if use_router_replay or router_replay_train:
         raise NotImplementedError("MoE router replay is not supported by this project")
     if draft_model is not None or enable_hidden_capture:
@@ -258,17 +310,23 @@ def forward_with_post_processing_fn(
             use_fused_linear_logprobs=use_fused_linear_logprobs,
             model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
         )  # fmt: skip
+    head: FusedLMHead | None = None
     if _is_last_stage(model):  # earlier stages output hidden states, not logits
-        apply_temperature_scaling(output, sampling_params)
+        if use_fused_linear_logprobs:  # the temperature goes into hidden x W^T / T, once
+            head = FusedLMHead(output_weight(model), sampling_params)
+        else:
+            apply_temperature_scaling(output, sampling_params)
     fn: Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
     if isinstance(post_processing_fn, LossPostProcessor):
         fn = post_processing_fn(
-            mb.data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks
-        )
+            mb.data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks,
+            lm_head=head,
+        )  # fmt: skip
     elif isinstance(post_processing_fn, LogprobsPostProcessor):
         fn = post_processing_fn(
-            mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length
-        )
+            mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length,
+            lm_head=head,
+        )  # fmt: skip
     elif isinstance(post_processing_fn, TopkLogitsPostProcessor):
         fn = post_processing_fn(mb.data_dict, mb.cu_seqlens_padded, mb.original_seq_length)
     else:

@@ -13,6 +13,7 @@ from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import (
     DraftLossWrapper,
     LossFunction,
+    LossInputType,
     NLLLossFn,
     SequencePackingFusionLossWrapper,
     SequencePackingLossWrapper,
@@ -25,6 +26,13 @@ from lightning_mcore_rl.ops import (
 )
 from lightning_mcore_rl.train import groups as pg
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.fused import (
+    FUSED_NEEDS_LOGITS,
+    FusedLMHead,
+    fused_packed_prepare_fn,
+    fused_prepare_fn,
+    reject_filtering,
+)
 from lightning_mcore_rl.train.groups import OutputProcessor
 
 
@@ -44,6 +52,13 @@ class LossPostProcessor:
             finalisation belongs to the draft-model trainer, which is not part of this project.
         teacher_output_layer_weight_by_index: This rank's teacher LM-head shards ``[V_l, H_t]``
             for full-vocabulary on-policy distillation, keyed by teacher index.
+        use_fused_linear_logprobs: The model output is the last stage's final hidden states; the
+            ``LOGPROB`` loss input (logprobs, entropy) comes from hidden x output weight (the
+            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits.
+
+    Raises:
+        ValueError: ``use_fused_linear_logprobs`` with a loss that needs logits (not
+            ``LossInputType.LOGPROB``), a custom ``prepare_fn``, a draft model or top-k/top-p.
     """
 
     def __init__(
@@ -57,7 +72,10 @@ class LossPostProcessor:
         prepare_fn: Callable[..., Any] | None = None,
         defer_draft_normalization: bool = False,
         teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
+        use_fused_linear_logprobs: bool = False,
     ) -> None:
+        if use_fused_linear_logprobs:
+            _check_fused_loss(loss_fn, prepare_fn, draft_model, sampling_params)
         if num_microbatches < 1:
             raise ValueError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
         if defer_draft_normalization:
@@ -73,6 +91,7 @@ class LossPostProcessor:
         self.d2t = getattr(getattr(draft_model, "eagle_module", None), "d2t", None)
         self.prepare_fn = prepare_fn
         self.teacher_output_layer_weight_by_index = teacher_output_layer_weight_by_index
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
 
     def scale_loss(self, loss: Tensor, cp_size: int) -> Tensor:
         """``R = L * M / CP^2`` (``cp_normalize``) or ``L * M / CP``: the ONE place of this scaling.
@@ -98,7 +117,9 @@ class LossPostProcessor:
             loss = loss / cp_size
         return loss * self.num_microbatches / cp_size
 
-    def _bound_prepare_fn(self) -> Callable[..., Any]:
+    def _bound_prepare_fn(self, lm_head: FusedLMHead | None) -> Callable[..., Any]:
+        if lm_head is not None:
+            return fused_prepare_fn(lm_head, self.cfg.logprob_chunk_size)
         if self.prepare_fn is not None:
             return self.prepare_fn
         return functools.partial(
@@ -108,9 +129,13 @@ class LossPostProcessor:
         )  # fmt: skip
 
     def _wrapper(
-        self, data_dict: BatchedDataDict, packed_seq_params: Any, groups: pg.ParallelGroups
+        self,
+        data_dict: BatchedDataDict,
+        packed_seq_params: Any,
+        groups: pg.ParallelGroups,
+        lm_head: FusedLMHead | None,
     ) -> Any:
-        prepare_fn = self._bound_prepare_fn()
+        prepare_fn = self._bound_prepare_fn(lm_head)
         group_args = (groups.tp_rank, groups.tp_group, groups.cp_group)
         if self.cfg.sequence_packing and packed_seq_params is not None:
             if "student_logits" in data_dict:
@@ -122,6 +147,8 @@ class LossPostProcessor:
                 fused_prepare = functools.partial(
                     prepare_packed_loss_input, sampling_params=self.sampling_params,
                     chunk_size=self.cfg.logprob_chunk_size,
+                ) if lm_head is None else fused_packed_prepare_fn(
+                    lm_head, self.cfg.logprob_chunk_size
                 )  # fmt: skip
                 return SequencePackingFusionLossWrapper(
                     self.loss_fn, fused_prepare, *cu, *group_args
@@ -134,7 +161,7 @@ class LossPostProcessor:
         )  # fmt: skip
         if "student_logits" in data_dict:
             return DraftLossWrapper(
-                wrapper, prepare_fn, self.cfg.draft_loss_weight, None, *group_args
+                wrapper, prepare_fn, data_dict, self.cfg.draft_loss_weight, *group_args
             )
         return wrapper
 
@@ -166,6 +193,7 @@ class LossPostProcessor:
         global_valid_seqs: Tensor | None = None,
         global_valid_toks: Tensor | None = None,
         prepacked_loss_mask: Tensor | None = None,
+        lm_head: FusedLMHead | None = None,
     ) -> OutputProcessor:
         """Bind one microbatch: returns ``f(output) -> (scaled_loss, metrics)``.
 
@@ -176,6 +204,7 @@ class LossPostProcessor:
             global_valid_toks: Valid (shifted) tokens of the global batch.
             prepacked_loss_mask: ``[1, T/CP]`` mask when the model returned per-token losses
                 (direct prepacked SFT); the loss is then CP-local.
+            lm_head: Output weight and temperature (fused path, last stage), else ``None``.
 
         Returns:
             The callable Megatron applies to the model output; metrics are the loss
@@ -185,10 +214,36 @@ class LossPostProcessor:
         if prepacked_loss_mask is not None:
             wrapper = self._direct_packed_sft(prepacked_loss_mask)
         else:
-            wrapper = self._wrapper(data_dict, packed_seq_params, groups)
+            wrapper = self._wrapper(data_dict, packed_seq_params, groups, lm_head)
+        fused = self.use_fused_linear_logprobs and prepacked_loss_mask is None
 
         def loss_and_metrics(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            if fused and lm_head is None:  # only the last stage calls this, with its lm_head
+                raise RuntimeError(
+                    "LossPostProcessor(use_fused_linear_logprobs=True) needs the `lm_head` that "
+                    "forward_with_post_processing_fn(use_fused_linear_logprobs=True) binds"
+                )
             loss, metrics = wrapper(output_tensor, data_dict, global_valid_seqs, global_valid_toks)
             return self.scale_loss(loss, groups.cp_size), metrics
 
         return loss_and_metrics
+
+
+def _check_fused_loss(
+    loss_fn: LossFunction,
+    prepare_fn: Callable[..., Any] | None,
+    draft_model: Any,
+    sampling_params: TrainingSamplingParams | None,
+) -> None:
+    """What the fused path cannot serve: everything that needs the ``[tokens, V_l]`` logits."""
+    if loss_fn.input_type is not LossInputType.LOGPROB:
+        raise ValueError(
+            FUSED_NEEDS_LOGITS.format(
+                what=f"{type(loss_fn).__name__} (loss input {loss_fn.input_type!r})"
+            )
+        )
+    if prepare_fn is not None:
+        raise ValueError(FUSED_NEEDS_LOGITS.format(what="a custom `prepare_fn`"))
+    if draft_model is not None:
+        raise ValueError(FUSED_NEEDS_LOGITS.format(what="an EAGLE `draft_model`"))
+    reject_filtering(sampling_params, "LossPostProcessor")

@@ -7,7 +7,8 @@ and ops.
 
 Shapes: ``B`` sequences, ``S`` width of the unpacked batch, ``T`` packed tokens, ``V_l = V/TP``,
 ``k`` top-k entries, ``D`` teacher payload width. Model output: ``[B, S/CP, V_l]`` (padded) or
-``[1, T/CP, V_l]`` (packed).
+``[1, T/CP, V_l]`` (packed); on the fused linear logprobs path the final hidden states
+``[B, S/CP, H]`` / ``[1, T/CP, H]`` instead (:mod:`lightning_mcore_rl.train.fused`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lightning_mcore_rl.ops import (
 )
 from lightning_mcore_rl.train import groups as pg
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.fused import FusedLMHead, reject_filtering
 from lightning_mcore_rl.train.groups import OutputProcessor
 from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
 
@@ -40,7 +42,11 @@ class LogprobsPostProcessor:
     Args:
         cfg: :class:`PolicyConfig` or NeMo RL's policy mapping.
         sampling_params: Top-k/top-p filtering (temperature is applied upstream).
-        use_fused_linear_logprobs: The model output already holds next-token logprobs.
+        use_fused_linear_logprobs: The model output is the last stage's final hidden states;
+            logprobs come from hidden x output weight (the ``lm_head`` the forward step binds).
+
+    Raises:
+        ValueError: ``use_fused_linear_logprobs`` with top-k/top-p filtering.
     """
 
     def __init__(
@@ -49,6 +55,8 @@ class LogprobsPostProcessor:
         sampling_params: TrainingSamplingParams | None = None,
         use_fused_linear_logprobs: bool = False,
     ) -> None:
+        if use_fused_linear_logprobs:
+            reject_filtering(sampling_params, "LogprobsPostProcessor")
         self.cfg = load_policy_config(cfg)
         self.sampling_params = sampling_params
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
@@ -60,15 +68,28 @@ class LogprobsPostProcessor:
         input_ids: Tensor,
         cu: Any,
         g: pg.ParallelGroups,
+        lm_head: FusedLMHead | None,
     ) -> Tensor:
         ids = cast(Tensor, data_dict["input_ids"])  # [B, S] by the BatchedDataDict contract
         width = ids.shape[1]
-        if self.use_fused_linear_logprobs:
-            if g.cp_size > 1:
-                raise RuntimeError("fused linear logprobs do not support context parallelism")
-            return output.float()[:, : width - 1]
-        start, end = pg.vocab_range(output, g.tp_rank)
         chunk = self.cfg.logprob_chunk_size
+        if self.use_fused_linear_logprobs:  # output: hidden states [B, S/CP, H] / [1, T/CP, H]
+            if lm_head is None:
+                raise RuntimeError(
+                    "LogprobsPostProcessor(use_fused_linear_logprobs=True) needs the `lm_head` "
+                    "that forward_with_post_processing_fn(use_fused_linear_logprobs=True) binds"
+                )
+            if self.cfg.sequence_packing:
+                return lm_head.packed(
+                    output, input_ids, pg.host_ints(cu), width, g.tp_rank, g.tp_group,
+                    g.cp_group, chunk, with_entropy=False, target_is_pre_rolled=False,
+                ).logprobs  # fmt: skip
+            if g.cp_size > 1:
+                raise RuntimeError(pg.CP_NEEDS_PACKING)
+            return lm_head.dense(
+                output, ids, g.tp_rank, g.tp_group, None, chunk, with_entropy=False
+            ).logprobs
+        start, end = pg.vocab_range(output, g.tp_rank)
         if self.cfg.sequence_packing:
             return from_parallel_logits_to_logprobs_packed_sequences(
                 output, input_ids, pg.host_ints(cu), width, start, end, g.tp_group,
@@ -88,6 +109,7 @@ class LogprobsPostProcessor:
         input_ids: Tensor,
         cu_seqlens_padded: Tensor | Sequence[int] | None,
         original_seq_length: int,
+        lm_head: FusedLMHead | None = None,
     ) -> OutputProcessor:
         """Bind one microbatch: returns ``f(output) -> (0, {"logprobs": [B, S]})``.
 
@@ -96,6 +118,7 @@ class LogprobsPostProcessor:
             input_ids: Model input ids: the full packed row ``[1, T]`` when packed.
             cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
             original_seq_length: Width before dense padding; the output is cut to it.
+            lm_head: Output weight and temperature (fused path, last stage), else ``None``.
 
         Returns:
             The callable; ``logprobs[:, 0] = 0`` and ``logprobs[:, t] = log p(x_t | x_<t)``.
@@ -105,7 +128,9 @@ class LogprobsPostProcessor:
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
             g = pg.current_parallel_groups()
             with torch.no_grad():
-                lp = self._next_token(output_tensor, data_dict, input_ids, cu_seqlens_padded, g)
+                lp = self._next_token(
+                    output_tensor, data_dict, input_ids, cu_seqlens_padded, g, lm_head
+                )
                 lp = F.pad(lp, (1, 0))  # stored convention: [B, S] with a leading 0
                 if self.sampling_params is not None and self.sampling_params.filters:
                     token_mask = cast(Tensor, data_dict["token_mask"])  # tensors by the contract

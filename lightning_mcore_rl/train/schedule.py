@@ -12,7 +12,10 @@ import torch
 from torch import Tensor
 
 from lightning_mcore_rl.ops import TrainingSamplingParams
-from lightning_mcore_rl.train.forward import forward_with_post_processing_fn
+from lightning_mcore_rl.train.forward import (
+    check_fused_linear_logprobs,
+    forward_with_post_processing_fn,
+)
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
@@ -112,7 +115,9 @@ def megatron_forward_backward(
         draft_model: See :func:`forward_with_post_processing_fn`.
         enable_hidden_capture: See :func:`forward_with_post_processing_fn`.
         enable_opd_full_capture: Capture pre-LM-head states for the teacher payload.
-        use_fused_linear_logprobs: See :func:`~lightning_mcore_rl.train.model_forward`.
+        use_fused_linear_logprobs: See :func:`~lightning_mcore_rl.train.model_forward`; what
+            it cannot serve raises here, on every rank, before the schedule
+            (:func:`~lightning_mcore_rl.train.forward.check_fused_linear_logprobs`).
         use_router_replay: See :func:`forward_with_post_processing_fn`.
         router_replay_train: See :func:`forward_with_post_processing_fn`.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
@@ -137,6 +142,9 @@ def megatron_forward_backward(
         model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
     )
     chunks = model if isinstance(model, list) else [model]
+    check_fused_linear_logprobs(
+        chunks, post_processing_fn, sampling_params, use_fused_linear_logprobs
+    )
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
     return run_schedule(
         forward_step,

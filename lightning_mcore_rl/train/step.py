@@ -32,6 +32,7 @@ from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.data.packed_attention import check_packed_core_attention
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.groups import ParallelGroups, use_parallel_groups
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,
@@ -167,7 +168,9 @@ def run_global_batch(
         sampling_params: applied to the last stage's logits exactly once (temperature in place,
             top-k/top-p by the post-processors); ``loss_fn`` path only.
         forward_only: no backward (validation).
-        use_fused_linear_logprobs: see :func:`~lightning_mcore_rl.train.model_forward`.
+        use_fused_linear_logprobs: the last stage returns hidden states and the loss
+            post-processor computes logprobs from hidden x output weight
+            (:mod:`lightning_mcore_rl.train.fused`); ``loss_fn`` path only.
         device: where statistics' collectives run.
         required_keys: batch keys the loss reads
             (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), checked up front.
@@ -179,11 +182,18 @@ def run_global_batch(
         when ``input_check`` skipped the step.
 
     Raises:
-        ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
-            collective of the step.
+        ValueError, TypeError: a malformed batch (:func:`validate_batch`), or what
+            ``use_fused_linear_logprobs`` cannot serve (the LM path, top-k/top-p, non-GPT
+            chunks), before any collective of the step.
     """
     if (post_processor_factory is None) == (forward_step_func is None):
         raise TypeError("pass exactly one of `post_processor_factory` and `forward_step_func`")
+    if use_fused_linear_logprobs and forward_step_func is not None:
+        raise ValueError(
+            "`use_fused_linear_logprobs=True` needs the `MCoreRLModule(loss_fn=...)` path; the "
+            "`forward_step` path computes megatron's own loss from logits"
+        )
+    check_fused_linear_logprobs(chunks, None, sampling_params, use_fused_linear_logprobs)
     spec = BatchSpec(
         lm=forward_step_func is not None,
         vocab_size=model_vocab_size(chunks),
@@ -243,8 +253,11 @@ def run_forward_only(
 
     Raises:
         ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
-            collective (with ``input_check``: after its one agreement all-reduce).
+            collective (with ``input_check``: after its one agreement all-reduce); what
+            ``use_fused_linear_logprobs`` cannot serve (top-k logits, teacher payloads,
+            top-k/top-p), before any collective.
     """
+    check_fused_linear_logprobs(chunks, post_processor, sampling_params, use_fused_linear_logprobs)
     spec = BatchSpec(
         vocab_size=model_vocab_size(chunks),
         needs_lengths=microbatching.sequence_packing

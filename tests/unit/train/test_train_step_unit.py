@@ -212,7 +212,7 @@ def test_model_forward_rejects_unsupported_features() -> None:
     with pytest.raises(ValueError, match="Direct packed SFT labels"):
         model_forward(_Model(), _data(), ids, None, None, use_fused_linear_logprobs=True,
                       labels_cp_sharded=ids)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="return_logprobs_for_linear_ce_fusion"):
+    with pytest.raises(TypeError, match="needs megatron GPTModel chunks"):
         model_forward(_Model(), _data(), ids, None, None, use_fused_linear_logprobs=True)
     with pytest.raises(NotImplementedError, match="multimodal"):
         model_forward(_Model(), _data(), ids, None, None, media_token_validity_mask=ids)

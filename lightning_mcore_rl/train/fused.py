@@ -1,0 +1,291 @@
+"""The fused LM head: the last stage returns hidden states, the post-processors compute logprobs.
+
+With ``use_fused_linear_logprobs`` the last pipeline stage never builds its ``[tokens, V/TP]``
+logits. Its model chunk returns the final hidden states (after the final norm) and the
+post-processors turn ``hidden x W_out^T / T`` into token logprobs with the chunked kernels of
+:mod:`lightning_mcore_rl.ops.fused_linear` (at most one ``[chunk, V/TP]`` fp32 block at a time,
+forward and backward).
+
+megatron-core 0.16's ``GPTModel`` has no hook between its final norm and its output layer, so
+:func:`lm_head_returns_hidden` is the ONE place that bridges it: for one forward of one chunk the
+chunk's ``output_layer`` gets an *instance* ``forward`` (this module object only, never the class,
+never a global) that returns its input and records the weight ``GPTModel`` handed it; it is
+removed on exit, also when the forward raises. The output layer stays the same module, so its
+hooks (megatron DDP's parameter-gather pre-hook, captures) still run. megatron-core >= 0.18
+adds an ``output_processor`` hook to ``GPTModel``; on that version this context manager is what
+gets replaced, nothing else.
+
+Shapes: ``B`` sequences, ``S`` width, ``T`` packed tokens, ``H`` hidden size, ``V_l = V/TP``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses import LossFunction
+from lightning_mcore_rl.losses.loss_input import _pack_input_ids
+from lightning_mcore_rl.losses.loss_input._common import _group_rank, _group_size, _needs_entropy
+from lightning_mcore_rl.ops import (
+    FusedLinearLogprobsOutput,
+    TrainingSamplingParams,
+    from_hidden_to_logprobs,
+    from_hidden_to_logprobs_packed_sequences,
+)
+
+FUSED_NEEDS_LOGITS = (
+    "{what} needs the [tokens, V/TP] logits, which the fused linear logprobs path never builds; "
+    "use `MCoreRLStrategy(use_fused_linear_logprobs=False)`"
+)
+"""Error text for options the fused path cannot serve (format with ``what=``)."""
+
+
+def reject_filtering(sampling_params: TrainingSamplingParams | None, owner: str) -> None:
+    """Top-k/top-p need whole vocab rows of logits: ``ValueError`` naming ``owner`` if set."""
+    if sampling_params is not None and sampling_params.filters:
+        raise ValueError(
+            FUSED_NEEDS_LOGITS.format(
+                what=f"top-k/top-p filtering in {owner} (top_k={sampling_params.top_k}, "
+                f"top_p={sampling_params.top_p})"
+            )
+        )
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers."""
+    while hasattr(model, "module"):
+        model = cast(torch.nn.Module, model.module)  # DDP / Float16Module wrap a module
+    return model
+
+
+def output_weight(model: torch.nn.Module) -> Tensor:
+    """The ``[V_l, H]`` weight a ``GPTModel`` last stage multiplies its hidden states with.
+
+    Untied: ``output_layer.weight``. Tied: ``shared_embedding_or_output_weight()`` (the word
+    embedding when this chunk also embeds, else the last stage's own copy, which megatron keeps
+    equal to the embedding by all-reducing their gradients), as ``GPTModel._postprocess`` picks it.
+    """
+    inner = cast(Any, unwrap_model(model))  # a GPTModel, checked by check_fused_chunks
+    if inner.share_embeddings_and_output_weights:
+        return cast(Tensor, inner.shared_embedding_or_output_weight())
+    return cast(Tensor, inner.output_layer.weight)
+
+
+def check_fused_chunks(chunks: Sequence[torch.nn.Module]) -> None:
+    """Every chunk is a ``GPTModel`` without multi-token prediction (the same on every rank).
+
+    Raises:
+        TypeError: A chunk is not a megatron ``GPTModel``.
+        ValueError: ``mtp_num_layers`` is set (its extra heads need logits).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    for i, chunk in enumerate(chunks):
+        inner = unwrap_model(chunk)
+        if not isinstance(inner, GPTModel):
+            raise TypeError(
+                f"use_fused_linear_logprobs needs megatron GPTModel chunks (their output layer is "
+                f"bypassed), got chunk {i} of type {type(inner).__name__}; use "
+                "`MCoreRLStrategy(use_fused_linear_logprobs=False)`"
+            )
+        if inner.config.mtp_num_layers:
+            raise ValueError(
+                FUSED_NEEDS_LOGITS.format(
+                    what=f"multi-token prediction (mtp_num_layers={inner.config.mtp_num_layers})"
+                )
+            )
+
+
+@contextlib.contextmanager
+def lm_head_returns_hidden(model: torch.nn.Module) -> Iterator[None]:
+    """For the block, ``model``'s output layer returns its input: the chunk outputs ``[B, S, H]``.
+
+    The pass-through gathers the input over TP under sequence parallelism (``[S/TP, B, H]`` ->
+    ``[S, B, H]``; backward: the local slice, because the fused kernel's backward already
+    all-reduces the input gradient over TP) and checks that the weight ``GPTModel`` passed is
+    :func:`output_weight`. The instance ``forward`` is removed on exit, also on error.
+
+    Args:
+        model: A (wrapped) ``GPTModel`` last-stage chunk.
+
+    Raises:
+        RuntimeError: The output layer is already bypassed (nested use), or ``GPTModel`` called
+            it with a weight other than :func:`output_weight`.
+    """
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    layer = cast(Any, unwrap_model(model)).output_layer
+    if "forward" in vars(layer):
+        raise RuntimeError("the output layer of this chunk is already bypassed (nested use)")
+    expected = output_weight(model)
+
+    def passthrough(
+        input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[Tensor, None]:
+        used = layer.weight if weight is None else weight
+        if used is not expected:
+            raise RuntimeError(
+                "GPTModel called its output layer with another weight than the fused path's "
+                "output_weight(model); the megatron-core version is not supported"
+            )
+        if layer.sequence_parallel:
+            input_ = gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=False, group=layer.tp_group
+            )
+        return input_, None
+
+    layer.forward = passthrough
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+@dataclass(frozen=True)
+class FusedLMHead:
+    """What the post-processors need to finish the LM head of one microbatch.
+
+    Attributes:
+        weight: ``[V_l, H]`` this TP rank's output weight (:func:`output_weight`).
+        sampling_params: The step's; only its temperature is used (top-k/top-p are rejected
+            before the pass), dividing ``hidden x W^T`` exactly once.
+    """
+
+    weight: Tensor
+    sampling_params: TrainingSamplingParams | None
+
+    def vocab_range(self, tp_rank: int) -> tuple[int, int]:
+        """``[start, end)`` of this rank's vocabulary shard."""
+        local = self.weight.shape[0]
+        return tp_rank * local, (tp_rank + 1) * local
+
+    def as_input(self, hidden: Tensor) -> Tensor:
+        """``hidden`` in the weight's dtype (``Float16Module`` upcasts the last stage's output to
+        fp32; the bf16 values are exact, so casting back loses nothing)."""
+        return hidden.to(self.weight.dtype)
+
+    def dense(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        tp_rank: int,
+        tp_group: Any,
+        cp_group: Any,
+        chunk_size: int | None,
+        with_entropy: bool,
+    ) -> FusedLinearLogprobsOutput:
+        """Next-token logprobs (and entropy) ``[B, S-1]`` of dense rows.
+
+        Args:
+            hidden: ``[B, S/CP, H]`` final hidden states.
+            input_ids: ``[B, S]`` unshifted ids.
+            tp_rank: TP rank.
+            tp_group: TP group.
+            cp_group: CP group (``None``: CP = 1).
+            chunk_size: tokens per kernel chunk (``None``: 64 MiB of fp32 logits).
+            with_entropy: Also return the positive entropy ``[B, S-1]``.
+        """
+        args = (
+            self.as_input(hidden), self.weight, input_ids, *self.vocab_range(tp_rank), tp_group,
+            cp_group, chunk_size, self.sampling_params,
+        )  # fmt: skip
+        if with_entropy:
+            return from_hidden_to_logprobs(*args, return_entropy=True)
+        return FusedLinearLogprobsOutput(from_hidden_to_logprobs(*args), None)
+
+    def packed(
+        self,
+        hidden: Tensor,
+        target: Tensor,
+        cu_seqlens_padded: Sequence[int],
+        width: int,
+        tp_rank: int,
+        tp_group: Any,
+        cp_group: Any,
+        chunk_size: int | None,
+        with_entropy: bool,
+        target_is_pre_rolled: bool,
+    ) -> FusedLinearLogprobsOutput:
+        """Next-token logprobs (and entropy) ``[B, S-1]`` of one packed THD row.
+
+        Args:
+            hidden: ``[1, T/CP, H]`` final hidden states.
+            target: ``[1, T]`` full packed ids, or ``[1, T/CP]`` pre-rolled and CP-sharded.
+            cu_seqlens_padded: ``B+1`` padded span boundaries.
+            width: ``S`` of the unpacked batch.
+            tp_rank: TP rank.
+            tp_group: TP group.
+            cp_group: CP group (``None``: CP = 1).
+            chunk_size: tokens per kernel chunk.
+            with_entropy: Also return the positive entropy ``[B, S-1]``.
+            target_is_pre_rolled: See ``target``.
+        """
+        args = (
+            self.as_input(hidden), self.weight, target, cu_seqlens_padded, width,
+            *self.vocab_range(tp_rank), tp_group, cp_group, chunk_size, self.sampling_params,
+        )  # fmt: skip
+        if with_entropy:
+            return from_hidden_to_logprobs_packed_sequences(
+                *args, target_is_pre_rolled=target_is_pre_rolled, return_entropy=True
+            )
+        lp = from_hidden_to_logprobs_packed_sequences(
+            *args, target_is_pre_rolled=target_is_pre_rolled
+        )
+        return FusedLinearLogprobsOutput(lp, None)
+
+
+def _loss_input(out: FusedLinearLogprobsOutput) -> dict[str, Any]:
+    loss_input: dict[str, Any] = {"next_token_logprobs": out.logprobs}
+    if out.entropy is not None:
+        loss_input["entropy"] = out.entropy
+    return loss_input
+
+
+PrepareFn = Callable[..., tuple[dict[str, Any], BatchedDataDict]]
+
+
+def fused_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> PrepareFn:
+    """``prepare_fn(hidden, data, loss_fn, tp_rank, tp_group, cp_group)`` of a ``LOGPROB`` loss:
+    the fused counterpart of :func:`~lightning_mcore_rl.losses.prepare_loss_input` for the
+    dense wrappers and the per-sequence packed wrapper (``hidden [B, S/CP, H]``)."""
+
+    def prepare(
+        hidden: Tensor, data: BatchedDataDict, loss_fn: LossFunction, tp_rank: int | None,
+        tp_group: Any, cp_group: Any,
+    ) -> tuple[dict[str, Any], BatchedDataDict]:  # fmt: skip
+        rank = _group_rank(tp_group) if tp_rank is None else tp_rank
+        ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
+        out = head.dense(hidden, ids, rank, tp_group, cp_group, chunk_size, _needs_entropy(loss_fn))
+        return _loss_input(out), data
+
+    return prepare
+
+
+def fused_packed_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> PrepareFn:
+    """``prepare_fn(hidden, data, loss_fn, cu_q, cu_qp, tp_rank, tp_group, cp_group)`` of the
+    one-pass packed wrapper (``hidden [1, T/CP, H]``): the fused counterpart of
+    :func:`~lightning_mcore_rl.losses.prepare_packed_loss_input`."""
+
+    def prepare(
+        hidden: Tensor, data: BatchedDataDict, loss_fn: LossFunction,
+        cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_q_padded: Tensor | Sequence[int],
+        tp_rank: int | None, tp_group: Any, cp_group: Any,
+    ) -> tuple[dict[str, Any], BatchedDataDict]:  # fmt: skip
+        rank = _group_rank(tp_group) if tp_rank is None else tp_rank
+        cp_rank, cp_size = _group_rank(cp_group), _group_size(cp_group)
+        ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
+        cu_qp = [int(v) for v in cu_seqlens_q_padded]
+        targets = _pack_input_ids(ids, cu_seqlens_q, cu_qp, cp_rank, cp_size, roll_shift=-1)
+        out = head.packed(
+            hidden, targets, cu_qp, ids.shape[1], rank, tp_group, cp_group, chunk_size,
+            _needs_entropy(loss_fn), target_is_pre_rolled=True,
+        )  # fmt: skip
+        return _loss_input(out), data
+
+    return prepare

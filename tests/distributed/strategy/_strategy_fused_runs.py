@@ -1,0 +1,149 @@
+"""Rank functions for ``MCoreRLStrategy(use_fused_linear_logprobs=...)``: the packed ClippedPG
+GRPO run of ``_strategy_packing_runs`` under a Trainer, once on logits and once fused (hidden
+states out of the last stage, logprobs from hidden x output weight), in one rank process (same
+weights, same sampler order), at temperature 2."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from _strategy_packing_runs import PackedGRPOModule, RecordedRun, StepRecorder, max_run_diffs
+from _strategy_rl_runs import PG_CFG, RolloutRows
+from _strategy_runs import VOCAB, make_trainer, strategy_kwargs
+from helpers.distributed import RunSpec
+from torch.utils.data import DataLoader
+
+from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.data import get_packed_local_layer_spec
+from lightning_mcore_rl.losses import ClippedPGLossFn
+from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.ops import TrainingSamplingParams
+
+TEMPERATURE = 2.0
+
+
+@dataclass(frozen=True)
+class FusedCase:
+    """One fused-vs-logits comparison: the layout and the model/loss options.
+
+    Attributes:
+        spec: the megatron layout and loop sizes.
+        tied: tie the output layer to the word embedding.
+        entropy_coef: ClippedPG entropy bonus (> 0 exercises the fused entropy).
+    """
+
+    spec: RunSpec
+    tied: bool = False
+    entropy_coef: float = 0.0
+
+
+class FusedGRPOModule(PackedGRPOModule):
+    """The packed GRPO module with tied/untied embeddings, an entropy bonus and temperature 2;
+    records whether its output layer ran as the fused pass-through or computed logits."""
+
+    def __init__(self, case: FusedCase) -> None:
+        super().__init__()
+        self.loss_fn = ClippedPGLossFn({**PG_CFG, "entropy_coef": case.entropy_coef})
+        self._sampling_params = TrainingSamplingParams(temperature=TEMPERATURE)
+        self.tied = case.tied
+        self.head_modes: set[str] = set()
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        config = tiny_gpt_config(
+            calculate_per_token_loss=True,
+            sequence_parallel=self.mcore_strategy.parallel.sequence_parallel,
+        )
+        chunk = tiny_gpt(
+            config,
+            vocab_size=VOCAB,
+            seed=0,
+            vp_stage=vp_stage,
+            transformer_layer_spec=get_packed_local_layer_spec(),
+            share_embeddings_and_output_weights=self.tied,
+        )
+        if chunk.post_process:
+            chunk.output_layer.register_forward_pre_hook(self._record_head)
+        return chunk
+
+    def _record_head(self, layer: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self.head_modes.add("fused" if "forward" in vars(layer) else "logits")
+
+
+def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, list[str]]:
+    spec = case.spec
+    recorder = StepRecorder()
+    strategy = MCoreRLStrategy(
+        **strategy_kwargs(spec), sequence_packing=True, use_fused_linear_logprobs=fused
+    )
+    trainer = make_trainer(spec, world_size, callbacks=[recorder], strategy=strategy)
+    rows = RolloutRows(spec.rows)
+    module = FusedGRPOModule(case)
+    trainer.fit(module, DataLoader(rows, batch_size=spec.local_batch(world_size)))
+    return RecordedRun(
+        attention_layouts=[],
+        logprobs=recorder.logprobs,
+        lengths=recorder.lengths,
+        metrics=recorder.metrics,
+        grad_norms=recorder.grad_norms,
+        global_step=trainer.global_step,
+    ), sorted(module.head_modes)
+
+
+@dataclass(frozen=True)
+class FusedResult:
+    """One rank, one case: max |fused - logits| (:func:`max_run_diffs`), the fused run's
+    per-step losses and logged names, and how each run's output layer ran (``[]`` off the
+    last pipeline stage)."""
+
+    diffs: dict[str, float]
+    losses: list[float]
+    metric_names: list[str]
+    head_modes: dict[str, list[str]]
+
+
+def fused_vs_logits_rank(rank: int, cases: tuple[FusedCase, ...]) -> list[FusedResult]:
+    """Per case: the logits fit, then the fused fit (megatron's parallel state is reused)."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    results = []
+    for case in cases:
+        plain, plain_modes = _fit(case, world_size, fused=False)
+        fused, fused_modes = _fit(case, world_size, fused=True)
+        results.append(
+            FusedResult(
+                diffs=max_run_diffs(fused, plain),
+                losses=[m["train_loss"] for m in fused.metrics],
+                metric_names=sorted(fused.metrics[0]),
+                head_modes={"logits": plain_modes, "fused": fused_modes},
+            )
+        )
+    return results
+
+
+class _TopkModule(FusedGRPOModule):
+    """Asks for exact top-k logits (forward-only) before every step."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.compute_topk_logits(batch, 4)
+
+
+def fused_error_rank(rank: int, spec: RunSpec) -> dict[str, str]:
+    """The errors fused fits raise for top-k/top-p sampling and a top-k logits pass."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    filtered = FusedGRPOModule(FusedCase(spec))
+    filtered._sampling_params = TrainingSamplingParams(temperature=TEMPERATURE, top_k=8)
+    errors = {}
+    for name, module in {"top_k": filtered, "topk_logits": _TopkModule(FusedCase(spec))}.items():
+        strategy = MCoreRLStrategy(
+            **strategy_kwargs(spec), sequence_packing=True, use_fused_linear_logprobs=True
+        )
+        trainer = make_trainer(spec, world_size, strategy=strategy)
+        loader = DataLoader(RolloutRows(spec.rows), batch_size=spec.local_batch(world_size))
+        try:
+            trainer.fit(module, loader)
+            errors[name] = ""
+        except ValueError as err:
+            errors[name] = str(err)
+    return errors

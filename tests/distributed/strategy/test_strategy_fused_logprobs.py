@@ -1,0 +1,55 @@
+"""``MCoreRLStrategy(use_fused_linear_logprobs=True)`` under a Trainer: the last stage returns its
+final hidden states and the post-processors compute logprobs from hidden x output weight in
+chunks (no ``[tokens, V/TP]`` logits). The packed ClippedPG GRPO run at temperature 2 trains
+exactly like the logits run: the same per-step ``train_loss``, every logged metric, megatron's grad
+norms and ``compute_logprobs`` on real tokens (fp32, within 1e-5), untied and tied embeddings
+(tied under PP: the last stage's own copy of the embedding), with an entropy bonus, at TP=2 and
+PP=2 (1F1B). What the fused path cannot serve raises ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from _strategy_fused_runs import FusedCase, fused_error_rank, fused_vs_logits_rank
+from helpers.distributed import RunSpec
+
+from lightning_mcore_rl.testing import run_on_ranks
+
+ATOL = 1e-5
+STEPS = 2
+SPEC = RunSpec(steps=STEPS, rows=16, global_batch=8, mbs=2)
+
+
+def _check(layout: dict[str, int]) -> None:
+    spec = replace(SPEC, **layout)
+    cases = (FusedCase(spec), FusedCase(spec, tied=True, entropy_coef=0.01))
+    results = run_on_ranks(fused_vs_logits_rank, 2, cases, timeout=150)
+    for rank, rank_results in enumerate(results):
+        last_stage = rank == 1 or spec.pp == 1  # PP=2: rank 1 is the last stage
+        for case, r in zip(cases, rank_results, strict=True):
+            print(f"{layout} tied={case.tied}: max |fused - logits| {r.diffs}")
+            assert max(r.diffs.values()) <= ATOL, (case, r.diffs)
+            assert len(set(r.losses)) == STEPS  # it trains
+            assert ("train_entropy" in r.metric_names) == (case.entropy_coef > 0)
+            # the fused run never computed logits; the reference always did
+            expected = {"logits": ["logits"], "fused": ["fused"]} if last_stage else {}
+            assert r.head_modes == (expected or {"logits": [], "fused": []})
+
+
+def test_fused_matches_logits_tp2() -> None:
+    _check({"tp": 2})
+
+
+def test_fused_matches_logits_pp2() -> None:
+    _check({"pp": 2})
+
+
+def test_fused_rejects_what_needs_logits() -> None:
+    errors = run_on_ranks(fused_error_rank, 2, replace(SPEC, tp=2), timeout=120)
+    for rank_errors in errors:
+        assert "top-k/top-p filtering" in rank_errors["top_k"]
+        assert "top_k=8" in rank_errors["top_k"]
+        assert "TopkLogitsPostProcessor" in rank_errors["topk_logits"]
+        for message in rank_errors.values():
+            assert "use_fused_linear_logprobs=False" in message
