@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
 
 SPANS = [8, 12, 0, 12]  # multiples of 2*CP = 4 (an empty span included)
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8  # grouped-query attention: 2 heads per key/value group
@@ -25,10 +29,11 @@ class CPAttentionResult:
     errors: dict[str, str]
 
 
-def full_inputs() -> dict[str, torch.Tensor]:
-    """Full packed ``q [T, np, hn]``, ``k/v [T, ng, hn]`` and the output weight ``[T, np*hn]``."""
+def full_inputs(spans: list[int] = SPANS) -> dict[str, torch.Tensor]:
+    """Full packed ``q [T, np, hn]``, ``k/v [T, ng, hn]`` and the output weight ``[T, np*hn]``
+    (float64, CPU)."""
     g = torch.Generator().manual_seed(0)
-    total = sum(SPANS)
+    total = sum(spans)
     shapes = {"q": (HEADS,), "k": (GROUPS,), "v": (GROUPS,)}
     out = {n: torch.randn(total, *s, HEAD_DIM, generator=g, dtype=torch.float64)
            for n, s in shapes.items()}  # fmt: skip
@@ -36,12 +41,14 @@ def full_inputs() -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[int] = SPANS
+) -> torch.Tensor:
     """Causal attention within each span, written out: ``softmax(q k^T / sqrt(hn) + causal) v``
     per span, key/value groups repeated to the heads. ``[T, np, hn]`` -> ``[T, np*hn]``."""
     k, v = (x.repeat_interleave(HEADS // GROUPS, dim=1) for x in (k, v))
     pieces, start = [], 0
-    for length in SPANS:
+    for length in spans:
         end = start + length
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) / math.sqrt(HEAD_DIM)
         causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -72,6 +79,17 @@ def _error(fn: object) -> str:
     return ""
 
 
+def packed_params(spans: list[int], device: torch.device | str = "cpu") -> PackedSeqParams:
+    """megatron ``PackedSeqParams`` (THD) of one packed row of ``spans`` (global boundaries)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                           max_seqlen_q=max(spans), max_seqlen_kv=max(spans))  # fmt: skip
+
+
 def cp_attention_rank(rank: int) -> CPAttentionResult:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -89,10 +107,8 @@ def cp_attention_rank(rank: int) -> CPAttentionResult:
     from megatron.core import parallel_state as ps
 
     cp_group, cp = ps.get_context_parallel_group(), 2
-    cu = torch.tensor([0, *torch.tensor(SPANS).cumsum(0).tolist()], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                             max_seqlen_q=max(SPANS), max_seqlen_kv=max(SPANS))  # fmt: skip
+    params = packed_params(SPANS)
+    cu = params.cu_seqlens_q
     full = full_inputs()
     leaves = {n: full[n].clone().requires_grad_() for n in "qkv"}
     ref_out = reference_attention(leaves["q"], leaves["k"], leaves["v"])
