@@ -26,8 +26,8 @@ from lightning_mcore_rl.train.fused import (
     lm_head_returns_hidden,
     output_weight,
     reject_filtering,
-    unwrap_model,
 )
+from lightning_mcore_rl.train.fused import unwrap_model as _unwrap
 from lightning_mcore_rl.train.groups import current_parallel_groups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import (
@@ -42,7 +42,7 @@ from lightning_mcore_rl.train.post_processors import (
 
 def _is_last_stage(model: torch.nn.Module) -> bool:
     """Whether this chunk computes the LM head (Megatron's ``post_process``)."""
-    return bool(getattr(unwrap_model(model), "post_process", True))
+    return bool(getattr(_unwrap(model), "post_process", True))
 
 
 def check_fused_linear_logprobs(
@@ -117,7 +117,7 @@ def _prepare_padding_mask_for_model(
             )
     if not get_model_config(model).sequence_parallel:
         return padding_mask
-    inner = unwrap_model(model)
+    inner = _unwrap(model)
     if isinstance(inner, GPTModel) and inner.pre_process:
         return padding_mask  # GPTModel.forward scatters it (megatron-core gpt_model.py)
     scattered = tensor_parallel.scatter_to_sequence_parallel_region(
@@ -227,7 +227,7 @@ def apply_temperature_scaling(
 def _capture_lm_head_input(model: torch.nn.Module, enabled: bool) -> Iterator[dict[str, Tensor]]:
     """Record the input of the model's ``output_layer`` (pre-LM-head states ``[S/CP, B, H]``)."""
     captured: dict[str, Tensor] = {}
-    output_layer = getattr(unwrap_model(model), "output_layer", None)
+    output_layer = getattr(_unwrap(model), "output_layer", None)
     if not enabled or output_layer is None:
         yield captured
         return
