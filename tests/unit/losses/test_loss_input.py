@@ -142,9 +142,11 @@ def test_distillation_input(zero_outside_topk: bool) -> None:
     assert torch.allclose(loss_input["teacher_topk_logprobs"], teacher, atol=1e-6)
 
 
-def test_distillation_needs_a_tp_group() -> None:
-    with pytest.raises(ValueError, match="vocab_parallel_group"):
-        prepare_loss_input(_logits(), _data(), DistillationLossFn())
+def test_distillation_plain_path_needs_cp1() -> None:
+    with pytest.raises(ValueError, match="context parallelism needs `vocab_parallel_group`"):
+        prepare_loss_input(
+            _logits(), _data(), DistillationLossFn(), context_parallel_group=FakeGroup(0, 2)
+        )
 
 
 def test_draft_input_rolls_teacher_and_mask_and_maps_the_draft_vocab() -> None:

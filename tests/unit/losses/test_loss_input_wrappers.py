@@ -96,7 +96,7 @@ def test_draft_wrapper_adds_the_weighted_draft_loss() -> None:
         wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(), vocab_parallel_rank=0,
         vocab_parallel_group=G1,
     )  # fmt: skip
-    wrapper = DraftLossWrapper(policy, prepare_loss_input, 0.25, None, 0, G1)
+    wrapper = DraftLossWrapper(policy, prepare_loss_input, data, 0.25, 0, G1)
     total, metrics = wrapper(logits, data, 2.0, 7.0)
     policy_loss, _ = policy(logits, data, 2.0, 7.0)
     draft_input, _ = prepare_loss_input(logits, data, DraftCrossEntropyLossFn(), 0, G1)
