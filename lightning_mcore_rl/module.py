@@ -41,10 +41,21 @@ class MCoreRLModule(LightningModule):
     :meth:`loss_post_processor` hook. The model config needs ``calculate_per_token_loss=True``
     (:meth:`transformer_config` sets it).
 
+    A frozen teacher (distillation) is hosted by overriding :meth:`build_teacher_chunk`; the
+    forward-only passes take ``teacher=True`` to run on it.
+
     Args:
         loss_fn: the loss (``lightning_mcore_rl.losses``); ``None`` runs :meth:`forward_step`.
         sampling_params: temperature / top-k / top-p the rollouts were sampled with; applied to
             the logits of every logprob path, training and forward-only (temperature once).
+
+    Attributes:
+        chunks: the policy's raw megatron chunks, one per virtual pipeline stage.
+        teacher_chunks: the hosted teacher's raw chunks (``None``: no teacher); a plain list,
+            not registered as submodules, so they are outside ``parameters()``/``state_dict()``
+            and Lightning's ``train()`` never leaves eval mode for them.
+        save_teacher_in_checkpoint: also save (and restore) the teacher's weights in the
+            strategy's checkpoints (default ``False``: checkpoints hold the policy only).
     """
 
     def __init__(
@@ -54,6 +65,8 @@ class MCoreRLModule(LightningModule):
         self.loss_fn = loss_fn
         self._sampling_params = sampling_params
         self.chunks: torch.nn.ModuleList | None = None
+        self.teacher_chunks: list[torch.nn.Module] | None = None
+        self.save_teacher_in_checkpoint = False
 
     # ---------------------------------------------------------------- model construction
 
@@ -71,12 +84,16 @@ class MCoreRLModule(LightningModule):
         return strategy
 
     def configure_model(self) -> None:
-        """Build one chunk per virtual pipeline stage of this rank (idempotent: Lightning calls
-        it again for every ``fit``/``validate``)."""
+        """Build one chunk per virtual pipeline stage of this rank, then the teacher's
+        (:meth:`build_teacher_chunk`); idempotent: Lightning calls it again for every
+        ``fit``/``validate``."""
+        from lightning_mcore_rl.strategy.teacher import build_teacher_chunks
+
         if self.chunks is not None:
             return
         stages = self.mcore_strategy.vp_stages
         self.chunks = torch.nn.ModuleList([self.build_chunk(vp_stage) for vp_stage in stages])
+        self.teacher_chunks = build_teacher_chunks(self.build_teacher_chunk, stages)
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         """Build this rank's megatron model chunk for virtual pipeline stage ``vp_stage``.
@@ -89,6 +106,32 @@ class MCoreRLModule(LightningModule):
             f"{type(self).__name__} must implement `build_chunk(vp_stage)` returning a megatron "
             "model chunk (e.g. a GPTModel built with `self.transformer_config(...)`)."
         )
+
+    def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module | None:
+        """This rank's chunk of a frozen teacher for ``vp_stage``, or ``None`` (default: no
+        teacher).
+
+        Called after :meth:`build_chunk` for every stage (``self.chunks`` exists), with the
+        policy's parallel layout: build stage-aware like :meth:`build_chunk`, with a config from
+        :meth:`transformer_config`, and load the teacher's weights here, e.g. with
+        ``HFBridge.build_chunk`` / ``HFBridge.load_weights`` or from a megatron checkpoint with
+        :func:`lightning_mcore_rl.strategy.load_dist_checkpoint` (on every rank). The teacher may
+        differ from the policy in size. The strategy freezes it (``requires_grad=False``, eval
+        mode), wraps it without megatron DDP (``Float16Module`` under bf16), never gives it to
+        the optimizer, and saves it only with :attr:`save_teacher_in_checkpoint`.
+        """
+        return None
+
+    def teacher_output_weight(self) -> torch.Tensor | None:
+        """The teacher's LM-head shard ``[V/TP, H_t]`` on the last pipeline stage (``None``
+        elsewhere or without a teacher): the ``teacher_output_layer_weight_by_index`` entry a
+        ``LossPostProcessor`` needs for ``"hidden_states"`` teacher payloads."""
+        from lightning_mcore_rl.train.fused import output_weight
+
+        last = self.teacher_chunks[-1] if self.teacher_chunks else None
+        if last is None or not getattr(last, "post_process", False):
+            return None
+        return output_weight(last)
 
     def transformer_config(self, **fields: Any) -> Any:
         """A megatron ``TransformerConfig`` with the strategy's parallel sizes and the Trainer's
@@ -198,30 +241,42 @@ class MCoreRLModule(LightningModule):
 
     # ---------------------------------------------------------------- forward-only passes
 
+    # Each pass runs on the policy by default and on the hosted teacher with ``teacher=True``
+    # (``ValueError`` without one): explicit at every call, whether or not a teacher is hosted.
+
     @torch.no_grad()
-    def compute_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
+    def compute_logprobs(self, batch: Mapping[str, Any], *, teacher: bool = False) -> torch.Tensor:
         """Token logprobs ``[B, S]`` (0 at position 0) of this DP rank's batch, forward-only
         (dropout off) through :meth:`logprobs_post_processor`, in the batch's sample order, on
-        every rank."""
-        out = self.mcore_strategy.forward_only(self, batch, self.logprobs_post_processor())
-        return out["logprobs"]
+        every rank; ``teacher=True``: the hosted teacher's."""
+        post = self.logprobs_post_processor()
+        return self.mcore_strategy.forward_only(self, batch, post, teacher=teacher)["logprobs"]
 
     @torch.no_grad()
     def compute_topk_logits(
-        self, batch: Mapping[str, Any], k: int
+        self, batch: Mapping[str, Any], k: int, *, teacher: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact global top-``k`` logits and vocabulary indices ``[B, S, K]`` per position
-        (position-aligned with the inputs), forward-only, on every rank."""
+        (position-aligned with the inputs), forward-only, on every rank; ``teacher=True``: the
+        hosted teacher's (``teacher_topk_logits``/``teacher_topk_indices`` of a distillation
+        batch)."""
         post = self.topk_logits_post_processor(k)
-        out = self.mcore_strategy.forward_only(self, batch, post)
+        out = self.mcore_strategy.forward_only(self, batch, post, teacher=teacher)
         return out["topk_logits"], out["topk_indices"]
 
     @torch.no_grad()
     def compute_teacher_payload(
-        self, batch: Mapping[str, Any], payload: str, payload_dtype: torch.dtype
+        self,
+        batch: Mapping[str, Any],
+        payload: str,
+        payload_dtype: torch.dtype,
+        *,
+        teacher: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled-token logprobs ``[B, S]`` and the full-vocabulary payload ``[B, S, D]``
-        (``"logits"``: ``D = V``; ``"hidden_states"``: ``D = H``), forward-only, on every rank."""
+        (``"logits"``: ``D = V``; ``"hidden_states"``: ``D = H``, the output layer's input,
+        also under sequence parallelism), forward-only, on every rank; ``teacher=True``: the
+        hosted teacher's (``teacher_full_payload`` of an ``OPDFullLossFn`` batch)."""
         post = self.teacher_payload_post_processor(payload, payload_dtype)
-        out = self.mcore_strategy.forward_only(self, batch, post)
+        out = self.mcore_strategy.forward_only(self, batch, post, teacher=teacher)
         return out["logprobs"], out["teacher_full_payload"]

@@ -83,22 +83,47 @@ def checked_chunks(
             f"`self.chunks` (subclass `MCoreRLModule`); {type(module).__name__} has none "
             "after `configure_model`."
         )
+    check_chunk_layout(list(chunks), vp_stages, expected, what="model chunk", hook="build_chunk")
+    return list(chunks)
+
+
+def check_chunk_layout(
+    chunks: Sequence[torch.nn.Module],
+    vp_stages: Sequence[int | None],
+    expected: Mapping[str, Any],
+    *,
+    what: str,
+    hook: str,
+) -> None:
+    """One chunk per VPP stage, each with a megatron config holding the ``expected`` fields.
+
+    Args:
+        chunks: the raw chunks (policy or teacher).
+        vp_stages: the strategy's virtual pipeline stages.
+        expected: the strategy/precision ``TransformerConfig`` fields.
+        what: the chunks' name in the messages (``"model chunk"``, ``"teacher chunk"``).
+        hook: the module hook that built them (named in the messages).
+
+    Raises:
+        TypeError: a chunk without a megatron ``config``.
+        ValueError: the wrong number of chunks, or a config field that disagrees.
+    """
     if len(chunks) != len(vp_stages):
         raise ValueError(
-            f"The module built {len(chunks)} model chunk(s) but the strategy runs "
+            f"The module built {len(chunks)} {what}(s) but the strategy runs "
             f"{len(vp_stages)} (one per virtual pipeline stage); build one chunk per entry of "
-            "`strategy.vp_stages`."
+            f"`strategy.vp_stages` in `{hook}(vp_stage)`."
         )
+    name = what[0].upper() + what[1:]
     for index, chunk in enumerate(chunks):
         config = getattr(chunk, "config", None)
         if config is None:
-            raise TypeError(f"Model chunk {index} ({type(chunk).__name__}) has no megatron config.")
+            raise TypeError(f"{name} {index} ({type(chunk).__name__}) has no megatron config.")
         for key, value in expected.items():
             actual = getattr(config, key)
             if actual != value:
                 raise ValueError(
-                    f"Model chunk {index}: `TransformerConfig.{key}={actual!r}` but the strategy "
+                    f"{name} {index}: `TransformerConfig.{key}={actual!r}` but the strategy "
                     f"and Trainer set {value!r}; build the config with "
                     "`strategy.transformer_config_kwargs()` (see `MCoreRLModule.transformer_config`)."
                 )
-    return list(chunks)

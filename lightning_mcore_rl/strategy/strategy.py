@@ -40,6 +40,7 @@ from lightning_mcore_rl.strategy.optimizer import (
 from lightning_mcore_rl.strategy.parallel import check_strategy_args, init_model_parallel
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
 from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher
+from lightning_mcore_rl.strategy.teacher import HostedTeacher
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -144,6 +145,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._backend = contextlib.ExitStack()
         self._wrapped = WrappedChunks()
         self._chunks: list[torch.nn.Module] = []
+        self.teacher = HostedTeacher()  # the module's frozen teacher (strategy/teacher.py)
         self._last_output: StepOutput | None = None
         self.nonfinite_guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
         super().__init__(process_group_backend, cluster_environment, timeout)
@@ -260,10 +262,10 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        raw = checked_chunks(
-            self.lightning_module, self.vp_stages, self.transformer_config_kwargs()
-        )
+        expected = self.transformer_config_kwargs()
+        raw = checked_chunks(self.lightning_module, self.vp_stages, expected)
         plugin = self.precision_plugin
+        self.teacher.setup(self.lightning_module, self.vp_stages, expected, bf16=plugin.bf16)
         ddp = None
         if fitting:
             ddp = self.ddp_config.to_megatron(
@@ -374,14 +376,17 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         module: MCoreRLModule,
         batch: Mapping[str, Any],
         post_processor: PostProcessingFunction,
+        *,
+        teacher: bool = False,
     ) -> dict[str, torch.Tensor]:
         """A forward-only post-processor pass (dropout off) through
-        :func:`~lightning_mcore_rl.train.run_forward_only`: per-sample outputs in the batch's
-        order, on every rank."""
+        :func:`~lightning_mcore_rl.train.run_forward_only` on the policy's chunks (``teacher``:
+        the module's hosted teacher's): per-sample outputs in the batch's order, on every rank."""
         from lightning_mcore_rl.train import run_forward_only
 
+        chunks = self.teacher.select(teacher, self._chunks)
         return run_forward_only(
-            self._chunks, batch, self.groups, self.microbatching, post_processor,
+            chunks, batch, self.groups, self.microbatching, post_processor,
             sampling_params=module.sampling_params(),
             use_fused_linear_logprobs=self.use_fused_linear_logprobs,
             input_check=functools.partial(self._check_inputs, training=False),
@@ -402,7 +407,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return ckpt.sharded_model_state_dict([unwrap_model(c) for c in self._chunks])
+        policy = ckpt.sharded_model_state_dict([unwrap_model(c) for c in self._chunks])
+        return {**policy, **self.teacher.state_dict(self.lightning_module)}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -445,7 +451,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        parts = ckpt.split_chunk_state_dict(checkpoint["state_dict"], len(self._chunks))
+        policy = self.teacher.load_state_dict(self.lightning_module, checkpoint["state_dict"])
+        parts = ckpt.split_chunk_state_dict(policy, len(self._chunks))
         for chunk, part in zip(self._chunks, parts, strict=True):
             unwrap_model(chunk).load_state_dict(part, strict=strict)
 

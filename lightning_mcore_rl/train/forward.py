@@ -225,15 +225,26 @@ def apply_temperature_scaling(
 
 @contextlib.contextmanager
 def _capture_lm_head_input(model: torch.nn.Module, enabled: bool) -> Iterator[dict[str, Tensor]]:
-    """Record the input of the model's ``output_layer`` (pre-LM-head states ``[S/CP, B, H]``)."""
+    """Record the input of the model's ``output_layer`` (pre-LM-head states ``[S/CP, B, H]``).
+
+    Under sequence parallelism that input is this TP rank's sequence slice ``[S/CP/TP, B, H]``
+    (the output layer all-gathers it itself), so it is all-gathered over TP along the sequence
+    here, in megatron's rank order.
+    """
     captured: dict[str, Tensor] = {}
     output_layer = getattr(_unwrap(model), "output_layer", None)
     if not enabled or output_layer is None:
         yield captured
         return
 
-    def hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        captured["hidden_states"] = args[0].detach()
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        hidden = args[0].detach()
+        if getattr(module, "sequence_parallel", False):  # False at TP=1 (megatron resets it)
+            tp_group = current_parallel_groups().tp_group
+            parts = [torch.empty_like(hidden) for _ in range(tp_group.size())]
+            torch.distributed.all_gather(parts, hidden.contiguous(), group=tp_group)
+            hidden = torch.cat(parts, dim=0)  # [S/CP/TP, B, H] x TP -> [S/CP, B, H]
+        captured["hidden_states"] = hidden
 
     handle = output_layer.register_forward_pre_hook(hook)
     try:

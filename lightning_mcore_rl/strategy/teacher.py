@@ -1,0 +1,178 @@
+"""A frozen teacher hosted next to the policy: built, checked, wrapped and checkpointed.
+
+The module builds the teacher's raw megatron chunks (``MCoreRLModule.build_teacher_chunk``, one
+per virtual pipeline stage, the policy's parallel layout) with :func:`build_teacher_chunks`;
+:class:`HostedTeacher` (owned by the strategy) checks them like the policy's chunks, wraps them
+WITHOUT megatron DDP (``Float16Module`` under bf16) and keeps them in eval mode. They are never
+given to the optimizer, and enter the checkpoint only when the module asks
+(``MCoreRLModule.save_teacher_in_checkpoint``), under their own keys (:data:`TEACHER_PREFIX`),
+so a student checkpoint's keys never collide with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from lightning_mcore_rl.strategy.model import WrappedChunks, check_chunk_layout
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
+
+TEACHER_PREFIX = "teacher_chunks"
+"""Head of the teacher's entries in the model state dict (``teacher_chunks.{i}.<name>``)."""
+
+TEACHER_CHECKPOINT_PREFIX = "teacher."
+"""Prefix of the teacher's ShardedTensor keys in a checkpoint (``teacher.decoder...``)."""
+
+
+def build_teacher_chunks(
+    build: Callable[[int | None], torch.nn.Module | None], vp_stages: Sequence[int | None]
+) -> list[torch.nn.Module] | None:
+    """The teacher's raw chunks ``build(vp_stage)`` per stage, frozen (``requires_grad=False``,
+    eval mode); ``None`` when every call returns ``None`` (no teacher).
+
+    Raises:
+        ValueError: some stages return a chunk and others ``None``.
+    """
+    built = [build(vp_stage) for vp_stage in vp_stages]
+    if all(chunk is None for chunk in built):
+        return None
+    missing = [stage for stage, chunk in zip(vp_stages, built, strict=True) if chunk is None]
+    if missing:
+        raise ValueError(
+            f"`build_teacher_chunk(vp_stage)` returned None for vp_stage(s) {missing} but a "
+            "chunk for the others; return a teacher chunk for every stage, or None for all "
+            "(no teacher)."
+        )
+    chunks = cast("list[torch.nn.Module]", built)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        chunk.eval()
+    return chunks
+
+
+class HostedTeacher:
+    """The strategy's wrapped teacher chunks (empty without a teacher)."""
+
+    def __init__(self) -> None:
+        self._wrapped = WrappedChunks()
+        self.chunks: list[torch.nn.Module] = []
+
+    def setup(
+        self,
+        module: Any,
+        vp_stages: Sequence[int | None],
+        expected: Mapping[str, Any],
+        *,
+        bf16: bool,
+    ) -> None:
+        """Check ``module.teacher_chunks`` (the policy's layout and strategy fields) and wrap
+        them: ``Float16Module`` under bf16, no megatron DDP, eval mode, no gradients.
+
+        Raises:
+            TypeError, ValueError: as :func:`~.model.check_chunk_layout`; a teacher parameter
+                with ``requires_grad=True``.
+        """
+        raw = getattr(module, "teacher_chunks", None)
+        if not raw:
+            self.chunks = []
+            return
+        check_chunk_layout(
+            raw, vp_stages, expected, what="teacher chunk", hook="build_teacher_chunk"
+        )
+        trainable = [n for chunk in raw for n, p in chunk.named_parameters() if p.requires_grad]
+        if trainable:
+            raise ValueError(
+                f"The teacher is frozen, but {len(trainable)} of its parameters require grad "
+                f"(first: {trainable[0]!r}); do not re-enable `requires_grad` on "
+                "`module.teacher_chunks`."
+            )
+        self.chunks = self._wrapped.update(raw, bf16=bf16, ddp_config=None)
+        for chunk in self.chunks:
+            chunk.eval()
+
+    def select(self, teacher: bool, policy: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """The chunks a forward-only pass runs: the teacher's or ``policy``.
+
+        Raises:
+            ValueError: ``teacher=True`` without a hosted teacher.
+        """
+        if not teacher:
+            return policy
+        if not self.chunks:
+            raise ValueError(
+                "`teacher=True` but the module hosts no teacher: override "
+                "`MCoreRLModule.build_teacher_chunk(vp_stage)` to return the teacher's megatron "
+                "chunk for each virtual pipeline stage."
+            )
+        return self.chunks
+
+    def state_dict(self, module: Any) -> dict[str, Any]:
+        """The teacher's sharded state dict (keys ``teacher_chunks.{i}.<name>``, ShardedTensor
+        keys prefixed :data:`TEACHER_CHECKPOINT_PREFIX`), empty unless the module sets
+        ``save_teacher_in_checkpoint``."""
+        if not (self.chunks and getattr(module, "save_teacher_in_checkpoint", False)):
+            return {}
+        state: dict[str, Any] = {}
+        for i, chunk in enumerate(module.teacher_chunks):
+            sharded = chunk.sharded_state_dict(prefix=TEACHER_CHECKPOINT_PREFIX)
+            for key, value in sharded.items():
+                state[f"{TEACHER_PREFIX}.{i}.{key[len(TEACHER_CHECKPOINT_PREFIX) :]}"] = value
+        return state
+
+    def load_state_dict(self, module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Load the teacher's entries of a model state dict into ``module.teacher_chunks``.
+
+        Returns:
+            The remaining (policy) entries.
+        """
+        head = f"{TEACHER_PREFIX}."
+        policy = {k: v for k, v in state_dict.items() if not k.startswith(head)}
+        if len(policy) == len(state_dict):
+            return policy
+        parts: list[dict[str, Any]] = [{} for _ in module.teacher_chunks]
+        for key, value in state_dict.items():
+            if key.startswith(head):
+                index, name = key[len(head) :].split(".", 1)
+                parts[int(index)][name] = value
+        for chunk, part in zip(module.teacher_chunks, parts, strict=True):
+            chunk.load_state_dict(part)
+        return policy
+
+
+def load_dist_checkpoint(chunk: torch.nn.Module, path: str | Path, *, prefix: str = "") -> None:
+    """Load a megatron ``dist_checkpointing`` checkpoint's weights into ``chunk`` (collective).
+
+    Reads only ``chunk``'s shards of each tensor, so any TP/PP/VPP layout the checkpoint was saved
+    under works. Use it in ``build_teacher_chunk`` on every rank, e.g. with a student checkpoint
+    of this project (``prefix=""``; a ``*.ckpt`` directory of ``ModelCheckpoint``) or a teacher
+    saved inside one with ``save_teacher_in_checkpoint`` (``prefix="teacher."``). The checkpoint's
+    non-tensor entries (``common.pt``) are not read.
+
+    Args:
+        chunk: an unwrapped megatron model chunk (``MegatronModule``) of the saved model.
+        path: the checkpoint directory.
+        prefix: the ShardedTensor key prefix the model was saved under.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a ``dist_checkpointing`` directory.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class _TensorsOnly(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: str | Path) -> dict[str, Any]:
+            return {}
+
+    if not (Path(path) / "metadata.json").is_file():
+        raise FileNotFoundError(
+            f"`path={str(path)!r}` is not a megatron dist_checkpointing directory (no "
+            "metadata.json)."
+        )
+    sharded = cast("MegatronModule", chunk).sharded_state_dict(prefix=prefix)
+    loaded = dist_checkpointing.load(sharded, str(path), common_strategy=_TensorsOnly())
+    chunk.load_state_dict({key[len(prefix) :]: value for key, value in loaded.items()})
