@@ -21,6 +21,7 @@ from lightning_mcore_rl.data import get_packed_local_layer_spec
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.testing import destroy_megatron_state
 
 TEMPERATURE = 2.0
 
@@ -105,10 +106,12 @@ class FusedResult:
 
 
 def fused_vs_logits_rank(rank: int, cases: tuple[FusedCase, ...]) -> list[FusedResult]:
-    """Per case: the logits fit, then the fused fit (megatron's parallel state is reused)."""
+    """Per case: the logits fit, then the fused fit (megatron's parallel state is reused by the
+    second; a case with another layout starts from a clean one)."""
     world_size = int(os.environ["WORLD_SIZE"])
     results = []
     for case in cases:
+        destroy_megatron_state()
         plain, plain_modes = _fit(case, world_size, fused=False)
         fused, fused_modes = _fit(case, world_size, fused=True)
         results.append(
