@@ -7,7 +7,8 @@ CPU or on the local layer spec. :class:`PackedDotProductAttention` is a drop-in
 (``qkv_format="thd"``) it runs causal attention within each span
 ``[cu_seqlens_q[i], cu_seqlens_q[i+1])`` — block-diagonal causal attention, computed span by span
 with ``torch.nn.functional.scaled_dot_product_attention`` so the cost is ``sum(len_i^2)``, not
-``T^2``; without it, ordinary causal (or masked) attention on ``[sq, b, np, hn]``.
+``T^2``; without it (padded ``[sq, b, np, hn]`` input) it IS megatron's ``DotProductAttention``
+(an instance it holds), so padded runs are bitwise those of the plain local spec.
 
 Context parallelism (CP > 1, packed input only): each CP rank holds the zigzag shard of every span
 (a span of ``L`` tokens is cut into ``2*CP`` chunks; rank ``r`` holds chunks ``r`` and
@@ -30,6 +31,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -116,6 +118,12 @@ class PackedDotProductAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.dense: DotProductAttention | None = None
+        if self.cp_group is None:  # padded input: exactly megatron's local attention
+            self.dense = DotProductAttention(
+                config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                softmax_scale, cp_comm_type, pg_collection,
+            )  # fmt: skip
 
     def forward(
         self,
@@ -147,20 +155,13 @@ class PackedDotProductAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if packed_seq_params is not None:
             return self._forward_packed(query, key, value, mask_type, packed_seq_params)
-        if self.cp_group is not None:
+        if self.dense is None:
             raise ValueError(
-                f"context parallelism (CP={self.cp_group.size()}) needs packed THD input "
-                "(`packed_seq_params`, i.e. sequence_packing=True); got padded input of shape "
-                f"{tuple(query.shape)}"
+                f"context parallelism (CP={self.config.context_parallel_size}) needs packed THD "
+                "input (`packed_seq_params`, i.e. sequence_packing=True); got padded input of "
+                f"shape {tuple(query.shape)}"
             )
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        if attention_mask is not None:
-            context = self._attend(q, k, v, attn_mask=~attention_mask, is_causal=False)
-        else:
-            context = self._attend(q, k, v, attn_mask=None, is_causal=mask_type in _CAUSAL_TYPES)
-        # [b, np, sq, hn] -> [sq, b, np*hn]
-        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+        return self.dense(query, key, value, attention_mask, attn_mask_type=mask_type)
 
     def _forward_packed(
         self,
@@ -270,10 +271,11 @@ def check_packed_core_attention(model: torch.nn.Module) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     for name, module in model.named_modules():
-        if isinstance(module, DotProductAttention):
+        if isinstance(getattr(module, "core_attention", None), DotProductAttention):
             raise ValueError(
                 f"sequence packing needs a core attention that takes packed THD input, but "
-                f"`{name}` is megatron's local DotProductAttention; build the model with "
+                f"`{name}.core_attention` is megatron's local DotProductAttention; build the "
+                "model with "
                 "`transformer_layer_spec=lightning_mcore_rl.data.get_packed_local_layer_spec()` "
                 "(local spec, CPU) or Transformer Engine's GPT layer spec."
             )
