@@ -239,12 +239,12 @@ class HookRun:
     global_step: int
 
 
-def reference_forward(ids: Tensor, dropout: float = 0.0) -> Reference:
-    """The same tiny GPT built at TP=1 (megatron re-initialised: DP = world size), eval mode,
-    called directly (no schedule, no post-processor)."""
+def reference_forward(ids: Tensor, dropout: float = 0.0, seed: int = 0) -> Reference:
+    """The same tiny GPT (weights of ``seed``) built at TP=1 (megatron re-initialised: DP =
+    world size), eval mode, called directly (no schedule, no post-processor)."""
     init_megatron_state()
     config = tiny_gpt_config(hidden_dropout=dropout, attention_dropout=dropout)
-    model = tiny_gpt(config, vocab_size=VOCAB, seed=0).eval()
+    model = tiny_gpt(config, vocab_size=VOCAB, seed=seed).eval()
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)[None, None]
     with torch.no_grad():
