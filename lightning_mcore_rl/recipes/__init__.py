@@ -1,19 +1,34 @@
-"""Ready-made LightningModules (Lightning-integration layer) built from the RL recipe pieces."""
+"""Ready-made LightningModules (Lightning-integration layer) built from the RL recipe pieces:
+GRPO, SFT and DPO (``docs/recipes.md``)."""
 
+from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
+from lightning_mcore_rl.recipes.dpo import DPOModule, PreferenceDataModule
 from lightning_mcore_rl.recipes.grpo import (
     GRPOModule,
-    HFModelSpec,
     PromptDataModule,
     PromptDataset,
     RolloutSpec,
-    TinyGPTSpec,
+)
+from lightning_mcore_rl.recipes.sft import SFTDataModule, SFTModule
+from lightning_mcore_rl.recipes.toy_data import (
+    CountingPreferenceDataset,
+    CountingSFTDataset,
+    collate_pairs,
 )
 
 __all__ = [
+    "CountingPreferenceDataset",
+    "CountingSFTDataset",
+    "DPOModule",
     "GRPOModule",
     "HFModelSpec",
+    "PreferenceDataModule",
     "PromptDataModule",
     "PromptDataset",
+    "RecipeModel",
     "RolloutSpec",
+    "SFTDataModule",
+    "SFTModule",
     "TinyGPTSpec",
+    "collate_pairs",
 ]

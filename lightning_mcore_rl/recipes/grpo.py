@@ -17,55 +17,32 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn
-from lightning_mcore_rl.megatron_defaults import local_spec_settings
 from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.recipes.common import (
+    DEFAULT_TASK,
+    HFModelSpec,
+    RecipeModel,
+    TinyGPTSpec,
+    rank_train_loader,
+    rank_val_loader,
+)
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
 from lightning_mcore_rl.rollout import ModularCountingTask, generate
-from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
+from lightning_mcore_rl.strategy import ResumableLoader
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.models import HFBridge
-
-
-@dataclass
-class TinyGPTSpec:
-    """Size of the policy (a megatron-core ``GPTModel`` with the local layer spec).
-
-    Attributes:
-        num_layers: transformer layers.
-        hidden_size: ``H``.
-        num_attention_heads: heads (divisible by TP).
-        seed: weight seed (weights are identical under any TP layout).
-    """
-
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    seed: int = 0
-
-
-@dataclass
-class HFModelSpec:
-    """A Hugging Face causal LM as the policy (see ``docs/models.md`` for the architectures).
-
-    Attributes:
-        path: a directory with ``config.json`` and ``*.safetensors``; its vocabulary must cover
-            the task's token ids and ``max_position_embeddings`` the prompt + completion.
-    """
-
-    path: str
 
 
 @dataclass
@@ -84,9 +61,6 @@ class RolloutSpec:
     temperature: float = 1.0
     seed: int = 1234
 
-
-DEFAULT_TASK = ModularCountingTask()
-"""The recipes' default task (frozen, so one shared instance is safe)."""
 
 DEFAULT_MODEL = TinyGPTSpec()
 """``GRPOModule``'s default policy size (each module copies it)."""
@@ -148,36 +122,18 @@ class PromptDataModule(LightningDataModule):
         rank reads its own prompts, shuffled with a fixed seed (re-permuted per epoch). The loader
         is a :class:`~lightning_mcore_rl.strategy.ResumableLoader`, so ``fit(ckpt_path=...)``
         mid-epoch continues with the next unseen batch."""
-        dp = self._data_parallel_size()
-        if self.prompts_per_step % dp != 0:
-            raise ValueError(
-                f"`prompts_per_step` ({self.prompts_per_step}) must be divisible by the "
-                f"data-parallel size ({dp})."
-            )
         dataset = PromptDataset(self.task, self.prompts_per_step * self.num_steps, self.seed)
-        batch_size = self.prompts_per_step // dp
-        assert self.trainer is not None  # attached before the hook (_data_parallel_size checked)
-        return resumable_dataloader(dataset, self.trainer, batch_size, seed=self.seed)
+        return rank_train_loader(
+            self.trainer, dataset, self.prompts_per_step, "prompts_per_step", self.seed
+        )
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """Held-out prompts ``[b, P]`` (``val_prompts``; none when 0). Lightning gives each
         data-parallel rank its share (a ``DistributedSampler`` over the DP group, no shuffling)."""
         if self.val_prompts == 0:
             return []
-        dp = self._data_parallel_size()
-        if self.val_prompts % dp != 0:
-            raise ValueError(
-                f"`val_prompts` ({self.val_prompts}) must be divisible by the data-parallel "
-                f"size ({dp}): every rank must score the same number of prompts."
-            )
         dataset = PromptDataset(self.task, self.val_prompts, self.val_seed)
-        return DataLoader(dataset, batch_size=max(self.prompts_per_step // dp, 1))
-
-    def _data_parallel_size(self) -> int:
-        assert self.trainer is not None  # Lightning attaches the Trainer before the hooks
-        # the recipe runs under MCoreRLStrategy, a ParallelStrategy
-        strategy = cast(ParallelStrategy, self.trainer.strategy)
-        return int(strategy.distributed_sampler_kwargs["num_replicas"])
+        return rank_val_loader(self.trainer, dataset, self.prompts_per_step, "val_prompts")
 
 
 class GRPOModule(MCoreRLModule):
@@ -223,8 +179,13 @@ class GRPOModule(MCoreRLModule):
         self.kl_penalty = loss.reference_policy_kl_penalty
         self.task = task or ModularCountingTask()
         self.model_spec = replace(model) if model is not None else TinyGPTSpec()
-        self._bridge: HFBridge | None = None
         self.rollout = rollout
+        self.policy = RecipeModel(
+            self.model_spec,
+            self.task.vocab_size,
+            self.task.prompt_length + rollout.max_new_tokens,
+            "prompt_length + max_new_tokens",
+        )
         self.lr = lr
         self.pass_at_k = tuple(pass_at_k)
         self.evaluation: RolloutEvaluation | None = None
@@ -241,54 +202,12 @@ class GRPOModule(MCoreRLModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         """The policy chunk for ``vp_stage``, built from the strategy's config: the tiny GPT
         (layout-invariant deterministic weights) or the HF checkpoint's shards."""
-        from lightning_mcore_rl.models.tiny_gpt import tiny_gpt
-
-        spec = self.model_spec
-        if isinstance(spec, HFModelSpec):
-            bridge = self.hf_bridge()
-            return bridge.build_chunk(self.transformer_config(**bridge.config_fields()), vp_stage)
-        config = self.transformer_config(
-            num_layers=spec.num_layers,
-            hidden_size=spec.hidden_size,
-            num_attention_heads=spec.num_attention_heads,
-            ffn_hidden_size=4 * spec.hidden_size,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            **local_spec_settings(),
-        )
-        length = self.task.prompt_length + self.rollout.max_new_tokens
-        return tiny_gpt(
-            config,
-            vocab_size=self.task.vocab_size,
-            max_sequence_length=length,
-            seed=spec.seed,
-            vp_stage=vp_stage,
-        )
+        return self.policy.build_chunk(self, vp_stage)
 
     def hf_bridge(self) -> HFBridge:
         """The :class:`~lightning_mcore_rl.models.HFBridge` of an :class:`HFModelSpec` policy,
         checked against the task (``ValueError``: vocabulary or positions too small)."""
-        from lightning_mcore_rl.models import HFBridge
-
-        spec = self.model_spec
-        if not isinstance(spec, HFModelSpec):
-            raise TypeError(f"the policy is a {type(spec).__name__}, not an HFModelSpec")
-        if self._bridge is None:
-            bridge = HFBridge.from_pretrained(spec.path)
-            if bridge.vocab_size < self.task.vocab_size:
-                raise ValueError(
-                    f"The HF model at {spec.path!r} has vocab_size={bridge.vocab_size}, below the "
-                    f"task's vocab_size={self.task.vocab_size}; its token ids would not exist."
-                )
-            length = self.task.prompt_length + self.rollout.max_new_tokens
-            positions = bridge.arch.max_position_embeddings
-            if positions < length:
-                raise ValueError(
-                    f"The HF model at {spec.path!r} has max_position_embeddings={positions}, "
-                    f"below prompt_length + max_new_tokens = {length}."
-                )
-            self._bridge = bridge
-        return self._bridge
+        return self.policy.hf_bridge()
 
     def configure_optimizers(self) -> Any:
         """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
@@ -319,29 +238,12 @@ class GRPOModule(MCoreRLModule):
 
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
-        """Temporarily give the model its initial weights (the reference policy).
-
-        The initial weights are regenerated instead of kept as a second copy (the tiny GPT's are
-        a pure function of the seed whatever the layout; an HF policy's shards are re-read from
-        its checkpoint), so a resumed run keeps the same reference. The current weights are
-        restored on exit, also on error.
-        """
-        from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
-
-        spec = self.model_spec
-        params = [p for chunk in self.mcore_strategy.model_chunks for p in chunk.parameters()]
-        current = [p.detach().clone() for p in params]
-        try:
-            for chunk in self.mcore_strategy.model_chunks:
-                if isinstance(spec, HFModelSpec):
-                    self.hf_bridge().load_weights(chunk)
-                else:
-                    load_deterministic_weights(_unwrap(chunk), spec.seed)
+        """Temporarily give the model its initial weights (the reference policy; regenerated
+        from the seed or re-read from the checkpoint, see
+        :meth:`~lightning_mcore_rl.recipes.common.RecipeModel.initial_weights`); the current
+        weights are restored on exit, also on error."""
+        with self.policy.initial_weights(self.mcore_strategy.model_chunks):
             yield
-        finally:
-            with torch.no_grad():
-                for param, value in zip(params, current, strict=True):
-                    param.copy_(value)
 
     def setup(self, stage: str) -> None:
         """The rollout reward and validation metrics (torchmetrics over the data-parallel group,
@@ -417,10 +319,3 @@ class GRPOModule(MCoreRLModule):
             generation_logprobs=out.logprobs,
         )
         return batch, rewards
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPT model inside megatron's DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = cast(torch.nn.Module, chunk.module)  # DDP / Float16Module wrap a module
-    return chunk

@@ -11,7 +11,7 @@ from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.cli import build_cli
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
 
-CONFIGS = sorted((Path(__file__).parents[3] / "examples" / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[3] / "examples" / "configs").glob("grpo_*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -1,0 +1,281 @@
+"""What every recipe shares: the model choice (:class:`TinyGPTSpec` or :class:`HFModelSpec`), its
+chunk building and the frozen initial weights (:class:`RecipeModel`), and the per-rank loaders of
+the recipes' DataModules (:func:`rank_train_loader`, :func:`rank_val_loader`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mcore_rl.megatron_defaults import local_spec_settings
+from lightning_mcore_rl.rollout import ModularCountingTask
+from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+    from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.module import MCoreRLModule
+
+
+DEFAULT_TASK = ModularCountingTask()
+"""The recipes' default task (frozen, so one shared instance is safe)."""
+
+
+@dataclass
+class TinyGPTSpec:
+    """Size of the model (a megatron-core ``GPTModel`` with the local layer spec).
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: ``H``.
+        num_attention_heads: heads (divisible by TP).
+        seed: weight seed (weights are identical under any TP layout).
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    seed: int = 0
+
+
+@dataclass
+class HFModelSpec:
+    """A Hugging Face causal LM as the model (see ``docs/models.md`` for the architectures).
+
+    Attributes:
+        path: a directory with ``config.json`` and ``*.safetensors``; its vocabulary must cover
+            the data's token ids and ``max_position_embeddings`` the longest row.
+    """
+
+    path: str
+
+
+ModelSpec = TinyGPTSpec | HFModelSpec
+"""A recipe's model choice."""
+
+
+class RecipeModel:
+    """A recipe's model: builds its chunks and swaps its initial weights back in.
+
+    Args:
+        spec: the tiny GPT's size or the Hugging Face checkpoint.
+        vocab_size: ``V`` of the data: the tiny GPT is built with it; an HF model's vocabulary
+            must cover it.
+        max_sequence_length: the longest row: the tiny GPT's position table; an HF model's
+            ``max_position_embeddings`` must cover it.
+        length_name: how the recipe derives ``max_sequence_length`` (for the error message).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        length_name: str = "max_sequence_length",
+    ) -> None:
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.length_name = length_name
+        self._bridge: HFBridge | None = None
+
+    def hf_bridge(self) -> HFBridge:
+        """The :class:`~lightning_mcore_rl.models.HFBridge` of an :class:`HFModelSpec`, checked
+        against the data (``ValueError``: vocabulary or positions too small; read once)."""
+        from lightning_mcore_rl.models import HFBridge
+
+        spec = self.spec
+        if not isinstance(spec, HFModelSpec):
+            raise TypeError(f"the model is a {type(spec).__name__}, not an HFModelSpec")
+        if self._bridge is None:
+            bridge = HFBridge.from_pretrained(spec.path)
+            if bridge.vocab_size < self.vocab_size:
+                raise ValueError(
+                    f"The HF model at {spec.path!r} has vocab_size={bridge.vocab_size}, below the "
+                    f"data's vocab_size={self.vocab_size}; its token ids would not exist."
+                )
+            positions = bridge.arch.max_position_embeddings
+            if positions < self.max_sequence_length:
+                raise ValueError(
+                    f"The HF model at {spec.path!r} has max_position_embeddings={positions}, "
+                    f"below {self.length_name} = {self.max_sequence_length}."
+                )
+            self._bridge = bridge
+        return self._bridge
+
+    def build_chunk(self, module: MCoreRLModule, vp_stage: int | None) -> torch.nn.Module:
+        """The chunk for ``vp_stage`` with ``module``'s strategy config: the tiny GPT
+        (layout-invariant deterministic weights, dropout off) or the HF checkpoint's shards."""
+        from lightning_mcore_rl.models.tiny_gpt import tiny_gpt
+
+        spec = self.spec
+        if isinstance(spec, HFModelSpec):
+            bridge = self.hf_bridge()
+            return bridge.build_chunk(module.transformer_config(**bridge.config_fields()), vp_stage)
+        config = module.transformer_config(
+            num_layers=spec.num_layers,
+            hidden_size=spec.hidden_size,
+            num_attention_heads=spec.num_attention_heads,
+            ffn_hidden_size=4 * spec.hidden_size,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **local_spec_settings(),
+        )
+        return tiny_gpt(
+            config,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            seed=spec.seed,
+            vp_stage=vp_stage,
+        )
+
+    @contextlib.contextmanager
+    def initial_weights(self, chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+        """Temporarily give ``chunks`` their initial weights (a frozen reference model).
+
+        The initial weights are regenerated instead of kept as a second copy (the tiny GPT's are
+        a pure function of the seed whatever the layout; an HF model's shards are re-read from
+        its checkpoint), so a resumed run keeps the same reference. The current weights are
+        restored on exit, also on error.
+        """
+        from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
+
+        spec = self.spec
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        current = [p.detach().clone() for p in params]
+        try:
+            for chunk in chunks:
+                if isinstance(spec, HFModelSpec):
+                    self.hf_bridge().load_weights(chunk)
+                else:
+                    load_deterministic_weights(unwrap(chunk), spec.seed)
+            yield
+        finally:
+            with torch.no_grad():
+                for param, value in zip(params, current, strict=True):
+                    param.copy_(value)
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPT model inside megatron's DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = cast(torch.nn.Module, chunk.module)  # DDP / Float16Module wrap a module
+    return chunk
+
+
+def data_parallel_size(trainer: Trainer | None) -> int:
+    """The Trainer's data-parallel size (the recipes run under ``MCoreRLStrategy``, a
+    ``ParallelStrategy``; Lightning attaches the Trainer before the loader hooks)."""
+    assert trainer is not None  # Lightning attaches the Trainer before the hooks
+    strategy = cast(ParallelStrategy, trainer.strategy)
+    return int(strategy.distributed_sampler_kwargs["num_replicas"])
+
+
+def rank_train_loader(
+    trainer: Trainer | None,
+    dataset: Dataset,
+    global_batch: int,
+    name: str,
+    seed: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> ResumableLoader:
+    """This data-parallel rank's loader: ``global_batch / DP`` items per batch, shuffled with a
+    fixed seed (re-permuted per epoch), resumable mid-epoch
+    (:class:`~lightning_mcore_rl.strategy.ResumableLoader`).
+
+    Args:
+        trainer: the Trainer (set up).
+        dataset: a map-style dataset.
+        global_batch: items per optimizer step over all data-parallel ranks.
+        name: the DataModule argument that set ``global_batch`` (for the error message).
+        seed: the sampler seed.
+        collate_fn: the ``DataLoader``'s collate function (default: torch's).
+
+    Raises:
+        ValueError: ``global_batch`` is not divisible by the data-parallel size.
+    """
+    dp = data_parallel_size(trainer)
+    if global_batch % dp != 0:
+        raise ValueError(
+            f"`{name}` ({global_batch}) must be divisible by the data-parallel size ({dp})."
+        )
+    assert trainer is not None  # checked by data_parallel_size
+    return resumable_dataloader(
+        dataset, trainer, global_batch // dp, seed=seed, collate_fn=collate_fn
+    )
+
+
+def rank_val_loader(
+    trainer: Trainer | None,
+    dataset: Dataset,
+    global_batch: int,
+    name: str,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader:
+    """A validation loader of ``dataset`` (``len(dataset)`` items, named ``name``) in batches of
+    ``global_batch / DP``; Lightning gives each data-parallel rank its share (a
+    ``DistributedSampler`` over the DP group, no shuffling).
+
+    Raises:
+        ValueError: ``len(dataset)`` is not divisible by the data-parallel size.
+    """
+    dp = data_parallel_size(trainer)
+    size = len(cast(Any, dataset))  # map-style datasets of the recipes are sized
+    if size % dp != 0:
+        raise ValueError(
+            f"`{name}` ({size}) must be divisible by the data-parallel size ({dp}): every rank "
+            "must run the same number of batches."
+        )
+    return DataLoader(dataset, batch_size=max(global_batch // dp, 1), collate_fn=collate_fn)
+
+
+def agree_on_batch(module: MCoreRLModule, check: Callable[[], None]) -> None:
+    """Run a recipe's host-side batch ``check`` on every rank and agree on the verdict (one
+    all-reduce, ``reduce_boolean_decision``) before the step's first collective: the rank whose
+    batch is bad raises its ``ValueError``/``TypeError``, the others a ``BatchRejectedError``,
+    instead of waiting for it in the step."""
+    from lightning_mcore_rl.strategy.nonfinite import BatchRejectedError
+
+    error: ValueError | TypeError | None = None
+    try:
+        check()
+    except (ValueError, TypeError) as err:
+        error = err
+    if module.mcore_strategy.reduce_boolean_decision(error is not None, all=False):
+        if error is not None:
+            raise error
+        raise BatchRejectedError(
+            f"Another rank rejected its batch in {type(module).__name__} (see that rank's "
+            "ValueError/TypeError naming the key); this rank stops too instead of waiting."
+        )
+
+
+def check_rows(
+    owner: str, batch: Mapping[str, Any], keys: Sequence[str], max_sequence_length: int
+) -> None:
+    """The recipe-level checks of a ``loss_fn`` batch (the strategy checks shapes, dtypes and
+    masks): ``keys`` present, rows no wider than the model's ``max_sequence_length``.
+
+    Raises:
+        ValueError: naming ``owner``, the key and the expected and actual values.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"{owner} takes a mapping batch, got {type(batch).__name__}.")
+    for key in keys:
+        if key not in batch:
+            raise ValueError(
+                f"{owner}'s batch is missing the key `{key}` (present: {sorted(batch)})."
+            )
+    width = int(batch["input_ids"].shape[-1])
+    if width > max_sequence_length:
+        raise ValueError(
+            f"{owner}: `input_ids` rows are {width} tokens wide, above the model's "
+            f"max_sequence_length={max_sequence_length}."
+        )

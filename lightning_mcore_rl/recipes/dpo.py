@@ -1,0 +1,273 @@
+"""Direct Preference Optimization (arXiv:2305.18290 Eq. 7) against a frozen reference model.
+
+Each ``training_step`` receives this data-parallel rank's preference batch — rows interleaved
+``chosen_0, rejected_0, chosen_1, ...`` with ``input_ids [2b, S]``, ``input_lengths [2b]``,
+``token_mask [2b, S]`` (1 on response tokens) and ``sample_mask [2b]`` — and:
+
+1. checks it on every rank (keys, whole pairs, pair-equal ``sample_mask``, no
+   ``reference_policy_logprobs`` of its own);
+2. computes the reference logprobs forward-only (dropout off) with the initial weights swapped
+   in (regenerated from the tiny GPT's seed or re-read from the HF checkpoint), and stores them in
+   the layout :class:`~lightning_mcore_rl.losses.DPOLossFn` reads (shifted left by one);
+3. runs megatron's schedule with ``DPOLossFn`` (optionally plus the SFT term on the chosen rows).
+
+So at step 0, where the policy is the reference, every implicit reward is 0 and the loss is
+exactly ``ln 2``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses import DPOLossConfig, DPOLossFn
+from lightning_mcore_rl.module import MCoreRLModule
+from lightning_mcore_rl.recipes.common import (
+    DEFAULT_TASK,
+    HFModelSpec,
+    RecipeModel,
+    TinyGPTSpec,
+    agree_on_batch,
+    check_rows,
+    rank_train_loader,
+    rank_val_loader,
+)
+from lightning_mcore_rl.recipes.toy_data import CountingPreferenceDataset, collate_pairs
+from lightning_mcore_rl.rollout import ModularCountingTask
+from lightning_mcore_rl.strategy import ResumableLoader
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.train import LossPostProcessor
+
+PREFERENCE_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+"""The batch keys of the preference recipes (rows interleave chosen/rejected)."""
+
+DEFAULT_DPO_LOSS = DPOLossConfig()
+"""``DPOModule``'s default loss: NeMo RL's DPO defaults (beta 0.05, no SFT term)."""
+
+
+class PreferenceDataModule(LightningDataModule):
+    """Chosen/rejected pairs of the counting task (:class:`~.toy_data.CountingPreferenceDataset`):
+    ``pairs_per_step`` pairs per optimizer step over all data-parallel ranks, each rank's batch
+    interleaved (``[2 * pairs_per_step / DP, S]``, :func:`~.toy_data.collate_pairs`).
+
+    Args:
+        task: the prompts' task (``V = task.vocab_size``, ``P = task.prompt_length``).
+        max_new_tokens: ``N``, the longest response; rows are ``P + N`` wide.
+        pairs_per_step: global pairs per optimizer step (divisible by DP).
+        num_steps: steps' worth of distinct pairs (one epoch).
+        seed: data seed, also the seed of the (per-epoch) shuffled order.
+        val_pairs: held-out pairs (0: no validation loop), divisible by DP.
+        val_seed: seed of the held-out pairs.
+    """
+
+    def __init__(
+        self,
+        task: ModularCountingTask | None = DEFAULT_TASK,
+        max_new_tokens: int = 8,
+        pairs_per_step: int = 8,
+        num_steps: int = 40,
+        seed: int = 0,
+        val_pairs: int = 0,
+        val_seed: int = 1,
+    ) -> None:
+        super().__init__()
+        self.task = task or ModularCountingTask()
+        self.max_new_tokens = max_new_tokens
+        self.pairs_per_step = pairs_per_step
+        self.num_steps = num_steps
+        self.seed = seed
+        self.val_pairs = val_pairs
+        self.val_seed = val_seed
+
+    def train_dataloader(self) -> ResumableLoader:
+        """This rank's ``pairs_per_step / DP`` pairs per step, interleaved (resumable)."""
+        num = self.pairs_per_step * self.num_steps
+        dataset = CountingPreferenceDataset(self.task, num, self.max_new_tokens, self.seed)
+        return rank_train_loader(
+            self.trainer, dataset, self.pairs_per_step, "pairs_per_step", self.seed, collate_pairs
+        )
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Held-out pairs (``val_pairs``; none when 0), split over data-parallel ranks."""
+        if self.val_pairs == 0:
+            return []
+        dataset = CountingPreferenceDataset(
+            self.task, self.val_pairs, self.max_new_tokens, self.val_seed
+        )
+        return rank_val_loader(
+            self.trainer, dataset, self.pairs_per_step, "val_pairs", collate_pairs
+        )
+
+
+def check_preference_batch(owner: str, batch: Mapping[str, Any], max_sequence_length: int) -> None:
+    """The host-side checks of an interleaved preference batch (before any collective).
+
+    Raises:
+        ValueError: a missing key, rows wider than ``max_sequence_length``, an odd number of
+            rows, or a pair whose chosen and rejected ``sample_mask`` differ.
+    """
+    check_rows(owner, batch, PREFERENCE_KEYS, max_sequence_length)
+    rows = int(batch["input_ids"].shape[0])
+    if rows % 2:
+        raise ValueError(
+            f"{owner}: a preference batch interleaves chosen/rejected rows, so `input_ids` needs "
+            f"an even number of rows; got {rows}."
+        )
+    mask = batch["sample_mask"]
+    unequal = mask[::2] != mask[1::2]
+    if bool(unequal.any()):
+        pair = int(unequal.nonzero()[0, 0])
+        raise ValueError(
+            f"{owner}: `sample_mask` must be equal within a pair; pair {pair} (rows {2 * pair}, "
+            f"{2 * pair + 1}) has {float(mask[2 * pair])} / {float(mask[2 * pair + 1])}."
+        )
+
+
+def check_pair_microbatching(owner: str, micro_batch_size: int, token_budget: int | None) -> None:
+    """Microbatches must hold whole chosen/rejected pairs (the loss splits rows ``[::2]``).
+
+    Raises:
+        ValueError: a token budget (it regroups rows by length) or an odd ``micro_batch_size``.
+    """
+    if token_budget is not None:
+        raise ValueError(
+            f"{owner} needs microbatches of whole chosen/rejected pairs, but "
+            f"`max_tokens_per_microbatch={token_budget}` regroups rows by length; use an even "
+            "`micro_batch_size` instead."
+        )
+    if micro_batch_size % 2:
+        raise ValueError(
+            f"{owner} needs microbatches of whole chosen/rejected pairs: `micro_batch_size` must "
+            f"be even, got {micro_batch_size}."
+        )
+
+
+def shift_left(logprobs: Tensor) -> Tensor:
+    """Stored logprobs ``[B, S]`` (``lp[:, t] = log p(x_t | x_<t)``, 0 at ``t = 0``) in DPO's
+    layout ``[B, S]``: ``out[:, t] = log p(x_{t+1} | x_<=t)`` (the last column is the 0)."""
+    return logprobs.roll(-1, dims=1)
+
+
+class DPOModule(MCoreRLModule):
+    """DPO of a tiny GPT or a Hugging Face model against its initial weights.
+
+    Args:
+        model: a tiny GPT (:class:`TinyGPTSpec`) or a Hugging Face checkpoint
+            (:class:`HFModelSpec`); its initial weights are the frozen reference.
+        vocab_size: ``V`` of the data (the tiny GPT's vocabulary; an HF model's must cover it).
+        max_sequence_length: the widest row ``S`` (the tiny GPT's positions; an HF model's
+            ``max_position_embeddings`` must cover it).
+        loss: ``DPOLossFn`` settings (NeMo RL keys): ``reference_policy_kl_penalty`` (beta),
+            ``sft_loss_weight`` (the NLL term on the chosen rows), averaging flags; default
+            :data:`DEFAULT_DPO_LOSS`.
+        lr: Adam learning rate.
+
+    Batches: :data:`PREFERENCE_KEYS`, rows interleaved chosen/rejected. Microbatches must hold
+    whole pairs: an even ``micro_batch_size`` and no ``max_tokens_per_microbatch``; with
+    ``sequence_packing=True`` each packed microbatch is scored in one loss call
+    (``fuse_loss``), so its pairs stay together.
+    """
+
+    def __init__(
+        self,
+        model: TinyGPTSpec | HFModelSpec | None = None,
+        vocab_size: int = 16,
+        max_sequence_length: int = 16,
+        loss: DPOLossConfig | None = DEFAULT_DPO_LOSS,
+        lr: float = 1e-3,
+    ) -> None:
+        loss = loss or DEFAULT_DPO_LOSS
+        super().__init__(loss_fn=DPOLossFn(loss))
+        self.model_spec = replace(model) if model is not None else TinyGPTSpec()
+        self.policy = RecipeModel(self.model_spec, vocab_size, max_sequence_length)
+        self.lr = lr
+        self.save_hyperparameters(
+            {
+                "model": asdict(self.model_spec),
+                "vocab_size": vocab_size,
+                "max_sequence_length": max_sequence_length,
+                "loss": asdict(loss),
+                "lr": lr,
+            }
+        )
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        """The policy chunk for ``vp_stage`` (see :meth:`RecipeModel.build_chunk`)."""
+        return self.policy.build_chunk(self, vp_stage)
+
+    def configure_optimizers(self) -> Any:
+        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
+
+    def setup(self, stage: str) -> None:
+        """Reject microbatching that would split pairs (same verdict on every rank)."""
+        batching = self.mcore_strategy.microbatching
+        check_pair_microbatching(
+            type(self).__name__, batching.micro_batch_size, batching.max_tokens_per_microbatch
+        )
+
+    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+        """The base hook's loss callback, with packed microbatches scored in one loss call
+        (``fuse_loss``): the per-sequence wrapper would call the loss on single rows."""
+        from lightning_mcore_rl.train import LossPostProcessor
+
+        loss_fn: Any = self.loss_fn  # the DPOLossFn of __init__ (the base types it loosely)
+        strategy = self.mcore_strategy
+        cfg = strategy.policy_config()
+        return LossPostProcessor(
+            loss_fn,
+            replace(cfg, fuse_loss=cfg.sequence_packing),
+            num_microbatches,
+            sampling_params=self.sampling_params(),
+            use_fused_linear_logprobs=strategy.use_fused_linear_logprobs,
+        )
+
+    @contextlib.contextmanager
+    def reference_weights(self) -> Iterator[None]:
+        """Temporarily give the model its initial weights (the frozen reference; see
+        :meth:`~lightning_mcore_rl.recipes.common.RecipeModel.initial_weights`)."""
+        with self.policy.initial_weights(self.mcore_strategy.model_chunks):
+            yield
+
+    def preference_batch(self, batch: Mapping[str, Any]) -> BatchedDataDict:
+        """The checked batch plus ``reference_policy_logprobs [2b, S]`` (shifted left by one).
+
+        Raises:
+            ValueError: see :func:`check_preference_batch`; also when the batch brings its own
+                ``reference_policy_logprobs`` (this recipe computes them).
+        """
+        owner = type(self).__name__
+
+        def check() -> None:
+            check_preference_batch(owner, batch, self.policy.max_sequence_length)
+            if "reference_policy_logprobs" in batch:
+                raise ValueError(
+                    f"{owner} computes `reference_policy_logprobs` from its frozen reference; "
+                    "remove the key from the batch."
+                )
+
+        agree_on_batch(self, check)
+        data = BatchedDataDict(dict(batch))
+        with self.reference_weights():
+            reference = self.compute_logprobs(data)  # [2b, S], 0 at position 0
+        data["reference_policy_logprobs"] = shift_left(reference)
+        return data
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+        """Reference logprobs, then one optimizer step of the DPO loss."""
+        return self.forward_backward(self.preference_batch(batch)).loss
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+        """Held-out DPO loss and metrics (``val_loss``, ``val_accuracy``, ...), forward-only."""
+        return self.forward_backward(self.preference_batch(batch), forward_only=True).loss
