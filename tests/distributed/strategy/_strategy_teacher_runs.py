@@ -252,7 +252,7 @@ class LoadedTeacher(MCoreRLModule):
 def _load_rank(tp: int, directory: Path, trained: TeacherModule) -> dict[str, bool]:
     """``load_dist_checkpoint`` into a seed-2 teacher: from the student-only checkpoint
     (``prefix=""``: the trained student's weights) and from the teacher saved in the other one
-    (``prefix="teacher."``: the trained run's teacher)."""
+    (``prefix="teacher."``: the trained run's teacher); then a resume restoring the teacher."""
     expected = {
         "student_only": (_values(trained.chunks), ""),
         "with_teacher": (_values(trained.teacher_chunks), "teacher."),
@@ -266,4 +266,22 @@ def _load_rank(tp: int, directory: Path, trained: TeacherModule) -> dict[str, bo
         trainer.validate(module, DataLoader(RolloutRows(2 * BATCH), batch_size=BATCH))
         pairs = zip(module.loaded, values, strict=True)
         equal[name] = all(torch.equal(a, b) for a, b in pairs)
+    equal["resumed"] = _resume_rank(tp, directory / "with_teacher.ckpt", trained)
     return equal
+
+
+def _resume_rank(tp: int, path: Path, trained: TeacherModule) -> bool:
+    """Resume one more step from the checkpoint holding the teacher, with a seed-2 teacher and
+    ``save_teacher_in_checkpoint``: the restored teacher is the trained run's (seed 1)."""
+    strategy = MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=2)
+    trainer = Trainer(**_trainer_options(int(os.environ["WORLD_SIZE"]), strategy=strategy,
+                                         max_steps=3))  # fmt: skip
+    module = TeacherModule(teacher_seed=2)
+    module.save_teacher_in_checkpoint = True
+    trainer.fit(module, DataLoader(RolloutRows(2 * BATCH), batch_size=BATCH), ckpt_path=path)
+    pairs = zip(_values(module.teacher_chunks), _values(trained.teacher_chunks), strict=True)
+    restored = trainer.global_step == 3 and all(torch.equal(a, b) for a, b in pairs)
+    topk = module.teacher_topk[-1]
+    return restored and all(
+        torch.equal(a, b) for a, b in zip(topk, trained.teacher_topk[0], strict=True)
+    )

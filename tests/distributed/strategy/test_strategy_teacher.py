@@ -10,8 +10,9 @@ fp32 tiny GPT).
   ``torch.topk``;
 * the teacher stays frozen: eval mode, ``requires_grad=False``, parameters unchanged after two
   optimizer steps (the student's change), outside the optimizer and ``module.parameters()``,
-  and in a checkpoint only with ``save_teacher_in_checkpoint``; ``load_dist_checkpoint`` reads
-  the student's or the saved teacher's weights into a teacher chunk.
+  and in a checkpoint only with ``save_teacher_in_checkpoint`` (a resume with it restores the
+  teacher); ``load_dist_checkpoint`` reads the student's or the saved teacher's weights into a
+  teacher chunk.
 
 One spawned process group per layout (TP=2, DP=2) runs every fit; the tests read its results.
 """
@@ -141,7 +142,7 @@ def test_teacher_is_checkpointed_only_when_asked(dp_runs):
         assert model and teacher == [TEACHER_CHECKPOINT_PREFIX + k for k in model]
         assert sorted(set(keys["with_teacher"]) - set(teacher)) == keys["student_only"]
         # load_dist_checkpoint: the trained student (prefix "") and the saved teacher ("teacher.")
-        assert rank_runs["loaded"] == {"student_only": True, "with_teacher": True}
+        assert rank_runs["loaded"] == {"student_only": True, "with_teacher": True, "resumed": True}
 
 
 # ---------------------------------------------------------------- errors (no process group)
