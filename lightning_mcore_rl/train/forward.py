@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -43,6 +43,17 @@ from lightning_mcore_rl.train.post_processors import (
 def _is_last_stage(model: torch.nn.Module) -> bool:
     """Whether this chunk computes the LM head (Megatron's ``post_process``)."""
     return bool(getattr(_unwrap(model), "post_process", True))
+
+
+def _in_float16_module(model: torch.nn.Module) -> bool:
+    """Whether megatron's ``Float16Module`` is in the wrapper chain (it takes ``fp32_output``)."""
+    from megatron.core.transformer.module import Float16Module
+
+    while not isinstance(model, Float16Module):
+        if not hasattr(model, "module"):
+            return False
+        model = cast(torch.nn.Module, model.module)  # DDP wraps a module
+    return True
 
 
 def check_fused_linear_logprobs(
@@ -152,7 +163,8 @@ def model_forward(
         position_ids: Position ids in the same layout.
         attention_mask: ``[1, 1, S, S]`` causal mask, ``None`` when packed.
         packed_seq_params: Megatron ``PackedSeqParams`` (passed only when not ``None``).
-        defer_fp32_logits: Keep the logits in the model dtype (else cast to fp32).
+        defer_fp32_logits: Keep the logits in the model dtype (else cast to fp32; a
+            ``Float16Module`` gets ``fp32_output=False``, as with fused linear logprobs).
         mtp_loss_mask: Passed as ``loss_mask`` (multi-token prediction).
         padding_mask: MoE-routing padding mask (see :func:`_prepare_padding_mask_for_model`).
         straggler_timer: Called once; the forward runs inside the returned context.
@@ -195,6 +207,8 @@ def model_forward(
     fused = use_fused_linear_logprobs and _is_last_stage(model)
     if fused:
         check_fused_chunks([model])
+    if (defer_fp32_logits or fused) and _in_float16_module(model):
+        kwargs["fp32_output"] = False  # Float16Module would upcast the whole last-stage output
     timer = straggler_timer() if straggler_timer is not None else contextlib.nullcontext()
     bypass = lm_head_returns_hidden(model) if fused else contextlib.nullcontext()
     with timer, bypass:
