@@ -12,6 +12,7 @@ from lightning_mcore_rl.strategy.optimizer import (
 from lightning_mcore_rl.strategy.precision import MCorePrecision
 from lightning_mcore_rl.strategy.resumable import ResumableLoader, resumable_dataloader
 from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy, register_strategy
+from lightning_mcore_rl.strategy.teacher import load_dist_checkpoint
 
 __all__ = [
     "CheckpointConfig",
@@ -24,6 +25,7 @@ __all__ = [
     "ParallelSizes",
     "ResumableLoader",
     "check_trainer_flags",
+    "load_dist_checkpoint",
     "register_strategy",
     "resumable_dataloader",
 ]
