@@ -53,9 +53,11 @@ class FusedGRPOModule(PackedGRPOModule):
         self.head_modes: set[str] = set()
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        strategy = self.mcore_strategy
         config = tiny_gpt_config(
             calculate_per_token_loss=True,
-            sequence_parallel=self.mcore_strategy.parallel.sequence_parallel,
+            sequence_parallel=strategy.parallel.sequence_parallel,
+            bf16=strategy.precision_plugin.bf16,
         )
         chunk = tiny_gpt(
             config,

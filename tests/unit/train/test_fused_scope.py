@@ -3,8 +3,9 @@
 ``lm_head_returns_hidden`` gives one real tiny ``GPTModel``'s output layer an instance
 ``forward`` for the block: inside, the model returns its final-norm output and ``hidden x
 output_weight^T`` is the logits; after the block (also when it raises) the output layer is the
-original again. The model runs on one gloo rank (megatron's parallel state); the error checks
-run in-process on size-1 fake groups.
+original again. ``model_forward`` keeps a ``Float16Module``'s output in bf16 for deferred logits
+and fused hidden states. The model runs on one gloo rank (megatron's parallel state); the error
+checks run in-process on size-1 fake groups.
 """
 
 from __future__ import annotations
@@ -70,6 +71,37 @@ def _scope_rank(rank: int, tied: bool) -> dict[str, Any]:
     out["weight_is_embedding"] = weight is model.embedding.word_embeddings.weight
     out["head_hook_calls"] = len(head_calls)  # the layer's hooks still run inside the scope
     return out
+
+
+def _float16_rank(rank: int) -> dict[str, Any]:
+    """``model_forward`` on a bf16 ``GPTModel`` in megatron's ``Float16Module``."""
+    from megatron.core.transformer.module import Float16Module
+
+    from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
+    from lightning_mcore_rl.train import causal_attention_mask, model_forward
+
+    init_megatron_state()
+    config = tiny_gpt_config(bf16=True)
+    model = Float16Module(config, tiny_gpt(config, vocab_size=VOCAB))
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+    args = (model, None, ids, torch.arange(S)[None, :].expand(B, -1), causal_attention_mask(S))
+    with torch.no_grad():
+        outputs = {
+            "logits": model_forward(*args),
+            "deferred": model_forward(*args, defer_fp32_logits=True),
+            "fused": model_forward(*args, use_fused_linear_logprobs=True),
+        }
+    out: dict[str, Any] = {k: (v.dtype, tuple(v.shape)) for k, v in outputs.items()}
+    out["restored"] = "forward" not in vars(model.module.output_layer)
+    return out
+
+
+def test_model_forward_keeps_the_model_dtype_for_deferred_and_fused_outputs() -> None:
+    (out,) = run_on_ranks(_float16_rank, 1, timeout=90)
+    assert out["logits"] == (torch.float32, (B, S, VOCAB))  # Float16Module's fp32 upcast
+    assert out["deferred"] == (torch.bfloat16, (B, S, VOCAB))  # fp32_output=False
+    assert out["fused"] == (torch.bfloat16, (B, S, 64))  # hidden states, no fp32 copy
+    assert out["restored"]
 
 
 def _raise_inside(model: torch.nn.Module, ids: torch.Tensor) -> None:
