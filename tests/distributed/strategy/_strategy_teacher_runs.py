@@ -43,6 +43,7 @@ class TeacherFit:
 
     teacher_seed: int
     sequence_parallel: bool = False
+    bf16: bool = False
     checkpoints: bool = False  # save one checkpoint without and one with the teacher
 
 
@@ -64,6 +65,7 @@ class TeacherRun:
     optimizer_overlap: int  # teacher parameters among the optimizer's
     optimizer_params: int
     teacher_in_parameters: bool  # teacher parameters in module.parameters()
+    teacher_wrappers: list[str]  # type of each wrapped teacher chunk
     checkpoint_keys: dict[str, list[str]] = field(default_factory=dict)
     student: Reference | None = None
     teacher: Reference | None = None
@@ -86,8 +88,9 @@ class TeacherModule(MCoreRLModule):
         self.initial: dict[str, list[Tensor]] = {}
 
     def _config(self) -> Any:
-        sp = self.mcore_strategy.parallel.sequence_parallel
-        return tiny_gpt_config(calculate_per_token_loss=True, sequence_parallel=sp)
+        strategy = self.mcore_strategy
+        sp, bf16 = strategy.parallel.sequence_parallel, strategy.precision_plugin.bf16
+        return tiny_gpt_config(calculate_per_token_loss=True, sequence_parallel=sp, bf16=bf16)
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         return tiny_gpt(self._config(), vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
@@ -173,8 +176,10 @@ def _fit(tp: int, spec: TeacherFit, directory: Path) -> tuple[TeacherModule, Tra
     strategy = MCoreRLStrategy(
         tensor_model_parallel_size=tp, sequence_parallel=spec.sequence_parallel, micro_batch_size=2
     )
+    precision = "bf16-mixed" if spec.bf16 else "32-true"
     trainer = Trainer(**_trainer_options(int(os.environ["WORLD_SIZE"]), strategy=strategy,
-                                         max_steps=2, callbacks=[recorder]))  # fmt: skip
+                                         max_steps=2, callbacks=[recorder],
+                                         precision=precision))  # fmt: skip
     module = TeacherModule(spec.teacher_seed)
     trainer.fit(module, DataLoader(RolloutRows(2 * BATCH), batch_size=BATCH))
     raw = module.teacher_chunks or []
@@ -199,6 +204,7 @@ def _fit(tp: int, spec: TeacherFit, directory: Path) -> tuple[TeacherModule, Tra
         optimizer_overlap=len(teacher_ids & optimizer_ids),
         optimizer_params=len(optimizer_ids),
         teacher_in_parameters=any(id(p) in teacher_ids for p in module.parameters()),
+        teacher_wrappers=[type(c).__name__ for c in trainer.strategy.teacher.chunks],
     )
     if spec.checkpoints:
         for name, switch in (("student_only", False), ("with_teacher", True)):

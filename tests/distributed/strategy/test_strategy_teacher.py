@@ -43,6 +43,7 @@ TP2_FITS = {  # the other teacher under SP: its hidden-state payload is gathered
 }
 DP2_FITS = {
     "same": TeacherFit(teacher_seed=0),
+    "same_bf16": TeacherFit(teacher_seed=0, bf16=True),
     "other": TeacherFit(teacher_seed=1, checkpoints=True),
 }
 
@@ -123,6 +124,8 @@ def test_teacher_stays_frozen_and_outside_the_optimizer(layout, request):
             assert run.teacher_unchanged, name
             assert run.optimizer_params > 0 and run.optimizer_overlap == 0, name
             assert not run.teacher_in_parameters, name
+            # no megatron DDP around the teacher; Float16Module only under bf16
+            assert run.teacher_wrappers == ["Float16Module" if "bf16" in name else "GPTModel"]
             assert len(run.teacher_topk) == len(run.rows) == 2, name
         other = rank_runs["other"]
         assert other.student_changed  # the student trained, the teacher did not
