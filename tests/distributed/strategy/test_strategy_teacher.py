@@ -29,6 +29,7 @@ from lightning_mcore_rl.strategy.teacher import (
     TEACHER_CHECKPOINT_PREFIX,
     HostedTeacher,
     build_teacher_chunks,
+    load_dist_checkpoint,
 )
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -162,6 +163,11 @@ def test_a_teacher_for_some_stages_only_raises():
     assert build_teacher_chunks(lambda stage: None, [0, 1]) is None
     (chunk,) = build_teacher_chunks(lambda stage: torch.nn.Linear(2, 2).train(), [None]) or []
     assert not chunk.training and not any(p.requires_grad for p in chunk.parameters())
+
+
+def test_load_dist_checkpoint_of_a_plain_directory_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"is not a megatron dist_checkpointing directory"):
+        load_dist_checkpoint(torch.nn.Linear(2, 2), tmp_path)
 
 
 def test_an_unfrozen_teacher_raises():
