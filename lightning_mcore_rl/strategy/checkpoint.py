@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_rl.strategy.config import CheckpointConfig
+from lightning_mcore_rl.strategy.model import unwrap_model
+
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
@@ -291,26 +294,14 @@ def remove(path: Path) -> None:
         _remove(path)
 
 
-def load(
-    template: dict[str, Any],
-    path: Path,
-    safe_types: Sequence[type] = (),
-    layout: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+def load(template: dict[str, Any], path: Path, safe_types: Sequence[type] = ()) -> dict[str, Any]:
     """Collective: load a checkpoint into the sharded ``template``; returns the whole Lightning
     dict with plain tensors. ``safe_types`` are allowed when ``torch.load`` reads ``common.pt``
-    with ``weights_only=True`` (e.g. the dataclasses in ``save_hyperparameters()``). With the
-    current ``layout`` (:data:`LAYOUT_KEY`'s fields) a layout the saved optimizer format cannot
-    follow raises first (:func:`check_layout`)."""
+    with ``weights_only=True`` (e.g. the dataclasses in ``save_hyperparameters()``)."""
     from megatron.core import dist_checkpointing
 
-    if not (path / "metadata.json").exists():
-        raise FileNotFoundError(
-            f"{path} is not a megatron dist_checkpointing checkpoint directory (no metadata.json)."
-        )
+    _check_is_checkpoint(path)
     with torch.serialization.safe_globals(list(safe_types)):
-        if layout is not None and "optimizer_states" in template:
-            check_layout(saved_layout(path), layout)
         try:
             return dist_checkpointing.load(template, str(path))
         except Exception as err:
@@ -318,57 +309,164 @@ def load(
                 raise RuntimeError(
                     f"Loading the optimizer state of {path} failed ({type(err).__name__}: "
                     f"{err}). A distributed-optimizer checkpoint in the default "
-                    "'dp_reshardable' format loads only under the layout it was saved with; "
-                    "to resume under another data-parallel (or TP/PP) size, save with "
+                    "'dp_reshardable' format loads only under the TP/PP layout it was saved "
+                    "with; to resume under another layout, save with "
                     '`MCoreRLStrategy(checkpoint=CheckpointConfig(optimizer_sharding="fully_'
                     'reshardable"))`, or resume under the saved layout.'
                 ) from err
             raise
 
 
+def _check_is_checkpoint(path: Path) -> None:
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(
+            f"{path} is not a megatron dist_checkpointing checkpoint directory (no metadata.json)."
+        )
+
+
 LAYOUT_KEY = "mcore_rl_layout"
-"""Key of the saved layout (sizes and optimizer format) in the Lightning checkpoint dict."""
+"""Key of the saved layout (:data:`LAYOUT_FIELDS` and ``optimizer_sharding``) in the Lightning
+checkpoint dict (rank 0's ``common.pt``)."""
+
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "context_parallel_size", "data_parallel_size",
+    "use_distributed_optimizer", "precision",
+)  # fmt: skip
+_MODEL_PARALLEL = LAYOUT_FIELDS[:4]
 
 
 def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
-    """Before loading: a ``dp_reshardable`` distributed-optimizer checkpoint resumed under
-    another data-parallel size fails inside megatron with a shape error; say what to do.
+    """Before the optimizer state is loaded (fitting): the layout changes its saved format
+    cannot follow. Model weights follow any change; megatron's regular optimizer state is keyed
+    like them. Fields missing on either side (older checkpoints) are not compared.
 
     Raises:
-        ValueError: the layouts differ where the saved optimizer format cannot follow.
+        ValueError: ``use_distributed_optimizer`` or ``precision`` changed (the optimizer state
+            formats differ: the distributed optimizer's buffers vs per-parameter state, bf16's fp32
+            main params), or a distributed-optimizer ``dp_reshardable`` checkpoint is resumed
+            under another TP/PP/VPP/CP size (its buffers are per TP/PP rank; only DP may change).
     """
-    if not saved or not current.get("use_distributed_optimizer"):
+    if not saved:
         return
-    if not saved.get("use_distributed_optimizer"):
+
+    def changes(keys: Sequence[str]) -> str:
+        return ", ".join(
+            f"{key}: {saved[key]} -> {current[key]}"
+            for key in keys
+            if key in saved and key in current and saved[key] != current[key]
+        )
+
+    for key in ("use_distributed_optimizer", "precision"):
+        if changed := changes([key]):
+            raise ValueError(
+                f"The checkpoint's optimizer state was saved with another `{key}` ({changed}); "
+                "its format does not load into this optimizer. Resume with the saved setting "
+                "(the weights alone load under any TP/PP layout, e.g. `validate(ckpt_path=...)`)."
+            )
+    if not (saved.get("use_distributed_optimizer") and current.get("use_distributed_optimizer")):
         return
-    if saved.get("optimizer_sharding") != "dp_reshardable":
-        return
-    changed = [
-        f"{key}: {saved.get(key)} -> {current.get(key)}"
-        for key in ("data_parallel_size", "tensor_model_parallel_size",
-                    "pipeline_model_parallel_size")
-        if saved.get(key) != current.get(key)
-    ]  # fmt: skip
-    if changed:
+    changed = changes(_MODEL_PARALLEL)
+    if saved.get("optimizer_sharding") == "dp_reshardable" and changed:
         raise ValueError(
             f"The checkpoint's distributed-optimizer state was saved in the 'dp_reshardable' "
-            f"format under another layout ({', '.join(changed)}); it loads only under the saved "
-            "layout. Resume under the saved sizes, or save with "
+            f"format under another layout ({changed}; saved {_sizes(saved)}, now "
+            f"{_sizes(current)}); it loads only under the saved TP/PP/VPP/CP sizes (DP may "
+            "change). Resume under the saved sizes, or save with "
             '`MCoreRLStrategy(checkpoint=CheckpointConfig(optimizer_sharding="fully_reshardable"))` '
             "to change the layout on resume."
         )
 
 
-def saved_layout(path: Path) -> dict[str, Any] | None:
-    """The layout :data:`LAYOUT_KEY` stored in the checkpoint's ``common.pt`` (None if absent)."""
+def _sizes(layout: Mapping[str, Any]) -> str:
+    names = ("TP", "PP", "VPP", "CP", "DP")
+    return " ".join(f"{n}={layout.get(k)}" for n, k in zip(names, LAYOUT_FIELDS, strict=False))
+
+
+def saved_layout(path: Path, safe_types: Sequence[type] = ()) -> dict[str, Any] | None:
+    """The layout :data:`LAYOUT_KEY` stored in the checkpoint's ``common.pt`` (None if absent).
+    A file read on the calling rank, no collective: every rank reads it before any loads."""
     from megatron.core import dist_checkpointing
 
     try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
+        with torch.serialization.safe_globals(list(safe_types)):
+            common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception:  # noqa: BLE001 - an unreadable common.pt is reported by the load itself
         return None
     value = common.get(LAYOUT_KEY) if isinstance(common, Mapping) else None
     return dict(value) if isinstance(value, Mapping) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyCheckpoints:
+    """The strategy's checkpoint hooks, Trainer-free: sharded state dicts of its chunks and
+    megatron optimizer, the layout saved beside them and the checks on resume.
+
+    Attributes:
+        chunks: the wrapped model chunks (DDP / ``Float16Module`` around megatron models).
+        optimizer: the megatron optimizer (fitting), or None (weights only).
+        config: the strategy's checkpoint format.
+        run_config: the strategy's ``run_config()`` (holds the :data:`LAYOUT_FIELDS`).
+    """
+
+    chunks: Sequence[torch.nn.Module]
+    optimizer: Any | None
+    config: CheckpointConfig
+    run_config: Mapping[str, Any]
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """What :data:`LAYOUT_KEY` holds for this run."""
+        return {**{key: self.run_config[key] for key in LAYOUT_FIELDS},
+                "optimizer_sharding": self.config.optimizer_sharding}  # fmt: skip
+
+    def model_state(self) -> dict[str, Any]:
+        """The chunks' sharded state dict (:func:`sharded_model_state_dict`)."""
+        return sharded_model_state_dict([unwrap_model(c) for c in self.chunks])
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The megatron optimizer's sharded state dict, in ``config.optimizer_sharding`` format."""
+        return sharded_optimizer_state_dict(
+            self.optimizer, self.model_state(), sharding=self.config.optimizer_sharding,
+            is_loading=False,
+        )  # fmt: skip
+
+    def save(
+        self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None = None
+    ) -> None:
+        """Collective: :func:`save` with the layout added under :data:`LAYOUT_KEY`.
+
+        Raises:
+            TypeError: ``storage_options`` given (Lightning's ``CheckpointIO`` argument).
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "MCoreRLStrategy.save_checkpoint does not take `storage_options`; "
+                "configure checkpoints with `MCoreRLStrategy(checkpoint=CheckpointConfig(...))`."
+            )
+        save({**checkpoint, LAYOUT_KEY: self.layout}, path, atomic=self.config.atomic)
+
+    def load(
+        self, path: Path, model_state: dict[str, Any], hparams: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Collective: the checkpoint at ``path`` loaded into ``model_state`` (this run's sharded
+        model state; any layout the weights were saved under maps onto it) and, when fitting,
+        the optimizer's state in the format it was saved in. Every rank first reads the saved
+        layout and runs :func:`check_layout` (no collective before it can raise). The
+        dataclass/enum types in the module's ``hparams`` may be unpickled (:func:`user_types`)."""
+        _check_is_checkpoint(path)
+        safe_types = user_types(dict(hparams))
+        saved = saved_layout(path, safe_types)
+        if self.optimizer is not None:
+            check_layout(saved, self.layout)
+        sharding = (saved or {}).get("optimizer_sharding", self.config.optimizer_sharding)
+        return load(load_template(model_state, self.optimizer, sharding), path, safe_types)
+
+    def load_model(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a loaded checkpoint's ``state_dict`` (plain tensors) into the chunks."""
+        parts = split_chunk_state_dict(state_dict, len(self.chunks))
+        for chunk, part in zip(self.chunks, parts, strict=True):
+            unwrap_model(chunk).load_state_dict(part, strict=strict)
 
 
 def _looks_like_layout_mismatch(err: BaseException) -> bool:

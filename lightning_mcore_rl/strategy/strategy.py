@@ -29,7 +29,7 @@ from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.base import ProcessGroupStrategy
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
-from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks, unwrap_model
+from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks
 from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard, NonFinitePolicy
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
@@ -407,31 +407,20 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        policy = ckpt.sharded_model_state_dict([unwrap_model(c) for c in self._chunks])
+        policy = self._checkpoints().model_state()
         return {**policy, **self.teacher.state_dict(self.lightning_module)}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return ckpt.sharded_optimizer_state_dict(
-            self.megatron_optimizer,
-            self.lightning_module_state_dict(),
-            sharding=self.checkpoint_config.optimizer_sharding,
-            is_loading=False,
-        )
+        return self._checkpoints().optimizer_state()
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         """Collective (all ranks): the whole Lightning dict into directory ``filepath``."""
-        if storage_options is not None:
-            raise TypeError(
-                "MCoreRLStrategy.save_checkpoint does not take `storage_options`; "
-                "configure checkpoints with `MCoreRLStrategy(checkpoint=CheckpointConfig(...))`."
-            )
         path = Path(self.broadcast(str(filepath)))
-        checkpoint = {**checkpoint, ckpt.LAYOUT_KEY: self._layout()}
-        ckpt.save(checkpoint, path, atomic=self.checkpoint_config.atomic)
+        self._checkpoints().save(checkpoint, path, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -439,22 +428,16 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
-        """Load into a template built from the live model (and optimizer when fitting): any TP/PP
-        layout the weights were saved under works."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        optimizer = self.megatron_optimizer if self.optimizers else None
-        sharding = self.checkpoint_config.optimizer_sharding
-        template = ckpt.load_template(self.lightning_module_state_dict(), optimizer, sharding)
+        """Into this run's sharded state: the weights from any layout, the optimizer's layout
+        changes checked on every rank first (``docs/strategy.md``)."""
         assert self.lightning_module is not None
-        types = ckpt.user_types(dict(self.lightning_module.hparams))
-        return ckpt.load(template, path, types, layout=self._layout())
+        path, hparams = Path(self.broadcast(str(checkpoint_path))), self.lightning_module.hparams
+        return self._checkpoints().load(path, self.lightning_module_state_dict(), hparams)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         policy = self.teacher.load_state_dict(self.lightning_module, checkpoint["state_dict"])
-        parts = ckpt.split_chunk_state_dict(policy, len(self._chunks))
-        for chunk, part in zip(self._chunks, parts, strict=True):
-            unwrap_model(chunk).load_state_dict(part, strict=strict)
+        self._checkpoints().load_model(policy, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -473,12 +456,10 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     # ---------------------------------------------------------------- helpers
 
-    def _layout(self) -> dict[str, Any]:
-        config = self.run_config()
-        keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                "data_parallel_size", "use_distributed_optimizer")  # fmt: skip
-        return {**{k: config[k] for k in keys},
-                "optimizer_sharding": self.checkpoint_config.optimizer_sharding}  # fmt: skip
+    def _checkpoints(self) -> ckpt.StrategyCheckpoints:
+        optimizer = self.megatron_optimizer if self.optimizers else None
+        return ckpt.StrategyCheckpoints(self._chunks, optimizer, self.checkpoint_config,
+                                        self.run_config())  # fmt: skip
 
     def _adapter(self) -> MegatronOptimizerAdapter:
         if not self.optimizers or not isinstance(self.optimizers[0], MegatronOptimizerAdapter):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class RunSpec:
     cp: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     bf16: bool = False
     num_layers: int = 2
     mbs: int = 2

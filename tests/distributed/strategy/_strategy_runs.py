@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy import MegatronOptimizerSpec, ResumableLoader
+from lightning_mcore_rl.strategy import CheckpointConfig, MegatronOptimizerSpec, ResumableLoader
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 from lightning_mcore_rl.testing.training import build_training, forward_backward, optimizer_step
 
@@ -162,6 +162,7 @@ def strategy_kwargs(spec: RunSpec) -> dict[str, Any]:
         "sequence_parallel": spec.sequence_parallel,
         "use_distributed_optimizer": spec.distributed_optimizer,
         "micro_batch_size": spec.mbs,
+        "checkpoint": CheckpointConfig(optimizer_sharding=spec.optimizer_sharding),
     }
 
 
@@ -246,11 +247,11 @@ def bare_run(spec: RunSpec, world_size: int) -> BareRun:
 
 
 def _resumable_loader(spec: RunSpec, world_size: int, rank: int) -> ResumableLoader:
-    """This DP rank's batches in a fixed order (pp must be 1 so that dp_rank = rank // tp)."""
+    """This DP rank's batches in a fixed order (megatron's rank order tp-cp-dp-pp: TP fastest)."""
     dataset = TokenRows(spec.rows)
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size // spec.tp, rank=rank // spec.tp, shuffle=False
-    )
+    dp_size = world_size // (spec.tp * spec.pp * spec.cp)
+    dp_rank = rank // (spec.tp * spec.cp) % dp_size
+    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=spec.local_batch(world_size), sampler=sampler)
     return ResumableLoader(loader)
 
