@@ -1,0 +1,212 @@
+"""Rank functions of the SFT and DPO recipe tests: each fits the recipe under a ``Trainer`` with
+``MCoreRLStrategy`` on the tiny GPT and records every step's logged metrics (and the first batch
+of rank 0, for the plain-torch reference)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
+from lightning_mcore_rl.losses import DPOLossConfig
+from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.recipes import (
+    CountingPreferenceDataset,
+    DPOModule,
+    PreferenceDataModule,
+    SFTDataModule,
+    SFTModule,
+    collate_pairs,
+)
+from lightning_mcore_rl.rollout import ModularCountingTask
+from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
+
+CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
+BETA = 0.1
+DATA_STEPS = 20
+"""Every run's dataset holds this many steps' worth of rows (the same rows in the same order
+whatever ``max_steps``)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One run's megatron layout: ``tp`` (DP = world / TP) and whether rows are packed into
+    token-budget microbatches (SFT) or packed with fixed-size microbatches (DPO: whole pairs)."""
+
+    tp: int = 1
+    packed: bool = False
+
+
+@dataclass
+class Fit:
+    """Every step's logged metrics and rank 0's first batch."""
+
+    rows: list[dict[str, float]] = field(default_factory=list)
+    first_batch: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.fit = Fit()
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.fit.first_batch = {k: v.clone() for k, v in batch.items()}
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        self.fit.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _trainer(strategy: MCoreRLStrategy, steps: int, callbacks: list[Callback]) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=strategy,
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+
+
+def _fit(
+    module: MCoreRLModule, data: LightningDataModule, strategy: MCoreRLStrategy, steps: int
+) -> Fit:
+    record = _Record()
+    _trainer(strategy, steps, [record]).fit(module, datamodule=data)
+    destroy_megatron_state()
+    return record.fit
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def sft_strategy(layout: Layout) -> MCoreRLStrategy:
+    """8-row microbatches, or packed rows in 48-token microbatches (rows are 9-16 tokens)."""
+    if layout.packed:
+        return MCoreRLStrategy(
+            tensor_model_parallel_size=layout.tp,
+            sequence_packing=True,
+            max_tokens_per_microbatch=48,
+        )
+    return MCoreRLStrategy(tensor_model_parallel_size=layout.tp, micro_batch_size=8)
+
+
+def sft_fit(layout: Layout, steps: int) -> Fit:
+    """``steps`` SFT steps of 16 rows (the default recipe: tiny GPT, V = 16, S = 16)."""
+    data = SFTDataModule(num_steps=DATA_STEPS)
+    return _fit(SFTModule(), data, sft_strategy(layout), steps)
+
+
+def plain_nll(batch: dict[str, torch.Tensor]) -> float:
+    """The SFT loss of ``batch`` on the initial weights in plain torch: a TP=1 forward of the
+    tiny GPT (same seed: the same full weights), ``log_softmax`` + gather, the mean over response
+    tokens ``token_mask[:, 1:] * sample_mask``."""
+    init_megatron_state()
+    model = tiny_gpt(tiny_gpt_config(), vocab_size=16, max_sequence_length=16, seed=0)
+    ids = batch["input_ids"]
+    width = ids.shape[1]
+    positions = torch.arange(width).expand_as(ids)
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        logits = model(ids, positions, causal).float()  # [B, S, V]
+    logprobs = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+    destroy_megatron_state()
+    return float(-(logprobs * mask).sum() / mask.sum())
+
+
+def sft_single_rank(rank: int, steps: int) -> tuple[Fit, float]:
+    """The TP=1 run and the plain-torch loss of its first batch."""
+    fit = sft_fit(Layout(), steps)
+    return fit, plain_nll(fit.first_batch)
+
+
+def sft_layouts(rank: int, steps: int) -> dict[str, Fit]:
+    """TP=2, DP=2, and DP=2 with packed token-budget microbatches."""
+    layouts = {"tp2": Layout(tp=2), "dp2": Layout(), "dp2_packed": Layout(packed=True)}
+    return {name: sft_fit(layout, steps) for name, layout in layouts.items()}
+
+
+# ---------------------------------------------------------------- DPO
+
+
+def dpo_fit(layout: Layout, steps: int, micro_batch_size: int = 8) -> Fit:
+    """``steps`` DPO steps of 8 pairs (beta = 0.1), 8-row microbatches (packed: THD rows)."""
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=layout.tp,
+        sequence_packing=layout.packed,
+        micro_batch_size=micro_batch_size,
+    )
+    module = DPOModule(loss=DPOLossConfig(reference_policy_kl_penalty=BETA))
+    return _fit(module, PreferenceDataModule(num_steps=DATA_STEPS), strategy, steps)
+
+
+def _error(run: Any) -> str:
+    try:
+        run()
+    except (ValueError, TypeError) as err:
+        destroy_megatron_state()
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _odd_rows_fit() -> None:
+    """A preference batch that lost its last row (7 rows: 3 pairs + a chosen row)."""
+
+    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {key: value[:-1] for key, value in collate_pairs(items).items()}
+
+    dataset = CountingPreferenceDataset(ModularCountingTask(), 8, max_new_tokens=8)
+    loader = DataLoader(dataset, batch_size=4, collate_fn=collate)
+    _trainer(MCoreRLStrategy(micro_batch_size=8), 1, []).fit(DPOModule(), loader)
+
+
+def dpo_single_rank(rank: int, steps: int) -> tuple[Fit, dict[str, str]]:
+    """The TP=1 run, and the errors of a batch with an odd row count and of an odd
+    ``micro_batch_size`` (raised through the Trainer)."""
+    fit = dpo_fit(Layout(), steps)
+    errors = {
+        "odd_rows": _error(_odd_rows_fit),
+        "odd_micro_batch": _error(lambda: dpo_fit(Layout(), 1, micro_batch_size=3)),
+    }
+    return fit, errors
+
+
+def dpo_layouts(rank: int, steps: int) -> dict[str, Fit]:
+    """TP=2, and DP=2 with packed microbatches."""
+    return {
+        "tp2": dpo_fit(Layout(tp=2), steps),
+        "dp2_packed": dpo_fit(Layout(packed=True), steps),
+    }
+
+
+# ---------------------------------------------------------------- lmrl fit
+
+
+def lmrl_fit(rank: int, root: str, names: list[str], steps: int) -> dict[str, list[str]]:
+    """``lmrl fit --config examples/configs/<name>.yaml --trainer.max_steps <steps>`` for each
+    name, in ``root``; returns the lines of each run's ``outputs/<name>/metrics.csv`` (written by
+    rank 0's ``MetricsHistory``: empty on the other ranks)."""
+    from lightning_mcore_rl.cli import main
+
+    os.chdir(root)
+    out: dict[str, list[str]] = {}
+    for name in names:
+        config = CONFIGS / f"{name}.yaml"
+        args = ["fit", "--config", str(config), f"--trainer.max_steps={steps}"]
+        main([*args, "--trainer.enable_progress_bar=false"])
+        destroy_megatron_state()
+        history = Path(root) / "outputs" / name / "metrics.csv"
+        out[name] = history.read_text().splitlines() if rank == 0 else []
+    return out

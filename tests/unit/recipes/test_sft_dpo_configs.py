@@ -1,0 +1,62 @@
+"""The shipped SFT and DPO configs parse and instantiate (no run), open with their launch
+command, and keep the model's vocabulary and length equal to the data's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.cli import build_cli
+from lightning_mcore_rl.losses import DPOLossFn, NLLLossFn
+from lightning_mcore_rl.recipes import DPOModule, PreferenceDataModule, SFTDataModule, SFTModule
+
+CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
+RECIPES = {
+    "sft_tiny.yaml": (SFTModule, SFTDataModule, NLLLossFn),
+    "dpo_tiny.yaml": (DPOModule, PreferenceDataModule, DPOLossFn),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_config_instantiates(name: str, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the CLI writes config.yaml into the logger's directory
+    path = CONFIGS / name
+    assert path.read_text().startswith("# ")
+    assert f"# Launch: lmrl fit --config examples/configs/{name}\n" in path.read_text()
+    cli = build_cli(["--config", str(path)], run=False)
+    module_type, data_type, loss_type = RECIPES[name]
+    assert isinstance(cli.trainer.strategy, MCoreRLStrategy)
+    assert isinstance(cli.model, module_type) and isinstance(cli.model.loss_fn, loss_type)
+    assert isinstance(cli.datamodule, data_type)
+    data, model = cli.datamodule, cli.model.policy
+    assert model.vocab_size == data.task.vocab_size
+    assert model.max_sequence_length == data.task.prompt_length + data.max_new_tokens
+    assert cli.trainer.max_steps == data.num_steps
+
+
+def test_every_shipped_config_is_instantiated_by_a_test():
+    grpo = {path.name for path in CONFIGS.glob("grpo_*.yaml")}  # test_example_configs.py
+    assert {path.name for path in CONFIGS.glob("*.yaml")} == grpo | set(RECIPES)
+
+
+def test_sft_config_packs_rows_into_token_budget_microbatches(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--config", str(CONFIGS / "sft_tiny.yaml")], run=False)
+    batching = cli.trainer.strategy.microbatching
+    assert batching.sequence_packing and batching.max_tokens_per_microbatch == 64
+
+
+def test_dpo_loss_settings_override_from_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "--config",
+        str(CONFIGS / "dpo_tiny.yaml"),
+        "--model.init_args.loss.sft_loss_weight=0.5",
+        "--model.init_args.model.num_layers=3",
+    ]
+    cli = build_cli(args, run=False)
+    cfg = cli.model.loss_fn.cfg
+    assert cfg.sft_loss_weight == 0.5 and cfg.reference_policy_kl_penalty == 0.1
+    assert cli.model.model_spec.num_layers == 3 and cli.model.model_spec.hidden_size == 64
