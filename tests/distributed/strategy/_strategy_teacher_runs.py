@@ -52,7 +52,7 @@ class TeacherRun:
     """One rank's fit: the step-0 losses, what the teacher looked like during it, the
     plain-torch reference of the student and the teacher."""
 
-    layout: tuple[int, int]  # (TP, DP) of the fit
+    layout: tuple[int, int, int]  # (TP, PP, DP) of the fit
     ids: Tensor
     losses: dict[str, float]
     rows: list[dict[str, float]]
@@ -171,11 +171,21 @@ def _checkpoint_keys(path: Path) -> list[str]:
     return sorted(load_tensors_metadata(str(path)))
 
 
-def _fit(tp: int, spec: TeacherFit, directory: Path) -> tuple[TeacherModule, Trainer, TeacherRun]:
-    recorder = _Recorder()
-    strategy = MCoreRLStrategy(
-        tensor_model_parallel_size=tp, sequence_parallel=spec.sequence_parallel, micro_batch_size=2
+def _strategy(sizes: tuple[int, int], sequence_parallel: bool = False) -> MCoreRLStrategy:
+    tp, pp = sizes
+    return MCoreRLStrategy(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        micro_batch_size=2,
     )
+
+
+def _fit(
+    sizes: tuple[int, int], spec: TeacherFit, directory: Path
+) -> tuple[TeacherModule, Trainer, TeacherRun]:
+    recorder = _Recorder()
+    strategy = _strategy(sizes, spec.sequence_parallel)
     precision = "bf16-mixed" if spec.bf16 else "32-true"
     trainer = Trainer(**_trainer_options(int(os.environ["WORLD_SIZE"]), strategy=strategy,
                                          max_steps=2, callbacks=[recorder],
@@ -191,7 +201,7 @@ def _fit(tp: int, spec: TeacherFit, directory: Path) -> tuple[TeacherModule, Tra
     pairs = {k: list(zip(module.initial[k], final[k], strict=True)) for k in final}
     groups = trainer.strategy.groups
     run = TeacherRun(
-        layout=(groups.tp_size, groups.dp_size),
+        layout=(groups.tp_size, groups.pp_size, groups.dp_size),
         ids=cast(Tensor, module.batch["input_ids"]),
         losses=module.losses,
         rows=recorder.rows,
@@ -216,14 +226,17 @@ def _fit(tp: int, spec: TeacherFit, directory: Path) -> tuple[TeacherModule, Tra
     return module, trainer, run
 
 
-def teacher_rank(rank: int, tp: int, fits: dict[str, TeacherFit], directory: str) -> dict[str, Any]:
-    """Every fit of ``fits`` under TP=``tp`` (DP = world / TP), then the TP=1 references."""
+def teacher_rank(
+    rank: int, sizes: tuple[int, int], fits: dict[str, TeacherFit], directory: str
+) -> dict[str, Any]:
+    """Every fit of ``fits`` under ``sizes = (TP, PP)`` (DP = world / TP / PP), then the TP=1
+    references."""
     runs: dict[str, Any] = {}
     for name, spec in fits.items():
-        module, _, run = _fit(tp, spec, Path(directory) / name)
+        module, _, run = _fit(sizes, spec, Path(directory) / name)
         runs[name] = run
         if spec.checkpoints:
-            runs["loaded"] = _load_rank(tp, Path(directory) / name, module)
+            runs["loaded"] = _load_rank(sizes, Path(directory) / name, module)
     for name, spec in fits.items():  # re-initialises megatron at TP=1: after every fit
         run = runs[name]
         run.student = reference_forward(run.ids)
@@ -255,7 +268,7 @@ class LoadedTeacher(MCoreRLModule):
         self.loaded = _values(self.teacher_chunks)
 
 
-def _load_rank(tp: int, directory: Path, trained: TeacherModule) -> dict[str, bool]:
+def _load_rank(sizes: tuple[int, int], directory: Path, trained: TeacherModule) -> dict[str, bool]:
     """``load_dist_checkpoint`` into a seed-2 teacher: from the student-only checkpoint
     (``prefix=""``: the trained student's weights) and from the teacher saved in the other one
     (``prefix="teacher."``: the trained run's teacher); then a resume restoring the teacher."""
@@ -265,21 +278,21 @@ def _load_rank(tp: int, directory: Path, trained: TeacherModule) -> dict[str, bo
     }
     equal = {}
     for name, (values, prefix) in expected.items():
-        strategy = MCoreRLStrategy(tensor_model_parallel_size=tp)
+        strategy = _strategy(sizes)
         trainer = Trainer(**_trainer_options(int(os.environ["WORLD_SIZE"]), strategy=strategy,
                                              limit_val_batches=1))  # fmt: skip
         module = LoadedTeacher(directory / f"{name}.ckpt", prefix)
         trainer.validate(module, DataLoader(RolloutRows(2 * BATCH), batch_size=BATCH))
         pairs = zip(module.loaded, values, strict=True)
         equal[name] = all(torch.equal(a, b) for a, b in pairs)
-    equal["resumed"] = _resume_rank(tp, directory / "with_teacher.ckpt", trained)
+    equal["resumed"] = _resume_rank(sizes, directory / "with_teacher.ckpt", trained)
     return equal
 
 
-def _resume_rank(tp: int, path: Path, trained: TeacherModule) -> bool:
+def _resume_rank(sizes: tuple[int, int], path: Path, trained: TeacherModule) -> bool:
     """Resume one more step from the checkpoint holding the teacher, with a seed-2 teacher and
     ``save_teacher_in_checkpoint``: the restored teacher is the trained run's (seed 1)."""
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=2)
+    strategy = _strategy(sizes)
     trainer = Trainer(**_trainer_options(int(os.environ["WORLD_SIZE"]), strategy=strategy,
                                          max_steps=3))  # fmt: skip
     module = TeacherModule(teacher_seed=2)
