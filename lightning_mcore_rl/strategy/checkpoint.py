@@ -2,7 +2,9 @@
 
 The model and optimizer entries are sharded state dicts (ShardedTensors with global offsets, so a
 checkpoint saved under one TP/PP layout loads under another); everything else Lightning puts in
-the dict (loops, callbacks, LR schedulers, hyper-parameters) is saved by rank 0 in ``common.pt``.
+the dict (loops, callbacks, LR schedulers, hyper-parameters, the saved layout) is saved by rank 0
+in ``common.pt``. :class:`StrategyCheckpoints` is what the strategy's checkpoint hooks delegate
+to; :func:`check_layout` says which layout changes the saved optimizer state can follow.
 """
 
 from __future__ import annotations
@@ -58,32 +60,6 @@ def is_distributed_optimizer(optimizer: Any) -> bool:
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return any(isinstance(o, DistributedOptimizer) for o in inner)
-
-
-def load_template(
-    model_state: dict[str, Any], optimizer: Any | None, sharding: str
-) -> dict[str, Any]:
-    """What :func:`load` fills: the live model's sharded state dict (any TP/PP layout the
-    weights were saved under maps onto it) and, when fitting, the optimizer's."""
-    template: dict[str, Any] = {"state_dict": model_state}
-    if optimizer is not None:
-        template["optimizer_states"] = [
-            sharded_optimizer_state_dict(optimizer, model_state, sharding=sharding, is_loading=True)
-        ]
-    return template
-
-
-def sharded_optimizer_state_dict(
-    optimizer: Any, model_state: dict[str, Any], *, sharding: str, is_loading: bool
-) -> dict[str, Any]:
-    """The megatron optimizer's sharded state dict (distributed optimizer in ``sharding``
-    format). A fresh distributed optimizer gets dummy state first: megatron asserts it exists."""
-    if is_loading and is_distributed_optimizer(optimizer):
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-            inner._init_optimizer_states_with_dummy_values()
-    return optimizer.sharded_state_dict(
-        model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding}
-    )
 
 
 def _barrier() -> None:
@@ -424,12 +400,21 @@ class StrategyCheckpoints:
         """The chunks' sharded state dict (:func:`sharded_model_state_dict`)."""
         return sharded_model_state_dict([unwrap_model(c) for c in self.chunks])
 
-    def optimizer_state(self) -> dict[str, Any]:
-        """The megatron optimizer's sharded state dict, in ``config.optimizer_sharding`` format."""
-        return sharded_optimizer_state_dict(
-            self.optimizer, self.model_state(), sharding=self.config.optimizer_sharding,
-            is_loading=False,
-        )  # fmt: skip
+    def optimizer_state(self, *, is_loading: bool = False, sharding: str | None = None) -> dict:
+        """The megatron optimizer's sharded state dict; ``sharding`` is the distributed
+        optimizer's format (default ``config.optimizer_sharding``; megatron's other optimizers
+        ignore it). A fresh distributed optimizer loading gets dummy state first: megatron
+        asserts that state exists."""
+        optimizer = self.optimizer
+        if optimizer is None:
+            raise RuntimeError("The megatron optimizer exists only while fitting, after `setup`.")
+        if is_loading and is_distributed_optimizer(optimizer):
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                inner._init_optimizer_states_with_dummy_values()
+        metadata = {"distrib_optim_sharding_type": sharding or self.config.optimizer_sharding}
+        return optimizer.sharded_state_dict(
+            self.model_state(), is_loading=is_loading, metadata=metadata
+        )
 
     def save(
         self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None = None
@@ -457,10 +442,13 @@ class StrategyCheckpoints:
         _check_is_checkpoint(path)
         safe_types = user_types(dict(hparams))
         saved = saved_layout(path, safe_types)
+        template: dict[str, Any] = {"state_dict": model_state}
         if self.optimizer is not None:
             check_layout(saved, self.layout)
-        sharding = (saved or {}).get("optimizer_sharding", self.config.optimizer_sharding)
-        return load(load_template(model_state, self.optimizer, sharding), path, safe_types)
+            sharding = (saved or {}).get("optimizer_sharding")  # the format it was saved in
+            state = self.optimizer_state(is_loading=True, sharding=sharding)
+            template["optimizer_states"] = [state]
+        return load(template, path, safe_types)
 
     def load_model(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load a loaded checkpoint's ``state_dict`` (plain tensors) into the chunks."""

@@ -77,14 +77,17 @@ ONE_STEP = replace(NEW, steps=1)
 
 @pytest.fixture(scope="module")
 def optimizer_formats(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[LayoutResumes], str]:
-    """ONE spawned pair: the distributed-optimizer TP1 x DP2 reference, a ``fully_reshardable``
-    TP=2 checkpoint resumed at TP1 x DP2 (the strategy's own default format is
+    """ONE spawned pair: the distributed-optimizer TP1 x DP2 reference, ``fully_reshardable``
+    TP=2 and PP=2 x VPP=2 checkpoints resumed at TP1 x DP2 (the strategy's own default format is
     ``dp_reshardable``: the saved format is loaded), a ``dp_reshardable`` DP=2 checkpoint kept
     for the DP=1 resume, and the changes that must raise: ``dp_reshardable`` DP=2 -> TP=2,
     distributed optimizer -> megatron's regular one, ``32-true`` -> ``bf16-mixed``."""
     changes = {
         "fully_tp2": LayoutChange(replace(DO_SAVED, tp=2, optimizer_sharding="fully_reshardable"),
                                   DO),
+        "fully_pp2_vpp2": LayoutChange(
+            replace(DO_SAVED, pp=2, vpp=2, optimizer_sharding="fully_reshardable"), DO
+        ),
         "dp2": LayoutChange(DO_SAVED, DO),
         "dp_reshardable_to_tp2": LayoutChange(replace(DO_SAVED, steps=1), replace(DO, tp=2)),
         "optimizer_off": LayoutChange(replace(DO_SAVED, steps=1), NEW),
@@ -96,6 +99,12 @@ def optimizer_formats(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[La
 
 def test_fully_reshardable_distributed_optimizer_continues_from_tp2_at_dp2(optimizer_formats):
     _assert_continues(optimizer_formats[0], "fully_tp2")
+
+
+def test_fully_reshardable_distributed_optimizer_continues_from_pp2_vpp2_at_dp2(
+    optimizer_formats,
+):
+    _assert_continues(optimizer_formats[0], "fully_pp2_vpp2")
 
 
 def test_dp_reshardable_distributed_optimizer_continues_from_dp2_at_dp1(optimizer_formats):
