@@ -57,6 +57,7 @@ class TeacherRun:
     losses: dict[str, float]
     rows: list[dict[str, float]]
     teacher_topk: list[tuple[Tensor, Tensor]]
+    teacher_logprobs: Tensor | None
     student_logprobs: list[Tensor]
     teacher_modes: list[bool]  # every teacher submodule's `training` flag, raw and wrapped
     teacher_requires_grad: list[bool]
@@ -82,6 +83,7 @@ class TeacherModule(MCoreRLModule):
         self.hidden_payload = False
         self.losses: dict[str, float] = {}
         self.teacher_topk: list[tuple[Tensor, Tensor]] = []
+        self.teacher_logprobs: Tensor | None = None
         self.student_logprobs: list[Tensor] = []
         self.teacher_modes: list[bool] = []
         self.teacher_requires_grad: list[bool] = []
@@ -155,6 +157,7 @@ class TeacherModule(MCoreRLModule):
             self.teacher_modes = [m.training for c in [*raw, *wrapped] for m in c.modules()]
             self.teacher_requires_grad = [p.requires_grad for c in raw for p in c.parameters()]
             self.initial = {"teacher": _values(raw), "student": _values(self.chunks or [])}
+            self.teacher_logprobs = self.compute_logprobs(self.batch, teacher=True)
             for name in LOSSES:
                 with self._loss(name):
                     self.losses[name] = float(self.forward_backward(batches[name], True).loss)
@@ -206,6 +209,7 @@ def _fit(
         losses=module.losses,
         rows=recorder.rows,
         teacher_topk=module.teacher_topk,
+        teacher_logprobs=module.teacher_logprobs,
         student_logprobs=module.student_logprobs,
         teacher_modes=module.teacher_modes,
         teacher_requires_grad=module.teacher_requires_grad,

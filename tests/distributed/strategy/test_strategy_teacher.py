@@ -7,8 +7,8 @@ fp32 tiny GPT).
 * a different teacher (seed 1): each loss equals plain torch on the logits of the same
   layout-invariant tiny GPTs built at TP=1 and called directly (no schedule, no post-processor,
   no TP: ``_hook_runs.reference_forward``) at DP=2, PP=2 and TP=2 with sequence parallelism (the
-  hidden-state payload gathered over TP along the sequence), and the teacher's top-k equals
-  ``torch.topk``;
+  hidden-state payload gathered over TP along the sequence); the teacher's top-k equals
+  ``torch.topk`` and its logprobs ``log_softmax``;
 * the teacher stays frozen: eval mode, ``requires_grad=False``, parameters unchanged after two
   optimizer steps (the student's change), outside the optimizer and ``module.parameters()``,
   and in a checkpoint only with ``save_teacher_in_checkpoint`` (a resume with it restores the
@@ -19,7 +19,8 @@ One spawned process group per layout (TP=2, PP=2, DP=2) runs every fit; the test
 results.
 
 Measured: teacher = student losses 0.0 exactly; another teacher's losses within 1.2e-8 of plain
-torch, its top-k values within 2.1e-7 (TP=2; 0 at PP=2 and DP=2).
+torch, its top-k values within 2.1e-7 (TP=2; 0 at PP=2 and DP=2), its
+``compute_logprobs(teacher=True)`` within 9.6e-7.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import pytest
 import torch
 from _hook_runs import probe_batch
 from _strategy_teacher_runs import LOSSES, TeacherFit, teacher_rank
+from test_module_hooks import reference_logprobs
 from torch import Tensor
 
 from lightning_mcore_rl.strategy.teacher import (
@@ -128,6 +130,10 @@ def test_other_teacher_matches_plain_torch(layout, request):
         d_topk = _max_diff(values, ref_values)
         print(f"{layout} other teacher: top-k values max diff to torch.topk {d_topk:.2e}")
         assert d_topk <= TOL and torch.equal(indices, ref_indices)
+        assert run.teacher_logprobs is not None  # compute_logprobs(teacher=True), T = 1
+        d_lp = _max_diff(run.teacher_logprobs, reference_logprobs(run.teacher.logits, run.ids, 1.0))
+        print(f"{layout} other teacher: compute_logprobs(teacher=True) max diff {d_lp:.2e}")
+        assert d_lp <= TOL
         assert run.rows[0]["train_loss"] == pytest.approx(expected["logits"], abs=TOL)
 
 
