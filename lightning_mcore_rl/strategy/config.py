@@ -75,11 +75,13 @@ class CheckpointConfig:
     """How checkpoints are written with megatron ``dist_checkpointing``.
 
     Attributes:
-        optimizer_sharding: distributed-optimizer format. ``"dp_reshardable"`` (fast; resume
-            under the saved TP/PP/DP sizes only: another layout raises ``ValueError`` naming
-            ``"fully_reshardable"``) or ``"fully_reshardable"`` (any TP/PP/DP change). megatron's default
-            ``fully_sharded_model_space`` needs ``ShardedTensor.flattened_range``, unsupported in
-            megatron-core 0.16 without Transformer Engine.
+        optimizer_sharding: distributed-optimizer format of the checkpoints this run saves (a
+            resume loads the saved one). ``"dp_reshardable"`` (fast; resume under the saved
+            TP/PP/VPP/CP sizes, DP may change: another layout raises ``ValueError`` naming
+            ``"fully_reshardable"``) or ``"fully_reshardable"`` (any TP/PP/VPP/DP change; see
+            ``docs/strategy.md``). megatron's default ``fully_sharded_model_space`` needs
+            ``ShardedTensor.flattened_range``, unsupported in megatron-core 0.16 without
+            Transformer Engine.
         atomic: write into a temporary sibling directory and rename it into place when every rank
             has finished, so a crash mid-save leaves the previous checkpoint loadable.
     """
