@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,16 +12,25 @@ from lightning_mcore_rl.strategy.optimizer import resolve_optimizer_config
 
 
 class _FakeMegatronOptimizer:
-    """Megatron's optimizer API: 2 param groups, ``step() -> (ok, grad_norm, num_zeros)``."""
+    """The parts of megatron's optimizer ``megatron_step`` calls: 2 param groups,
+    ``prepare_grads -> found_inf``, ``get_grad_norm``, ``step_with_ready_grads -> ok``."""
 
-    def __init__(self) -> None:
+    def __init__(self, grad_norm: float = 2.5) -> None:
         self.param_groups = [{"lr": 1.0, "params": []}, {"lr": 1.0, "params": []}]
         self.state: dict = {}
+        self.config = SimpleNamespace(clip_grad=0.0, log_num_zeros_in_grad=False)
+        self.grad_norm = grad_norm
         self.steps = 0
 
-    def step(self):
+    def prepare_grads(self) -> bool:
+        return False
+
+    def get_grad_norm(self) -> float:
+        return self.grad_norm
+
+    def step_with_ready_grads(self) -> bool:
         self.steps += 1
-        return True, 2.5, None
+        return True
 
 
 def test_adapter_runs_closure_then_megatron_step_and_drives_torch_schedulers():
@@ -34,6 +45,20 @@ def test_adapter_runs_closure_then_megatron_step_and_drives_torch_schedulers():
     scheduler.step()
     assert [g["lr"] for g in mopt.param_groups] == [0.5, 0.5]  # both megatron groups
     adapter.zero_grad()  # no-op by design
+
+
+def test_a_nonfinite_megatron_grad_norm_skips_the_update():
+    from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
+
+    mopt = _FakeMegatronOptimizer(grad_norm=float("nan"))
+    adapter = MegatronOptimizerAdapter(mopt)
+    guard = NonFiniteGuard("skip")
+    adapter.use_guard(guard)
+    guard.begin_step("cpu")
+    with pytest.warns(UserWarning, match="megatron's global grad norm: nan"):
+        adapter.step()
+    assert mopt.steps == 0 and guard.skipped_steps == 1 and guard.step_skipped
+    assert not adapter.last_step.update_successful
 
 
 def test_adapter_record_is_shared_with_lightning_optimizer_wrapper():
