@@ -87,12 +87,15 @@ class MCoreRLModule(LightningModule):
         """Build one chunk per virtual pipeline stage of this rank, then the teacher's
         (:meth:`build_teacher_chunk`); idempotent: Lightning calls it again for every
         ``fit``/``validate``."""
+        from lightning_mcore_rl.strategy.model import build_stage_chunks
         from lightning_mcore_rl.strategy.teacher import build_teacher_chunks
 
         if self.chunks is not None:
             return
         stages = self.mcore_strategy.vp_stages
-        self.chunks = torch.nn.ModuleList([self.build_chunk(vp_stage) for vp_stage in stages])
+        self.chunks = torch.nn.ModuleList(
+            build_stage_chunks(self.build_chunk, stages, "build_chunk")
+        )
         self.teacher_chunks = build_teacher_chunks(self.build_teacher_chunk, stages)
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:

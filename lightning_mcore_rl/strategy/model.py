@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
+
+
+_MEGATRON_CP_ASSERT = "Context parallelism is only supported by TEDotProductAttention"
+
+
+def build_stage_chunks(
+    build: Callable[[int | None], Any], vp_stages: Sequence[int | None], hook: str
+) -> list[Any]:
+    """``build(vp_stage)`` for every stage of this rank (the module's ``hook``).
+
+    Raises:
+        ValueError: instead of megatron's bare ``AssertionError`` when a chunk's local-spec
+            attention cannot run context parallelism, naming the CP-capable spec.
+    """
+    try:
+        return [build(vp_stage) for vp_stage in vp_stages]
+    except AssertionError as err:
+        if _MEGATRON_CP_ASSERT not in str(err):
+            raise
+        raise ValueError(
+            f"`{hook}`: context_parallel_size > 1 needs a CP-capable core attention; build the "
+            "model with `transformer_layer_spec=lightning_mcore_rl.data."
+            "get_packed_local_layer_spec()` (local spec, CPU) or Transformer Engine's GPT layer "
+            "spec (megatron's local DotProductAttention has no context parallelism)."
+        ) from err
 
 
 def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lightning_mcore_rl.strategy.model import WrappedChunks, check_chunk_layout
+from lightning_mcore_rl.strategy.model import WrappedChunks, build_stage_chunks, check_chunk_layout
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
@@ -38,7 +38,7 @@ def build_teacher_chunks(
     Raises:
         ValueError: some stages return a chunk and others ``None``.
     """
-    built = [build(vp_stage) for vp_stage in vp_stages]
+    built = build_stage_chunks(build, vp_stages, "build_teacher_chunk")
     if all(chunk is None for chunk in built):
         return None
     missing = [stage for stage, chunk in zip(vp_stages, built, strict=True) if chunk is None]

@@ -62,3 +62,14 @@ def test_packing_on_megatron_local_spec_names_the_packed_spec():
     for message in error:
         assert message.startswith("ValueError: sequence packing needs a core attention")
         assert "get_packed_local_layer_spec()" in message
+
+
+def test_cp_on_megatron_local_spec_names_the_cp_capable_spec():
+    error = run_on_ranks(
+        first_error_rank, 2, LayoutFit(replace(SPEC, cp=2), packing=True), True, timeout=120
+    )
+    for message in error:
+        assert message.startswith(
+            "ValueError: `build_chunk`: context_parallel_size > 1 needs a CP-capable core attention"
+        ), message
+        assert "get_packed_local_layer_spec()" in message
