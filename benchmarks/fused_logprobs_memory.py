@@ -1,0 +1,157 @@
+"""Peak memory and time of one training step of a GPT-like last stage: fused linear logprobs vs
+logits through our post-processor vs megatron's LM cross entropy.
+
+The last stage is a megatron ``GPTModel`` chunk: one transformer layer (packed local spec), the
+final norm and an untied ``[V, H]`` output layer, bf16 in megatron's ``Float16Module`` as the
+strategy runs it under ``bf16-mixed`` (so the logits paths get fp32 logits). The first stage's embedding is frozen (it
+belongs to another pipeline stage, so it gets no gradient here). The input is one packed THD row of
+``tokens`` tokens (documents of ``--doc-len``), next-token targets, one forward+backward each:
+
+* ``megatron_ce``: megatron's LM path, ``GPTModel(..., labels=)`` ->
+  ``compute_language_model_loss`` (``vocab_parallel_cross_entropy`` on the bf16 logits), masked
+  token mean.
+* ``plain``: logits through ``forward_with_post_processing_fn`` + ``LossPostProcessor(NLLLossFn)``
+  at the strategy's default ``logprob_chunk_size=None``.
+* ``plain_chunked``: the same with ``logprob_chunk_size=--chunk``.
+* ``fused``: ``use_fused_linear_logprobs=True`` (the output layer bypassed, logprobs from hidden x
+  weight in 64 MiB fp32 blocks).
+
+All four compute the same loss (the mean next-token NLL); it is printed as a check. Each variant
+runs in its own fresh gloo rank (``run_on_ranks``), one at a time. Memory: glibc's mmap threshold
+is pinned at 64 KiB (freed tensors leave RSS); ``VmHWM`` is reset through ``/proc/self/clear_refs``
+once the model and the batch are built, and "peak extra" is the peak RSS of the step minus the
+RSS just before it (the parameter gradients the step creates are included).
+
+Run: ``.venv/bin/python benchmarks/fused_logprobs_memory.py [--tokens 8192 --vocab 131072]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the ranks' glibc at start
+
+import torch  # noqa: E402
+
+from lightning_mcore_rl.testing import run_on_ranks  # noqa: E402
+
+MiB = 2**20
+VARIANTS = ("megatron_ce", "plain", "plain_chunked", "fused")
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _step_rank(rank: int, variant: str, cfg: dict) -> dict[str, float]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    from lightning_mcore_rl.data import BatchedDataDict, get_packed_local_layer_spec
+    from lightning_mcore_rl.losses import NLLLossFn
+    from lightning_mcore_rl.losses.loss_input import _pack_input_ids
+    from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
+    from lightning_mcore_rl.train import (
+        LossPostProcessor,
+        ParallelGroups,
+        PolicyConfig,
+        forward_with_post_processing_fn,
+        process_global_batch,
+        use_parallel_groups,
+    )
+
+    init_megatron_state()
+    config = tiny_gpt_config(
+        num_layers=1, hidden_size=cfg["hidden"], num_attention_heads=16, bf16=True,
+        calculate_per_token_loss=True,
+    )  # fmt: skip
+    model = tiny_gpt(
+        config, vocab_size=cfg["vocab"], max_sequence_length=cfg["doc_len"],
+        transformer_layer_spec=get_packed_local_layer_spec(),
+    )  # fmt: skip
+    model.embedding.requires_grad_(False)  # the first stage's: no gradient on the last stage
+    model = Float16Module(config, model)  # as the strategy wraps bf16 chunks (fp32 last output)
+    docs = cfg["tokens"] // cfg["doc_len"]
+    ids = torch.randint(0, cfg["vocab"], (docs, cfg["doc_len"]), generator=torch.Generator())
+    token_mask = torch.ones(docs, cfg["doc_len"])
+    token_mask[:, 0] = 0  # the first token is not predicted
+    data = BatchedDataDict(
+        input_ids=ids, input_lengths=torch.full((docs,), cfg["doc_len"]),
+        token_mask=token_mask, sample_mask=torch.ones(docs),
+    )  # fmt: skip
+    batch = process_global_batch(data, ps.get_data_parallel_group(), docs, sequence_packing=True)
+    mb = batch.microbatches[0]
+    fused = variant == "fused"
+    chunk = cfg["chunk"] if variant == "plain_chunked" else None
+    post = LossPostProcessor(
+        NLLLossFn(), PolicyConfig(sequence_packing=True, logprob_chunk_size=chunk), 1,
+        use_fused_linear_logprobs=fused,
+    )  # fmt: skip
+    cu_q, cu_qp = mb.packed_seq_params.cu_seqlens_q, mb.packed_seq_params.cu_seqlens_q_padded
+    labels = _pack_input_ids(ids, cu_q, cu_qp, roll_shift=-1)  # [1, T] next tokens per span
+    loss_mask = _pack_input_ids(token_mask, cu_q, cu_qp, roll_shift=-1)
+    baseline = _status_mib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    start = time.perf_counter()
+    with use_parallel_groups(ParallelGroups.from_megatron()):
+        if variant == "megatron_ce":
+            per_token = model(
+                mb.input_ids_cp_sharded, mb.position_ids, None, labels=labels,
+                packed_seq_params=mb.packed_seq_params,
+            )  # fmt: skip  # [1, T] cross entropy
+            loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+        else:
+            output, fn = forward_with_post_processing_fn(
+                iter([mb]), model, post, global_valid_seqs=batch.global_valid_seqs,
+                global_valid_toks=batch.global_valid_toks, use_fused_linear_logprobs=fused,
+            )  # fmt: skip
+            loss = fn(output)[0]
+        loss.backward()
+    seconds = time.perf_counter() - start
+    return {
+        "peak_extra_mib": _status_mib("VmHWM") - baseline,
+        "seconds": seconds,
+        "loss": float(loss.detach()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=131072)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--doc-len", type=int, default=512)
+    parser.add_argument("--chunk", type=int, default=1024, help="plain_chunked logprob_chunk_size")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    args = parser.parse_args()
+    cfg = {k: getattr(args, k) for k in ("tokens", "vocab", "hidden", "doc_len", "chunk")}
+    logits_mib = args.tokens * args.vocab * 2 / MiB
+    print(
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; tokens="
+        f"{args.tokens}, vocab={args.vocab}, hidden={args.hidden}, bf16 logits "
+        f"[{args.tokens}, {args.vocab}] = {logits_mib:.0f} MiB"
+    )
+    rows = {}
+    for variant in args.variants:
+        (rows[variant],) = run_on_ranks(_step_rank, 1, variant, cfg, timeout=1800)
+        print(variant, rows[variant], flush=True)
+    ref = rows.get("megatron_ce")
+    print("\n| variant | fwd+bwd s | peak extra MiB | vs megatron CE | / bf16 logits | loss |")
+    print("|---|---|---|---|---|---|")
+    for variant, r in rows.items():
+        ratio = f"{r['peak_extra_mib'] / ref['peak_extra_mib']:.3f}x" if ref else "-"
+        print(
+            f"| {variant} | {r['seconds']:.2f} | {r['peak_extra_mib']:.0f} | {ratio} | "
+            f"{r['peak_extra_mib'] / logits_mib:.3f}x | {r['loss']:.6f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
