@@ -191,10 +191,11 @@ def test_full_disk_and_layout_messages(tmp_path: Path):
     saved = {"use_distributed_optimizer": True, "optimizer_sharding": "dp_reshardable",
              "data_parallel_size": 2, "tensor_model_parallel_size": 1,
              "pipeline_model_parallel_size": 1}  # fmt: skip
-    current = {**saved, "data_parallel_size": 1}
+    current = {**saved, "data_parallel_size": 1, "tensor_model_parallel_size": 2}
     with pytest.raises(ValueError, match=r'optimizer_sharding="fully_reshardable"'):
         ckpt.check_layout(saved, current)
     ckpt.check_layout({**saved, "optimizer_sharding": "fully_reshardable"}, current)
+    ckpt.check_layout(saved, {**saved, "data_parallel_size": 1})  # DP alone: megatron reshards
 
 
 def test_recover_interrupted_and_last_guard(tmp_path: Path):
