@@ -151,10 +151,11 @@ class TrainingStatistics(Callback):
         """
         strategy = _strategy(trainer)
         # the non-finite policy's count, from the first skipped step on
+        guard = strategy.nonfinite_guard
         skipped: dict[str, MetricValue] = (
-            {"skipped_steps": float(strategy.skipped_steps)} if strategy.skipped_steps else {}
+            {"skipped_steps": float(guard.skipped_steps)} if guard.skipped_steps else {}
         )
-        if strategy.step_skipped:  # no loss, metrics or grad norm: the step did not run/update
+        if guard.step_skipped:  # no loss, metrics or grad norm: the step did not run/update
             return skipped
         values: dict[str, MetricValue] = {"train_loss": output.loss, **skipped}
         values.update({f"train_{k}": v for k, v in output.metrics.items()})

@@ -10,7 +10,6 @@ A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightni
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +39,7 @@ from lightning_mcore_rl.strategy.optimizer import (
 from lightning_mcore_rl.strategy.parallel import check_strategy_args, init_model_parallel
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
 from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher
+from lightning_mcore_rl.strategy.step import StepRunner
 from lightning_mcore_rl.strategy.teacher import HostedTeacher
 
 if TYPE_CHECKING:
@@ -179,16 +179,6 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         """``(update_successful, grad_norm, num_zeros)`` of the latest optimizer step."""
         optimizer = self.optimizers[0] if self.optimizers else None
         return optimizer.last_step if isinstance(optimizer, MegatronOptimizerAdapter) else None
-
-    @property
-    def skipped_steps(self) -> int:
-        """Training steps skipped by the non-finite policy so far (logged as ``skipped_steps``)."""
-        return self.nonfinite_guard.skipped_steps
-
-    @property
-    def step_skipped(self) -> bool:
-        """Whether the latest training step was skipped (no update)."""
-        return self.nonfinite_guard.step_skipped
 
     def policy_config(self) -> PolicyConfig:
         """The post-processors' ``PolicyConfig`` (packing, logprob chunk size)."""
@@ -337,39 +327,17 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     def forward_backward(
         self, module: MCoreRLModule, batch: Mapping[str, Any], *, forward_only: bool = False
     ) -> StepOutput:
-        """One global batch through :func:`~lightning_mcore_rl.train.run_global_batch`: the
-        module's ``loss_post_processor`` hook (``loss_fn`` path) or ``forward_step`` (LM path).
+        """One global batch through :func:`~lightning_mcore_rl.train.run_global_batch`
+        (:class:`~.step.StepRunner`): the module's ``loss_post_processor`` hook (``loss_fn`` path)
+        or ``forward_step`` (LM path).
 
         Returns:
             The step's loss and metrics, identical on every rank (also kept for the
             :class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback).
         """
-        from lightning_mcore_rl.train import run_global_batch
-        from lightning_mcore_rl.train.validation import loss_input_keys
-
-        check = functools.partial(self._check_inputs, training=not forward_only)
-        common: dict[str, Any] = {
-            "forward_only": forward_only, "device": self.root_device, "input_check": check,
-            "use_fused_linear_logprobs": self.use_fused_linear_logprobs,
-        }  # fmt: skip
-        if module.loss_fn is not None:
-            common.update(
-                post_processor_factory=module.loss_post_processor,
-                normalizations=module.loss_fn.metric_normalizations,
-                sampling_params=module.sampling_params(),
-                required_keys=loss_input_keys(module.loss_fn),
-            )
-        else:
-            common["forward_step_func"] = module.forward_step
-        out = run_global_batch(self._chunks, batch, self.groups, self.microbatching, **common)
-        if not forward_only:
-            self.nonfinite_guard.note_loss(out.loss)
+        out = self._runner(self._chunks).forward_backward(module, batch, forward_only=forward_only)
         self._last_output = out
         return out
-
-    def _check_inputs(self, finding: Any, error: BaseException | None, training: bool) -> bool:
-        self.nonfinite_guard.device = self.root_device
-        return self.nonfinite_guard.check_inputs(finding, error, training=training)
 
     def forward_only(
         self,
@@ -382,15 +350,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         """A forward-only post-processor pass (dropout off) through
         :func:`~lightning_mcore_rl.train.run_forward_only` on the policy's chunks (``teacher``:
         the module's hosted teacher's): per-sample outputs in the batch's order, on every rank."""
-        from lightning_mcore_rl.train import run_forward_only
-
         chunks = self.teacher.select(teacher, self._chunks)
-        return run_forward_only(
-            chunks, batch, self.groups, self.microbatching, post_processor,
-            sampling_params=module.sampling_params(),
-            use_fused_linear_logprobs=self.use_fused_linear_logprobs,
-            input_check=functools.partial(self._check_inputs, training=False),
-        )  # fmt: skip
+        return self._runner(chunks).forward_only(module, batch, post_processor)
 
     def take_step_output(self) -> StepOutput | None:
         """The latest :meth:`forward_backward` result, cleared (read once per step)."""
@@ -455,6 +416,10 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._backend.close()
 
     # ---------------------------------------------------------------- helpers
+
+    def _runner(self, chunks: list[torch.nn.Module]) -> StepRunner:
+        return StepRunner(chunks, self.groups, self.microbatching, self.nonfinite_guard,
+                          self.root_device, self.use_fused_linear_logprobs)  # fmt: skip
 
     def _checkpoints(self) -> ckpt.StrategyCheckpoints:
         optimizer = self.megatron_optimizer if self.optimizers else None

@@ -382,7 +382,7 @@ class StepRecords(Snapshots):
         super().on_train_batch_end(trainer, module, *args)
         strategy = trainer.strategy
         last = strategy.last_optimizer_step
-        skipped = bool(strategy.step_skipped)
+        skipped = bool(strategy.nonfinite_guard.step_skipped)
         loss = None if skipped else float(trainer.callback_metrics["train_loss"])
         self.steps.append((skipped, loss, None if last is None else last.grad_norm))
 
