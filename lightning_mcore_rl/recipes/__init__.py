@@ -1,7 +1,8 @@
 """Ready-made LightningModules (Lightning-integration layer) built from the RL recipe pieces:
-GRPO, SFT and DPO (``docs/recipes.md``)."""
+GRPO, SFT, DPO and a Bradley-Terry reward model (``docs/recipes.md``)."""
 
 from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
+from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
 from lightning_mcore_rl.recipes.dpo import DPOModule, PreferenceDataModule
 from lightning_mcore_rl.recipes.grpo import (
     GRPOModule,
@@ -9,6 +10,7 @@ from lightning_mcore_rl.recipes.grpo import (
     PromptDataset,
     RolloutSpec,
 )
+from lightning_mcore_rl.recipes.reward_model import RewardModelModule
 from lightning_mcore_rl.recipes.sft import SFTDataModule, SFTModule
 from lightning_mcore_rl.recipes.toy_data import (
     CountingPreferenceDataset,
@@ -20,15 +22,18 @@ __all__ = [
     "CountingPreferenceDataset",
     "CountingSFTDataset",
     "DPOModule",
+    "DistillationModule",
     "GRPOModule",
     "HFModelSpec",
     "PreferenceDataModule",
     "PromptDataModule",
     "PromptDataset",
     "RecipeModel",
+    "RewardModelModule",
     "RolloutSpec",
     "SFTDataModule",
     "SFTModule",
+    "TeacherSpec",
     "TinyGPTSpec",
     "collate_pairs",
 ]

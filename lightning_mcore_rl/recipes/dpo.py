@@ -67,6 +67,8 @@ class PreferenceDataModule(LightningDataModule):
         seed: data seed, also the seed of the (per-epoch) shuffled order.
         val_pairs: held-out pairs (0: no validation loop), divisible by DP.
         val_seed: seed of the held-out pairs.
+        chosen_demonstration: chosen responses are the SFT demonstrations (an easier task; see
+            :class:`~.toy_data.CountingPreferenceDataset`).
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class PreferenceDataModule(LightningDataModule):
         seed: int = 0,
         val_pairs: int = 0,
         val_seed: int = 1,
+        chosen_demonstration: bool = False,
     ) -> None:
         super().__init__()
+        self.chosen_demonstration = chosen_demonstration
         self.task = task or ModularCountingTask()
         self.max_new_tokens = max_new_tokens
         self.pairs_per_step = pairs_per_step
@@ -90,8 +94,7 @@ class PreferenceDataModule(LightningDataModule):
 
     def train_dataloader(self) -> ResumableLoader:
         """This rank's ``pairs_per_step / DP`` pairs per step, interleaved (resumable)."""
-        num = self.pairs_per_step * self.num_steps
-        dataset = CountingPreferenceDataset(self.task, num, self.max_new_tokens, self.seed)
+        dataset = self._dataset(self.pairs_per_step * self.num_steps, self.seed)
         return rank_train_loader(
             self.trainer, dataset, self.pairs_per_step, "pairs_per_step", self.seed, collate_pairs
         )
@@ -100,11 +103,14 @@ class PreferenceDataModule(LightningDataModule):
         """Held-out pairs (``val_pairs``; none when 0), split over data-parallel ranks."""
         if self.val_pairs == 0:
             return []
-        dataset = CountingPreferenceDataset(
-            self.task, self.val_pairs, self.max_new_tokens, self.val_seed
-        )
+        dataset = self._dataset(self.val_pairs, self.val_seed)
         return rank_val_loader(
             self.trainer, dataset, self.pairs_per_step, "val_pairs", collate_pairs
+        )
+
+    def _dataset(self, num_pairs: int, seed: int) -> CountingPreferenceDataset:
+        return CountingPreferenceDataset(
+            self.task, num_pairs, self.max_new_tokens, seed, self.chosen_demonstration
         )
 
 

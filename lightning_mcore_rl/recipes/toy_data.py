@@ -1,10 +1,15 @@
 """Locally generated supervised and preference data for the counting task (no download).
 
 Rows are ``[P + N]`` wide: a task prompt of ``P`` tokens, a response of ``1..N`` tokens, right
-padding with id 0. The demonstration of :class:`~lightning_mcore_rl.rollout.ModularCountingTask`
-continues the count modulo ``m`` with the smallest id of each residue: ``r_i = (r_{i-1} + 1) % m``
-(``r_0`` follows the prompt's last token), so it scores reward 1; a rejected response has a wrong
-residue at every position (relative to its own predecessor) and scores 0.
+padding with id 0. For :class:`~lightning_mcore_rl.rollout.ModularCountingTask` (continue the
+count modulo ``m``):
+
+* the SFT demonstration continues with the smallest id of each next residue,
+  ``r_i = (r_{i-1} + 1) % m`` (``r_0`` follows the prompt's last token): one right answer per
+  position, reward 1;
+* a preference pair shares a prompt and a length; the chosen response follows the rule with a
+  random id of the right residue at every token (reward 1), the rejected one breaks it at every
+  token (reward 0). Both spread over the whole vocabulary, so only the rule tells them apart.
 """
 
 from __future__ import annotations
@@ -24,15 +29,20 @@ def demonstration(task: ModularCountingTask, prompts: Tensor, length: int) -> Te
     return (prompts[:, -1:] + steps) % task.modulus
 
 
-def rule_breaking(
-    task: ModularCountingTask, prompts: Tensor, length: int, generator: torch.Generator
+def random_continuation(
+    task: ModularCountingTask,
+    prompts: Tensor,
+    length: int,
+    generator: torch.Generator,
+    follow_rule: bool,
 ) -> Tensor:
     """A random ``length``-token continuation ``[n, N]`` of ``prompts [n, P]`` whose every token
-    breaks the counting rule: its residue differs from its predecessor's + 1 (reward 0)."""
+    follows the counting rule (``follow_rule``: reward 1) or breaks it (reward 0): its residue is
+    (or is not) its predecessor's + 1; the id is uniform among those with that residue."""
     m, v = task.modulus, task.vocab_size
     tokens, previous = [], prompts[:, -1]
     for _ in range(length):
-        offset = torch.randint(1, m, previous.shape, generator=generator)  # off by 1..m-1
+        offset = 0 if follow_rule else torch.randint(1, m, previous.shape, generator=generator)
         residue = (previous + 1 + offset) % m
         count = (v - 1 - residue) // m + 1  # ids residue + m*k below V
         k = (torch.rand(previous.shape, generator=generator) * count).long()
@@ -88,27 +98,39 @@ class CountingSFTDataset(Dataset):
 
 
 class CountingPreferenceDataset(Dataset):
-    """``num_pairs`` chosen/rejected pairs (map-style): one prompt, the demonstration (chosen) and
-    a random response that breaks the rule at every token (rejected), both of the pair's length.
+    """``num_pairs`` chosen/rejected pairs (map-style): one prompt, a random rule-following
+    response (chosen) and a random rule-breaking one (rejected), both of the pair's length.
 
     Args:
         task: the prompts' task.
         num_pairs: pairs.
         max_new_tokens: ``N``, the longest response (each pair has ``1..N`` tokens).
-        seed: prompt, length and rejected-token seed.
+        seed: prompt, length and response seed.
+        chosen_demonstration: the chosen response is the SFT demonstration (ids below ``m``)
+            instead of a random rule-following one: an easier task, where the response's ids
+            alone nearly tell the pair apart.
 
     Items: every key of :class:`CountingSFTDataset` with a leading pair dimension ``[2, ...]``
     (chosen first); :func:`collate_pairs` interleaves them.
     """
 
     def __init__(
-        self, task: ModularCountingTask, num_pairs: int, max_new_tokens: int, seed: int = 0
+        self,
+        task: ModularCountingTask,
+        num_pairs: int,
+        max_new_tokens: int,
+        seed: int = 0,
+        chosen_demonstration: bool = False,
     ) -> None:
         generator = torch.Generator().manual_seed(seed)
         prompts = task.prompts(num_pairs, generator)
         lengths = torch.randint(1, max_new_tokens + 1, (num_pairs,), generator=generator)
-        chosen = demonstration(task, prompts, max_new_tokens)
-        rejected = rule_breaking(task, prompts, max_new_tokens, generator)
+        chosen = (
+            demonstration(task, prompts, max_new_tokens)
+            if chosen_demonstration
+            else random_continuation(task, prompts, max_new_tokens, generator, follow_rule=True)
+        )
+        rejected = random_continuation(task, prompts, max_new_tokens, generator, follow_rule=False)
         good, bad = (_rows(prompts, response, lengths) for response in (chosen, rejected))
         self.rows = {key: torch.stack([good[key], bad[key]], dim=1) for key in good}
 

@@ -20,6 +20,7 @@ from lightning_mcore_rl.recipes import (
     CountingPreferenceDataset,
     DPOModule,
     PreferenceDataModule,
+    RewardModelModule,
     SFTDataModule,
     SFTModule,
     collate_pairs,
@@ -189,6 +190,67 @@ def dpo_layouts(rank: int, steps: int) -> dict[str, Fit]:
         "tp2": dpo_fit(Layout(tp=2), steps),
         "dp2_packed": dpo_fit(Layout(packed=True), steps),
     }
+
+
+# ---------------------------------------------------------------- reward model
+
+
+class _Hidden(torch.nn.Module):
+    """A stand-in LM head that returns the final hidden states ``[S, B, H]`` themselves."""
+
+    def forward(self, hidden: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden, None
+
+
+def plain_bradley_terry(batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The reward model's step-0 loss and accuracy on ``batch`` in plain torch: the TP=1 tiny GPT's
+    final hidden states ``h`` (same seed), the score ``s = h[last real token] . w`` with ``w``
+    the seed's ``output_layer.weight [1, H]``, ``mean(-log sigmoid(s_c - s_r))`` over the pairs
+    and the fraction with ``s_c > s_r``."""
+    from lightning_mcore_rl.models.tiny_gpt import full_parameter_value
+
+    init_megatron_state()
+    model = tiny_gpt(tiny_gpt_config(), vocab_size=16, max_sequence_length=16, seed=0)
+    model.output_layer = _Hidden()
+    ids = batch["input_ids"]
+    width = ids.shape[1]
+    positions = torch.arange(width).expand_as(ids)
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        hidden = model(ids, positions, causal).float()  # [B, S, H]
+    weight = full_parameter_value("output_layer.weight", torch.Size([1, hidden.shape[-1]]), 0)
+    last = hidden[torch.arange(ids.shape[0]), batch["input_lengths"] - 1]  # [B, H]
+    scores = (last @ weight.t()).squeeze(-1)  # [B]
+    margin = scores[::2] - scores[1::2]
+    destroy_megatron_state()
+    return float(-torch.nn.functional.logsigmoid(margin).mean()), float((margin > 0).float().mean())
+
+
+def rm_fit(layout: Layout, steps: int, pp: int = 1, packed: bool = False) -> Fit:
+    """``steps`` reward-model steps of 16 demonstration-vs-random pairs, 4-row microbatches."""
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=pp,
+        sequence_packing=packed,
+        micro_batch_size=4,
+    )
+    data = PreferenceDataModule(pairs_per_step=16, num_steps=DATA_STEPS, chosen_demonstration=True)
+    return _fit(RewardModelModule(), data, strategy, steps)
+
+
+def rm_single_rank(rank: int, steps: int) -> tuple[Fit, tuple[float, float], str]:
+    """The TP=1 run, the plain-torch loss/accuracy of its first batch, the packing error."""
+    fit = rm_fit(Layout(), steps)
+    return (
+        fit,
+        plain_bradley_terry(fit.first_batch),
+        _error(lambda: rm_fit(Layout(), 1, packed=True)),
+    )
+
+
+def rm_layouts(rank: int, steps: int) -> dict[str, Fit]:
+    """TP=2 and PP=2 (1F1B over 4 microbatches)."""
+    return {"tp2": rm_fit(Layout(tp=2), steps), "pp2": rm_fit(Layout(), steps, pp=2)}
 
 
 # ---------------------------------------------------------------- lmrl fit

@@ -1,5 +1,5 @@
 """``lmrl fit --config examples/configs/<recipe>.yaml --trainer.max_steps 3`` runs each shipped
-SFT/DPO config on its two ranks and writes its metrics history."""
+SFT/DPO/reward-model config on its two ranks and writes its metrics history."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from lightning_mcore_rl.testing import run_on_ranks
 STEPS = 3
 
 
-def test_lmrl_fit_runs_the_sft_and_dpo_configs(tmp_path):
-    names = ["sft_tiny", "dpo_tiny"]
+def test_lmrl_fit_runs_the_sft_dpo_and_reward_model_configs(tmp_path):
+    names = ["sft_tiny", "dpo_tiny", "rm_tiny"]
     rank0, _ = run_on_ranks(lmrl_fit, 2, str(tmp_path), names, STEPS, timeout=240)
     for name in names:
         rows = list(csv.DictReader(rank0[name]))

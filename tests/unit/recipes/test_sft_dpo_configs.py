@@ -1,4 +1,4 @@
-"""The shipped SFT and DPO configs parse and instantiate (no run), open with their launch
+"""The shipped SFT, DPO and reward-model configs parse and instantiate (no run), open with their launch
 command, and keep the model's vocabulary and length equal to the data's."""
 
 from __future__ import annotations
@@ -9,13 +9,20 @@ import pytest
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.cli import build_cli
-from lightning_mcore_rl.losses import DPOLossFn, NLLLossFn
-from lightning_mcore_rl.recipes import DPOModule, PreferenceDataModule, SFTDataModule, SFTModule
+from lightning_mcore_rl.losses import DPOLossFn, NLLLossFn, PreferenceLossFn
+from lightning_mcore_rl.recipes import (
+    DPOModule,
+    PreferenceDataModule,
+    RewardModelModule,
+    SFTDataModule,
+    SFTModule,
+)
 
 CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
 RECIPES = {
     "sft_tiny.yaml": (SFTModule, SFTDataModule, NLLLossFn),
     "dpo_tiny.yaml": (DPOModule, PreferenceDataModule, DPOLossFn),
+    "rm_tiny.yaml": (RewardModelModule, PreferenceDataModule, PreferenceLossFn),
 }
 
 
@@ -60,3 +67,10 @@ def test_dpo_loss_settings_override_from_the_command_line(tmp_path, monkeypatch)
     cfg = cli.model.loss_fn.cfg
     assert cfg.sft_loss_weight == 0.5 and cfg.reference_policy_kl_penalty == 0.1
     assert cli.model.model_spec.num_layers == 3 and cli.model.model_spec.hidden_size == 64
+
+
+def test_reward_model_module_takes_only_the_tiny_gpt():
+    from lightning_mcore_rl.recipes import HFModelSpec
+
+    with pytest.raises(TypeError, match=r"builds the tiny GPT \(`TinyGPTSpec`\), got HFModelSpec"):
+        RewardModelModule(model=HFModelSpec(path="x"))  # type: ignore[arg-type]

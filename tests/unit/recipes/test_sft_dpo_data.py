@@ -59,7 +59,12 @@ def test_preference_pairs_interleave_a_correct_and_a_rule_breaking_response():
     full = collate_pairs([data[i] for i in range(32)])
     rewards = TASK.rewards(full["input_ids"], full["token_mask"])
     assert torch.all(rewards[::2] == 1.0) and torch.all(rewards[1::2] == 0.0)
-    assert int(full["input_ids"].max()) >= TASK.modulus  # rejected ids span the vocabulary
+    # both responses spread over the vocabulary: only the rule tells them apart
+    responses = full["input_ids"][full["token_mask"].bool()]
+    assert int(responses.max()) >= 3 * TASK.modulus
+    easy = CountingPreferenceDataset(TASK, 32, 8, seed=1, chosen_demonstration=True)
+    assert torch.all(easy.rows["input_ids"][:, 0, 8:] < TASK.modulus)  # the demonstrations
+    assert torch.all(TASK.rewards(easy.rows["input_ids"][:, 0], easy.rows["token_mask"][:, 0]) == 1)
 
 
 def test_shift_left_puts_the_next_tokens_logprob_at_each_position():

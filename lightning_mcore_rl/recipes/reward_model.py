@@ -1,0 +1,170 @@
+"""A Bradley-Terry reward model: a megatron GPT whose LM head is replaced by a scalar head, trained
+on chosen/rejected pairs with :class:`~lightning_mcore_rl.losses.PreferenceLossFn`.
+
+The score of a row is the head's value at its last real token (``input_lengths - 1``); the loss
+is ``-log sigmoid(s_chosen - s_rejected)`` averaged over the global batch's pairs, and
+``accuracy`` is the fraction of pairs with ``s_chosen > s_rejected``. Batches are the preference
+batches of :mod:`~lightning_mcore_rl.recipes.dpo` (rows interleaved chosen/rejected).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_mcore_rl.losses import PreferenceLossFn
+from lightning_mcore_rl.module import MCoreRLModule
+from lightning_mcore_rl.recipes.common import RecipeModel, TinyGPTSpec, agree_on_batch, unwrap
+from lightning_mcore_rl.recipes.dpo import check_pair_microbatching, check_preference_batch
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.data import BatchedDataDict
+    from lightning_mcore_rl.train import LossPostProcessor
+
+
+class ScalarHead(torch.nn.Module):
+    """The reward head in place of ``GPTModel.output_layer``: ``values = h @ w^T``.
+
+    ``h`` is the final hidden state ``[S, B, H]`` (full on every TP rank without sequence
+    parallelism), ``w`` is ``[1, H]``, replicated on the TP ranks (not TP-sharded: each TP rank
+    computes the same values and the same gradient, megatron counts it once in the grad norm).
+
+    Args:
+        hidden_size: ``H``.
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        weight: Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[Tensor, None]:
+        """``[S, B, H] -> ([S, B, 1], None)``; ``weight``/``runtime_gather_output`` are the LM
+        head's call arguments (a tied output weight; unused: the head is never tied)."""
+        return hidden_states @ self.weight.t(), None
+
+
+def last_token_scores(
+    logits: Tensor,
+    data: BatchedDataDict,
+    loss_fn: Any,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: Any = None,
+    context_parallel_group: Any = None,
+) -> tuple[dict[str, Tensor], BatchedDataDict]:
+    """The loss input of the reward model (``LossPostProcessor``'s ``prepare_fn`` signature):
+    ``{"logits": [B]}``, each row's value ``[B, S, 1]`` at its last real token."""
+    lengths = torch.as_tensor(data["input_lengths"], device=logits.device).long()  # [B]
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return {"logits": logits[rows, lengths - 1, 0]}, data
+
+
+class RewardModelModule(MCoreRLModule):
+    """A Bradley-Terry reward model (the tiny GPT with a scalar head) on preference pairs.
+
+    Args:
+        model: the tiny GPT's size and seed (the head's initial weights come from the same
+            seed, as ``output_layer.weight``).
+        vocab_size: ``V`` of the data.
+        max_sequence_length: the widest row ``S``.
+        lr: Adam learning rate.
+
+    Batches: :data:`~lightning_mcore_rl.recipes.dpo.PREFERENCE_KEYS`, rows interleaved
+    chosen/rejected (:class:`~lightning_mcore_rl.recipes.PreferenceDataModule`). Layouts: any TP,
+    PP (incl. VPP) and DP with an even ``micro_batch_size``; no sequence parallelism, packing,
+    context parallelism or token budget (the score is read at a padded row's last real token).
+    """
+
+    def __init__(
+        self,
+        model: TinyGPTSpec | None = None,
+        vocab_size: int = 16,
+        max_sequence_length: int = 16,
+        lr: float = 1e-3,
+    ) -> None:
+        if model is not None and not isinstance(model, TinyGPTSpec):
+            raise TypeError(
+                f"RewardModelModule builds the tiny GPT (`TinyGPTSpec`), got "
+                f"{type(model).__name__}; a Hugging Face reward model is not supported yet."
+            )
+        super().__init__(loss_fn=PreferenceLossFn())
+        self.model_spec = replace(model) if model is not None else TinyGPTSpec()
+        self.policy = RecipeModel(self.model_spec, vocab_size, max_sequence_length)
+        self.lr = lr
+        self.save_hyperparameters(
+            {
+                "model": asdict(self.model_spec),
+                "vocab_size": vocab_size,
+                "max_sequence_length": max_sequence_length,
+                "lr": lr,
+            }
+        )
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        """The tiny GPT chunk; on the last stage its LM head replaced by a :class:`ScalarHead`
+        (deterministic initial weights from the seed)."""
+        from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
+
+        chunk = self.policy.build_chunk(self, vp_stage)
+        gpt: Any = unwrap(chunk)  # a megatron GPTModel
+        if gpt.post_process:
+            gpt.output_layer = ScalarHead(gpt.config.hidden_size, gpt.config.params_dtype)
+            load_deterministic_weights(gpt, self.model_spec.seed)
+        return chunk
+
+    def configure_optimizers(self) -> Any:
+        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
+
+    def setup(self, stage: str) -> None:
+        """Reject layouts the last-token score cannot follow (same verdict on every rank)."""
+        strategy = self.mcore_strategy
+        owner = type(self).__name__
+        parallel = strategy.parallel
+        if parallel.sequence_packing or parallel.sequence_parallel:
+            raise ValueError(
+                f"{owner} reads each padded row's last real token: `sequence_packing` and "
+                "`sequence_parallel` must be False (so is context parallelism, which needs "
+                "packing)."
+            )
+        batching = strategy.microbatching
+        check_pair_microbatching(
+            owner, batching.micro_batch_size, batching.max_tokens_per_microbatch
+        )
+
+    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+        """The base hook's loss callback with :func:`last_token_scores` as the input
+        preparation (the loss reads one score per row)."""
+        from lightning_mcore_rl.train import LossPostProcessor
+
+        loss_fn: Any = self.loss_fn  # the PreferenceLossFn of __init__
+        strategy = self.mcore_strategy
+        return LossPostProcessor(
+            loss_fn, strategy.policy_config(), num_microbatches, prepare_fn=last_token_scores
+        )
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Every rank agrees that each holds a well-formed interleaved preference batch."""
+        owner, size = type(self).__name__, self.policy.max_sequence_length
+        agree_on_batch(self, lambda: check_preference_batch(owner, batch, size))
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+        """One optimizer step of the Bradley-Terry loss over the global batch's pairs."""
+        self.check_batch(batch)
+        return self.forward_backward(batch).loss
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+        """Held-out loss and ``val_accuracy``, forward-only."""
+        self.check_batch(batch)
+        return self.forward_backward(batch, forward_only=True).loss
