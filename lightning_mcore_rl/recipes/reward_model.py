@@ -79,8 +79,8 @@ class RewardModelModule(MCoreRLModule):
         lr: Adam learning rate.
 
     Batches: :data:`~lightning_mcore_rl.recipes.dpo.PREFERENCE_KEYS`, rows interleaved
-    chosen/rejected (:class:`~lightning_mcore_rl.recipes.PreferenceDataModule`). Layouts: any TP,
-    PP (incl. VPP) and DP with an even ``micro_batch_size``; no sequence parallelism, packing,
+    chosen/rejected (:class:`~lightning_mcore_rl.recipes.PreferenceDataModule`). Layouts: TP,
+    PP and DP with an even ``micro_batch_size``; no sequence parallelism, packing,
     context parallelism or token budget (the score is read at a padded row's last real token).
     """
 

@@ -64,7 +64,9 @@ class _Record(Callback):
         self.fit.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _trainer(strategy: MCoreRLStrategy, steps: int, callbacks: list[Callback]) -> Trainer:
+def _trainer(
+    strategy: MCoreRLStrategy, steps: int, callbacks: list[Callback], checkpoints: bool = False
+) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -72,7 +74,7 @@ def _trainer(strategy: MCoreRLStrategy, steps: int, callbacks: list[Callback]) -
         max_steps=steps,
         gradient_clip_val=1.0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoints,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -251,6 +253,47 @@ def rm_single_rank(rank: int, steps: int) -> tuple[Fit, tuple[float, float], str
 def rm_layouts(rank: int, steps: int) -> dict[str, Fit]:
     """TP=2 and PP=2 (1F1B over 4 microbatches)."""
     return {"tp2": rm_fit(Layout(tp=2), steps), "pp2": rm_fit(Layout(), steps, pp=2)}
+
+
+# ---------------------------------------------------------------- resume
+
+
+def _recipe(name: str) -> tuple[MCoreRLModule, LightningDataModule]:
+    if name == "sft":
+        return SFTModule(), SFTDataModule(num_steps=DATA_STEPS)
+    if name == "dpo":
+        return DPOModule(), PreferenceDataModule(num_steps=DATA_STEPS)
+    data = PreferenceDataModule(pairs_per_step=16, num_steps=DATA_STEPS, chosen_demonstration=True)
+    return RewardModelModule(), data
+
+
+def resume_runs(rank: int, root: str, names: list[str], steps: int) -> dict[str, tuple[Fit, Fit]]:
+    """Per recipe at TP=2: ``steps`` steps saving a checkpoint every 2, then a new Trainer
+    resumed from ``step=2.ckpt``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out: dict[str, tuple[Fit, Fit]] = {}
+    for name in names:
+        fits = []
+        for ckpt in (None, f"{root}/{name}/step=2.ckpt"):
+            record = _Record()
+            callbacks: list[Callback] = [record]
+            if ckpt is None:
+                callbacks.append(
+                    ModelCheckpoint(
+                        dirpath=f"{root}/{name}",
+                        filename="{step}",
+                        every_n_train_steps=2,
+                        save_top_k=-1,
+                    )
+                )
+            strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4)
+            trainer = _trainer(strategy, steps, callbacks, checkpoints=ckpt is None)
+            trainer.fit(*_recipe(name), ckpt_path=ckpt)
+            destroy_megatron_state()
+            fits.append(record.fit)
+        out[name] = (fits[0], fits[1])
+    return out
 
 
 # ---------------------------------------------------------------- lmrl fit
