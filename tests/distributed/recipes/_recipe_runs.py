@@ -65,16 +65,17 @@ class _Record(Callback):
 
 
 def _trainer(
-    strategy: MCoreRLStrategy, steps: int, callbacks: list[Callback], checkpoints: bool = False
+    strategy: MCoreRLStrategy, steps: int, callbacks: list[Callback], root: str | None = None
 ) -> Trainer:
     return Trainer(
+        default_root_dir=root,
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_steps=steps,
         gradient_clip_val=1.0,
         logger=False,
-        enable_checkpointing=checkpoints,
+        enable_checkpointing=root is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -288,7 +289,7 @@ def resume_runs(rank: int, root: str, names: list[str], steps: int) -> dict[str,
                     )
                 )
             strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4)
-            trainer = _trainer(strategy, steps, callbacks, checkpoints=ckpt is None)
+            trainer = _trainer(strategy, steps, callbacks, root=f"{root}/{name}")
             trainer.fit(*_recipe(name), ckpt_path=ckpt)
             destroy_megatron_state()
             fits.append(record.fit)
