@@ -10,16 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _strategy_packing_runs import PackedGRPOModule, RecordedRun, StepRecorder, max_run_diffs
+from _strategy_packing_runs import PackedGRPOModule, RecordedRun, fit_recorded, max_run_diffs
 from _strategy_rl_runs import PG_CFG, RolloutRows
-from _strategy_runs import VOCAB, make_trainer, strategy_kwargs
+from _strategy_runs import make_trainer, strategy_kwargs
 from helpers.distributed import RunSpec
 from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLStrategy
-from lightning_mcore_rl.data import get_packed_local_layer_spec
 from lightning_mcore_rl.losses import ClippedPGLossFn
-from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.testing import destroy_megatron_state
 
@@ -46,27 +44,13 @@ class FusedGRPOModule(PackedGRPOModule):
     records whether its output layer ran as the fused pass-through or computed logits."""
 
     def __init__(self, case: FusedCase) -> None:
-        super().__init__()
+        super().__init__(tied=case.tied)
         self.loss_fn = ClippedPGLossFn({**PG_CFG, "entropy_coef": case.entropy_coef})
         self._sampling_params = TrainingSamplingParams(temperature=TEMPERATURE)
-        self.tied = case.tied
         self.head_modes: set[str] = set()
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        strategy = self.mcore_strategy
-        config = tiny_gpt_config(
-            calculate_per_token_loss=True,
-            sequence_parallel=strategy.parallel.sequence_parallel,
-            bf16=strategy.precision_plugin.bf16,
-        )
-        chunk = tiny_gpt(
-            config,
-            vocab_size=VOCAB,
-            seed=0,
-            vp_stage=vp_stage,
-            transformer_layer_spec=get_packed_local_layer_spec(),
-            share_embeddings_and_output_weights=self.tied,
-        )
+        chunk = super().build_chunk(vp_stage)
         if chunk.post_process:
             chunk.output_layer.register_forward_pre_hook(self._record_head)
         return chunk
@@ -76,23 +60,12 @@ class FusedGRPOModule(PackedGRPOModule):
 
 
 def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, list[str]]:
-    spec = case.spec
-    recorder = StepRecorder()
-    strategy = MCoreRLStrategy(
-        **strategy_kwargs(spec), sequence_packing=True, use_fused_linear_logprobs=fused
-    )
-    trainer = make_trainer(spec, world_size, callbacks=[recorder], strategy=strategy)
-    rows = RolloutRows(spec.rows)
     module = FusedGRPOModule(case)
-    trainer.fit(module, DataLoader(rows, batch_size=spec.local_batch(world_size)))
-    return RecordedRun(
-        attention_layouts=[],
-        logprobs=recorder.logprobs,
-        lengths=recorder.lengths,
-        metrics=recorder.metrics,
-        grad_norms=recorder.grad_norms,
-        global_step=trainer.global_step,
-    ), sorted(module.head_modes)
+    run = fit_recorded(
+        case.spec, world_size, module, RolloutRows(case.spec.rows), packing=True,
+        use_fused_linear_logprobs=fused,
+    )  # fmt: skip
+    return run, sorted(module.head_modes)
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,20 @@ class PackedGRPOModule(MCoreRLModule):
     """The base ``training_step`` (logs ``train_loss`` and every loss metric); the strategy's
     sequence parallelism, learned absolute positions or RoPE."""
 
-    def __init__(self, position_embedding_type: str = "learned_absolute") -> None:
+    def __init__(
+        self, position_embedding_type: str = "learned_absolute", *, tied: bool = False
+    ) -> None:
         super().__init__(loss_fn=ClippedPGLossFn(PG_CFG))
         self.position_embedding_type = position_embedding_type
+        self.tied = tied
         self.attention_layouts: set[str] = set()  # "thd" / "sbhd": what the attention received
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        strategy = self.mcore_strategy
         config = tiny_gpt_config(
             calculate_per_token_loss=True,
-            sequence_parallel=self.mcore_strategy.parallel.sequence_parallel,
+            sequence_parallel=strategy.parallel.sequence_parallel,
+            bf16=strategy.precision_plugin.bf16,
         )
         chunk = tiny_gpt(
             config,
@@ -43,6 +48,7 @@ class PackedGRPOModule(MCoreRLModule):
             vp_stage=vp_stage,
             transformer_layer_spec=get_packed_local_layer_spec(),
             position_embedding_type=self.position_embedding_type,
+            share_embeddings_and_output_weights=self.tied,
         )
         for sub in chunk.modules():
             if isinstance(sub, PackedDotProductAttention):
@@ -106,11 +112,13 @@ def fit_recorded(
     *,
     packing: bool,
     budget: int | None = None,
+    **strategy_options: Any,
 ) -> RecordedRun:
     """Fit ``module`` on ``rows`` (this rank's DP share per step) and return what was recorded.
-    With a token ``budget`` the fixed ``micro_batch_size`` is 1 (the strategy requires it)."""
+    With a token ``budget`` the fixed ``micro_batch_size`` is 1 (the strategy requires it);
+    ``strategy_options`` go to ``MCoreRLStrategy``."""
     recorder = StepRecorder()
-    kwargs = strategy_kwargs(spec)
+    kwargs = {**strategy_kwargs(spec), **strategy_options}
     if budget is not None:
         kwargs["micro_batch_size"] = 1
     strategy = MCoreRLStrategy(**kwargs, sequence_packing=packing, max_tokens_per_microbatch=budget)
