@@ -43,9 +43,12 @@ def test_config_instantiates(name: str, tmp_path, monkeypatch):
     assert cli.trainer.max_steps == data.num_steps
 
 
-def test_every_shipped_config_is_instantiated_by_a_test():
-    grpo = {path.name for path in CONFIGS.glob("grpo_*.yaml")}  # test_example_configs.py
-    assert {path.name for path in CONFIGS.glob("*.yaml")} == grpo | set(RECIPES)
+def test_every_shipped_config_is_named_by_a_test():
+    # grpo_*.yaml: test_example_configs.py instantiates them all; any other by its file name
+    texts = [path.read_text() for path in Path(__file__).parents[2].rglob("test_*.py")]
+    others = [path.name for path in CONFIGS.glob("*.yaml") if not path.name.startswith("grpo_")]
+    missing = [name for name in others if not any(name in text for text in texts)]
+    assert not missing, f"no test names the configs {missing}"
 
 
 def test_sft_config_packs_rows_into_token_budget_microbatches(tmp_path, monkeypatch):
