@@ -1,0 +1,168 @@
+"""Answer verification: exact match and numeric answers (``\\boxed{...}`` or the last number)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from lightning_mcore_rl.rewards.base import metadata_value, score_each
+
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_PLAIN_NUMBER = re.compile(rf"[-+]?{_NUMBER}")
+# a number in running text: thousands separators allowed ("1,234"); a sign only where it cannot
+# be a hyphen between words or numbers ("3-5" ends in 5, not -5)
+_TEXT_NUMBER = re.compile(
+    r"(?:(?<![\w)\]}])[-+])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|" + _NUMBER + r")"
+)
+_FRACTION = re.compile(
+    rf"\\d?frac\{{([-+]?{_NUMBER})\}}\{{([-+]?{_NUMBER})\}}|([-+]?{_NUMBER})/({_NUMBER})"
+)
+_BOXED = "\\boxed{"
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text`` (nested braces kept), ``None`` when
+    there is none or its braces do not close."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, begin = 1, start + len(_BOXED)
+    for pos in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[pos], 0)
+        if depth == 0:
+            return text[begin:pos]
+    return None
+
+
+def parse_number(text: str) -> float | None:
+    """``text`` as one number, ``None`` if it is not one.
+
+    Accepted: ``42``, ``-3.5``, ``1e-3``, ``1,234`` (thousands separators), ``3/4``,
+    ``\\frac{3}{4}`` / ``\\dfrac{3}{4}``, optionally inside ``$...$`` and surrounded by spaces.
+    """
+    value = text.strip().strip("$").replace(" ", "")
+    value = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", value)  # thousands separators
+    if _PLAIN_NUMBER.fullmatch(value):
+        return float(value)
+    fraction = _FRACTION.fullmatch(value)
+    if fraction is None:
+        return None
+    numerator, denominator = (g for g in fraction.groups() if g is not None)
+    return float(numerator) / float(denominator) if float(denominator) != 0 else None
+
+
+def extract_numeric_answer(completion: str) -> float | None:
+    """The answer of a completion: the last ``\\boxed{...}``'s number when a box is present (an
+    unreadable box gives ``None``, not a fallback), else the last number in the text, else
+    ``None``."""
+    if _BOXED in completion:
+        boxed = last_boxed(completion)
+        return None if boxed is None else parse_number(boxed)
+    numbers = _TEXT_NUMBER.findall(completion)
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def _reference_number(value: Any, key: str, index: int) -> float:
+    """The reference answer ``value`` of sample ``index`` as a float (``ValueError`` if none)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number: float | None = float(value)
+    else:
+        number = parse_number(value) if isinstance(value, str) else None
+    if number is None or not math.isfinite(number):
+        raise ValueError(
+            f"`metadata[{index}][{key!r}]` must be a finite number or a string holding one, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    return number
+
+
+@dataclass(frozen=True)
+class NumericAnswerReward:
+    """1 when the completion's numeric answer equals the reference within the tolerance, else 0.
+
+    The answer is :func:`extract_numeric_answer`'s (the last ``\\boxed{...}``, else the last
+    number); a completion without one scores 0. Equal means
+    ``math.isclose(answer, reference, rel_tol=rel_tol, abs_tol=abs_tol)``.
+
+    Attributes:
+        answer_key: the metadata key of the reference (a number or a string :func:`parse_number`
+            reads, e.g. ``"3/4"``).
+        abs_tol: absolute tolerance.
+        rel_tol: relative tolerance.
+    """
+
+    answer_key: str = "answer"
+    abs_tol: float = 1e-6
+    rel_tol: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.abs_tol >= 0 and self.rel_tol >= 0):
+            raise ValueError(
+                f"`abs_tol` and `rel_tol` must be >= 0, got {self.abs_tol} and {self.rel_tol}."
+            )
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+    ) -> Tensor:
+        """``[B]`` float32 rewards in {0, 1} (see :class:`~lightning_mcore_rl.rewards.RewardFunction`)."""
+        return score_each(prompts, completions, metadata, self._score)
+
+    def _score(self, prompt: str, completion: str, meta: Mapping[str, Any], index: int) -> float:
+        reference = metadata_value(meta, self.answer_key, index)
+        expected = _reference_number(reference, self.answer_key, index)
+        answer = extract_numeric_answer(completion)
+        if answer is None:
+            return 0.0
+        return float(math.isclose(answer, expected, rel_tol=self.rel_tol, abs_tol=self.abs_tol))
+
+
+@dataclass(frozen=True)
+class ExactMatchReward:
+    """1 when the completion (or its last ``\\boxed{...}``) equals the reference string, else 0.
+
+    Both sides are compared after stripping and collapsing runs of whitespace to one space.
+
+    Attributes:
+        answer_key: the metadata key of the reference (a ``str``, or an ``int`` compared as its
+            decimal text).
+        ignore_case: compare case-insensitively (``str.casefold``).
+        boxed: compare the content of the last ``\\boxed{...}`` (a completion without one scores
+            0) instead of the whole completion.
+    """
+
+    answer_key: str = "answer"
+    ignore_case: bool = False
+    boxed: bool = False
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+    ) -> Tensor:
+        """``[B]`` float32 rewards in {0, 1} (see :class:`~lightning_mcore_rl.rewards.RewardFunction`)."""
+        return score_each(prompts, completions, metadata, self._score)
+
+    def _normalize(self, text: str) -> str:
+        text = " ".join(text.split())
+        return text.casefold() if self.ignore_case else text
+
+    def _score(self, prompt: str, completion: str, meta: Mapping[str, Any], index: int) -> float:
+        reference = metadata_value(meta, self.answer_key, index)
+        if isinstance(reference, bool) or not isinstance(reference, (str, int)):
+            raise ValueError(
+                f"`metadata[{index}][{self.answer_key!r}]` must be a str or an int for an exact "
+                f"match, got {type(reference).__name__} {reference!r}."
+            )
+        answer = last_boxed(completion) if self.boxed else completion
+        if answer is None:
+            return 0.0
+        return float(self._normalize(answer) == self._normalize(str(reference)))

@@ -1,0 +1,97 @@
+"""The reward protocol and the input checks every built-in shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+
+class RewardFunction(Protocol):
+    """Scores ``B`` completions on the host.
+
+    Args:
+        prompts: ``B`` prompt texts (what the policy was given).
+        completions: ``B`` generated texts, ``completions[i]`` continuing ``prompts[i]``.
+        metadata: ``B`` mappings of each sample's dataset fields (e.g. ``{"answer": "42"}``).
+
+    Returns:
+        ``[B]`` float32 rewards on the CPU.
+    """
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+    ) -> Tensor: ...
+
+
+def check_reward_inputs(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+) -> None:
+    """Check one reward call's batch.
+
+    Raises:
+        ValueError: the three lengths differ (all three named with their lengths).
+        TypeError: a prompt or completion is not a ``str`` or a metadata entry not a mapping
+            (naming the argument and the sample index).
+    """
+    sizes = {"prompts": len(prompts), "completions": len(completions), "metadata": len(metadata)}
+    if len(set(sizes.values())) != 1:
+        shown = ", ".join(f"len({name})={size}" for name, size in sizes.items())
+        raise ValueError(
+            f"A reward takes one prompt, completion and metadata per sample, got {shown}."
+        )
+    for name, values, kind in (("prompts", prompts, str), ("completions", completions, str)):
+        for index, value in enumerate(values):
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"`{name}[{index}]` must be a str, got {type(value).__name__}: {value!r}."
+                )
+    for index, entry in enumerate(metadata):
+        if not isinstance(entry, Mapping):
+            raise TypeError(
+                f"`metadata[{index}]` must be a mapping of the sample's fields, got "
+                f"{type(entry).__name__}."
+            )
+
+
+def metadata_value(metadata: Mapping[str, Any], key: str, index: int) -> Any:
+    """``metadata[key]`` of sample ``index``.
+
+    Raises:
+        ValueError: the key is missing (naming it, the sample index and the keys present).
+    """
+    if key not in metadata:
+        raise ValueError(
+            f"`metadata[{index}]` has no key {key!r} (the reference answer); its keys: "
+            f"{sorted(metadata)}."
+        )
+    return metadata[key]
+
+
+def score_each(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    score: Callable[[str, str, Mapping[str, Any], int], float],
+) -> Tensor:
+    """Check the batch (:func:`check_reward_inputs`), then ``score(prompt, completion, metadata,
+    index)`` per sample.
+
+    Returns:
+        ``[B]`` float32 scores.
+    """
+    check_reward_inputs(prompts, completions, metadata)
+    values = [
+        score(prompt, completion, meta, index)
+        for index, (prompt, completion, meta) in enumerate(
+            zip(prompts, completions, metadata, strict=True)
+        )
+    ]
+    return torch.tensor(values, dtype=torch.float32)
