@@ -157,6 +157,7 @@ def dpo_fit(layout: Layout, steps: int, micro_batch_size: int = 8) -> Fit:
 
 
 def _error(run: Any) -> str:
+    """``"<type>: <message>"`` of the ``ValueError``/``TypeError`` ``run()`` raises."""
     try:
         run()
     except (ValueError, TypeError) as err:
@@ -165,11 +166,15 @@ def _error(run: Any) -> str:
     return "no error"
 
 
-def _odd_rows_fit() -> None:
-    """A preference batch that lost its last row (7 rows: 3 pairs + a chosen row)."""
+def _odd_rows_fit(odd_rank: int = 0) -> None:
+    """DPO on a batch that lost its last row on data-parallel rank ``odd_rank`` (7 rows: 3 pairs
+    and a chosen row) and is whole on the others."""
 
     def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {key: value[:-1] for key, value in collate_pairs(items).items()}
+        batch = collate_pairs(items)
+        if int(os.environ["RANK"]) != odd_rank:
+            return batch
+        return {key: value[:-1] for key, value in batch.items()}
 
     dataset = CountingPreferenceDataset(ModularCountingTask(), 8, max_new_tokens=8)
     loader = DataLoader(dataset, batch_size=4, collate_fn=collate)
@@ -187,12 +192,14 @@ def dpo_single_rank(rank: int, steps: int) -> tuple[Fit, dict[str, str]]:
     return fit, errors
 
 
-def dpo_layouts(rank: int, steps: int) -> dict[str, Fit]:
-    """TP=2, and DP=2 with packed microbatches."""
-    return {
+def dpo_layouts(rank: int, steps: int) -> tuple[dict[str, Fit], str]:
+    """TP=2, and DP=2 with packed microbatches; the error of each rank when rank 1's batch has
+    an odd row count (DP=2)."""
+    fits = {
         "tp2": dpo_fit(Layout(tp=2), steps),
         "dp2_packed": dpo_fit(Layout(packed=True), steps),
     }
+    return fits, _error(lambda: _odd_rows_fit(odd_rank=1))
 
 
 # ---------------------------------------------------------------- reward model

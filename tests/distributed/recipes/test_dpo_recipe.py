@@ -51,7 +51,11 @@ def test_dpo_rejects_odd_rows_and_pair_splitting_microbatches(single: tuple[Fit,
 
 def test_dpo_tp2_and_dp2_packed_equal_tp1(single: tuple[Fit, dict[str, str]]):
     fit, _ = single
-    results = run_on_ranks(dpo_layouts, 2, LAYOUT_STEPS, timeout=240)
+    (results, error0), (results1, error1) = run_on_ranks(dpo_layouts, 2, LAYOUT_STEPS, timeout=240)
+    # rank 1's bad batch: it names the problem, rank 0 stops too instead of waiting in the step
+    assert error1.startswith("ValueError: DPOModule: a preference batch interleaves"), error1
+    assert error0.startswith("BatchRejectedError: Another rank rejected its batch in DPOModule")
+    results = [results, results1]
     want = [row["train_loss"] for row in fit.rows[:LAYOUT_STEPS]]
     for name, run in results[0].items():
         assert run.rows == results[1][name].rows, name  # every logged value equal on both ranks

@@ -1,5 +1,5 @@
-"""The shipped SFT, DPO and reward-model configs parse and instantiate (no run), open with their launch
-command, and keep the model's vocabulary and length equal to the data's."""
+"""The shipped SFT, DPO and reward-model configs parse and instantiate (no run), open with their
+launch command, and keep the model's vocabulary and length equal to the data's."""
 
 from __future__ import annotations
 
