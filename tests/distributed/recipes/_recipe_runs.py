@@ -263,6 +263,38 @@ def rm_layouts(rank: int, steps: int) -> dict[str, Fit]:
     return {"tp2": rm_fit(Layout(tp=2), steps), "pp2": rm_fit(Layout(), steps, pp=2)}
 
 
+# ---------------------------------------------------------------- Hugging Face models
+
+
+def build_hf_llama(directory: str, seed: int = 0) -> None:
+    """Save a random fp32 Llama (2 layers, H = 64, V = 16: the toy task's ids) in ``directory``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=16,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def hf_recipes(rank: int, hf_dir: str, steps: int) -> dict[str, Fit]:
+    """SFT and DPO of the HF model at TP=2 (``HFModelSpec``)."""
+    from lightning_mcore_rl.recipes import HFModelSpec
+
+    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=8)
+    sft = _fit(SFTModule(HFModelSpec(hf_dir)), SFTDataModule(num_steps=DATA_STEPS), strategy, steps)
+    module = DPOModule(HFModelSpec(hf_dir), loss=DPOLossConfig(reference_policy_kl_penalty=BETA))
+    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=8)
+    dpo = _fit(module, PreferenceDataModule(num_steps=DATA_STEPS), strategy, steps)
+    return {"sft": sft, "dpo": dpo}
+
+
 # ---------------------------------------------------------------- resume
 
 
