@@ -4,6 +4,7 @@ of rank 0, for the plain-torch reference)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from lightning_mcore_rl.losses import DPOLossConfig
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.recipes import (
     CountingPreferenceDataset,
+    CountingSFTDataset,
     DPOModule,
     PreferenceDataModule,
     RewardModelModule,
@@ -334,6 +336,37 @@ def resume_runs(rank: int, root: str, names: list[str], steps: int) -> dict[str,
             fits.append(record.fit)
         out[name] = (fits[0], fits[1])
     return out
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _validate(module: MCoreRLModule, data: LightningDataModule) -> dict[str, float]:
+    trainer = _trainer(MCoreRLStrategy(micro_batch_size=8), 1, [])
+    trainer.validate(module, datamodule=data, verbose=False)
+    destroy_megatron_state()
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def validate_initial(rank: int) -> dict[str, tuple[dict[str, float], tuple[float, float]]]:
+    """``Trainer.validate`` of each recipe's initial model on one held-out global batch (DP=2:
+    half on each rank), and the plain-torch loss (and, for the reward model, accuracy) of the
+    whole held-out set."""
+    task = ModularCountingTask()
+    sft_rows = CountingSFTDataset(task, 16, max_new_tokens=8, seed=1).rows
+    pairs = CountingPreferenceDataset(task, 16, 8, seed=1, chosen_demonstration=True)
+    rm_batch = collate_pairs([pairs[i] for i in range(len(pairs))])
+    return {
+        "sft": (_validate(SFTModule(), SFTDataModule(val_samples=16)), (plain_nll(sft_rows), 0.0)),
+        "dpo": (_validate(DPOModule(), PreferenceDataModule(val_pairs=8)), (math.log(2), 0.0)),
+        "rm": (
+            _validate(
+                RewardModelModule(),
+                PreferenceDataModule(pairs_per_step=16, val_pairs=16, chosen_demonstration=True),
+            ),
+            plain_bradley_terry(rm_batch),
+        ),
+    }
 
 
 # ---------------------------------------------------------------- lmrl fit
