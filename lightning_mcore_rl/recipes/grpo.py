@@ -5,9 +5,13 @@ Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and
 
 1. samples ``G`` completions per prompt with :func:`~lightning_mcore_rl.rollout.generate`
    (``generation_logprobs``);
-2. scores them with the task and turns rewards into group-relative advantages;
+2. scores them with the task and turns rewards into advantages (``advantage_estimator``: NeMo
+   RL's ``"grpo"`` group-relative, with ``use_leave_one_out_baseline`` the RLOO baseline, or
+   ``"reinforce_plus_plus"``);
 3. recomputes the logprobs of the current weights forward-only (``prev_logprobs``; the PPO ratio
-   uses them, the sampler's logprobs drive the importance-sampling metrics);
+   uses them, the sampler's logprobs drive the importance-sampling metrics) and, with a reference
+   KL, the reference policy's (``reference_model``: the initial weights swapped back in, or a
+   hosted frozen copy);
 4. runs megatron's schedule with :class:`~lightning_mcore_rl.losses.ClippedPGLossFn` — the loss is
    a global token mean whatever the TP/PP/DP layout.
 """
@@ -15,18 +19,22 @@ Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.aggregation import MeanMetric
 
-from lightning_mcore_rl.algorithms import grpo_advantages, token_level_advantages
+from lightning_mcore_rl.algorithms import (
+    grpo_advantages,
+    reinforce_plus_plus_advantages,
+    token_level_advantages,
+)
 from lightning_mcore_rl.data import BatchedDataDict
-from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn
+from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn, calculate_kl
 from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.recipes.common import (
@@ -70,6 +78,13 @@ DEFAULT_ROLLOUT = RolloutSpec()
 
 DEFAULT_GRPO_LOSS = ClippedPGLossConfig(reference_policy_kl_penalty=0.0)
 """``GRPOModule``'s default loss: NeMo RL's clipped PG defaults without the reference KL."""
+
+AdvantageEstimator = Literal["grpo", "reinforce_plus_plus"]
+"""NeMo RL's ``adv_estimator.name`` values the recipe supports (RLOO is ``"grpo"`` with
+``use_leave_one_out_baseline=True``, ``normalize_rewards=False``, as in NeMo RL)."""
+
+ReferenceModel = Literal["recompute", "frozen_copy"]
+"""Where the reference policy's logprobs come from (see :class:`GRPOModule`)."""
 
 
 class PromptDataset(Dataset):
@@ -146,13 +161,27 @@ class GRPOModule(MCoreRLModule):
         rollout: sampling settings.
         loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios; default
             :data:`DEFAULT_GRPO_LOSS` (NeMo RL's defaults without the reference KL). With
-            ``reference_policy_kl_penalty > 0`` the reference policy is the initial model: its
-            logprobs are computed each step by temporarily loading the initial weights again
-            (regenerated from the tiny GPT's seed, or re-read from the HF checkpoint).
+            ``reference_policy_kl_penalty > 0`` the reference policy is the initial model, its
+            KL in the loss or, with ``use_kl_in_reward=True`` (``"reinforce_plus_plus"`` only,
+            NeMo RL's semantics), subtracted from the token rewards as
+            ``reference_policy_kl_penalty * KL(prev_logprobs || reference)`` before the
+            whitening, and zero in the loss.
         lr: Adam learning rate.
         pass_at_k: the ``k`` of the validation's ``val_pass@k`` (each ``<= group_size``: the
             validation samples ``group_size`` completions per held-out prompt; a completion is
             correct when its reward is 1).
+        advantage_estimator: ``"grpo"``: ``(r - baseline) / (std + 1e-6)`` per group;
+            ``"reinforce_plus_plus"``: ``r - group mean`` (``minus_baseline``), the optional
+            reward KL, then whitened over the global batch's completion tokens.
+        normalize_rewards: ``"grpo"``: divide by the group's standard deviation.
+        use_leave_one_out_baseline: ``"grpo"``: the baseline of each completion is the mean of
+            the group's other ``G - 1`` rewards (RLOO, arXiv:2402.14740).
+        minus_baseline: ``"reinforce_plus_plus"``: subtract the group mean first.
+        reference_model: ``"recompute"`` (default): each step temporarily loads the initial
+            weights into the policy (regenerated from the tiny GPT's seed, or re-read from the
+            HF checkpoint), no extra memory; ``"frozen_copy"``: a frozen copy of the initial
+            model is hosted next to the policy (:meth:`build_teacher_chunk`, one more set of
+            weights in memory, no weight swap or checkpoint read per step).
     """
 
     def __init__(
@@ -163,12 +192,20 @@ class GRPOModule(MCoreRLModule):
         loss: ClippedPGLossConfig | None = DEFAULT_GRPO_LOSS,
         lr: float = 5e-3,
         pass_at_k: tuple[int, ...] = (1,),
+        advantage_estimator: AdvantageEstimator = "grpo",
+        normalize_rewards: bool = True,
+        use_leave_one_out_baseline: bool = False,
+        minus_baseline: bool = True,
+        reference_model: ReferenceModel = "recompute",
     ) -> None:
         loss = loss or DEFAULT_GRPO_LOSS
-        if loss.use_kl_in_reward:
+        _check_choice("advantage_estimator", advantage_estimator, ("grpo", "reinforce_plus_plus"))
+        _check_choice("reference_model", reference_model, ("recompute", "frozen_copy"))
+        if loss.use_kl_in_reward and advantage_estimator != "reinforce_plus_plus":
             raise ValueError(
-                "GRPOModule applies the reference KL in the loss; `use_kl_in_reward=True` is "
-                "not supported by this recipe."
+                f"`use_kl_in_reward=True` is not supported by advantage_estimator="
+                f"{advantage_estimator!r}: only 'reinforce_plus_plus' folds the KL into the "
+                "reward (NeMo RL's GRPO estimator ignores it, so the KL would vanish)."
             )
         # the mutable spec defaults are shared instances: each module keeps its own copy
         rollout = replace(rollout) if rollout is not None else RolloutSpec()
@@ -177,6 +214,12 @@ class GRPOModule(MCoreRLModule):
             sampling_params=TrainingSamplingParams(temperature=rollout.temperature),
         )
         self.kl_penalty = loss.reference_policy_kl_penalty
+        self.loss_config = loss
+        self.advantage_estimator = advantage_estimator
+        self.normalize_rewards = normalize_rewards
+        self.use_leave_one_out_baseline = use_leave_one_out_baseline
+        self.minus_baseline = minus_baseline
+        self.reference_model = reference_model
         self.task = task or ModularCountingTask()
         self.model_spec = replace(model) if model is not None else TinyGPTSpec()
         self.rollout = rollout
@@ -196,12 +239,22 @@ class GRPOModule(MCoreRLModule):
                 "model": asdict(self.model_spec),
                 "rollout": asdict(self.rollout),
                 "lr": lr,
+                "advantage_estimator": advantage_estimator,
+                "reference_model": reference_model,
             }
         )
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         """The policy chunk for ``vp_stage``, built from the strategy's config: the tiny GPT
         (layout-invariant deterministic weights) or the HF checkpoint's shards."""
+        return self.policy.build_chunk(self, vp_stage)
+
+    def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module | None:
+        """With ``reference_model="frozen_copy"`` and a reference KL: a second copy of the
+        initial policy (built like :meth:`build_chunk`: the seed's weights, or the HF
+        checkpoint's), frozen and hosted by the strategy; else no teacher."""
+        if self.reference_model != "frozen_copy" or self.kl_penalty == 0:
+            return None
         return self.policy.build_chunk(self, vp_stage)
 
     def hf_bridge(self) -> HFBridge:
@@ -228,13 +281,57 @@ class GRPOModule(MCoreRLModule):
         data, rewards = self.make_rollout(batch)
         data["prev_logprobs"] = self.compute_logprobs(data)
         if self.kl_penalty > 0:
-            with self.reference_weights():
-                data["reference_policy_logprobs"] = self.compute_logprobs(data)
+            data["reference_policy_logprobs"] = self.reference_logprobs(data)
+        if self.loss_config.use_kl_in_reward:  # the advantages need both logprobs
+            data["advantages"] = self.advantages(rewards, data)
         out = self.forward_backward(data)
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
         self.log("reward", self.rollout_reward, on_step=True, on_epoch=False, prog_bar=True)
         return out.loss
+
+    def reference_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
+        """The reference policy's token logprobs ``[B, S]`` of this rank's batch: the hosted
+        frozen copy's (``reference_model="frozen_copy"``) or the policy's with its initial
+        weights swapped in (:meth:`reference_weights`)."""
+        if self.reference_model == "frozen_copy":
+            return self.compute_logprobs(batch, teacher=True)
+        with self.reference_weights():
+            return self.compute_logprobs(batch)
+
+    def advantages(self, rewards: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Token advantages ``[b*G, S]`` of the ``advantage_estimator`` from the rewards
+        ``[b*G]`` and the batch's ``token_mask`` (with ``use_kl_in_reward`` also its
+        ``prev_logprobs`` and ``reference_policy_logprobs``); REINFORCE++ whitens over the
+        data-parallel group, so every layout sees the global batch's statistics."""
+        token_mask, group_size = batch["token_mask"], self.rollout.group_size
+        if self.advantage_estimator == "grpo":
+            per_sample = grpo_advantages(
+                rewards,
+                group_size,
+                normalize_std=self.normalize_rewards,
+                leave_one_out=self.use_leave_one_out_baseline,
+            )
+            return token_level_advantages(per_sample, token_mask)
+        kl = None
+        cfg = self.loss_config
+        if cfg.use_kl_in_reward and self.kl_penalty > 0:
+            kl = calculate_kl(
+                batch["prev_logprobs"],
+                batch["reference_policy_logprobs"],
+                cfg.reference_policy_kl_type,
+                cfg.kl_input_clamp_value,
+                cfg.kl_output_clamp_value,
+            )
+        return reinforce_plus_plus_advantages(
+            rewards,
+            group_size,
+            token_mask,
+            minus_baseline=self.minus_baseline,
+            kl=kl,
+            kl_coef=self.kl_penalty,
+            group=self.mcore_strategy.groups.dp_group,
+        )
 
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
@@ -300,22 +397,28 @@ class GRPOModule(MCoreRLModule):
 
         Returns:
             ``(batch, rewards [b*G])`` with ``input_ids/generation_logprobs/token_mask/advantages
-            [b*G, P+N]``, ``input_lengths``, ``sample_mask``.
+            [b*G, P+N]``, ``input_lengths``, ``sample_mask`` (``advantages`` zeros with
+            ``use_kl_in_reward``: :meth:`training_step` fills them after the logprobs).
         """
         spec = self.rollout
         generator = torch.Generator().manual_seed(
             spec.seed + 1_000_003 * self.global_step + self.mcore_strategy.groups.dp_rank
         )
         out, rewards = self._sample(prompts, generator)
-        token_mask = out.completion_mask.float()
         batch = BatchedDataDict(
             input_ids=out.tokens,
             input_lengths=torch.full((out.tokens.shape[0],), out.tokens.shape[1]),
-            token_mask=token_mask,
+            token_mask=out.completion_mask.float(),
             sample_mask=torch.ones(out.tokens.shape[0]),
-            advantages=token_level_advantages(
-                grpo_advantages(rewards, spec.group_size), token_mask
-            ),
             generation_logprobs=out.logprobs,
         )
+        # with use_kl_in_reward the training step computes them once the logprobs exist
+        placeholder = torch.zeros_like(out.completion_mask, dtype=torch.float32)
+        use_kl = self.loss_config.use_kl_in_reward
+        batch["advantages"] = placeholder if use_kl else self.advantages(rewards, batch)
         return batch, rewards
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
