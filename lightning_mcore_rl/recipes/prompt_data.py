@@ -320,10 +320,11 @@ class PromptFileDataModule(LightningDataModule):
         self.val_dataset: PromptFileDataset | None = None
 
     def _tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer (a directory is loaded once, with ``AutoTokenizer``)."""
         if isinstance(self.tokenizer, str):
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(self.tokenizer)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
         return self.tokenizer
 
     def _dataset(self, files: str | list[str], split: str) -> PromptFileDataset:
@@ -363,7 +364,7 @@ class PromptFileDataModule(LightningDataModule):
         return functools.partial(collate_prompts, pad_token_id=pad, padding_side=self.padding_side)
 
     def train_dataloader(self) -> ResumableLoader:
-        """This rank's :class:`PromptBatch` es of ``prompts_per_step / DP`` prompts.
+        """This rank's batches (:class:`PromptBatch`) of ``prompts_per_step / DP`` prompts.
 
         Raises:
             ValueError: ``prompts_per_step`` not divisible by DP, or fewer prompts per rank than
@@ -391,7 +392,7 @@ class PromptFileDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """The held-out prompts (none without ``val_files``) as :class:`PromptBatch` es."""
+        """The held-out prompts (none without ``val_files``) as batches (:class:`PromptBatch`)."""
         if self.val_dataset is None:
             return []
         return rank_val_loader(
