@@ -153,6 +153,14 @@ class LossPostProcessor:
                 return SequencePackingFusionLossWrapper(
                     self.loss_fn, fused_prepare, *cu, *group_args
                 )
+            if hasattr(self.loss_fn, "split_output_tensor"):
+                raise ValueError(
+                    f"`{type(self.loss_fn).__name__}` scores chosen/rejected pairs, which the "
+                    "per-sequence packed loss would split into single rows; build the "
+                    "LossPostProcessor with `PolicyConfig(sequence_packing=True, fuse_loss=True)` "
+                    "(one loss call per packed microbatch, as `recipes.DPOModule` does) or turn "
+                    "`sequence_packing` off"
+                )
             return SequencePackingLossWrapper(self.loss_fn, prepare_fn, *cu, *group_args)
         wrapper = functools.partial(
             wrap_loss_fn_with_input_preparation, loss_fn=self.loss_fn, prepare_fn=prepare_fn,

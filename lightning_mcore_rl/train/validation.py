@@ -254,6 +254,8 @@ def loss_input_keys(loss_fn: Any) -> tuple[str, ...]:
         return ("token_mask",)
     if name == "MseValueLossFn":
         return ("token_mask", "returns")
+    if name == "DPOLossFn":
+        return ("token_mask", "reference_policy_logprobs")
     return ()
 
 

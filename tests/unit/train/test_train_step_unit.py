@@ -143,6 +143,22 @@ def test_fused_packed_loss_rejects_a_custom_prepare_fn() -> None:
 
 
 @pytest.mark.usefixtures("fake_groups")
+def test_pairwise_losses_refuse_the_per_sequence_packed_wrapper() -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from lightning_mcore_rl.losses import DPOLossFn, PreferenceLossFn
+    from lightning_mcore_rl.train.validation import loss_input_keys
+
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
+    packed = {"sequence_packing": {"enabled": True}}
+    for loss_fn in (DPOLossFn(), PreferenceLossFn()):
+        with pytest.raises(ValueError, match="scores chosen/rejected pairs.*fuse_loss=True"):
+            LossPostProcessor(loss_fn, packed)(_data(), params)
+    assert loss_input_keys(DPOLossFn()) == ("token_mask", "reference_policy_logprobs")
+
+
+@pytest.mark.usefixtures("fake_groups")
 def test_logprobs_post_processor_prepends_zero_and_truncates() -> None:
     data = _data()
     logits = torch.randn(2, 7, 8)  # dense padding to 7 (pipeline parallelism)
