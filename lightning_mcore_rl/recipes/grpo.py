@@ -3,8 +3,8 @@ step per Lightning batch of prompts.
 
 Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and:
 
-1. samples ``G`` completions per prompt with :func:`~lightning_mcore_rl.rollout.generate`
-   (``generation_logprobs``);
+1. samples ``G`` completions per prompt from the ``RolloutSpec.backend`` rollout source
+   (:class:`~lightning_mcore_rl.rollout.PolicyRollout`: ``generation_logprobs``);
 2. scores them with the task and turns rewards into advantages (``advantage_estimator``: NeMo
    RL's ``"grpo"`` group-relative, with ``use_leave_one_out_baseline`` the RLOO baseline, or
    ``"reinforce_plus_plus"``);
@@ -46,7 +46,13 @@ from lightning_mcore_rl.recipes.common import (
     rank_val_loader,
 )
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
-from lightning_mcore_rl.rollout import ModularCountingTask, generate
+from lightning_mcore_rl.rollout import (
+    ModularCountingTask,
+    PolicyRollout,
+    RolloutBackend,
+    SamplingConfig,
+    mismatch_extrema,
+)
 from lightning_mcore_rl.strategy import ResumableLoader
 
 if TYPE_CHECKING:
@@ -62,12 +68,16 @@ class RolloutSpec:
         max_new_tokens: completion length.
         temperature: sampling temperature (the loss uses the same one).
         seed: base seed; each step and data-parallel rank derives its own stream.
+        backend: the rollout source (``docs/rollout.md``): ``"megatron"``, the embedded sampler
+            on the training model; ``"hf"``, a ``transformers`` copy of an :class:`HFModelSpec`
+            policy refit after every optimizer step.
     """
 
     group_size: int = 4
     max_new_tokens: int = 8
     temperature: float = 1.0
     seed: int = 1234
+    backend: RolloutBackend = "megatron"
 
 
 DEFAULT_MODEL = TinyGPTSpec()
@@ -229,6 +239,7 @@ class GRPOModule(MCoreRLModule):
             self.task.prompt_length + rollout.max_new_tokens,
             "prompt_length + max_new_tokens",
         )
+        self.rollout_source = PolicyRollout(rollout.backend, self.policy)
         self.lr = lr
         self.pass_at_k = tuple(pass_at_k)
         self.evaluation: RolloutEvaluation | None = None
@@ -280,6 +291,8 @@ class GRPOModule(MCoreRLModule):
         """
         data, rewards = self.make_rollout(batch)
         data["prev_logprobs"] = self.compute_logprobs(data)
+        mismatch = mismatch_extrema(data, self.mcore_strategy.groups.dp_group)
+        self.log_dict(mismatch, on_step=True, on_epoch=False, batch_size=1)
         if self.kl_penalty > 0:
             data["reference_policy_logprobs"] = self.reference_logprobs(data)
         if self.loss_config.use_kl_in_reward:  # the advantages need both logprobs
@@ -364,7 +377,7 @@ class GRPOModule(MCoreRLModule):
         """
         assert self.evaluation is not None  # built in setup()
         seed = self.rollout.seed + 7_000_003 * (batch_idx + 1) + self.mcore_strategy.groups.dp_rank
-        out, rewards = self._sample(batch, torch.Generator().manual_seed(seed))
+        out, rewards = self._sample(batch, seed)
         lengths = out.completion_mask.sum(dim=1)
         scores = {
             "rewards": rewards,
@@ -376,18 +389,13 @@ class GRPOModule(MCoreRLModule):
         self.evaluation.log(self)
         return scores
 
-    def _sample(
-        self, prompts: torch.Tensor, generator: torch.Generator
-    ) -> tuple[Any, torch.Tensor]:
+    def _sample(self, prompts: torch.Tensor, seed: int) -> tuple[Any, torch.Tensor]:
         """``G`` completions per prompt (group-major ``[b*G, P+N]``) and their rewards."""
         spec = self.rollout
-        out = generate(
-            self.mcore_strategy.model_chunks[0],
+        out = self.rollout_source.generate(
+            self,
             prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
-            max_new_tokens=spec.max_new_tokens,
-            generator=generator,
-            temperature=spec.temperature,
-            tp_group=self.mcore_strategy.groups.tp_group,
+            SamplingConfig(spec.max_new_tokens, spec.temperature, seed),
         )
         return out, self.task.rewards(out.tokens, out.completion_mask)
 
@@ -401,16 +409,14 @@ class GRPOModule(MCoreRLModule):
             ``use_kl_in_reward``: :meth:`training_step` fills them after the logprobs).
         """
         spec = self.rollout
-        generator = torch.Generator().manual_seed(
-            spec.seed + 1_000_003 * self.global_step + self.mcore_strategy.groups.dp_rank
-        )
-        out, rewards = self._sample(prompts, generator)
+        seed = spec.seed + 1_000_003 * self.global_step + self.mcore_strategy.groups.dp_rank
+        out, rewards = self._sample(prompts, seed)
         batch = BatchedDataDict(
             input_ids=out.tokens,
             input_lengths=torch.full((out.tokens.shape[0],), out.tokens.shape[1]),
             token_mask=out.completion_mask.float(),
             sample_mask=torch.ones(out.tokens.shape[0]),
-            generation_logprobs=out.logprobs,
+            generation_logprobs=out.generation_logprobs,
         )
         # with use_kl_in_reward the training step computes them once the logprobs exist
         placeholder = torch.zeros_like(out.completion_mask, dtype=torch.float32)

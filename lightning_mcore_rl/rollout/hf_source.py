@@ -1,0 +1,132 @@
+"""A Hugging Face ``transformers`` copy of the policy as a :class:`RolloutSource`: one rank per
+group holds the model, refit tensor by tensor from the trainer's HF export, and samples with a
+KV-cached loop over the model's forward (so the per-token logprobs are exact and the draw uses a
+seeded generator; ``generate()`` draws from torch's global RNG).
+
+Shapes: ``B`` sequences, ``P`` prompt tokens, ``N`` new tokens, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mcore_rl.rollout.source import (
+    Rollout,
+    SamplingConfig,
+    check_prompts,
+    completion_mask,
+)
+
+
+class HFRolloutSource:
+    """Generate with an ``AutoModelForCausalLM`` held by the first rank of ``group``.
+
+    The generating rank samples; the tokens and logprobs are broadcast to the rest of ``group``
+    (in the recipes: the data-parallel replica's model-parallel group, so every DP replica has
+    one generator, its TP/PP rank 0). Every rank of the training world takes part in
+    :meth:`update_weights` (the export is collective); only the generator keeps the tensors, one
+    at a time, copied into its model: no rank holds more than its own model plus one tensor.
+
+    Args:
+        hf_dir: a directory ``transformers`` loads (the policy's HF checkpoint); read by the
+            generating rank only. Its weights serve until the first :meth:`update_weights`.
+        group: the ranks that share one rollout (all pass the same prompts).
+        dtype: the generator's parameter dtype (refit tensors are cast to it).
+    """
+
+    refit_required: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        hf_dir: str | os.PathLike[str],
+        group: Any,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.group = group
+        self.src = dist.get_process_group_ranks(group)[0]
+        self.dtype = dtype
+        self.model: torch.nn.Module | None = None
+        if dist.get_rank() == self.src:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
+
+    @property
+    def is_generator(self) -> bool:
+        """Whether this rank holds the model and samples."""
+        return self.model is not None
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy every ``(hf_name, full tensor)`` into the model (generator) or drop it (others).
+
+        Raises:
+            ValueError: on every rank of ``group``, after the whole stream, when the stream has
+                a name the model lacks or misses one of its parameters (tied weights count once).
+        """
+        if self.model is None:
+            for _ in weights:  # take part in the collective export, keep nothing
+                pass
+            error: list[str | None] = [None]
+        else:
+            error = [self._copy(weights, dict(self.model.named_parameters(remove_duplicate=False)))]
+        dist.broadcast_object_list(error, src=self.src, group=self.group)
+        if error[0] is not None:
+            raise ValueError(f"HFRolloutSource.update_weights: the weight stream has {error[0]}.")
+
+    @staticmethod
+    def _copy(weights: Iterable[tuple[str, Tensor]], params: dict[str, Tensor]) -> str | None:
+        """Copy the stream into ``params`` (all names, tied ones repeated); what went wrong."""
+        unknown: list[str] = []
+        filled: set[int] = set()
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:
+                unknown.append(name)
+                continue
+            param.copy_(tensor)
+            filled.add(id(param))
+        missing = sorted(name for name, p in params.items() if id(p) not in filled)
+        if unknown or missing:
+            return f"unknown names {unknown[:8]}, missing parameters {missing[:8]}"
+        return None
+
+    @torch.no_grad()
+    def generate(self, prompts: Tensor, sampling: SamplingConfig) -> Rollout:
+        """Sample on the generator (prefill, then one cached step per token), broadcast to the
+        group. Token ``t`` is drawn from ``softmax(logits_t / T)`` with a CPU generator seeded by
+        ``sampling.seed``, as the embedded sampler does."""
+        check_prompts(prompts)
+        batch, prompt_length = prompts.shape
+        width = prompt_length + sampling.max_new_tokens
+        tokens = torch.empty(batch, width, dtype=torch.long)
+        logprobs = torch.zeros(batch, width, dtype=torch.float32)
+        if self.model is not None:
+            tokens[:, :prompt_length] = prompts
+            self._sample(tokens, logprobs, prompt_length, sampling)
+        dist.broadcast(tokens, src=self.src, group=self.group)
+        dist.broadcast(logprobs, src=self.src, group=self.group)
+        mask = completion_mask(batch, prompt_length, sampling.max_new_tokens)
+        return Rollout(tokens, mask, logprobs)
+
+    def _sample(
+        self, tokens: Tensor, logprobs: Tensor, prompt_length: int, sampling: SamplingConfig
+    ) -> None:
+        """Fill ``tokens``/``logprobs [B, P+N]`` from position ``P`` on, in place."""
+        assert self.model is not None  # the generator only
+        generator = torch.Generator().manual_seed(sampling.seed)
+        out = self.model(input_ids=tokens[:, :prompt_length], use_cache=True, logits_to_keep=1)
+        for pos in range(prompt_length, tokens.shape[1]):
+            scaled = out.logits[:, -1, :].float() / sampling.temperature  # [B, V]
+            log_probs = torch.log_softmax(scaled, dim=-1)
+            nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
+            tokens[:, pos : pos + 1] = nxt
+            logprobs[:, pos : pos + 1] = log_probs.gather(1, nxt)
+            if pos + 1 < tokens.shape[1]:
+                out = self.model(input_ids=nxt, cache=out.cache, use_cache=True)
