@@ -185,6 +185,7 @@ def rank_train_loader(
     name: str,
     seed: int,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    drop_last: bool = False,
 ) -> ResumableLoader:
     """This data-parallel rank's loader: ``global_batch / DP`` items per batch, shuffled with a
     fixed seed (re-permuted per epoch), resumable mid-epoch
@@ -197,6 +198,7 @@ def rank_train_loader(
         name: the DataModule argument that set ``global_batch`` (for the error message).
         seed: the sampler seed.
         collate_fn: the ``DataLoader``'s collate function (default: torch's).
+        drop_last: drop the epoch's last, partial batch.
 
     Raises:
         ValueError: ``global_batch`` is not divisible by the data-parallel size.
@@ -208,7 +210,7 @@ def rank_train_loader(
         )
     assert trainer is not None  # checked by data_parallel_size
     return resumable_dataloader(
-        dataset, trainer, global_batch // dp, seed=seed, collate_fn=collate_fn
+        dataset, trainer, global_batch // dp, seed=seed, collate_fn=collate_fn, drop_last=drop_last
     )
 
 

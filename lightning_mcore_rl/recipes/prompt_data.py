@@ -22,8 +22,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mcore_rl.recipes.common import data_parallel_size, rank_val_loader
-from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
+from lightning_mcore_rl.recipes.common import rank_train_loader, rank_val_loader
+from lightning_mcore_rl.strategy import ResumableLoader
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -371,25 +371,15 @@ class PromptFileDataModule(LightningDataModule):
                 one step needs.
         """
         assert self.trainer is not None and self.train_dataset is not None  # after setup()
-        dp = data_parallel_size(self.trainer)
-        if self.prompts_per_step % dp != 0:
-            raise ValueError(
-                f"`prompts_per_step` ({self.prompts_per_step}) must be divisible by the "
-                f"data-parallel size ({dp})."
-            )
         if len(self.train_dataset) < self.prompts_per_step:
             raise ValueError(
                 f"{len(self.train_dataset)} training prompts (after filtering) are fewer than "
                 f"`prompts_per_step` ({self.prompts_per_step}): an epoch would have no step."
             )
-        return resumable_dataloader(
-            self.train_dataset,
-            self.trainer,
-            self.prompts_per_step // dp,
-            seed=self.seed,
-            collate_fn=self._collate(),
-            drop_last=True,
-        )
+        return rank_train_loader(
+            self.trainer, self.train_dataset, self.prompts_per_step, "prompts_per_step",
+            self.seed, collate_fn=self._collate(), drop_last=True,
+        )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """The held-out prompts (none without ``val_files``) as batches (:class:`PromptBatch`)."""
