@@ -3,6 +3,7 @@ GRPO, SFT, DPO and a Bradley-Terry reward model (``docs/recipes.md``)."""
 
 from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
 from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
+from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
 from lightning_mcore_rl.recipes.dpo import DPOModule, PreferenceDataModule
 from lightning_mcore_rl.recipes.grpo import (
     GRPOModule,
@@ -23,6 +24,7 @@ __all__ = [
     "CountingSFTDataset",
     "DPOModule",
     "DistillationModule",
+    "DistillationModule",
     "GRPOModule",
     "HFModelSpec",
     "PreferenceDataModule",
@@ -33,6 +35,7 @@ __all__ = [
     "RolloutSpec",
     "SFTDataModule",
     "SFTModule",
+    "TeacherSpec",
     "TeacherSpec",
     "TinyGPTSpec",
     "collate_pairs",

@@ -1,0 +1,362 @@
+"""On-policy distillation on the embedded toy task: the student samples, a hosted frozen teacher
+scores every sampled position, the student is trained towards it — one optimizer step per
+Lightning batch of prompts.
+
+Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and:
+
+1. samples ``G`` completions per prompt with the student (the embedded sampler
+   :func:`~lightning_mcore_rl.rollout.generate`, seeded per step and DP rank as
+   :class:`~lightning_mcore_rl.recipes.GRPOModule` does) and scores them with the task (the reward
+   is logged, not trained on);
+2. runs the hosted teacher forward-only on the samples (``teacher=True``): its exact top-``K``
+   logits and ids ``[B, S, K]`` (``vocabulary="topk"``) or its full-vocabulary payload — logits
+   ``[B, S, V]`` or pre-LM-head hidden states ``[B, S, H_t]`` (``vocabulary="full"``);
+3. runs megatron's schedule with :class:`~lightning_mcore_rl.losses.DistillationLossFn` (forward,
+   reverse or mixed KL over the teacher's top-k, optional tail term) or
+   :class:`~lightning_mcore_rl.losses.OPDFullLossFn` (the exact full-vocabulary reverse KL), a
+   token mean over the completion tokens of the global batch, whatever the TP/DP layout.
+
+The teacher is any model the recipes build (:class:`TinyGPTSpec`, :class:`HFModelSpec`), its
+weights optionally replaced from a megatron ``dist_checkpointing`` directory (a Lightning
+checkpoint of an ``MCoreRLStrategy`` run, e.g. a GRPO-trained policy) with
+:func:`~lightning_mcore_rl.strategy.load_dist_checkpoint`. Prompts come from
+:class:`~lightning_mcore_rl.recipes.PromptDataModule`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses import (
+    DistillationLossConfig,
+    DistillationLossFn,
+    OPDFullLossConfig,
+    OPDFullLossFn,
+)
+from lightning_mcore_rl.module import MCoreRLModule
+from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.recipes.common import DEFAULT_TASK, HFModelSpec, RecipeModel, TinyGPTSpec
+from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
+from lightning_mcore_rl.recipes.grpo import RolloutSpec
+from lightning_mcore_rl.rollout import GenerationOutput, ModularCountingTask, generate
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.train import LossPostProcessor
+
+Vocabulary = Literal["topk", "full"]
+"""The teacher signal: its top-``K`` logits or its full-vocabulary distribution."""
+
+Payload = Literal["logits", "hidden_states"]
+"""How the full-vocabulary teacher reaches the loss: its logits ``[B, S, V]`` or its pre-LM-head
+hidden states ``[B, S, H_t]`` (projected in the loss with its LM-head shard)."""
+
+DEFAULT_TOPK_LOSS = DistillationLossConfig()
+"""``DistillationModule``'s default top-k loss: the mixed KL (w = 0.5), no tail term."""
+
+DEFAULT_FULL_LOSS = OPDFullLossConfig()
+"""``DistillationModule``'s default full-vocabulary loss: the reverse KL's token mean."""
+
+
+@dataclass
+class TeacherSpec:
+    """The hosted teacher.
+
+    Attributes:
+        model: the architecture: a tiny GPT (its size; its seed gives the weights when there is no
+            ``checkpoint``) or a Hugging Face directory (its weights, unless ``checkpoint``).
+        checkpoint: a megatron ``dist_checkpointing`` directory (e.g. ``trainer.save_checkpoint``
+            of a GRPO run, saved under any TP/PP layout) whose weights replace the built ones; it
+            must hold a model of ``model``'s shapes (a tiny GPT: the same size, ``V`` and
+            ``P + N`` positions as this run). ``None``: the built weights.
+        checkpoint_prefix: the weights' key prefix in ``checkpoint``: ``""`` for a run's policy,
+            ``"teacher."`` for a teacher saved with ``save_teacher_in_checkpoint``.
+    """
+
+    model: TinyGPTSpec | HFModelSpec = field(default_factory=TinyGPTSpec)
+    checkpoint: str | None = None
+    checkpoint_prefix: str = ""
+
+
+DEFAULT_STUDENT = TinyGPTSpec(seed=1)
+"""``DistillationModule``'s default student: the tiny GPT with other initial weights than the
+default teacher's (each module copies it)."""
+
+DEFAULT_TEACHER = TeacherSpec()
+"""``DistillationModule``'s default teacher: the seed-0 tiny GPT (each module copies it; give it a
+``checkpoint`` to distil a trained model)."""
+
+DEFAULT_ROLLOUT = RolloutSpec()
+"""``DistillationModule``'s default sampling settings (each module copies it)."""
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
+
+
+class DistillationModule(MCoreRLModule):
+    """On-policy distillation of a hosted frozen teacher into a student that samples itself.
+
+    Args:
+        task: the task of the prompts; its reward is logged (``reward``, ``val_reward``), not
+            trained on.
+        model: the student (:class:`TinyGPTSpec` or :class:`HFModelSpec`).
+        teacher: the teacher (:class:`TeacherSpec`). Student and teacher share one vocabulary
+            ``V``: the task's, or the HF model's when either is one (two HF models must agree).
+        rollout: the student's sampling settings; its temperature is also applied to the
+            student's and the teacher's logits in the loss (``sampling_params``).
+        vocabulary: ``"topk"``: :class:`~lightning_mcore_rl.losses.DistillationLossFn` over the
+            teacher's top-``topk`` ids; ``"full"``:
+            :class:`~lightning_mcore_rl.losses.OPDFullLossFn` over the whole vocabulary.
+        topk: ``K`` of the top-k signal, in ``[1, V]``.
+        topk_loss: the top-k loss (``kl_type`` forward / reverse / mixed, ``mixed_kl_weight``,
+            ``zero_outside_topk`` for the tail term).
+        payload: the full-vocabulary teacher payload, ``"logits"`` or ``"hidden_states"``.
+        full_loss: the full-vocabulary loss (token or sequence mean, optional reference KL).
+        lr: Adam learning rate.
+        pass_at_k: the ``k`` of ``val_pass@k`` (each ``<= group_size``).
+    """
+
+    def __init__(
+        self,
+        task: ModularCountingTask | None = DEFAULT_TASK,
+        model: TinyGPTSpec | HFModelSpec | None = DEFAULT_STUDENT,
+        teacher: TeacherSpec | None = DEFAULT_TEACHER,
+        rollout: RolloutSpec | None = DEFAULT_ROLLOUT,
+        vocabulary: Vocabulary = "topk",
+        topk: int = 8,
+        topk_loss: DistillationLossConfig | None = DEFAULT_TOPK_LOSS,
+        payload: Payload = "logits",
+        full_loss: OPDFullLossConfig | None = DEFAULT_FULL_LOSS,
+        lr: float = 5e-3,
+        pass_at_k: tuple[int, ...] = (1,),
+    ) -> None:
+        _choice("vocabulary", vocabulary, ("topk", "full"))
+        _choice("payload", payload, ("logits", "hidden_states"))
+        if full_loss is not None and full_loss.reference_policy_kl_penalty != 0:
+            raise ValueError(
+                "DistillationModule has no reference policy: `full_loss.reference_policy_kl_"
+                f"penalty` must be 0, got {full_loss.reference_policy_kl_penalty}."
+            )
+        # the mutable spec defaults are shared instances: each module keeps its own copy
+        rollout = replace(rollout) if rollout is not None else RolloutSpec()
+        loss_fn = (
+            DistillationLossFn(topk_loss or DEFAULT_TOPK_LOSS)
+            if vocabulary == "topk"
+            else OPDFullLossFn(full_loss or DEFAULT_FULL_LOSS)
+        )
+        super().__init__(
+            loss_fn=loss_fn, sampling_params=TrainingSamplingParams(temperature=rollout.temperature)
+        )
+        self.task = task or ModularCountingTask()
+        self.model_spec = replace(model) if model is not None else TinyGPTSpec()
+        teacher = teacher or TeacherSpec()
+        self.teacher_spec = replace(teacher, model=replace(teacher.model))
+        self.rollout = rollout
+        self.vocabulary = vocabulary
+        self.payload = payload
+        length = self.task.prompt_length + rollout.max_new_tokens
+        vocab = self._shared_vocab_size()
+        if not 1 <= topk <= vocab:
+            raise ValueError(f"`topk` must be in [1, V={vocab}], got {topk}.")
+        self.topk = topk
+        name = "prompt_length + max_new_tokens"
+        self.policy = RecipeModel(self.model_spec, vocab, length, name)
+        self.teacher_model = RecipeModel(self.teacher_spec.model, vocab, length, name)
+        self.lr = lr
+        self.pass_at_k = tuple(pass_at_k)
+        self.evaluation: RolloutEvaluation | None = None
+        self.rollout_reward: MeanMetric | None = None
+        self.teacher_reward: MeanMetric | None = None
+        self.save_hyperparameters(
+            {
+                "task": asdict(self.task),
+                "model": asdict(self.model_spec),
+                "teacher": asdict(self.teacher_spec),
+                "rollout": asdict(self.rollout),
+                "vocabulary": vocabulary,
+                "topk": topk,
+                "payload": payload,
+                "lr": lr,
+            }
+        )
+
+    def _shared_vocab_size(self) -> int:
+        """``V`` of student and teacher: the task's, or an HF model's vocabulary (read from its
+        ``config.json``).
+
+        Raises:
+            ValueError: two HF models of different vocabularies, or one below the task's.
+        """
+        from lightning_mcore_rl.models import HFBridge
+
+        sizes = {
+            role: HFBridge.from_pretrained(spec.path).vocab_size
+            for role, spec in (("model", self.model_spec), ("teacher", self.teacher_spec.model))
+            if isinstance(spec, HFModelSpec)
+        }
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"Student and teacher must share one vocabulary; the HF models have vocab_size "
+                f"{sizes['model']} (model) and {sizes['teacher']} (teacher)."
+            )
+        return next(iter(sizes.values()), self.task.vocab_size)
+
+    # ---------------------------------------------------------------- models
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        """The student's chunk for ``vp_stage``: the tiny GPT (layout-invariant deterministic
+        weights) or the HF checkpoint's shards."""
+        return self.policy.build_chunk(self, vp_stage)
+
+    def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        """The teacher's chunk for ``vp_stage``: built like a recipe model, then (collective, on
+        every rank) its weights from ``teacher.checkpoint`` when one is given."""
+        from lightning_mcore_rl.strategy import load_dist_checkpoint
+
+        chunk = self.teacher_model.build_chunk(self, vp_stage)
+        spec = self.teacher_spec
+        if spec.checkpoint is not None:
+            load_dist_checkpoint(chunk, spec.checkpoint, prefix=spec.checkpoint_prefix)
+        return chunk
+
+    def configure_optimizers(self) -> Any:
+        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
+
+    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+        """The default post-processor; with the ``"hidden_states"`` payload it also gets the
+        teacher's LM-head shard ``[V/TP, H_t]`` (on the last pipeline stage) to project them."""
+        from lightning_mcore_rl.train import LossPostProcessor
+
+        weight = self.teacher_output_weight() if self.payload == "hidden_states" else None
+        assert self.loss_fn is not None  # set in __init__
+        return LossPostProcessor(
+            self.loss_fn,
+            self.mcore_strategy.policy_config(),
+            num_microbatches,
+            sampling_params=self.sampling_params(),
+            teacher_output_layer_weight_by_index=None if weight is None else {0: weight},
+            use_fused_linear_logprobs=self.mcore_strategy.use_fused_linear_logprobs,
+        )
+
+    def setup(self, stage: str) -> None:
+        """The reward metrics (torchmetrics over the data-parallel group, known once the strategy
+        has built megatron's groups, which happens before this hook)."""
+        group, device = self.mcore_strategy.groups.dp_group, self.mcore_strategy.root_device
+        if self.evaluation is None:
+            self.evaluation = RolloutEvaluation(self.pass_at_k, self.rollout.group_size, group).to(
+                device
+            )
+        if self.rollout_reward is None:
+            self.rollout_reward = MeanMetric(process_group=group, dist_sync_on_step=True).to(device)
+        if self.teacher_reward is None:
+            self.teacher_reward = MeanMetric(process_group=group).to(device)
+
+    # ---------------------------------------------------------------- steps
+
+    # The base step takes Mapping batches; this recipe's loader yields prompt tensors and the
+    # step is replaced whole (Lightning hooks take whatever the dataloader yields).
+    def training_step(  # type: ignore[override]
+        self, batch: torch.Tensor, batch_idx: int = 0
+    ) -> torch.Tensor:
+        """Student rollout, teacher signal, one distillation step.
+
+        Args:
+            batch: ``[b, P]`` prompts of this data-parallel rank.
+        """
+        generator = torch.Generator().manual_seed(
+            self.rollout.seed + 1_000_003 * self.global_step + self.mcore_strategy.groups.dp_rank
+        )
+        out, rewards = self._sample(batch, generator)
+        data = self.teacher_signal(self.rollout_batch(out))
+        loss = self.forward_backward(data).loss
+        assert self.rollout_reward is not None  # built in setup()
+        self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
+        self.log("reward", self.rollout_reward, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    @torch.no_grad()
+    def validation_step(  # type: ignore[override]
+        self, batch: torch.Tensor, batch_idx: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """Sample ``G`` completions per held-out prompt with the student and, from the same
+        seeds, with the teacher; score both (``val_reward`` and the other
+        :class:`~lightning_mcore_rl.recipes.evaluation.RolloutEvaluation` metrics of the student,
+        ``val_teacher_reward`` of the teacher).
+
+        Returns:
+            This rank's student ``rewards``, ``correct``, ``lengths``, ``truncated`` ``[b*G]``
+            and the teacher's ``teacher_rewards [b*G]``.
+        """
+        assert self.evaluation is not None and self.teacher_reward is not None  # setup()
+        seed = self.rollout.seed + 7_000_003 * (batch_idx + 1) + self.mcore_strategy.groups.dp_rank
+        out, rewards = self._sample(batch, torch.Generator().manual_seed(seed))
+        _, teacher_rewards = self._sample(batch, torch.Generator().manual_seed(seed), teacher=True)
+        lengths = out.completion_mask.sum(dim=1)
+        scores = {
+            "rewards": rewards,
+            "correct": rewards >= 1.0,
+            "lengths": lengths,
+            "truncated": lengths >= self.rollout.max_new_tokens,
+        }
+        self.evaluation.update(**scores)
+        self.evaluation.log(self)
+        self.teacher_reward.update(teacher_rewards)
+        self.log("val_teacher_reward", self.teacher_reward, on_step=False, on_epoch=True)
+        return {**scores, "teacher_rewards": teacher_rewards}
+
+    # ---------------------------------------------------------------- pieces
+
+    def _sample(
+        self, prompts: torch.Tensor, generator: torch.Generator, *, teacher: bool = False
+    ) -> tuple[GenerationOutput, torch.Tensor]:
+        """``G`` completions per prompt (group-major ``[b*G, P+N]``) sampled by the student (or
+        the teacher) and their rewards ``[b*G]``."""
+        strategy, spec = self.mcore_strategy, self.rollout
+        chunks = strategy.teacher.chunks if teacher else strategy.model_chunks
+        out = generate(
+            chunks[0],
+            prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
+            max_new_tokens=spec.max_new_tokens,
+            generator=generator,
+            temperature=spec.temperature,
+            tp_group=strategy.groups.tp_group,
+        )
+        return out, self.task.rewards(out.tokens, out.completion_mask)
+
+    @staticmethod
+    def rollout_batch(out: GenerationOutput) -> BatchedDataDict:
+        """The distillation batch of sampled rows: ``input_ids [B, P+N]``, ``input_lengths
+        [B]``, ``token_mask [B, P+N]`` (1 on the completion) and ``sample_mask [B]``."""
+        rows, width = out.tokens.shape
+        return BatchedDataDict(
+            input_ids=out.tokens,
+            input_lengths=torch.full((rows,), width),
+            token_mask=out.completion_mask.float(),
+            sample_mask=torch.ones(rows),
+        )
+
+    @torch.no_grad()
+    def teacher_signal(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``data`` plus the hosted teacher's forward-only signal on it (every rank):
+        ``teacher_topk_logits``/``teacher_topk_indices [B, S, K]`` (``"topk"``), or
+        ``teacher_full_payload`` ``[B, S, V]`` (``"logits"``) / ``[B, S, H_t]`` with
+        ``teacher_index [B]`` = 0 (``"hidden_states"``)."""
+        if self.vocabulary == "topk":
+            values, indices = self.compute_topk_logits(data, self.topk, teacher=True)
+            return BatchedDataDict(
+                {**data, "teacher_topk_logits": values, "teacher_topk_indices": indices}
+            )
+        _, payload = self.compute_teacher_payload(data, self.payload, torch.float32, teacher=True)
+        extra: dict[str, torch.Tensor] = {"teacher_full_payload": payload}
+        if self.payload == "hidden_states":
+            extra["teacher_index"] = torch.zeros(payload.shape[0], dtype=torch.long)
+        return BatchedDataDict({**data, **extra})
