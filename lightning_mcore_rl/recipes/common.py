@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mcore_rl.megatron_defaults import local_spec_settings
 from lightning_mcore_rl.rollout import ModularCountingTask
 from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
+from lightning_mcore_rl.train.chunks import unwrap_model as unwrap
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -161,13 +162,6 @@ class RecipeModel:
             with torch.no_grad():
                 for param, value in zip(params, current, strict=True):
                     param.copy_(value)
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPT model inside megatron's DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = cast(torch.nn.Module, chunk.module)  # DDP / Float16Module wrap a module
-    return chunk
 
 
 def data_parallel_size(trainer: Trainer | None) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.strategy.config import CheckpointConfig
-from lightning_mcore_rl.strategy.model import unwrap_model
+from lightning_mcore_rl.train.chunks import unwrap_model
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule

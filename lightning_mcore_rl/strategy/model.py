@@ -36,13 +36,6 @@ def build_stage_chunks(
         ) from err
 
 
-def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The megatron model inside DDP / ``Float16Module`` wrappers."""
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
-
-
 def wrap_chunks(
     chunks: Sequence[torch.nn.Module], *, bf16: bool, ddp_config: Any | None
 ) -> list[torch.nn.Module]:

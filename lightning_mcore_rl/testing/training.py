@@ -16,6 +16,7 @@ import torch
 
 from lightning_mcore_rl._compat import init_distributed_optimizer_state_for_load
 from lightning_mcore_rl.models.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -188,12 +189,6 @@ def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch
                 value = torch.cat(parts, dim=cast(Any, param).partition_dim)
             result[canonical_name(gpt, name)] = value
     return result
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = cast(torch.nn.Module, chunk.module)  # DDP / Float16Module wrap a module
-    return chunk
 
 
 def model_sharded_state_dict(setup: TrainingSetup) -> dict[str, Any]:

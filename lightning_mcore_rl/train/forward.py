@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp_rank
+from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
@@ -27,7 +28,6 @@ from lightning_mcore_rl.train.fused import (
     output_weight,
     reject_filtering,
 )
-from lightning_mcore_rl.train.fused import unwrap_model as _unwrap
 from lightning_mcore_rl.train.groups import current_parallel_groups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import (

@@ -38,6 +38,7 @@ from lightning_mcore_rl.ops import (
     from_hidden_to_logprobs,
     from_hidden_to_logprobs_packed_sequences,
 )
+from lightning_mcore_rl.train.chunks import unwrap_model
 
 FUSED_NEEDS_LOGITS = (
     "{what} needs the [tokens, V/TP] logits, which the fused linear logprobs path never builds; "
@@ -55,13 +56,6 @@ def reject_filtering(sampling_params: TrainingSamplingParams | None, owner: str)
                 f"top_p={sampling_params.top_p})"
             )
         )
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers."""
-    while hasattr(model, "module"):
-        model = cast(torch.nn.Module, model.module)  # DDP / Float16Module wrap a module
-    return model
 
 
 def output_weight(model: torch.nn.Module) -> Tensor:

@@ -24,6 +24,7 @@ from lightning_mcore_rl.models.hf.weights import (
     param_map,
     read_shard,
 )
+from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -33,14 +34,6 @@ if TYPE_CHECKING:
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The megatron model inside DDP / ``Float16Module`` wrappers (``.module`` repeatedly)."""
-    inner = getattr(chunk, "module", None)
-    while isinstance(inner, torch.nn.Module):
-        chunk, inner = inner, getattr(inner, "module", None)
-    return chunk
 
 
 def _global_layer(model: torch.nn.Module, name: str) -> int | None:
