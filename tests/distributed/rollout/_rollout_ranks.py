@@ -1,0 +1,162 @@
+"""Rank functions of the rollout-source tests (``run_on_ranks``): the embedded source against
+``generate``, the Hugging Face source against the megatron chunk it is refit from, and the GRPO
+recipe with ``RolloutSpec(backend="hf")`` under a Trainer."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+from megatron.core import parallel_state as ps
+
+from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.models import HFBridge
+from lightning_mcore_rl.recipes import GRPOModule, HFModelSpec, PromptDataModule, RolloutSpec
+from lightning_mcore_rl.rollout import (
+    HFRolloutSource,
+    MegatronRolloutSource,
+    RolloutSource,
+    SamplingConfig,
+    generate,
+    mismatch_extrema,
+)
+from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
+
+PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(0))
+SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.7, seed=7)
+
+
+def _megatron_logprobs(chunk: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> Any:
+    """``[B, N]`` logprobs of the completion tokens under ``log_softmax(logits / T)`` of the
+    megatron chunk (TP-gathered logits, one forward over the whole sequence)."""
+    with torch.no_grad():
+        local = chunk(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None).float()
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    logits = torch.cat(parts, dim=-1)[:, PROMPTS.shape[1] - 1 : -1] / temperature
+    picked = tokens[:, PROMPTS.shape[1] :, None]
+    return torch.log_softmax(logits, dim=-1).gather(-1, picked).squeeze(-1)
+
+
+@torch.no_grad()
+def _perturb(chunk: torch.nn.Module, seed: int) -> None:
+    """A stand-in optimizer step: the same noise on every rank for the same parameter (so the
+    replicated norms stay replicated)."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in chunk.parameters():
+        param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def sources(rank: int, hf_dir: str) -> dict[str, Any]:
+    """TP=2: the embedded source vs ``generate``; the HF source before/after a refit vs the
+    megatron chunk; the errors."""
+    init_megatron_state(tensor_model_parallel_size=2)
+    tp_group = ps.get_tensor_model_parallel_group()
+    model = tiny_gpt()
+    embedded = MegatronRolloutSource(model, tp_group)
+    direct = generate(
+        model,
+        PROMPTS,
+        max_new_tokens=SAMPLING.max_new_tokens,
+        generator=torch.Generator().manual_seed(SAMPLING.seed),
+        temperature=SAMPLING.temperature,
+        tp_group=tp_group,
+    )
+    wrapped = embedded.generate(PROMPTS, SAMPLING)
+
+    bridge = HFBridge.from_pretrained(hf_dir)
+    chunk = bridge.build_chunk(bridge.transformer_config())
+    hf = HFRolloutSource(hf_dir, ps.get_model_parallel_group())
+    initial = hf.generate(PROMPTS, SAMPLING)
+    initial_ref = _megatron_logprobs(chunk, initial.tokens, SAMPLING.temperature)
+    _perturb(chunk, seed=11)
+    stale = hf.generate(PROMPTS, SAMPLING)
+    stale_ref = _megatron_logprobs(chunk, stale.tokens, SAMPLING.temperature)
+    hf.update_weights(bridge.export_hf_weights([chunk]))
+    refit = hf.generate(PROMPTS, SAMPLING)
+    refit_ref = _megatron_logprobs(chunk, refit.tokens, SAMPLING.temperature)
+
+    # the extrema over a 2-rank "DP" group: rank r's ratios are exp(r + 0.1), exp(-0.2 r)
+    masked = {
+        "generation_logprobs": torch.tensor([[0.0, -1.0, -1.0 - rank - 0.1, -1.0]]),
+        "prev_logprobs": torch.tensor([[0.0, -1.0 - 0.2 * rank, -1.0, -9.0]]),
+        "token_mask": torch.tensor([[0.0, 1.0, 1.0, 0.0]]),
+    }
+    extrema = mismatch_extrema(masked, dist.group.WORLD)
+    with pytest.raises(ValueError, match="must be the same"):
+        mismatch_extrema({**masked, "token_mask": torch.ones(1, 3)}, dist.group.WORLD)
+    with pytest.raises(ValueError, match="unknown names \\['bogus'\\]"):
+        hf.update_weights([("bogus", torch.zeros(1))])
+    with pytest.raises(ValueError, match="`prompts` must be integer"):
+        hf.generate(PROMPTS.float(), SAMPLING)
+    return {
+        "extrema": extrema,
+        "is_protocol": isinstance(embedded, RolloutSource) and isinstance(hf, RolloutSource),
+        "direct": direct,
+        "wrapped": wrapped,
+        "generator": hf.is_generator,
+        "initial": initial,
+        "initial_ref": initial_ref,
+        "stale": stale,
+        "stale_ref": stale_ref,
+        "refit": refit,
+        "refit_ref": refit_ref,
+    }
+
+
+class _Rows(Callback):
+    """Every step's logged metrics, as floats."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+class _RecordingGRPO(GRPOModule):
+    """Records each step's largest |generation_logprobs - prev_logprobs| on completion tokens
+    (the trainer's ``compute_logprobs`` vs the rollout source) before training on the batch."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_errors: list[float] = []
+
+    def forward_backward(self, batch: Any, forward_only: bool = False) -> Any:
+        mask = batch["token_mask"].bool()
+        diff = (batch["generation_logprobs"] - batch["prev_logprobs"])[mask]
+        self.max_errors.append(float(diff.abs().max()))
+        return super().forward_backward(batch, forward_only)
+
+
+def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, steps: int) -> dict[str, Any]:
+    """GRPO of the HF model with ``RolloutSpec(backend=backend)``: ``steps`` steps at
+    TP=``tp`` (DP = world / TP), temperature 0.8."""
+    rows = _Rows()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=4),
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rows],
+    )
+    module = _RecordingGRPO(
+        model=HFModelSpec(path=hf_dir),
+        rollout=RolloutSpec(group_size=2, max_new_tokens=4, temperature=0.8, backend=backend),
+        lr=1e-2,
+    )
+    data = PromptDataModule(prompts_per_step=4, num_steps=steps)
+    trainer.fit(module, datamodule=data)
+    source = module.rollout_source.source
+    generator = source.is_generator if isinstance(source, HFRolloutSource) else None
+    return {"rows": rows.rows, "max_errors": module.max_errors, "generator": generator}
