@@ -3,7 +3,6 @@ GRPO, SFT, DPO and a Bradley-Terry reward model (``docs/recipes.md``)."""
 
 from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
 from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
-from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
 from lightning_mcore_rl.recipes.dpo import DPOModule, PreferenceDataModule
 from lightning_mcore_rl.recipes.grpo import (
     GRPOModule,
@@ -11,6 +10,7 @@ from lightning_mcore_rl.recipes.grpo import (
     PromptDataset,
     RolloutSpec,
 )
+from lightning_mcore_rl.recipes.ppo import PolicyValueChunk, PPOLossFn, PPOModule
 from lightning_mcore_rl.recipes.reward_model import RewardModelModule
 from lightning_mcore_rl.recipes.sft import SFTDataModule, SFTModule
 from lightning_mcore_rl.recipes.toy_data import (
@@ -24,9 +24,11 @@ __all__ = [
     "CountingSFTDataset",
     "DPOModule",
     "DistillationModule",
-    "DistillationModule",
     "GRPOModule",
     "HFModelSpec",
+    "PPOLossFn",
+    "PPOModule",
+    "PolicyValueChunk",
     "PreferenceDataModule",
     "PromptDataModule",
     "PromptDataset",
@@ -35,7 +37,6 @@ __all__ = [
     "RolloutSpec",
     "SFTDataModule",
     "SFTModule",
-    "TeacherSpec",
     "TeacherSpec",
     "TinyGPTSpec",
     "collate_pairs",

@@ -211,12 +211,7 @@ class GRPOModule(MCoreRLModule):
         loss = loss or DEFAULT_GRPO_LOSS
         _check_choice("advantage_estimator", advantage_estimator, ("grpo", "reinforce_plus_plus"))
         _check_choice("reference_model", reference_model, ("recompute", "frozen_copy"))
-        if loss.use_kl_in_reward and advantage_estimator != "reinforce_plus_plus":
-            raise ValueError(
-                f"`use_kl_in_reward=True` is not supported by advantage_estimator="
-                f"{advantage_estimator!r}: only 'reinforce_plus_plus' folds the KL into the "
-                "reward (NeMo RL's GRPO estimator ignores it, so the KL would vanish)."
-            )
+        self._check_kl_in_reward(loss, advantage_estimator)
         # the mutable spec defaults are shared instances: each module keeps its own copy
         rollout = replace(rollout) if rollout is not None else RolloutSpec()
         super().__init__(
@@ -260,6 +255,20 @@ class GRPOModule(MCoreRLModule):
         (layout-invariant deterministic weights) or the HF checkpoint's shards."""
         return self.policy.build_chunk(self, vp_stage)
 
+    def _check_kl_in_reward(self, loss: ClippedPGLossConfig, estimator: str) -> None:
+        """``use_kl_in_reward`` only with an estimator that puts the KL into the reward."""
+        if loss.use_kl_in_reward and estimator != "reinforce_plus_plus":
+            raise ValueError(
+                f"`use_kl_in_reward=True` is not supported by advantage_estimator="
+                f"{estimator!r}: only 'reinforce_plus_plus' folds the KL into the reward "
+                "(NeMo RL's GRPO estimator ignores it, so the KL would vanish)."
+            )
+
+    def _advantages_need_logprobs(self) -> bool:
+        """Whether the advantages wait for the step's logprobs (:meth:`make_rollout` then
+        leaves zeros and :meth:`training_step` fills them)."""
+        return bool(self.loss_config.use_kl_in_reward)
+
     def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module | None:
         """With ``reference_model="frozen_copy"`` and a reference KL: a second copy of the
         initial policy (built like :meth:`build_chunk`: the seed's weights, or the HF
@@ -295,7 +304,7 @@ class GRPOModule(MCoreRLModule):
         self.log_dict(mismatch, on_step=True, on_epoch=False, batch_size=1)
         if self.kl_penalty > 0:
             data["reference_policy_logprobs"] = self.reference_logprobs(data)
-        if self.loss_config.use_kl_in_reward:  # the advantages need both logprobs
+        if self._advantages_need_logprobs():
             data["advantages"] = self.advantages(rewards, data)
         out = self.forward_backward(data)
         assert self.rollout_reward is not None  # built in setup()
@@ -418,10 +427,11 @@ class GRPOModule(MCoreRLModule):
             sample_mask=torch.ones(out.tokens.shape[0]),
             generation_logprobs=out.generation_logprobs,
         )
-        # with use_kl_in_reward the training step computes them once the logprobs exist
-        placeholder = torch.zeros_like(out.completion_mask, dtype=torch.float32)
-        use_kl = self.loss_config.use_kl_in_reward
-        batch["advantages"] = placeholder if use_kl else self.advantages(rewards, batch)
+        batch["advantages"] = (
+            torch.zeros_like(out.completion_mask, dtype=torch.float32)
+            if self._advantages_need_logprobs()  # the training step fills them
+            else self.advantages(rewards, batch)
+        )
         return batch, rewards
 
 

@@ -1,0 +1,385 @@
+"""PPO with a value model on the embedded toy task: GRPO's rollout loop, GAE advantages from a
+learned value model instead of group baselines, and a clipped value loss.
+
+The value model is a second GPT trunk (the policy's architecture and initial weights, its final
+hidden states into a zero-initialised scalar head ``H -> 1``) inside the SAME megatron chunk as
+the policy (:class:`PolicyValueChunk`): the strategy has one model and one optimizer, so both
+trunks are trained by one optimizer step on the combined loss ``L_pg + vf_coef * L_value``
+(:class:`PPOLossFn`). Their parameters are disjoint, so each gets the gradient of its own loss
+only and Adam updates them independently; what they share is the learning rate and the global
+gradient-norm clipping.
+
+Each ``training_step`` (GRPO's, with PPO's :meth:`PPOModule.advantages`) receives this
+data-parallel rank's prompts ``[b, P]`` and:
+
+1. samples ``G`` completions per prompt (GRPO's rollout) and scores them;
+2. recomputes the policy's logprobs (``prev_logprobs``), the reference's with a KL, and the value
+   model's old values ``V(s_t)`` (forward-only, right-shifted: ``values[:, t]`` is the value of the
+   state before token ``t``);
+3. turns the terminal rewards (minus the reference KL per token with ``use_kl_in_reward``) into
+   GAE advantages and returns (:func:`~lightning_mcore_rl.algorithms.gae_advantages`), whitened
+   over the global batch's completion tokens (``normalize_advantages``);
+4. runs megatron's schedule on the chunk's policy logits and values with :class:`PPOLossFn`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from lightning_mcore_rl.algorithms import gae_advantages, masked_whiten, terminal_token_rewards
+from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.losses import (
+    ClippedPGLossConfig,
+    ClippedPGLossFn,
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    MseValueLossConfig,
+    MseValueLossFn,
+    calculate_kl,
+    prepare_loss_input,
+)
+from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.recipes.common import DEFAULT_TASK, HFModelSpec, TinyGPTSpec
+from lightning_mcore_rl.recipes.grpo import (
+    DEFAULT_GRPO_LOSS,
+    DEFAULT_MODEL,
+    DEFAULT_ROLLOUT,
+    GRPOModule,
+    ReferenceModel,
+    RolloutSpec,
+)
+from lightning_mcore_rl.rollout import ModularCountingTask
+from lightning_mcore_rl.train.chunks import unwrap_model
+
+DEFAULT_VALUE_LOSS = MseValueLossConfig(cliprange=0.2)
+"""``PPOModule``'s default value loss: PPO's value clipping at 0.2 around the old values."""
+
+
+class PolicyValueChunk(MegatronModule):
+    """A policy GPT and a value GPT with a scalar head, as one megatron chunk.
+
+    By default the chunk is the policy (``forward`` returns its logits ``[B, S, V/TP]``, so the
+    sampler, ``compute_logprobs`` and the reference swap see a plain GPT). Under
+    :meth:`emitting_values` it returns ``[B, S, V/TP + 1]``: the policy logits with the values
+    ``[B, S]`` appended as the last column (the one tensor megatron's schedule hands the loss;
+    :func:`prepare_policy_value_input` splits it). The value trunk's vocabulary output layer is
+    bypassed (its final hidden states feed the head) and frozen unless tied to the embedding.
+
+    Args:
+        policy: the policy's ``GPTModel`` (one pipeline stage holding the whole model).
+        value: the value trunk's ``GPTModel`` (same config).
+    """
+
+    def __init__(self, policy: torch.nn.Module, value: torch.nn.Module) -> None:
+        config = cast(Any, policy).config
+        super().__init__(config=config)
+        self.policy = policy
+        self.value_trunk = value
+        head = torch.nn.Linear(config.hidden_size, 1, dtype=config.params_dtype)
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+        self.value_head = head
+        trunk = cast(Any, value)
+        if not trunk.share_embeddings_and_output_weights:
+            trunk.output_layer.weight.requires_grad_(False)  # bypassed: never used
+        for name in ("pre_process", "post_process", "model_type"):  # megatron reads them
+            setattr(self, name, getattr(policy, name))
+        self.emit_values = False
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Megatron's schedule hook (the chunk is the whole model: no pipeline input)."""
+        cast(Any, self.policy).set_input_tensor(input_tensor)
+
+    def values(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Any) -> Tensor:
+        """Raw value-head outputs ``[B, S]``: entry ``t`` scores the prefix ``tokens[:t+1]``."""
+        from lightning_mcore_rl.train.fused import lm_head_returns_hidden
+
+        with lm_head_returns_hidden(self.value_trunk):
+            hidden = self.value_trunk(input_ids, position_ids, attention_mask)  # [B, S, H]
+        return cast(Tensor, self.value_head(hidden)).squeeze(-1)
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, attention_mask: Any, **kwargs: Any
+    ) -> Tensor:
+        """Policy logits ``[B, S, V/TP]``, or with :attr:`emit_values` ``[B, S, V/TP + 1]``."""
+        logits = cast(Tensor, self.policy(input_ids, position_ids, attention_mask, **kwargs))
+        if not self.emit_values:
+            return logits
+        values = self.values(input_ids, position_ids, attention_mask)
+        return torch.cat([logits, values.unsqueeze(-1).to(logits.dtype)], dim=-1)
+
+
+def shift_values(raw: Tensor) -> Tensor:
+    """Right-shift raw value-head outputs ``[B, S]``: ``out[:, t] = raw[:, t-1]`` (the value of
+    the state before token ``t``), ``out[:, 0] = 0``."""
+    return torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
+
+
+def prepare_policy_value_input(
+    output: Tensor,
+    data: BatchedDataDict,
+    loss_fn: PPOLossFn,
+    vocab_parallel_rank: int | None,
+    vocab_parallel_group: Any,
+    context_parallel_group: Any,
+    *,
+    sampling_params: TrainingSamplingParams | None = None,
+    chunk_size: int | None = None,
+) -> tuple[dict[str, Any], BatchedDataDict]:
+    """The ``LossPostProcessor`` ``prepare_fn`` of :class:`PPOLossFn`.
+
+    Splits the chunk's ``[B, S, V/TP + 1]`` output: the logits go through
+    :func:`~lightning_mcore_rl.losses.prepare_loss_input` for the policy loss
+    (``next_token_logprobs [B, S-1]``, ``entropy`` when needed); the last column, multiplied back
+    by the temperature (the forward step divides the whole output by it in place), is
+    right-shifted into ``values [B, S]``.
+    """
+    logits, raw = output[..., :-1], output[..., -1]
+    if sampling_params is not None and sampling_params.temperature != 1.0:
+        raw = raw * sampling_params.temperature
+    policy_input, data = prepare_loss_input(
+        logits, data, cast(Any, loss_fn.policy_loss), vocab_parallel_rank, vocab_parallel_group,
+        context_parallel_group, sampling_params=sampling_params, chunk_size=chunk_size,
+    )  # fmt: skip
+    return {**policy_input, "values": shift_values(raw)}, data
+
+
+class PPOLossFn:
+    """``L = L_pg + vf_coef * L_value``: :class:`~lightning_mcore_rl.losses.ClippedPGLossFn` on
+    the policy logprobs and :class:`~lightning_mcore_rl.losses.MseValueLossFn` on the values.
+
+    Metrics: the policy loss's (``loss`` is the total), ``policy_loss``, ``value_loss`` and the
+    value loss's diagnostics (``vf_clipfrac``, ``returns_mean``, ``values_mean``, ...).
+
+    Args:
+        policy_loss: the policy-gradient loss.
+        value_loss: the value loss (data keys ``returns``, ``values`` = old values).
+        vf_coef: weight of the value loss.
+
+    Inputs: ``next_token_logprobs [B, S-1]``, ``values [B, S]`` (right-shifted), optional
+    ``entropy``; data: the union of both losses' keys.
+    """
+
+    input_type = LossInputType.LOGIT
+    loss_type = LossType.TOKEN_LEVEL
+
+    def __init__(
+        self, policy_loss: ClippedPGLossFn, value_loss: MseValueLossFn, vf_coef: float = 1.0
+    ) -> None:
+        if vf_coef <= 0:
+            raise ValueError(f"`vf_coef` must be > 0, got {vf_coef}.")
+        self.policy_loss = policy_loss
+        self.value_loss = value_loss
+        self.vf_coef = vf_coef
+        self.loss_type = policy_loss.loss_type
+        value_norms = {
+            k: v
+            for k, v in value_loss.metric_normalizations.items()
+            if k not in ("loss", "num_valid_samples")
+        }
+        self.metric_normalizations: dict[str, MetricNormalizer] = {
+            **policy_loss.metric_normalizations,
+            **value_norms,
+            "policy_loss": policy_loss.metric_normalizations["loss"],
+            "value_loss": MetricNormalizer.TOKENS,
+        }
+
+    def __call__(
+        self,
+        data: Mapping[str, Any],
+        global_valid_seqs: Tensor | float,
+        global_valid_toks: Tensor | float,
+        *,
+        next_token_logprobs: Tensor,
+        values: Tensor,
+        entropy: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The microbatch's share of both global losses and their metrics."""
+        pg, pg_metrics = self.policy_loss(
+            data, global_valid_seqs, global_valid_toks,
+            next_token_logprobs=next_token_logprobs, entropy=entropy,
+        )  # fmt: skip
+        vf, vf_metrics = self.value_loss(data, global_valid_seqs, global_valid_toks, logits=values)
+        loss = pg + self.vf_coef * vf
+        metrics = {**pg_metrics}
+        metrics.update({k: v for k, v in vf_metrics.items() if k in self.metric_normalizations})
+        metrics.update(loss=loss.detach(), policy_loss=pg.detach(), value_loss=vf.detach())
+        return loss, metrics
+
+
+class PPOModule(GRPOModule):
+    """PPO (Schulman et al. 2017, arXiv:1707.06347) with a learned value model and GAE.
+
+    Takes :class:`~lightning_mcore_rl.recipes.PromptDataModule` batches (prompts ``[b, P]``); the
+    model runs unpipelined (PP = CP = 1, no sequence parallelism: the embedded sampler's
+    limits) under any TP/DP.
+
+    Args:
+        task: the rewarded task.
+        model: the policy (:class:`TinyGPTSpec` or :class:`HFModelSpec`); the value model is the
+            same architecture with the same initial weights and a zero scalar head.
+        rollout: sampling settings.
+        loss: the policy's ``ClippedPGLossFn`` settings; ``reference_policy_kl_penalty > 0``
+            adds the reference KL to the loss or, with ``use_kl_in_reward``, subtracts it from
+            the token rewards (NeMo RL's GAE semantics).
+        value_loss: ``MseValueLossFn`` settings (default: value clipping 0.2).
+        vf_coef: weight of the value loss in the combined loss.
+        gae_gamma: GAE discount (NeMo RL's PPO default 1).
+        gae_lambda: GAE lambda (NeMo RL's default 0.95).
+        normalize_advantages: whiten the advantages over the global batch's completion tokens
+            (unbiased variance, NeMo RL's ``normalize_advantages``).
+        lr: Adam learning rate of both trunks and the head.
+        pass_at_k: validation ``val_pass@k``.
+        reference_model: the reference policy with a KL (see :class:`GRPOModule`; the recompute
+            path swaps the initial weights into the policy trunk only).
+    """
+
+    def __init__(
+        self,
+        task: ModularCountingTask | None = DEFAULT_TASK,
+        model: TinyGPTSpec | HFModelSpec | None = DEFAULT_MODEL,
+        rollout: RolloutSpec | None = DEFAULT_ROLLOUT,
+        loss: ClippedPGLossConfig | None = DEFAULT_GRPO_LOSS,
+        value_loss: MseValueLossConfig | None = DEFAULT_VALUE_LOSS,
+        vf_coef: float = 1.0,
+        gae_gamma: float = 1.0,
+        gae_lambda: float = 0.95,
+        normalize_advantages: bool = True,
+        lr: float = 5e-3,
+        pass_at_k: tuple[int, ...] = (1,),
+        reference_model: ReferenceModel = "recompute",
+    ) -> None:
+        for name, value in (("gae_gamma", gae_gamma), ("gae_lambda", gae_lambda)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1], got {value}.")
+        super().__init__(task, model, rollout, loss, lr, pass_at_k, reference_model=reference_model)
+        self.loss_fn = PPOLossFn(
+            ClippedPGLossFn(self.loss_config), MseValueLossFn(value_loss), vf_coef
+        )
+        self.gae_gamma = gae_gamma
+        self.gae_lambda = gae_lambda
+        self.normalize_advantages = normalize_advantages
+
+    def _check_kl_in_reward(self, loss: ClippedPGLossConfig, estimator: str) -> None:
+        """PPO folds the KL into GAE's token rewards: every setting is valid."""
+
+    def _advantages_need_logprobs(self) -> bool:
+        """GAE needs the old values (and with a reward KL the logprobs): always deferred."""
+        return True
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        """A :class:`PolicyValueChunk` of two chunks built like GRPO's policy.
+
+        Raises:
+            ValueError: pipeline or context parallelism, or sequence parallelism.
+        """
+        policy = self.policy.build_chunk(self, vp_stage)
+        config = cast(Any, policy).config
+        for name in ("pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(config, name) != 1:
+                raise ValueError(
+                    f"PPOModule runs the policy and value model unpipelined and unsharded "
+                    f"(the embedded sampler's limit): {name} must be 1, got "
+                    f"{getattr(config, name)}."
+                )
+        if config.sequence_parallel:
+            raise ValueError("PPOModule does not support sequence_parallel=True.")
+        return PolicyValueChunk(policy, self.policy.build_chunk(self, vp_stage))
+
+    def loss_post_processor(self, num_microbatches: int) -> Any:
+        """The loss callback with :func:`prepare_policy_value_input`.
+
+        Raises:
+            ValueError: fused linear logprobs or sequence packing (the values need the chunk's
+                unpacked full output).
+        """
+        from lightning_mcore_rl.train import LossPostProcessor
+
+        strategy = self.mcore_strategy
+        cfg = strategy.policy_config()
+        if strategy.use_fused_linear_logprobs or cfg.sequence_packing:
+            raise ValueError(
+                "PPOModule needs `MCoreRLStrategy(use_fused_linear_logprobs=False)` without "
+                "sequence packing: the values are a column of the chunk's unpacked output."
+            )
+        prepare = functools.partial(
+            prepare_policy_value_input,
+            sampling_params=self.sampling_params(),
+            chunk_size=cfg.logprob_chunk_size,
+        )
+        return LossPostProcessor(
+            cast(Any, self.loss_fn), cfg, num_microbatches,
+            sampling_params=self.sampling_params(), prepare_fn=prepare,
+        )  # fmt: skip
+
+    def _chunks(self) -> list[PolicyValueChunk]:
+        return [cast(PolicyValueChunk, unwrap_model(c)) for c in self.mcore_strategy.model_chunks]
+
+    @contextlib.contextmanager
+    def reference_weights(self) -> Iterator[None]:
+        """The initial weights in the policy trunk (the value model keeps its own)."""
+        with self.policy.initial_weights([chunk.policy for chunk in self._chunks()]):
+            yield
+
+    @contextlib.contextmanager
+    def emitting_values(self) -> Iterator[None]:
+        """The chunks return policy logits and values (restored on exit, also on error)."""
+        chunks = self._chunks()
+        for chunk in chunks:
+            chunk.emit_values = True
+        try:
+            yield
+        finally:
+            for chunk in chunks:
+                chunk.emit_values = False
+
+    @torch.no_grad()
+    def compute_values(self, batch: Mapping[str, Any]) -> Tensor:
+        """The value model's right-shifted values ``[B, S]`` of this rank's batch (forward-only,
+        the whole rows at once on the one unpipelined chunk)."""
+        ids = cast(Tensor, batch["input_ids"])
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        raw = self._chunks()[0].values(ids, positions, None)
+        return shift_values(raw.float())
+
+    def gae(self, rewards: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        """GAE ``(advantages, returns)`` ``[b*G, S]`` from the rewards ``[b*G]`` and the batch's
+        ``token_mask``, ``values`` (and with ``use_kl_in_reward`` its logprobs)."""
+        cfg = self.loss_config
+        mask = cast(Tensor, batch["token_mask"])
+        kl = None
+        if cfg.use_kl_in_reward and self.kl_penalty > 0:
+            kl = calculate_kl(
+                batch["prev_logprobs"], batch["reference_policy_logprobs"],
+                cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value,
+            )  # fmt: skip
+        token_rewards = terminal_token_rewards(rewards, mask, kl, self.kl_penalty)
+        advantages, returns = gae_advantages(
+            token_rewards, batch["values"], mask, self.gae_gamma, self.gae_lambda
+        )
+        if self.normalize_advantages:
+            group = self.mcore_strategy.groups.dp_group
+            advantages = masked_whiten(advantages, mask, unbiased=True, group=group) * mask
+        return advantages, returns
+
+    def advantages(self, rewards: Tensor, batch: Mapping[str, Any]) -> Tensor:
+        """GAE advantages ``[b*G, S]``; also puts the old ``values`` (:meth:`compute_values`)
+        and the value targets ``returns`` ``[b*G, S]`` into ``batch`` (GRPO's training step
+        calls this after the logprobs, :meth:`_advantages_need_logprobs`)."""
+        data = cast(dict[str, Any], batch)  # the step's own BatchedDataDict
+        data["values"] = self.compute_values(batch)
+        advantages, data["returns"] = self.gae(rewards, batch)
+        return advantages
+
+    def forward_backward(self, batch: Mapping[str, Any], forward_only: bool = False) -> Any:
+        """The strategy's step with the chunks emitting policy logits and values."""
+        with self.emitting_values():
+            return super().forward_backward(batch, forward_only=forward_only)

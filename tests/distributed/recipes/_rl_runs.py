@@ -1,0 +1,105 @@
+"""Rank functions of the GRPO-estimator and PPO recipe tests: fit a recipe under a ``Trainer``
+with ``MCoreRLStrategy`` on the counting task and record every step's logged metrics."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.losses import ClippedPGLossConfig
+from lightning_mcore_rl.recipes import GRPOModule, PPOModule, PromptDataModule
+from lightning_mcore_rl.testing import destroy_megatron_state
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One run: ``ppo`` or GRPO with ``options`` (``GRPOModule``/``PPOModule`` keyword
+    arguments), a reference KL ``kl`` (in the reward with ``kl_in_reward``), TP size, steps."""
+
+    ppo: bool = False
+    options: tuple[tuple[str, Any], ...] = ()
+    kl: float = 0.0
+    kl_in_reward: bool = False
+    tp: int = 1
+    steps: int = 4
+
+
+@dataclass
+class Fit:
+    """Every step's logged metrics; the reference check's largest difference (or ``None``)."""
+
+    rows: list[dict[str, float]] = field(default_factory=list)
+    reference_diff: float | None = None
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _module(recipe: Recipe) -> GRPOModule:
+    loss = ClippedPGLossConfig(
+        reference_policy_kl_penalty=recipe.kl, use_kl_in_reward=recipe.kl_in_reward
+    )
+    cls = PPOModule if recipe.ppo else GRPOModule
+    return cls(loss=loss, **dict(recipe.options))
+
+
+def fit(rank: int, recipe: Recipe, check_reference: bool = False) -> Fit:
+    """Fit ``recipe`` (16 prompts x 4 completions per step, 16-row microbatches); with
+    ``check_reference``, afterwards compare the hosted frozen copy's logprobs of a fresh rollout
+    with the recompute path's (initial weights swapped into the policy)."""
+    record = _Record()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=recipe.tp, micro_batch_size=16),
+        max_steps=recipe.steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
+    module = _module(recipe)
+    data = PromptDataModule(num_steps=recipe.steps)
+    trainer.fit(module, datamodule=data)
+    out = Fit(rows=record.rows)
+    if check_reference:
+        prompts = next(iter(data.train_dataloader()))
+        batch, _ = module.make_rollout(prompts)
+        frozen = module.compute_logprobs(batch, teacher=True)
+        with module.reference_weights():
+            recomputed = module.compute_logprobs(batch)
+        current = module.compute_logprobs(batch)
+        assert not torch.equal(current, recomputed)  # the policy has moved away from it
+        out.reference_diff = float((frozen - recomputed).abs().max())
+    destroy_megatron_state()
+    return out
+
+
+def fits(rank: int, recipes: list[Recipe]) -> list[Fit]:
+    """Several runs in one process group, one after the other."""
+    return [fit(rank, recipe) for recipe in recipes]
+
+
+RLOO = (("use_leave_one_out_baseline", True), ("normalize_rewards", False))
+REINFORCE_PP = (("advantage_estimator", "reinforce_plus_plus"),)
+FROZEN_COPY = (("reference_model", "frozen_copy"),)
+
+
+def reference_paths(rank: int, steps: int) -> tuple[Fit, Fit]:
+    """GRPO with a reference KL at TP=2: the recompute path's run, then the frozen copy's with
+    the reference check."""
+    recompute = fit(rank, Recipe(kl=0.05, tp=2, steps=steps))
+    frozen = fit(rank, Recipe(kl=0.05, tp=2, steps=steps, options=FROZEN_COPY), True)
+    return recompute, frozen
