@@ -141,9 +141,12 @@ def test_teacher_equal_to_student_gives_zero_loss(layout, request):
 def test_hf_teacher(tp2_runs):
     for rank_runs in tp2_runs:
         for name in ("same_hf_topk_mixed", "same_hf_full_hidden_states"):
-            losses = [row["train_loss"] for row in rank_runs[name].rows]
-            print(f"HF teacher = HF student, {name}: losses {losses}")
+            rows = rank_runs[name].rows
+            losses = [row["train_loss"] for row in rows]
+            norms = [row["grad_norm"] for row in rows]
+            print(f"HF teacher = HF student, {name}: losses {losses}, grad norms {norms}")
             assert len(losses) == STEPS and max(abs(v) for v in losses) <= ZERO_TOL, name
+            assert max(norms) <= ZERO_TOL, name
         losses = [row["train_loss"] for row in rank_runs["hf_teacher_full_logits"].rows]
         print(f"HF teacher, tiny GPT student: losses {losses}")
         assert len(losses) == STEPS and min(losses) > 1e-3
