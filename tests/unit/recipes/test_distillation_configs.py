@@ -71,9 +71,9 @@ def test_defaults_are_not_shared_between_instances():
     first, second = DistillationModule(), DistillationModule()
     first.rollout.group_size = 8
     first.model_spec.num_layers = 5
-    first.teacher_spec.model.num_layers = 6  # type: ignore[union-attr]
+    first.teacher_spec.model.num_layers = 6
     assert second.rollout.group_size == 4 and second.model_spec.num_layers == 2
-    assert second.teacher_spec.model.num_layers == 2  # type: ignore[union-attr]
+    assert second.teacher_spec.model.num_layers == 2
     none = DistillationModule(task=None, model=None, teacher=None, rollout=None, topk_loss=None)
     assert isinstance(none.loss_fn, DistillationLossFn) and none.teacher_spec == TeacherSpec()
 
