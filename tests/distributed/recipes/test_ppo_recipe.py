@@ -1,0 +1,50 @@
+"""The PPO recipe under a Trainer: TP=2 = TP=1 per step (samples, losses, value loss, grad
+norms), the reward rises as GRPO's does while the value loss falls, and ``lmrl fit`` runs
+``ppo_tiny.yaml``."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+from _recipe_runs import lmrl_fit
+from _rl_runs import Recipe, fit
+
+from lightning_mcore_rl.testing import run_on_ranks
+
+KEYS = ("train_loss", "train_policy_loss", "train_value_loss", "train_values_mean")
+
+
+def test_ppo_tp2_matches_tp1():
+    (ref,) = run_on_ranks(fit, 1, Recipe(ppo=True, steps=4), timeout=240)
+    worst = dict.fromkeys(KEYS, 0.0)
+    for run in run_on_ranks(fit, 2, Recipe(ppo=True, tp=2, steps=4), timeout=240):
+        assert len(run.rows) == 4
+        for got, want in zip(run.rows, ref.rows, strict=True):
+            assert got["reward"] == want["reward"]  # the same samples
+            for key in KEYS:
+                assert got[key] == pytest.approx(want[key], abs=1e-5), key
+                worst[key] = max(worst[key], abs(got[key] - want[key]))
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    print("TP=2 vs TP=1 max |diff|:", {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def test_ppo_reward_rises_and_value_loss_falls():
+    # 40 steps of 16 prompts x 4 samples (TP=1). Measured on this seed: reward 0.279 over the
+    # first 5 steps -> 0.995 over the last 5, value loss 0.0224 -> 0.0005
+    (run,) = run_on_ranks(fit, 1, Recipe(ppo=True, steps=40), timeout=300)
+    rewards = [row["reward"] for row in run.rows]
+    losses = [row["train_value_loss"] for row in run.rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    v_first, v_last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    print(f"reward {first:.3f} -> {last:.3f}, value loss {v_first:.4f} -> {v_last:.4f}")
+    assert first < 0.35 and last > 0.9
+    assert v_last < 0.2 * v_first
+
+
+def test_lmrl_fit_runs_the_ppo_config(tmp_path):
+    rank0, _ = run_on_ranks(lmrl_fit, 2, str(tmp_path), ["ppo_tiny"], 3, timeout=240)
+    rows = list(csv.DictReader(rank0["ppo_tiny"]))
+    assert [int(row["step"]) for row in rows] == [0, 1, 2]
+    assert all(math.isfinite(float(row["train_value_loss"])) for row in rows)
