@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
@@ -53,11 +54,23 @@ def _module(recipe: Recipe) -> GRPOModule:
     return cls(loss=loss, **dict(recipe.options))
 
 
-def fit(rank: int, recipe: Recipe, check_reference: bool = False) -> Fit:
+def fit(
+    rank: int,
+    recipe: Recipe,
+    check_reference: bool = False,
+    root: str | None = None,
+    ckpt_path: str | None = None,
+) -> Fit:
     """Fit ``recipe`` (16 prompts x 4 completions per step, 16-row microbatches); with
     ``check_reference``, afterwards compare the hosted frozen copy's logprobs of a fresh rollout
-    with the recompute path's (initial weights swapped into the policy)."""
+    with the recompute path's (initial weights swapped into the policy). With ``root``, a
+    ``ModelCheckpoint`` saves every 2 steps into ``root``; ``ckpt_path`` resumes from one."""
     record = _Record()
+    callbacks: list[Callback] = [record]
+    if root is not None and ckpt_path is None:
+        callbacks.append(
+            ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+        )
     trainer = Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -65,14 +78,14 @@ def fit(rank: int, recipe: Recipe, check_reference: bool = False) -> Fit:
         max_steps=recipe.steps,
         gradient_clip_val=1.0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=root is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[record],
+        callbacks=callbacks,
     )
     module = _module(recipe)
     data = PromptDataModule(num_steps=recipe.steps)
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     out = Fit(rows=record.rows)
     if check_reference:
         prompts = next(iter(data.train_dataloader()))
@@ -103,3 +116,11 @@ def reference_paths(rank: int, steps: int) -> tuple[Fit, Fit]:
     recompute = fit(rank, Recipe(kl=0.05, tp=2, steps=steps))
     frozen = fit(rank, Recipe(kl=0.05, tp=2, steps=steps, options=FROZEN_COPY), True)
     return recompute, frozen
+
+
+def resume(rank: int, recipe: Recipe, root: str) -> tuple[Fit, Fit]:
+    """An uninterrupted run saving every 2 steps, then a new Trainer resumed from its step-2
+    checkpoint."""
+    full = fit(rank, recipe, root=root)
+    resumed = fit(rank, recipe, root=root, ckpt_path=os.path.join(root, "step=2.ckpt"))
+    return full, resumed

@@ -9,7 +9,7 @@ import math
 
 import pytest
 from _recipe_runs import lmrl_fit
-from _rl_runs import Recipe, fit
+from _rl_runs import Recipe, fit, resume
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -48,3 +48,14 @@ def test_lmrl_fit_runs_the_ppo_config(tmp_path):
     rows = list(csv.DictReader(rank0["ppo_tiny"]))
     assert [int(row["step"]) for row in rows] == [0, 1, 2]
     assert all(math.isfinite(float(row["train_value_loss"])) for row in rows)
+
+
+def test_ppo_resume_repeats_the_uninterrupted_run(tmp_path):
+    # TP=2: steps 3-4 resumed from the step-2 checkpoint (policy, value trunk and head, Adam,
+    # loader position) repeat the uninterrupted run's logged values bitwise
+    recipe = Recipe(ppo=True, tp=2, steps=4)
+    for full, resumed in run_on_ranks(resume, 2, recipe, str(tmp_path), timeout=300):
+        assert len(full.rows) == 4 and len(resumed.rows) == 2
+        for got, want in zip(resumed.rows, full.rows[2:], strict=True):
+            for key in ("reward", "grad_norm", *KEYS):
+                assert got[key] == want[key], key
