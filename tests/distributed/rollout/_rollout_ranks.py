@@ -134,14 +134,16 @@ class _RecordingGRPO(GRPOModule):
         return super().forward_backward(batch, forward_only)
 
 
-def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, steps: int) -> dict[str, Any]:
+def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, pp: int, steps: int) -> dict[str, Any]:
     """GRPO of the HF model with ``RolloutSpec(backend=backend)``: ``steps`` steps at
-    TP=``tp`` (DP = world / TP), temperature 0.8."""
+    TP=``tp``, PP=``pp`` (DP = world / (TP PP)), temperature 0.8."""
     rows = _Rows()
     trainer = Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=4),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=4
+        ),
         max_steps=steps,
         gradient_clip_val=1.0,
         logger=False,

@@ -51,17 +51,23 @@ def test_embedded_and_hf_sources_tp2(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("backend", "tp", "generators"),
-    [("hf", 2, [True, False]), ("hf", 1, [True, True]), ("megatron", 2, [None, None])],
-    ids=["hf-tp2", "hf-dp2", "megatron-tp2"],
+    ("backend", "tp", "pp", "generators"),
+    [
+        ("hf", 2, 1, [True, False]),
+        ("hf", 1, 1, [True, True]),
+        ("hf", 1, 2, [True, False]),
+        ("megatron", 2, 1, [None, None]),
+    ],
+    ids=["hf-tp2", "hf-dp2", "hf-pp2", "megatron-tp2"],
 )
-def test_grpo_refit_logprobs_match_compute_logprobs(tmp_path, backend, tp, generators):
+def test_grpo_refit_logprobs_match_compute_logprobs(tmp_path, backend, tp, pp, generators):
     """After each of 3 optimizer steps the source's logprobs equal the trainer's
     ``compute_logprobs`` and the mismatch metrics reach the logs (HF: refit from the export at
-    TP=2 and on both DP=2 replicas; the embedded source: the training model itself)."""
+    TP=2, on both DP=2 replicas and at PP=2, where the embedded sampler cannot run; the embedded
+    source: the training model itself)."""
     steps = 4  # the rollouts of steps 1..3 come from weights refit after 1..3 optimizer steps
     build_hf_model(hf_configs()["llama"], tmp_path, seed=1)
-    rank0, rank1 = run_on_ranks(grpo_run, 2, str(tmp_path), backend, tp, steps, timeout=300)
+    rank0, rank1 = run_on_ranks(grpo_run, 2, str(tmp_path), backend, tp, pp, steps, timeout=300)
     assert rank0["rows"] == rank1["rows"]
     assert [rank0["generator"], rank1["generator"]] == generators
     rows = rank0["rows"]
@@ -69,7 +75,7 @@ def test_grpo_refit_logprobs_match_compute_logprobs(tmp_path, backend, tp, gener
     assert len(rows) == len(errors) == steps
     for step, (row, error) in enumerate(zip(rows, errors, strict=True)):
         print(
-            f"{backend} tp={tp} step {step}: max |gen - prev| {error:.2e}, "
+            f"{backend} tp={tp} pp={pp} step {step}: max |gen - prev| {error:.2e}, "
             f"token_mult_prob_error - 1 {row['train_token_mult_prob_error'] - 1:.2e}, "
             f"gen_kl_error {row['train_gen_kl_error']:.2e}, ratio - 1 in "
             f"[{row['gen_train_ratio_min'] - 1:.2e}, {row['gen_train_ratio_max'] - 1:.2e}], "
