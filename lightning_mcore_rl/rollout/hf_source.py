@@ -31,7 +31,8 @@ class HFRolloutSource:
     (in the recipes: the data-parallel replica's model-parallel group, so every DP replica has
     one generator, its TP/PP rank 0). Every rank of the training world takes part in
     :meth:`update_weights` (the export is collective); only the generator keeps the tensors, one
-    at a time, copied into its model: no rank holds more than its own model plus one tensor.
+    at a time, copied into its model: beyond its own model (and the generator's HF copy) a rank
+    holds only the tensor in flight (its TP-gathered shards and the merged full tensor).
 
     Args:
         hf_dir: a directory ``transformers`` loads (the policy's HF checkpoint); read by the
