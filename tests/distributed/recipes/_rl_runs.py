@@ -20,7 +20,8 @@ from lightning_mcore_rl.testing import destroy_megatron_state
 @dataclass(frozen=True)
 class Recipe:
     """One run: ``ppo`` or GRPO with ``options`` (``GRPOModule``/``PPOModule`` keyword
-    arguments), a reference KL ``kl`` (in the reward with ``kl_in_reward``), TP size, steps."""
+    arguments), a reference KL ``kl`` (in the reward with ``kl_in_reward``), TP size, steps,
+    gradient clipping."""
 
     ppo: bool = False
     options: tuple[tuple[str, Any], ...] = ()
@@ -28,6 +29,7 @@ class Recipe:
     kl_in_reward: bool = False
     tp: int = 1
     steps: int = 4
+    clip: float | None = 1.0
 
 
 @dataclass
@@ -76,7 +78,7 @@ def fit(
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=MCoreRLStrategy(tensor_model_parallel_size=recipe.tp, micro_batch_size=16),
         max_steps=recipe.steps,
-        gradient_clip_val=1.0,
+        gradient_clip_val=recipe.clip,
         logger=False,
         enable_checkpointing=root is not None,
         enable_progress_bar=False,

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import replace
 
 import pytest
-from _recipe_runs import lmrl_fit
+from _recipe_runs import build_hf_llama, lmrl_fit
 from _rl_runs import Recipe, fit, resume
 
+from lightning_mcore_rl.recipes import HFModelSpec
 from lightning_mcore_rl.testing import run_on_ranks
 
 KEYS = ("train_loss", "train_policy_loss", "train_value_loss", "train_values_mean")
@@ -59,3 +61,22 @@ def test_ppo_resume_repeats_the_uninterrupted_run(tmp_path):
         for got, want in zip(resumed.rows, full.rows[2:], strict=True):
             for key in ("reward", "grad_norm", *KEYS):
                 assert got[key] == want[key], key
+
+
+def test_ppo_of_an_hf_model_with_a_frozen_reference_copy_tp2_matches_tp1(tmp_path):
+    # a random tiny Llama (HFModelSpec) as policy and value trunk, the reference KL (beta 0.05)
+    # in the loss from a hosted frozen copy: no KL at step 0, some after; TP=2 = TP=1 per step.
+    # No clipping and no grad-norm comparison: the HF bridge builds with
+    # perform_initialization=False, so megatron never marks its TP-sharded weights
+    # `tensor_model_parallel` and its grad norm at TP=2 counts rank 0's shards only (GRPO too)
+    build_hf_llama(str(tmp_path))
+    options = (("model", HFModelSpec(str(tmp_path))), ("reference_model", "frozen_copy"))
+    recipe = Recipe(ppo=True, options=options, kl=0.05, steps=3, clip=None)
+    (ref,) = run_on_ranks(fit, 1, recipe, timeout=240)
+    penalties = [row["train_kl_penalty"] for row in ref.rows]
+    assert penalties[0] == 0.0 and min(penalties[1:]) > 0.0, penalties
+    for run in run_on_ranks(fit, 2, replace(recipe, tp=2), timeout=240):
+        for got, want in zip(run.rows, ref.rows, strict=True):
+            assert got["reward"] == want["reward"]
+            for key in (*KEYS, "train_kl_penalty"):
+                assert got[key] == pytest.approx(want[key], abs=1e-5), key
