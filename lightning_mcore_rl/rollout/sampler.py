@@ -1,7 +1,8 @@
 """Autoregressive sampling with the megatron training model itself.
 
-Meant for toy tasks and tests on CPU: every new token re-runs the model on the whole prefix (no KV
-cache), which is fine at tens of tokens. Tensor-parallel ranks gather the vocab-sharded logits and
+Meant for toy tasks and tests on CPU: by default every new token re-runs the model on the whole
+prefix, which is fine at tens of tokens; ``kv_cache=True`` keeps the keys and values in megatron's
+``StaticInferenceContext`` instead (one prefill, then one token per forward). Tensor-parallel ranks gather the vocab-sharded logits and
 draw with identically seeded generators, so they agree on every token without communicating the
 samples. Pipeline/context parallelism and sequence parallelism are not supported here (they would
 need the schedule or sharded inputs); a production setup uses an inference engine instead.
@@ -40,6 +41,16 @@ def _full_vocab_logits(local: Tensor, tp_group: Any) -> Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _kv_context(batch: int, length: int, enabled: bool) -> Any:
+    """A megatron ``StaticInferenceContext`` for ``batch`` rows of up to ``length`` tokens, or
+    ``None`` without a KV cache."""
+    if not enabled:
+        return None
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    return StaticInferenceContext(batch, length)
+
+
 def _check_model_config(model: torch.nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -66,6 +77,7 @@ def generate(
     generator: torch.Generator,
     temperature: float = 1.0,
     tp_group: Any = None,
+    kv_cache: bool = False,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens after each prompt.
 
@@ -78,6 +90,9 @@ def generate(
             across data-parallel ranks.
         temperature: > 0; logits are divided by it before sampling.
         tp_group: tensor-parallel group (``None`` or size 1: logits are already full-vocab).
+        kv_cache: cache keys/values in a megatron ``StaticInferenceContext`` (megatron then
+            gathers the logits over TP itself); same tokens as without, logprobs within fp32
+            rounding.
 
     Returns:
         :class:`GenerationOutput`.
@@ -96,10 +111,20 @@ def generate(
     try:
         tokens = prompts.long()
         logprobs = torch.zeros(prompts.shape, dtype=torch.float32)
+        context = _kv_context(tokens.shape[0], tokens.shape[1] + max_new_tokens, kv_cache)
         for _ in range(max_new_tokens):
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-            local = model(tokens, positions, None)[:, -1, :].float()  # [B, V/TP]
-            scaled = _full_vocab_logits(local, tp_group) / temperature  # [B, V]
+            if context is None:
+                local = model(tokens, positions, None)[:, -1, :].float()  # [B, V/TP]
+                full = _full_vocab_logits(local, tp_group)
+            else:  # only the tokens not yet in the cache: the prompts, then the last one
+                fresh = tokens.shape[1] - context.sequence_len_offset
+                full = model(
+                    tokens[:, -fresh:], positions[:, -fresh:], None,
+                    inference_context=context, runtime_gather_output=True,
+                )[:, -1, :].float()  # fmt: skip
+                context.increment_sequence_len_offset(fresh)
+            scaled = full / temperature  # [B, V]
             log_probs = torch.log_softmax(scaled, dim=-1)
             nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
             tokens = torch.cat([tokens, nxt], dim=1)

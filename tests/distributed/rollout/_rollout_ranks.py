@@ -52,6 +52,19 @@ def _perturb(chunk: torch.nn.Module, seed: int) -> None:
         param.add_(0.05 * torch.randn(param.shape, generator=generator))
 
 
+def _cached(model: torch.nn.Module, tp_group: Any, kv_cache: bool = True) -> Any:
+    """``generate`` with ``SAMPLING``, with or without the KV cache."""
+    return generate(
+        model,
+        PROMPTS,
+        max_new_tokens=SAMPLING.max_new_tokens,
+        generator=torch.Generator().manual_seed(SAMPLING.seed),
+        temperature=SAMPLING.temperature,
+        tp_group=tp_group,
+        kv_cache=kv_cache,
+    )
+
+
 def sources(rank: int, hf_dir: str) -> dict[str, Any]:
     """TP=2: the embedded source vs ``generate``; the HF source before/after a refit vs the
     megatron chunk; the errors."""
@@ -68,9 +81,11 @@ def sources(rank: int, hf_dir: str) -> dict[str, Any]:
         tp_group=tp_group,
     )
     wrapped = embedded.generate(PROMPTS, SAMPLING)
+    cached = {"tiny_gpt": (direct, _cached(model, tp_group))}
 
     bridge = HFBridge.from_pretrained(hf_dir)
     chunk = bridge.build_chunk(bridge.transformer_config())
+    cached["llama"] = (_cached(chunk, tp_group, kv_cache=False), _cached(chunk, tp_group))
     hf = HFRolloutSource(hf_dir, ps.get_model_parallel_group())
     initial = hf.generate(PROMPTS, SAMPLING)
     initial_ref = _megatron_logprobs(chunk, initial.tokens, SAMPLING.temperature)
@@ -96,6 +111,7 @@ def sources(rank: int, hf_dir: str) -> dict[str, Any]:
         hf.generate(PROMPTS.float(), SAMPLING)
     return {
         "extrema": extrema,
+        "cached": cached,
         "is_protocol": isinstance(embedded, RolloutSource) and isinstance(hf, RolloutSource),
         "direct": direct,
         "wrapped": wrapped,

@@ -37,6 +37,11 @@ def test_embedded_and_hf_sources_tp2(tmp_path):
         assert torch.equal(wrapped.tokens, direct.tokens)
         assert torch.equal(wrapped.generation_logprobs, direct.logprobs)
         assert torch.equal(wrapped.completion_mask, direct.completion_mask)
+        for name, (plain, cached) in result["cached"].items():  # learned positions; RoPE + GQA
+            error = (cached.logprobs - plain.logprobs).abs().max()
+            print(f"{name}: KV cache vs none: tokens equal, max logprob diff {float(error):.2e}")
+            assert torch.equal(cached.tokens, plain.tokens), name
+            assert error <= TOL, name
     prompt = PROMPTS.shape[1]
     for key in ("initial", "stale", "refit"):  # broadcast: both ranks hold the same rollout
         assert torch.equal(rank0[key].tokens, rank1[key].tokens)
