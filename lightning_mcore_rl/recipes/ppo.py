@@ -279,8 +279,18 @@ class PPOModule(GRPOModule):
         """A :class:`PolicyValueChunk` of two chunks built like GRPO's policy.
 
         Raises:
-            ValueError: pipeline or context parallelism, or sequence parallelism.
+            ValueError: at model build, before any step: pipeline, context or sequence
+                parallelism (the embedded sampler's limits), fused linear logprobs or sequence
+                packing (the values are a column of the chunk's unpacked full output).
         """
+        strategy = self.mcore_strategy
+        cfg = strategy.policy_config()
+        if strategy.use_fused_linear_logprobs or cfg.sequence_packing:
+            raise ValueError(
+                "PPOModule needs `MCoreRLStrategy(use_fused_linear_logprobs=False)` and "
+                f"`sequence_packing=False` (got {strategy.use_fused_linear_logprobs} and "
+                f"{cfg.sequence_packing}): the values are a column of the chunk's unpacked output."
+            )
         policy = self.policy.build_chunk(self, vp_stage)
         config = cast(Any, policy).config
         for name in ("pipeline_model_parallel_size", "context_parallel_size"):
@@ -291,25 +301,18 @@ class PPOModule(GRPOModule):
                     f"{getattr(config, name)}."
                 )
         if config.sequence_parallel:
-            raise ValueError("PPOModule does not support sequence_parallel=True.")
+            raise ValueError(
+                "PPOModule does not support sequence_parallel=True (the embedded sampler's "
+                "limit); set MCoreRLStrategy(sequence_parallel=False)."
+            )
         return PolicyValueChunk(policy, self.policy.build_chunk(self, vp_stage))
 
     def loss_post_processor(self, num_microbatches: int) -> Any:
-        """The loss callback with :func:`prepare_policy_value_input`.
-
-        Raises:
-            ValueError: fused linear logprobs or sequence packing (the values need the chunk's
-                unpacked full output).
-        """
+        """The loss callback with :func:`prepare_policy_value_input` (its layout limits are
+        checked by :meth:`build_chunk`)."""
         from lightning_mcore_rl.train import LossPostProcessor
 
-        strategy = self.mcore_strategy
-        cfg = strategy.policy_config()
-        if strategy.use_fused_linear_logprobs or cfg.sequence_packing:
-            raise ValueError(
-                "PPOModule needs `MCoreRLStrategy(use_fused_linear_logprobs=False)` without "
-                "sequence packing: the values are a column of the chunk's unpacked output."
-            )
+        cfg = self.mcore_strategy.policy_config()
         prepare = functools.partial(
             prepare_policy_value_input,
             sampling_params=self.sampling_params(),

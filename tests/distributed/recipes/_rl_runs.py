@@ -126,3 +126,38 @@ def resume(rank: int, recipe: Recipe, root: str) -> tuple[Fit, Fit]:
     full = fit(rank, recipe, root=root)
     resumed = fit(rank, recipe, root=root, ckpt_path=os.path.join(root, "step=2.ckpt"))
     return full, resumed
+
+
+def ppo_rejections(rank: int, layouts: list[dict[str, Any]]) -> list[str]:
+    """The ``ValueError`` message ``PPOModule`` raises under each ``MCoreRLStrategy(**layout)``
+    (``""`` if it trains)."""
+    messages = []
+    for layout in layouts:
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=int(os.environ["WORLD_SIZE"]),
+            strategy=MCoreRLStrategy(micro_batch_size=16, **layout),
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        try:
+            trainer.fit(PPOModule(), datamodule=PromptDataModule(num_steps=1))
+            messages.append("")
+        except ValueError as err:
+            messages.append(str(err))
+        destroy_megatron_state()
+    return messages
+
+
+def whiten_halves(rank: int, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """This rank's half of the rows whitened with the statistics of both ranks' rows."""
+    import torch.distributed as dist
+
+    from lightning_mcore_rl.algorithms import masked_whiten
+
+    half = values.shape[0] // 2
+    rows = slice(rank * half, (rank + 1) * half)
+    return masked_whiten(values[rows], mask[rows], unbiased=True, group=dist.group.WORLD)

@@ -9,9 +9,11 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 from _recipe_runs import build_hf_llama, lmrl_fit
-from _rl_runs import Recipe, fit, resume
+from _rl_runs import Recipe, fit, ppo_rejections, resume, whiten_halves
 
+from lightning_mcore_rl.algorithms import masked_whiten
 from lightning_mcore_rl.recipes import HFModelSpec
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -80,3 +82,23 @@ def test_ppo_of_an_hf_model_with_a_frozen_reference_copy_tp2_matches_tp1(tmp_pat
             assert got["reward"] == want["reward"]
             for key in (*KEYS, "train_kl_penalty"):
                 assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def test_ppo_rejects_layouts_it_cannot_run_before_any_step():
+    layouts = [
+        {"use_fused_linear_logprobs": True},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    ]
+    fused, sequence_parallel = run_on_ranks(ppo_rejections, 2, layouts, timeout=240)[0]
+    assert "use_fused_linear_logprobs=False" in fused and "got True" in fused
+    assert "PPOModule does not support sequence_parallel=True" in sequence_parallel
+
+
+def test_masked_whiten_over_the_data_parallel_group_equals_the_whole_batch():
+    # two ranks holding half the rows each whiten with the whole batch's mean and variance
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).double()
+    whole = masked_whiten(values, mask, unbiased=True)
+    halves = run_on_ranks(whiten_halves, 2, values, mask, timeout=120)
+    torch.testing.assert_close(torch.cat(halves) * mask, whole * mask, rtol=0, atol=1e-12)
