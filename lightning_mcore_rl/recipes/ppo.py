@@ -226,7 +226,7 @@ class PPOModule(GRPOModule):
         task: the rewarded task.
         model: the policy (:class:`TinyGPTSpec` or :class:`HFModelSpec`); the value model is the
             same architecture with the same initial weights and a zero scalar head.
-        rollout: sampling settings.
+        rollout: sampling settings (``backend="megatron"`` only).
         loss: the policy's ``ClippedPGLossFn`` settings; ``reference_policy_kl_penalty > 0``
             adds the reference KL to the loss or, with ``use_kl_in_reward``, subtracts it from
             the token rewards (NeMo RL's GAE semantics).
@@ -260,6 +260,12 @@ class PPOModule(GRPOModule):
         for name, value in (("gae_gamma", gae_gamma), ("gae_lambda", gae_lambda)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"`{name}` must be in [0, 1], got {value}.")
+        if rollout is not None and rollout.backend != "megatron":
+            raise ValueError(
+                f"PPOModule samples with the embedded sampler only: `rollout.backend` must be "
+                f"'megatron', got {rollout.backend!r} (the HF backend's refit exports a plain "
+                "GPT chunk, not the policy + value chunk)."
+            )
         super().__init__(task, model, rollout, loss, lr, pass_at_k, reference_model=reference_model)
         self.loss_fn = PPOLossFn(
             ClippedPGLossFn(self.loss_config), MseValueLossFn(value_loss), vf_coef

@@ -18,7 +18,13 @@ from lightning_mcore_rl.losses import (
     MseValueLossFn,
 )
 from lightning_mcore_rl.ops import TrainingSamplingParams
-from lightning_mcore_rl.recipes import GRPOModule, PPOLossFn, PPOModule, PromptDataModule
+from lightning_mcore_rl.recipes import (
+    GRPOModule,
+    PPOLossFn,
+    PPOModule,
+    PromptDataModule,
+    RolloutSpec,
+)
 from lightning_mcore_rl.recipes.ppo import prepare_policy_value_input, shift_values
 
 CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
@@ -38,6 +44,8 @@ def test_bad_options_raise_naming_the_argument():
         PPOModule(gae_lambda=1.5)
     with pytest.raises(ValueError, match="`vf_coef` must be > 0, got 0"):
         PPOModule(vf_coef=0)
+    with pytest.raises(ValueError, match="`rollout.backend` must be 'megatron', got 'hf'"):
+        PPOModule(rollout=RolloutSpec(backend="hf"))
 
 
 def _batch() -> BatchedDataDict:
