@@ -72,7 +72,9 @@ class PolicyRollout:
             return self.source
         groups = strategy.groups
         if self.backend == "megatron":
-            self.source = MegatronRolloutSource(strategy.model_chunks[0], groups.tp_group)
+            pp_group = groups.pp_group if groups.pp_size > 1 else None
+            chunk = strategy.model_chunks[0]
+            self.source = MegatronRolloutSource(chunk, groups.tp_group, pp_group)
             return self.source
         if groups.cp_size != 1:
             raise ValueError(

@@ -4,8 +4,10 @@ Meant for toy tasks and tests on CPU: by default every new token re-runs the mod
 prefix, which is fine at tens of tokens; ``kv_cache=True`` keeps the keys and values in megatron's
 ``StaticInferenceContext`` instead (one prefill, then one token per forward). Tensor-parallel ranks gather the vocab-sharded logits and
 draw with identically seeded generators, so they agree on every token without communicating the
-samples. Pipeline/context parallelism and sequence parallelism are not supported here (they would
-need the schedule or sharded inputs); a production setup uses an inference engine instead.
+samples. With a ``pp_group`` every pipeline stage runs its chunk in turn (blocking p2p of the
+hidden states ``[s, B, H]``), the last stage draws, and the token is broadcast to the other stages.
+Context parallelism, sequence parallelism and virtual pipelining are not supported here; a
+production setup uses an inference engine instead.
 """
 
 from __future__ import annotations
@@ -51,21 +53,65 @@ def _kv_context(batch: int, length: int, enabled: bool) -> Any:
     return StaticInferenceContext(batch, length)
 
 
-def _check_model_config(model: torch.nn.Module) -> None:
+def _check_model_config(model: torch.nn.Module, pp_group: Any) -> None:
     config = getattr(model, "config", None)
     if config is None:
         return
+    pp = 1 if pp_group is None else dist.get_world_size(pp_group)
+    if getattr(config, "pipeline_model_parallel_size", 1) != pp:
+        raise ValueError(
+            f"generate() got a model with pipeline_model_parallel_size="
+            f"{config.pipeline_model_parallel_size} and a `pp_group` of size {pp}; pass the "
+            "model's pipeline-parallel group as `pp_group`."
+        )
     unsupported = {
-        "pipeline_model_parallel_size": getattr(config, "pipeline_model_parallel_size", 1),
         "context_parallel_size": getattr(config, "context_parallel_size", 1),
+        "virtual_pipeline_model_parallel_size": getattr(
+            config, "virtual_pipeline_model_parallel_size", None
+        )
+        or 1,
     }
     for name, size in unsupported.items():
         if size != 1:
-            raise ValueError(
-                f"generate() runs the model unpipelined and unsharded; got {name}={size}"
-            )
+            raise ValueError(f"generate() runs one unsharded chunk per stage; got {name}={size}")
     if getattr(config, "sequence_parallel", False):
         raise ValueError("generate() does not support sequence_parallel=True models")
+
+
+def _last_logits(
+    model: torch.nn.Module,
+    ids: Tensor,
+    positions: Tensor,
+    context: Any,
+    tp_group: Any,
+    pp_group: Any,
+) -> Tensor | None:
+    """Run this stage's chunk on ``ids [B, s]``: ``[B, V]`` full-vocab logits of the last
+    position on the last pipeline stage, ``None`` on the others (which send their hidden
+    states ``[s, B, H]`` on)."""
+    ranks, stage = [0], 0
+    if pp_group is not None:
+        ranks = dist.get_process_group_ranks(pp_group)
+        stage = ranks.index(dist.get_rank())
+    if stage > 0:
+        from lightning_mcore_rl.recipes.common import unwrap
+
+        core = unwrap(model)
+        config: Any = core.config
+        hidden = torch.empty(
+            ids.shape[1], ids.shape[0], config.hidden_size, dtype=config.params_dtype
+        )
+        dist.recv(hidden, ranks[stage - 1])
+        core.set_input_tensor(hidden)  # type: ignore[operator]
+    if context is None:
+        out = model(ids, positions, None)
+    else:
+        out = model(ids, positions, None, inference_context=context, runtime_gather_output=True)
+    if stage < len(ranks) - 1:
+        dist.send(out.contiguous(), ranks[stage + 1])
+        return None
+    last = out[:, -1, :].float()  # [B, V/TP], or [B, V] gathered by megatron with a context
+    return last if context is not None else _full_vocab_logits(last, tp_group)
 
 
 @torch.no_grad()
@@ -77,6 +123,7 @@ def generate(
     generator: torch.Generator,
     temperature: float = 1.0,
     tp_group: Any = None,
+    pp_group: Any = None,
     kv_cache: bool = False,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens after each prompt.
@@ -90,6 +137,8 @@ def generate(
             across data-parallel ranks.
         temperature: > 0; logits are divided by it before sampling.
         tp_group: tensor-parallel group (``None`` or size 1: logits are already full-vocab).
+        pp_group: pipeline-parallel group (``None``: PP=1); every stage calls ``generate`` with
+            its chunk and the same prompts, and all get the same output.
         kv_cache: cache keys/values in a megatron ``StaticInferenceContext`` (megatron then
             gathers the logits over TP itself); same tokens as without, logprobs within fp32
             rounding.
@@ -105,7 +154,7 @@ def generate(
         raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
     if temperature <= 0:
         raise ValueError(f"`temperature` must be > 0, got {temperature}")
-    _check_model_config(model)
+    _check_model_config(model, pp_group)
     was_training = model.training
     model.eval()
     try:
@@ -114,21 +163,25 @@ def generate(
         context = _kv_context(tokens.shape[0], tokens.shape[1] + max_new_tokens, kv_cache)
         for _ in range(max_new_tokens):
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-            if context is None:
-                local = model(tokens, positions, None)[:, -1, :].float()  # [B, V/TP]
-                full = _full_vocab_logits(local, tp_group)
-            else:  # only the tokens not yet in the cache: the prompts, then the last one
-                fresh = tokens.shape[1] - context.sequence_len_offset
-                full = model(
-                    tokens[:, -fresh:], positions[:, -fresh:], None,
-                    inference_context=context, runtime_gather_output=True,
-                )[:, -1, :].float()  # fmt: skip
+            fresh = tokens.shape[1] - (0 if context is None else context.sequence_len_offset)
+            # without a cache the whole prefix; with one only the tokens not yet cached
+            full = _last_logits(
+                model, tokens[:, -fresh:], positions[:, -fresh:], context, tp_group, pp_group
+            )
+            if context is not None:
                 context.increment_sequence_len_offset(fresh)
-            scaled = full / temperature  # [B, V]
-            log_probs = torch.log_softmax(scaled, dim=-1)
-            nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
+            nxt = torch.empty(tokens.shape[0], 1, dtype=torch.long)
+            picked = torch.empty(tokens.shape[0], 1, dtype=torch.float32)
+            if full is not None:  # the last stage draws
+                log_probs = torch.log_softmax(full / temperature, dim=-1)  # [B, V]
+                nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
+                picked = log_probs.gather(1, nxt)
+            if pp_group is not None and dist.get_world_size(pp_group) > 1:
+                last = dist.get_process_group_ranks(pp_group)[-1]
+                dist.broadcast(nxt, src=last, group=pp_group)
+                dist.broadcast(picked, src=last, group=pp_group)
             tokens = torch.cat([tokens, nxt], dim=1)
-            logprobs = torch.cat([logprobs, log_probs.gather(1, nxt)], dim=1)
+            logprobs = torch.cat([logprobs, picked], dim=1)
     finally:
         model.train(was_training)
     mask = torch.zeros_like(tokens)

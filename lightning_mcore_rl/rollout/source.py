@@ -102,18 +102,29 @@ class MegatronRolloutSource:
     :class:`RolloutSource`: it runs the training chunk itself, so refitting is a no-op.
 
     Every rank of the tensor-parallel group generates (same seed, gathered logits, so the same
-    tokens without communicating them); PP/CP/SP are refused as by ``generate``.
+    tokens without communicating them); under PP the stages run in turn and the last one draws
+    and broadcasts the tokens. CP, SP and VPP are refused as by ``generate``.
 
     Args:
-        model: the megatron GPT chunk (possibly DDP/``Float16Module``-wrapped).
+        model: this rank's megatron GPT chunk (possibly DDP/``Float16Module``-wrapped).
         tp_group: its tensor-parallel group (``None``: TP=1).
+        pp_group: its pipeline-parallel group (``None``: PP=1).
+        kv_cache: keep keys/values in megatron's ``StaticInferenceContext`` (``generate``).
     """
 
     refit_required: ClassVar[bool] = False
 
-    def __init__(self, model: torch.nn.Module, tp_group: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tp_group: Any = None,
+        pp_group: Any = None,
+        kv_cache: bool = False,
+    ) -> None:
         self.model = model
         self.tp_group = tp_group
+        self.pp_group = pp_group
+        self.kv_cache = kv_cache
 
     def generate(self, prompts: Tensor, sampling: SamplingConfig) -> Rollout:
         """``generate(model, prompts, ...)`` with a CPU generator seeded by ``sampling.seed``."""
@@ -124,6 +135,8 @@ class MegatronRolloutSource:
             generator=torch.Generator().manual_seed(sampling.seed),
             temperature=sampling.temperature,
             tp_group=self.tp_group,
+            pp_group=self.pp_group,
+            kv_cache=self.kv_cache,
         )
         return Rollout(out.tokens, out.completion_mask, out.logprobs)
 

@@ -24,7 +24,7 @@ from lightning_mcore_rl.rollout import (
     generate,
     mismatch_extrema,
 )
-from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
+from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
 
 PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(0))
 SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.7, seed=7)
@@ -63,6 +63,25 @@ def _cached(model: torch.nn.Module, tp_group: Any, kv_cache: bool = True) -> Any
         tp_group=tp_group,
         kv_cache=kv_cache,
     )
+
+
+def pipelined(rank: int, pp: int) -> dict[str, Any]:
+    """The embedded sampler on the tiny GPT at PP=``pp``, without and with the KV cache."""
+    init_megatron_state(pipeline_model_parallel_size=pp)
+    model = tiny_gpt(tiny_gpt_config(pipeline_model_parallel_size=pp))
+    pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+    return {
+        cache: generate(
+            model,
+            PROMPTS,
+            max_new_tokens=SAMPLING.max_new_tokens,
+            generator=torch.Generator().manual_seed(SAMPLING.seed),
+            temperature=SAMPLING.temperature,
+            pp_group=pp_group,
+            kv_cache=cache,
+        )
+        for cache in (False, True)
+    }
 
 
 def sources(rank: int, hf_dir: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # the tiny HF model builders
 
 from _hf_ranks import build_hf_model, hf_configs  # noqa: E402
-from _rollout_ranks import PROMPTS, SAMPLING, grpo_run, sources  # noqa: E402
+from _rollout_ranks import PROMPTS, SAMPLING, grpo_run, pipelined, sources  # noqa: E402
 
 from lightning_mcore_rl.testing import run_on_ranks  # noqa: E402
 
@@ -55,6 +55,21 @@ def test_embedded_and_hf_sources_tp2(tmp_path):
         assert (error <= TOL) == close, key
 
 
+def test_embedded_sampler_pp2_with_and_without_kv_cache_equals_pp1():
+    (reference,) = run_on_ranks(pipelined, 1, 1)
+    ref = reference[False]
+    for result in run_on_ranks(pipelined, 2, 2):  # both stages return the same output
+        for cache, out in result.items():
+            error = (out.logprobs - ref.logprobs).abs().max()
+            print(
+                f"PP=2 kv_cache={cache}: tokens equal PP=1's, max logprob diff {float(error):.2e}"
+            )
+            assert torch.equal(out.tokens, ref.tokens), cache
+            assert torch.equal(out.completion_mask, ref.completion_mask)
+            assert error <= TOL, cache
+    assert torch.equal(reference[True].tokens, ref.tokens)
+
+
 @pytest.mark.parametrize(
     ("backend", "tp", "pp", "generators"),
     [
@@ -62,14 +77,15 @@ def test_embedded_and_hf_sources_tp2(tmp_path):
         ("hf", 1, 1, [True, True]),
         ("hf", 1, 2, [True, False]),
         ("megatron", 2, 1, [None, None]),
+        ("megatron", 1, 2, [None, None]),
     ],
-    ids=["hf-tp2", "hf-dp2", "hf-pp2", "megatron-tp2"],
+    ids=["hf-tp2", "hf-dp2", "hf-pp2", "megatron-tp2", "megatron-pp2"],
 )
 def test_grpo_refit_logprobs_match_compute_logprobs(tmp_path, backend, tp, pp, generators):
     """After each of 3 optimizer steps the source's logprobs equal the trainer's
     ``compute_logprobs`` and the mismatch metrics reach the logs (HF: refit from the export at
-    TP=2, on both DP=2 replicas and at PP=2, where the embedded sampler cannot run; the embedded
-    source: the training model itself)."""
+    TP=2, on both DP=2 replicas and at PP=2; the embedded source, at TP=2 and PP=2: the training
+    model itself)."""
     steps = 4  # the rollouts of steps 1..3 come from weights refit after 1..3 optimizer steps
     build_hf_model(hf_configs()["llama"], tmp_path, seed=1)
     rank0, rank1 = run_on_ranks(grpo_run, 2, str(tmp_path), backend, tp, pp, steps, timeout=300)
