@@ -219,8 +219,8 @@ class PPOModule(GRPOModule):
     """PPO (Schulman et al. 2017, arXiv:1707.06347) with a learned value model and GAE.
 
     Takes :class:`~lightning_mcore_rl.recipes.PromptDataModule` batches (prompts ``[b, P]``); the
-    model runs unpipelined (PP = CP = 1, no sequence parallelism: the embedded sampler's
-    limits) under any TP/DP.
+    model runs unpipelined (PP = CP = 1: the old values come from a direct call of the whole
+    chunk; no sequence parallelism: the embedded sampler's limit) under any TP/DP.
 
     Args:
         task: the rewarded task.
@@ -285,8 +285,9 @@ class PPOModule(GRPOModule):
         """A :class:`PolicyValueChunk` of two chunks built like GRPO's policy.
 
         Raises:
-            ValueError: at model build, before any step: pipeline, context or sequence
-                parallelism (the embedded sampler's limits), fused linear logprobs or sequence
+            ValueError: at model build, before any step: pipeline or context parallelism (the
+                old values come from a direct call of the whole chunk), sequence parallelism
+                (the embedded sampler's limit), fused linear logprobs or sequence
                 packing (the values are a column of the chunk's unpacked full output).
         """
         strategy = self.mcore_strategy
@@ -302,9 +303,9 @@ class PPOModule(GRPOModule):
         for name in ("pipeline_model_parallel_size", "context_parallel_size"):
             if getattr(config, name) != 1:
                 raise ValueError(
-                    f"PPOModule runs the policy and value model unpipelined and unsharded "
-                    f"(the embedded sampler's limit): {name} must be 1, got "
-                    f"{getattr(config, name)}."
+                    f"PPOModule runs the policy + value chunk unpipelined and unsharded (the "
+                    f"old values come from a direct call of the whole chunk): {name} must be 1, "
+                    f"got {getattr(config, name)}."
                 )
         if config.sequence_parallel:
             raise ValueError(
