@@ -36,6 +36,23 @@ _WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
+def _mark_tensor_parallel(model: torch.nn.Module, tied: bool) -> None:
+    """Give every TP-split parameter megatron's ``tensor_model_parallel`` attributes, by its
+    layout in the weight map (``dim0``/``qkv``/``fc1``: rows, ``dim1``: columns).
+
+    megatron-core 0.16 sets them only inside its random initialisers, which
+    ``perform_initialization=False`` skips; without them megatron's gradient norm (and so
+    clipping) counts only TP rank 0's shards of every such parameter.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        layout = param_map(name, _global_layer(model, name), tied).layout
+        if layout != "replicated" and not hasattr(param, "tensor_model_parallel"):
+            dim = 1 if layout == "dim1" else 0
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+
+
 def _global_layer(model: torch.nn.Module, name: str) -> int | None:
     """0-based whole-model index of the decoder layer ``name`` belongs to (PP/VPP offset included:
     megatron's ``layer_number`` is ``1 + get_transformer_layer_offset + local index``)."""
@@ -190,6 +207,7 @@ class HFBridge:
             vp_stage=vp_stage,
             **arch.gpt_model_kwargs(),
         )
+        _mark_tensor_parallel(model, self.arch.tied_embeddings)
         self._load(model, ps.get_tensor_model_parallel_rank(), tp)
         return model
 

@@ -177,8 +177,30 @@ def layout_ranks(
             "padded": out["padded"] if reporter else None,
             "packed": out["packed"] if reporter else None,
             "exported": out["exported"] if rank == 0 else None,
+            "norm": megatron_norm(chunks),
         }
     return results
+
+
+@torch.no_grad()
+def megatron_norm(chunks: list[torch.nn.Module]) -> float:
+    """The global norm megatron's optimizer would compute for gradients equal to the weights:
+    its filter (``get_main_grads_for_grad_norm``: not shared, not a TP duplicate) and
+    ``get_grad_norm_fp32`` over the model-parallel group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    tensors = [
+        p.detach().float()
+        for chunk in chunks
+        for p in chunk.parameters()
+        if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
+    return float(
+        get_grad_norm_fp32(tensors, grad_stats_parallel_group=ps.get_model_parallel_group())
+    )
 
 
 def vocab_error_ranks(rank: int, directory: str) -> str:

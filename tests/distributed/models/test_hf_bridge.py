@@ -77,6 +77,11 @@ def _check_layout(results: list[dict], models: dict, out_root: Path) -> dict[str
             worst = max(worst, (packed[row, :length] - alone).abs().max().item())
         assert worst <= ATOL, f"{name}: max |megatron - transformers| logits = {worst:.3g}"
         diffs[name] = worst
+        # megatron's grad-norm filter over the imported shards counts every HF weight once
+        # (TP-split weights carry `tensor_model_parallel`; without it only TP rank 0's count)
+        hf_norm = torch.cat([p.detach().flatten() for p in hf_model.parameters()]).norm().item()
+        for result in results:
+            assert result[name]["norm"] == pytest.approx(hf_norm, rel=1e-5), name
 
         source = _source_tensors(directory)
         _assert_bitwise(results[0][name]["exported"], source)
