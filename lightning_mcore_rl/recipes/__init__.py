@@ -1,5 +1,6 @@
 """Ready-made LightningModules (Lightning-integration layer) built from the RL recipe pieces:
-GRPO, SFT, DPO and a Bradley-Terry reward model (``docs/recipes.md``)."""
+GRPO (RLOO / REINFORCE++), PPO, SFT, DPO, a Bradley-Terry reward model and on-policy
+distillation, and prompt files (``docs/recipes.md``, ``docs/data.md``)."""
 
 from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
 from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
@@ -11,6 +12,11 @@ from lightning_mcore_rl.recipes.grpo import (
     RolloutSpec,
 )
 from lightning_mcore_rl.recipes.ppo import PolicyValueChunk, PPOLossFn, PPOModule
+from lightning_mcore_rl.recipes.prompt_data import (
+    PromptBatch,
+    PromptFileDataModule,
+    PromptFileDataset,
+)
 from lightning_mcore_rl.recipes.reward_model import RewardModelModule
 from lightning_mcore_rl.recipes.sft import SFTDataModule, SFTModule
 from lightning_mcore_rl.recipes.toy_data import (
@@ -30,8 +36,11 @@ __all__ = [
     "PPOModule",
     "PolicyValueChunk",
     "PreferenceDataModule",
+    "PromptBatch",
     "PromptDataModule",
     "PromptDataset",
+    "PromptFileDataModule",
+    "PromptFileDataset",
     "RecipeModel",
     "RewardModelModule",
     "RolloutSpec",
