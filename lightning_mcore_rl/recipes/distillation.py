@@ -42,8 +42,15 @@ from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.recipes.common import DEFAULT_TASK, HFModelSpec, RecipeModel, TinyGPTSpec
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
-from lightning_mcore_rl.recipes.grpo import RolloutSpec
-from lightning_mcore_rl.rollout import GenerationOutput, ModularCountingTask, generate
+from lightning_mcore_rl.recipes.grpo import (
+    RolloutSpec,
+    rollout_batch,
+    rollout_scores,
+    rollout_seed,
+    sample_groups,
+    validation_seed,
+)
+from lightning_mcore_rl.rollout import MegatronRolloutSource, ModularCountingTask, Rollout
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.train import LossPostProcessor
@@ -272,11 +279,9 @@ class DistillationModule(MCoreRLModule):
         Args:
             batch: ``[b, P]`` prompts of this data-parallel rank.
         """
-        generator = torch.Generator().manual_seed(
-            self.rollout.seed + 1_000_003 * self.global_step + self.mcore_strategy.groups.dp_rank
-        )
-        out, rewards = self._sample(batch, generator)
-        data = self.teacher_signal(self.rollout_batch(out))
+        seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
+        out, rewards = self._sample(batch, seed)
+        data = self.teacher_signal(rollout_batch(out))
         loss = self.forward_backward(data).loss
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
@@ -297,16 +302,10 @@ class DistillationModule(MCoreRLModule):
             and the teacher's ``teacher_rewards [b*G]``.
         """
         assert self.evaluation is not None and self.teacher_reward is not None  # setup()
-        seed = self.rollout.seed + 7_000_003 * (batch_idx + 1) + self.mcore_strategy.groups.dp_rank
-        out, rewards = self._sample(batch, torch.Generator().manual_seed(seed))
-        _, teacher_rewards = self._sample(batch, torch.Generator().manual_seed(seed), teacher=True)
-        lengths = out.completion_mask.sum(dim=1)
-        scores = {
-            "rewards": rewards,
-            "correct": rewards >= 1.0,
-            "lengths": lengths,
-            "truncated": lengths >= self.rollout.max_new_tokens,
-        }
+        seed = validation_seed(self.rollout, batch_idx, self.mcore_strategy.groups.dp_rank)
+        out, rewards = self._sample(batch, seed)
+        _, teacher_rewards = self._sample(batch, seed, teacher=True)
+        scores = rollout_scores(out, rewards, self.rollout.max_new_tokens)
         self.evaluation.update(**scores)
         self.evaluation.log(self)
         self.teacher_reward.update(teacher_rewards)
@@ -316,33 +315,14 @@ class DistillationModule(MCoreRLModule):
     # ---------------------------------------------------------------- pieces
 
     def _sample(
-        self, prompts: torch.Tensor, generator: torch.Generator, *, teacher: bool = False
-    ) -> tuple[GenerationOutput, torch.Tensor]:
+        self, prompts: torch.Tensor, seed: int, *, teacher: bool = False
+    ) -> tuple[Rollout, torch.Tensor]:
         """``G`` completions per prompt (group-major ``[b*G, P+N]``) sampled by the student (or
         the teacher) and their rewards ``[b*G]``."""
-        strategy, spec = self.mcore_strategy, self.rollout
+        strategy = self.mcore_strategy
         chunks = strategy.teacher.chunks if teacher else strategy.model_chunks
-        out = generate(
-            chunks[0],
-            prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
-            max_new_tokens=spec.max_new_tokens,
-            generator=generator,
-            temperature=spec.temperature,
-            tp_group=strategy.groups.tp_group,
-        )
-        return out, self.task.rewards(out.tokens, out.completion_mask)
-
-    @staticmethod
-    def rollout_batch(out: GenerationOutput) -> BatchedDataDict:
-        """The distillation batch of sampled rows: ``input_ids [B, P+N]``, ``input_lengths
-        [B]``, ``token_mask [B, P+N]`` (1 on the completion) and ``sample_mask [B]``."""
-        rows, width = out.tokens.shape
-        return BatchedDataDict(
-            input_ids=out.tokens,
-            input_lengths=torch.full((rows,), width),
-            token_mask=out.completion_mask.float(),
-            sample_mask=torch.ones(rows),
-        )
+        source = MegatronRolloutSource(chunks[0], strategy.groups.tp_group)
+        return sample_groups(source.generate, prompts, self.rollout, seed, self.task)
 
     @torch.no_grad()
     def teacher_signal(self, data: BatchedDataDict) -> BatchedDataDict:

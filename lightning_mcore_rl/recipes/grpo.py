@@ -19,7 +19,8 @@ Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,6 +50,7 @@ from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
 from lightning_mcore_rl.rollout import (
     ModularCountingTask,
     PolicyRollout,
+    Rollout,
     RolloutBackend,
     SamplingConfig,
     mismatch_extrema,
@@ -385,28 +387,17 @@ class GRPOModule(MCoreRLModule):
             This rank's ``rewards``, ``correct``, ``lengths`` and ``truncated`` ``[b*G]``.
         """
         assert self.evaluation is not None  # built in setup()
-        seed = self.rollout.seed + 7_000_003 * (batch_idx + 1) + self.mcore_strategy.groups.dp_rank
+        seed = validation_seed(self.rollout, batch_idx, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(batch, seed)
-        lengths = out.completion_mask.sum(dim=1)
-        scores = {
-            "rewards": rewards,
-            "correct": rewards >= 1.0,
-            "lengths": lengths,
-            "truncated": lengths >= self.rollout.max_new_tokens,
-        }
+        scores = rollout_scores(out, rewards, self.rollout.max_new_tokens)
         self.evaluation.update(**scores)
         self.evaluation.log(self)
         return scores
 
-    def _sample(self, prompts: torch.Tensor, seed: int) -> tuple[Any, torch.Tensor]:
+    def _sample(self, prompts: torch.Tensor, seed: int) -> tuple[Rollout, torch.Tensor]:
         """``G`` completions per prompt (group-major ``[b*G, P+N]``) and their rewards."""
-        spec = self.rollout
-        out = self.rollout_source.generate(
-            self,
-            prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
-            SamplingConfig(spec.max_new_tokens, spec.temperature, seed),
-        )
-        return out, self.task.rewards(out.tokens, out.completion_mask)
+        generate = functools.partial(self.rollout_source.generate, self)
+        return sample_groups(generate, prompts, self.rollout, seed, self.task)
 
     @torch.no_grad()
     def make_rollout(self, prompts: torch.Tensor) -> tuple[BatchedDataDict, torch.Tensor]:
@@ -417,22 +408,66 @@ class GRPOModule(MCoreRLModule):
             [b*G, P+N]``, ``input_lengths``, ``sample_mask`` (``advantages`` zeros with
             ``use_kl_in_reward``: :meth:`training_step` fills them after the logprobs).
         """
-        spec = self.rollout
-        seed = spec.seed + 1_000_003 * self.global_step + self.mcore_strategy.groups.dp_rank
+        seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(prompts, seed)
-        batch = BatchedDataDict(
-            input_ids=out.tokens,
-            input_lengths=torch.full((out.tokens.shape[0],), out.tokens.shape[1]),
-            token_mask=out.completion_mask.float(),
-            sample_mask=torch.ones(out.tokens.shape[0]),
-            generation_logprobs=out.generation_logprobs,
-        )
+        batch = rollout_batch(out)
+        batch["generation_logprobs"] = out.generation_logprobs
         batch["advantages"] = (
             torch.zeros_like(out.completion_mask, dtype=torch.float32)
             if self._advantages_need_logprobs()  # the training step fills them
             else self.advantages(rewards, batch)
         )
         return batch, rewards
+
+
+def rollout_seed(spec: RolloutSpec, global_step: int, dp_rank: int) -> int:
+    """The sampling seed of a training step's rollouts on data-parallel rank ``dp_rank``."""
+    return spec.seed + 1_000_003 * global_step + dp_rank
+
+
+def validation_seed(spec: RolloutSpec, batch_idx: int, dp_rank: int) -> int:
+    """The sampling seed of validation batch ``batch_idx`` on data-parallel rank ``dp_rank``."""
+    return spec.seed + 7_000_003 * (batch_idx + 1) + dp_rank
+
+
+def sample_groups(
+    generate: Callable[[torch.Tensor, SamplingConfig], Rollout],
+    prompts: torch.Tensor,
+    spec: RolloutSpec,
+    seed: int,
+    task: ModularCountingTask,
+) -> tuple[Rollout, torch.Tensor]:
+    """``spec.group_size`` completions per prompt of ``prompts [b, P]`` (group-major
+    ``[b*G, P+N]``) from ``generate`` (a rollout source's), and the task's rewards ``[b*G]``."""
+    out = generate(
+        prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
+        SamplingConfig(spec.max_new_tokens, spec.temperature, seed),
+    )
+    return out, task.rewards(out.tokens, out.completion_mask)
+
+
+def rollout_scores(out: Rollout, rewards: torch.Tensor, max_new_tokens: int) -> dict[str, Any]:
+    """Per-sample ``rewards``, ``correct``, completion ``lengths`` and ``truncated`` ``[B]``
+    (what :class:`~lightning_mcore_rl.recipes.evaluation.RolloutEvaluation` aggregates)."""
+    lengths = out.completion_mask.sum(dim=1)
+    return {
+        "rewards": rewards,
+        "correct": rewards >= 1.0,
+        "lengths": lengths,
+        "truncated": lengths >= max_new_tokens,
+    }
+
+
+def rollout_batch(out: Rollout) -> BatchedDataDict:
+    """The training batch of sampled rows: ``input_ids [B, P+N]``, ``input_lengths [B]``,
+    ``token_mask [B, P+N]`` (1 on the completion) and ``sample_mask [B]``."""
+    rows, width = out.tokens.shape
+    return BatchedDataDict(
+        input_ids=out.tokens,
+        input_lengths=torch.full((rows,), width),
+        token_mask=out.completion_mask.float(),
+        sample_mask=torch.ones(rows),
+    )
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -19,7 +19,6 @@ from lightning_mcore_rl.recipes import (
     TeacherSpec,
     TinyGPTSpec,
 )
-from lightning_mcore_rl.rollout import GenerationOutput
 
 CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
 RECIPES = {"distill_topk_tiny.yaml": DistillationLossFn, "distill_full_tiny.yaml": OPDFullLossFn}
@@ -120,9 +119,12 @@ def test_an_hf_model_sets_the_shared_vocabulary(tmp_path):
 
 
 def test_rollout_rows_become_the_distillation_batch():
+    from lightning_mcore_rl.recipes.grpo import rollout_batch
+    from lightning_mcore_rl.rollout import Rollout
+
     tokens = torch.tensor([[3, 5, 2, 3], [1, 1, 2, 0]])  # [B=2, P+N=4], P = 2
     mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]])
-    batch = DistillationModule.rollout_batch(GenerationOutput(tokens, torch.zeros(2, 4), mask))
+    batch = rollout_batch(Rollout(tokens, mask, torch.zeros(2, 4)))
     assert torch.equal(batch["input_ids"], tokens)
     assert batch["input_lengths"].tolist() == [4, 4]
     assert batch["token_mask"].dtype == torch.float32 and torch.equal(
