@@ -152,9 +152,9 @@ def cp_attention_rank(rank: int) -> CPAttentionResult:
         "positions": _error(lambda: allgather_cp_to_positions(x, positions[:-1], cp_group)),
     }  # fmt: skip
     init_megatron_state()  # CP=1: megatron's local DotProductAttention refuses CP > 1
-    local_model = torch.nn.Sequential(
-        DotProductAttention(_local_config(), 1, AttnMaskType.causal, "self")
-    )
+    attention = torch.nn.Module()  # a self-attention layer holding megatron's local core attention
+    attention.core_attention = DotProductAttention(_local_config(), 1, AttnMaskType.causal, "self")
+    local_model = torch.nn.Sequential(attention)
     errors["local_spec"] = _error(lambda: check_packed_core_attention(local_model))
     return CPAttentionResult(
         diffs=diffs,
