@@ -80,7 +80,7 @@ def fit(
         max_steps=recipe.steps,
         gradient_clip_val=recipe.clip,
         logger=False,
-        enable_checkpointing=root is not None,
+        enable_checkpointing=root is not None and ckpt_path is None,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,

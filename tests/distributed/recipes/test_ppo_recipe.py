@@ -67,13 +67,11 @@ def test_ppo_resume_repeats_the_uninterrupted_run(tmp_path):
 
 def test_ppo_of_an_hf_model_with_a_frozen_reference_copy_tp2_matches_tp1(tmp_path):
     # a random tiny Llama (HFModelSpec) as policy and value trunk, the reference KL (beta 0.05)
-    # in the loss from a hosted frozen copy: no KL at step 0, some after; TP=2 = TP=1 per step.
-    # No clipping and no grad-norm comparison: the HF bridge builds with
-    # perform_initialization=False, so megatron never marks its TP-sharded weights
-    # `tensor_model_parallel` and its grad norm at TP=2 counts rank 0's shards only (GRPO too)
+    # in the loss from a hosted frozen copy: no KL at step 0, some after; TP=2 = TP=1 per step,
+    # grad norms included (the HF bridge marks its TP-split weights for megatron's norm)
     build_hf_llama(str(tmp_path))
     options = (("model", HFModelSpec(str(tmp_path))), ("reference_model", "frozen_copy"))
-    recipe = Recipe(ppo=True, options=options, kl=0.05, steps=3, clip=None)
+    recipe = Recipe(ppo=True, options=options, kl=0.05, steps=3, clip=1.0)
     (ref,) = run_on_ranks(fit, 1, recipe, timeout=240)
     penalties = [row["train_kl_penalty"] for row in ref.rows]
     assert penalties[0] == 0.0 and min(penalties[1:]) > 0.0, penalties
@@ -82,6 +80,7 @@ def test_ppo_of_an_hf_model_with_a_frozen_reference_copy_tp2_matches_tp1(tmp_pat
             assert got["reward"] == want["reward"]
             for key in (*KEYS, "train_kl_penalty"):
                 assert got[key] == pytest.approx(want[key], abs=1e-5), key
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
 def test_ppo_rejects_layouts_it_cannot_run_before_any_step():
