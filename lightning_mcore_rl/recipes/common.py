@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore_rl.megatron_defaults import local_spec_settings
+from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.rollout import ModularCountingTask
 from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
 from lightning_mcore_rl.train.chunks import unwrap_model as unwrap
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.module import MCoreRLModule
 
 
 DEFAULT_TASK = ModularCountingTask()
@@ -162,6 +162,26 @@ class RecipeModel:
             with torch.no_grad():
                 for param, value in zip(params, current, strict=True):
                     param.copy_(value)
+
+
+class RecipeModule(MCoreRLModule):
+    """What every recipe module shares: its model (``self.policy``, a :class:`RecipeModel`) built
+    per virtual-pipeline stage, and megatron's Adam at ``self.lr`` (clipping from
+    ``Trainer(gradient_clip_val=...)``). Subclasses set both in ``__init__``."""
+
+    policy: RecipeModel
+    lr: float
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        """The model chunk for ``vp_stage`` (:meth:`RecipeModel.build_chunk`: the tiny GPT with
+        layout-invariant deterministic weights, or the HF checkpoint's shards)."""
+        return self.policy.build_chunk(self, vp_stage)
+
+    def configure_optimizers(self) -> Any:
+        """Megatron Adam at ``lr``, no weight decay."""
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
 
 def data_parallel_size(trainer: Trainer | None) -> int:

@@ -26,7 +26,7 @@ checkpoint of an ``MCoreRLStrategy`` run, e.g. a GRPO-trained policy) with
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torchmetrics.aggregation import MeanMetric
@@ -38,9 +38,14 @@ from lightning_mcore_rl.losses import (
     OPDFullLossConfig,
     OPDFullLossFn,
 )
-from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
-from lightning_mcore_rl.recipes.common import DEFAULT_TASK, HFModelSpec, RecipeModel, TinyGPTSpec
+from lightning_mcore_rl.recipes.common import (
+    DEFAULT_TASK,
+    HFModelSpec,
+    RecipeModel,
+    RecipeModule,
+    TinyGPTSpec,
+)
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
 from lightning_mcore_rl.recipes.grpo import (
     RolloutSpec,
@@ -106,7 +111,7 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
 
 
-class DistillationModule(MCoreRLModule):
+class DistillationModule(RecipeModule):
     """On-policy distillation of a hosted frozen teacher into a student that samples itself.
 
     Args:
@@ -216,11 +221,6 @@ class DistillationModule(MCoreRLModule):
 
     # ---------------------------------------------------------------- models
 
-    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The student's chunk for ``vp_stage``: the tiny GPT (layout-invariant deterministic
-        weights) or the HF checkpoint's shards."""
-        return self.policy.build_chunk(self, vp_stage)
-
     def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         """The teacher's chunk for ``vp_stage``: built like a recipe model, then (collective, on
         every rank) its weights from ``teacher.checkpoint`` when one is given."""
@@ -231,12 +231,6 @@ class DistillationModule(MCoreRLModule):
         if spec.checkpoint is not None:
             load_dist_checkpoint(chunk, spec.checkpoint, prefix=spec.checkpoint_prefix)
         return chunk
-
-    def configure_optimizers(self) -> Any:
-        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
-        from megatron.core.optimizer import OptimizerConfig
-
-        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
     def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
         """The default post-processor; with the ``"hidden_states"`` payload it also gets the

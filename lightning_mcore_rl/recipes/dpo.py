@@ -29,11 +29,11 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import DPOLossConfig, DPOLossFn
-from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.recipes.common import (
     DEFAULT_TASK,
     HFModelSpec,
     RecipeModel,
+    RecipeModule,
     TinyGPTSpec,
     agree_on_batch,
     check_rows,
@@ -163,7 +163,7 @@ def shift_left(logprobs: Tensor) -> Tensor:
     return logprobs.roll(-1, dims=1)
 
 
-class DPOModule(MCoreRLModule):
+class DPOModule(RecipeModule):
     """DPO of a tiny GPT or a Hugging Face model against its initial weights.
 
     Args:
@@ -205,16 +205,6 @@ class DPOModule(MCoreRLModule):
                 "lr": lr,
             }
         )
-
-    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The policy chunk for ``vp_stage`` (see :meth:`RecipeModel.build_chunk`)."""
-        return self.policy.build_chunk(self, vp_stage)
-
-    def configure_optimizers(self) -> Any:
-        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
-        from megatron.core.optimizer import OptimizerConfig
-
-        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
     def setup(self, stage: str) -> None:
         """Reject microbatching that would split pairs (same verdict on every rank)."""

@@ -36,12 +36,12 @@ from lightning_mcore_rl.algorithms import (
 )
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn, calculate_kl
-from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.recipes.common import (
     DEFAULT_TASK,
     HFModelSpec,
     RecipeModel,
+    RecipeModule,
     TinyGPTSpec,
     rank_train_loader,
     rank_val_loader,
@@ -163,7 +163,7 @@ class PromptDataModule(LightningDataModule):
         return rank_val_loader(self.trainer, dataset, self.prompts_per_step, "val_prompts")
 
 
-class GRPOModule(MCoreRLModule):
+class GRPOModule(RecipeModule):
     """Group Relative Policy Optimization (DeepSeekMath, arXiv:2402.03300) of a tiny GPT.
 
     Args:
@@ -252,11 +252,6 @@ class GRPOModule(MCoreRLModule):
             }
         )
 
-    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The policy chunk for ``vp_stage``, built from the strategy's config: the tiny GPT
-        (layout-invariant deterministic weights) or the HF checkpoint's shards."""
-        return self.policy.build_chunk(self, vp_stage)
-
     def _check_kl_in_reward(self, loss: ClippedPGLossConfig, estimator: str) -> None:
         """``use_kl_in_reward`` only with an estimator that puts the KL into the reward."""
         if loss.use_kl_in_reward and estimator != "reinforce_plus_plus":
@@ -283,12 +278,6 @@ class GRPOModule(MCoreRLModule):
         """The :class:`~lightning_mcore_rl.models.HFBridge` of an :class:`HFModelSpec` policy,
         checked against the task (``ValueError``: vocabulary or positions too small)."""
         return self.policy.hf_bridge()
-
-    def configure_optimizers(self) -> Any:
-        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
-        from megatron.core.optimizer import OptimizerConfig
-
-        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
     # The base step takes Mapping batches; this recipe's loader yields prompt tensors and the
     # step is replaced whole (Lightning hooks take whatever the dataloader yields).

@@ -17,8 +17,13 @@ import torch
 from torch import Tensor
 
 from lightning_mcore_rl.losses import PreferenceLossFn
-from lightning_mcore_rl.module import MCoreRLModule
-from lightning_mcore_rl.recipes.common import RecipeModel, TinyGPTSpec, agree_on_batch, unwrap
+from lightning_mcore_rl.recipes.common import (
+    RecipeModel,
+    RecipeModule,
+    TinyGPTSpec,
+    agree_on_batch,
+    unwrap,
+)
 from lightning_mcore_rl.recipes.dpo import check_pair_microbatching, check_preference_batch
 
 if TYPE_CHECKING:
@@ -68,7 +73,7 @@ def last_token_scores(
     return {"logits": logits[rows, lengths - 1, 0]}, data
 
 
-class RewardModelModule(MCoreRLModule):
+class RewardModelModule(RecipeModule):
     """A Bradley-Terry reward model (the tiny GPT with a scalar head) on preference pairs.
 
     Args:
@@ -120,12 +125,6 @@ class RewardModelModule(MCoreRLModule):
             gpt.output_layer = ScalarHead(gpt.config.hidden_size, gpt.config.params_dtype)
             load_deterministic_weights(gpt, self.model_spec.seed)
         return chunk
-
-    def configure_optimizers(self) -> Any:
-        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
-        from megatron.core.optimizer import OptimizerConfig
-
-        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
     def setup(self, stage: str) -> None:
         """Reject layouts the last-token score cannot follow (same verdict on every rank)."""

@@ -19,11 +19,11 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from lightning_mcore_rl.losses import NLLLossFn
-from lightning_mcore_rl.module import MCoreRLModule
 from lightning_mcore_rl.recipes.common import (
     DEFAULT_TASK,
     HFModelSpec,
     RecipeModel,
+    RecipeModule,
     TinyGPTSpec,
     agree_on_batch,
     check_rows,
@@ -89,7 +89,7 @@ class SFTDataModule(LightningDataModule):
         return rank_val_loader(self.trainer, dataset, self.samples_per_step, "val_samples")
 
 
-class SFTModule(MCoreRLModule):
+class SFTModule(RecipeModule):
     """Supervised fine-tuning of a tiny GPT or a Hugging Face model (NLL on response tokens).
 
     Args:
@@ -123,16 +123,6 @@ class SFTModule(MCoreRLModule):
                 "lr": lr,
             }
         )
-
-    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The model chunk for ``vp_stage`` (see :meth:`RecipeModel.build_chunk`)."""
-        return self.policy.build_chunk(self, vp_stage)
-
-    def configure_optimizers(self) -> Any:
-        """Megatron Adam at ``lr`` (clipping comes from ``Trainer(gradient_clip_val=...)``)."""
-        from megatron.core.optimizer import OptimizerConfig
-
-        return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
     def check_batch(self, batch: Mapping[str, Any]) -> None:
         """Every rank agrees that each has the SFT keys and rows within the model's length."""
