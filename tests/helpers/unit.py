@@ -1,6 +1,8 @@
-"""Helpers of the single-process unit tests."""
+"""Helpers of the single-process unit tests (also used by rank functions: pure objects)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class FakeGroup:
@@ -14,3 +16,25 @@ class FakeGroup:
 
     def size(self) -> int:
         return self._size
+
+
+def word_level_tokenizer(words: list[str], chat_template: str, *, prepend_bos: bool = False) -> Any:
+    """A ``PreTrainedTokenizerFast`` over ``words`` (whitespace-split; ``<unk>``, ``<pad>``,
+    ``<s>``, ``</s>`` among them), built offline with ``tokenizers``; ``prepend_bos``: ``<s>``
+    before every encoded text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if prepend_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>",
+    )  # fmt: skip
+    fast.chat_template = chat_template
+    return fast

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.unit import word_level_tokenizer
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -31,24 +32,7 @@ LONG_PROMPT = "what is " + " plus ".join(["1"] * 6)  # 13 words: 14 tokens with 
 
 def tiny_tokenizer() -> Any:
     """A ``PreTrainedTokenizerFast`` over :data:`WORDS` (``<s>`` prepended, pad ``<pad>`` = 1)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word: i for i, word in enumerate(WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return word_level_tokenizer(WORDS, CHAT_TEMPLATE, prepend_bos=True)
 
 
 def ids(text: str) -> list[int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.unit import word_level_tokenizer
 
 VOCAB = 128
 SEQ = 10
@@ -53,21 +54,8 @@ def hf_configs() -> dict[str, Any]:
 
 def tiny_tokenizer() -> Any:
     """A WordLevel tokenizer (``PreTrainedTokenizerFast``) with a simple chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     words = ["<unk>", "<pad>", "<s>", "</s>", "<user>", "<assistant>", "hello", "world", "hi"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return word_level_tokenizer(words, CHAT_TEMPLATE)
 
 
 @torch.no_grad()
