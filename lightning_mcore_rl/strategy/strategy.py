@@ -255,7 +255,10 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         expected = self.transformer_config_kwargs()
         raw = checked_chunks(self.lightning_module, self.vp_stages, expected)
         plugin = self.precision_plugin
-        self.teacher.setup(self.lightning_module, self.vp_stages, expected, bf16=plugin.bf16)
+        self.teacher.setup(
+            self.lightning_module, self.vp_stages, expected, bf16=plugin.bf16,
+            device=self.root_device,
+        )  # fmt: skip
         ddp = None
         if fitting:
             ddp = self.ddp_config.to_megatron(

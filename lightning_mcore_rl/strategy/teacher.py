@@ -55,6 +55,22 @@ def build_teacher_chunks(
     return chunks
 
 
+def _agree_on_presence(present: bool, device: torch.device | str) -> None:
+    """Raise on every rank unless all ranks host a teacher or none does (one all-reduce)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    flags = torch.tensor([float(present), -float(present)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0] != -flags[1]:  # max(present) != min(present)
+        raise ValueError(
+            f"`build_teacher_chunk` returned a teacher on some ranks and None on others (this "
+            f"rank: {'a teacher' if present else 'None'}); every rank (each TP/PP/DP position) "
+            "must build its teacher chunks, or none."
+        )
+
+
 class HostedTeacher:
     """The strategy's wrapped teacher chunks (empty without a teacher)."""
 
@@ -69,15 +85,19 @@ class HostedTeacher:
         expected: Mapping[str, Any],
         *,
         bf16: bool,
+        device: torch.device | str = "cpu",
     ) -> None:
         """Check ``module.teacher_chunks`` (the policy's layout and strategy fields) and wrap
-        them: ``Float16Module`` under bf16, no megatron DDP, eval mode, no gradients.
+        them: ``Float16Module`` under bf16, no megatron DDP, eval mode, no gradients. Every rank
+        must host a teacher or none: ONE all-reduce agrees on it, so a rank without one cannot
+        leave the others waiting in a later ``teacher=True`` pass.
 
         Raises:
             TypeError, ValueError: as :func:`~.model.check_chunk_layout`; a teacher parameter
-                with ``requires_grad=True``.
+                with ``requires_grad=True``; a teacher on some ranks only (on every rank).
         """
         raw = getattr(module, "teacher_chunks", None)
+        _agree_on_presence(bool(raw), device)
         if not raw:
             self.chunks = []
             return

@@ -308,3 +308,22 @@ def _resume_rank(sizes: tuple[int, int], path: Path, trained: TeacherModule) -> 
     return restored and all(
         torch.equal(a, b) for a, b in zip(topk, trained.teacher_topk[0], strict=True)
     )
+
+
+class _RankZeroTeacher(TeacherModule):
+    """A teacher on global rank 0 only (DP=2: rank 1's ``build_teacher_chunk`` returns None)."""
+
+    def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module | None:
+        import torch.distributed as dist
+
+        return super().build_teacher_chunk(vp_stage) if dist.get_rank() == 0 else None
+
+
+def partial_teacher_rank(rank: int) -> str:
+    """The error a fit with a teacher on rank 0 only raises on this rank (``""``: none)."""
+    trainer = Trainer(**_trainer_options(2, strategy=_strategy((1, 1)), max_steps=1))
+    try:
+        trainer.fit(_RankZeroTeacher(1), DataLoader(RolloutRows(2 * BATCH), batch_size=BATCH))
+    except ValueError as err:
+        return str(err)
+    return ""

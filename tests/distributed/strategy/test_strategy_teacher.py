@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _hook_runs import probe_batch
-from _strategy_teacher_runs import LOSSES, TeacherFit, teacher_rank
+from _strategy_teacher_runs import LOSSES, TeacherFit, partial_teacher_rank, teacher_rank
 from test_module_hooks import reference_logprobs
 from torch import Tensor
 
@@ -200,3 +200,9 @@ def test_an_unfrozen_teacher_raises():
     Holder.teacher_chunks[0].config = object()  # type: ignore[assignment]
     with pytest.raises(ValueError, match=r"2 of its parameters require grad \(first: 'weight'\)"):
         HostedTeacher().setup(Holder(), [None], {}, bf16=False)
+
+
+def test_a_teacher_on_some_ranks_only_raises_on_every_rank():
+    # rank 1 builds no teacher: both ranks raise at setup instead of hanging in a teacher pass
+    for message in run_on_ranks(partial_teacher_rank, 2, timeout=120):
+        assert "returned a teacher on some ranks and None on others" in message, message
