@@ -19,6 +19,7 @@ from lightning_mcore_rl.recipes.prompt_data import (
 )
 from lightning_mcore_rl.recipes.reward_model import RewardModelModule
 from lightning_mcore_rl.recipes.sft import SFTDataModule, SFTModule
+from lightning_mcore_rl.recipes.text_task import TextRewardTask
 from lightning_mcore_rl.recipes.toy_data import (
     CountingPreferenceDataset,
     CountingSFTDataset,
@@ -47,6 +48,7 @@ __all__ = [
     "SFTDataModule",
     "SFTModule",
     "TeacherSpec",
+    "TextRewardTask",
     "TinyGPTSpec",
     "collate_pairs",
 ]

@@ -1,11 +1,14 @@
-"""GRPO on an embedded toy task: generate with the policy itself, score, train — one optimizer
-step per Lightning batch of prompts.
+"""GRPO: generate with the policy, score, train — one optimizer step per Lightning batch of
+prompts, on the embedded counting task or a text task (:class:`~.text_task.TextRewardTask`).
 
-Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and:
+Each ``training_step`` receives this data-parallel rank's prompts (``[b, P]`` ids of the counting
+task, or a :class:`~.prompt_data.PromptBatch` of a text task) and:
 
 1. samples ``G`` completions per prompt from the ``RolloutSpec.backend`` rollout source
-   (:class:`~lightning_mcore_rl.rollout.PolicyRollout`: ``generation_logprobs``);
-2. scores them with the task and turns rewards into advantages (``advantage_estimator``: NeMo
+   (:class:`~lightning_mcore_rl.rollout.PolicyRollout`: ``generation_logprobs``); a text task's
+   completions end at the tokenizer's EOS (``RolloutSpec.stop_at_eos``);
+2. scores them with the task (a text task decodes them and calls its reward function) and turns
+   rewards into advantages (``advantage_estimator``: NeMo
    RL's ``"grpo"`` group-relative, with ``use_leave_one_out_baseline`` the RLOO baseline, or
    ``"reinforce_plus_plus"``);
 3. recomputes the logprobs of the current weights forward-only (``prev_logprobs``; the PPO ratio
@@ -47,6 +50,8 @@ from lightning_mcore_rl.recipes.common import (
     rank_val_loader,
 )
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
+from lightning_mcore_rl.recipes.prompt_data import PromptBatch
+from lightning_mcore_rl.recipes.text_task import TextRewardTask
 from lightning_mcore_rl.rollout import (
     ModularCountingTask,
     PolicyRollout,
@@ -58,7 +63,13 @@ from lightning_mcore_rl.rollout import (
 from lightning_mcore_rl.strategy import ResumableLoader
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from lightning_mcore_rl.models import HFBridge
+
+Task = ModularCountingTask | TextRewardTask
+"""What a GRPO module is rewarded on: the embedded counting task (``[b, P]`` prompt tensors) or a
+text task (:class:`~.prompt_data.PromptBatch` prompts and a reward function)."""
 
 
 @dataclass
@@ -72,7 +83,9 @@ class RolloutSpec:
         seed: base seed; each step and data-parallel rank derives its own stream.
         backend: the rollout source (``docs/rollout.md``): ``"megatron"``, the embedded sampler
             on the training model; ``"hf"``, a ``transformers`` copy of an :class:`HFModelSpec`
-            policy refit after every optimizer step.
+            policy refit after every optimizer step (needed for prompts of different lengths).
+        stop_at_eos: with a text task, a completion ends at the tokenizer's EOS token (then
+            padded with its pad id, masked out of the loss); the counting task has no EOS.
     """
 
     group_size: int = 4
@@ -80,6 +93,7 @@ class RolloutSpec:
     temperature: float = 1.0
     seed: int = 1234
     backend: RolloutBackend = "megatron"
+    stop_at_eos: bool = True
 
 
 DEFAULT_MODEL = TinyGPTSpec()
@@ -164,10 +178,13 @@ class PromptDataModule(LightningDataModule):
 
 
 class GRPOModule(RecipeModule):
-    """Group Relative Policy Optimization (DeepSeekMath, arXiv:2402.03300) of a tiny GPT.
+    """Group Relative Policy Optimization (DeepSeekMath, arXiv:2402.03300).
 
     Args:
-        task: the rewarded task.
+        task: the rewarded task: the embedded :class:`ModularCountingTask` (prompts from
+            :class:`PromptDataModule`) or a :class:`~.text_task.TextRewardTask` (prompts from
+            :class:`~.prompt_data.PromptFileDataModule`, left-padded; needs an
+            :class:`HFModelSpec` policy, whose tokenizer decodes the completions).
         model: the policy: a tiny GPT (:class:`TinyGPTSpec`) or a Hugging Face checkpoint
             (:class:`HFModelSpec`, imported with :class:`~lightning_mcore_rl.models.HFBridge`).
         rollout: sampling settings.
@@ -198,7 +215,7 @@ class GRPOModule(RecipeModule):
 
     def __init__(
         self,
-        task: ModularCountingTask | None = DEFAULT_TASK,
+        task: ModularCountingTask | TextRewardTask | None = DEFAULT_TASK,
         model: TinyGPTSpec | HFModelSpec | None = DEFAULT_MODEL,
         rollout: RolloutSpec | None = DEFAULT_ROLLOUT,
         loss: ClippedPGLossConfig | None = DEFAULT_GRPO_LOSS,
@@ -227,15 +244,11 @@ class GRPOModule(RecipeModule):
         self.use_leave_one_out_baseline = use_leave_one_out_baseline
         self.minus_baseline = minus_baseline
         self.reference_model = reference_model
-        self.task = task or ModularCountingTask()
+        self.task: Task = task or ModularCountingTask()
         self.model_spec = replace(model) if model is not None else TinyGPTSpec()
         self.rollout = rollout
-        self.policy = RecipeModel(
-            self.model_spec,
-            self.task.vocab_size,
-            self.task.prompt_length + rollout.max_new_tokens,
-            "prompt_length + max_new_tokens",
-        )
+        self.tokenizer = self._text_tokenizer()
+        self.policy = self._recipe_model()
         self.rollout_source = PolicyRollout(rollout.backend, self.policy)
         self.lr = lr
         self.pass_at_k = tuple(pass_at_k)
@@ -243,13 +256,54 @@ class GRPOModule(RecipeModule):
         self.rollout_reward: MeanMetric | None = None
         self.save_hyperparameters(
             {
-                "task": asdict(self.task),
+                "task": (
+                    self.task.describe()
+                    if isinstance(self.task, TextRewardTask)
+                    else asdict(self.task)
+                ),
                 "model": asdict(self.model_spec),
                 "rollout": asdict(self.rollout),
                 "lr": lr,
                 "advantage_estimator": advantage_estimator,
                 "reference_model": reference_model,
             }
+        )
+
+    def _text_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """A text task's tokenizer: the :class:`HFModelSpec` policy's (``None`` for the counting
+        task).
+
+        Raises:
+            ValueError: a text task with a policy that is not a Hugging Face checkpoint.
+        """
+        if not isinstance(self.task, TextRewardTask):
+            return None
+        if not isinstance(self.model_spec, HFModelSpec):
+            raise ValueError(
+                "A TextRewardTask decodes completions with the policy's tokenizer and needs an "
+                f"HFModelSpec model, got {type(self.model_spec).__name__}."
+            )
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_spec.path)
+
+    def _recipe_model(self) -> RecipeModel:
+        """The policy, sized by the task: the counting task's vocabulary and ``P + N`` rows, or
+        the tokenizer's vocabulary and ``max_prompt_length + N`` rows."""
+        new_tokens = self.rollout.max_new_tokens
+        if isinstance(self.task, TextRewardTask):
+            assert self.tokenizer is not None  # set for text tasks
+            return RecipeModel(
+                self.model_spec,
+                len(self.tokenizer),
+                self.task.max_prompt_length + new_tokens,
+                "max_prompt_length + max_new_tokens",
+            )
+        return RecipeModel(
+            self.model_spec,
+            self.task.vocab_size,
+            self.task.prompt_length + new_tokens,
+            "prompt_length + max_new_tokens",
         )
 
     def _check_kl_in_reward(self, loss: ClippedPGLossConfig, estimator: str) -> None:
@@ -282,12 +336,13 @@ class GRPOModule(RecipeModule):
     # The base step takes Mapping batches; this recipe's loader yields prompt tensors and the
     # step is replaced whole (Lightning hooks take whatever the dataloader yields).
     def training_step(  # type: ignore[override]
-        self, batch: torch.Tensor, batch_idx: int = 0
+        self, batch: torch.Tensor | PromptBatch, batch_idx: int = 0
     ) -> torch.Tensor:
         """Rollout, score, advantages, ``prev_logprobs``, one policy-gradient step.
 
         Args:
-            batch: ``[b, P]`` prompts of this data-parallel rank.
+            batch: this data-parallel rank's ``b`` prompts (``[b, P]`` ids, or a
+                :class:`~.prompt_data.PromptBatch` for a text task).
         """
         data, rewards = self.make_rollout(batch)
         data["prev_logprobs"] = self.compute_logprobs(data)
@@ -368,7 +423,7 @@ class GRPOModule(RecipeModule):
 
     @torch.no_grad()
     def validation_step(  # type: ignore[override]
-        self, batch: torch.Tensor, batch_idx: int = 0
+        self, batch: torch.Tensor | PromptBatch, batch_idx: int = 0
     ) -> dict[str, torch.Tensor]:
         """Sample ``G`` completions per held-out prompt and score them (no training).
 
@@ -383,24 +438,27 @@ class GRPOModule(RecipeModule):
         self.evaluation.log(self)
         return scores
 
-    def _sample(self, prompts: torch.Tensor, seed: int) -> tuple[Rollout, torch.Tensor]:
+    def _sample(
+        self, prompts: torch.Tensor | PromptBatch, seed: int
+    ) -> tuple[Rollout, torch.Tensor]:
         """``G`` completions per prompt (group-major ``[b*G, P+N]``) and their rewards."""
         generate = functools.partial(self.rollout_source.generate, self)
-        return sample_groups(generate, prompts, self.rollout, seed, self.task)
+        return sample_groups(generate, prompts, self.rollout, seed, self.task, self.tokenizer)
 
     @torch.no_grad()
-    def make_rollout(self, prompts: torch.Tensor) -> tuple[BatchedDataDict, torch.Tensor]:
+    def make_rollout(
+        self, prompts: torch.Tensor | PromptBatch
+    ) -> tuple[BatchedDataDict, torch.Tensor]:
         """Sample ``G`` completions per prompt and build the GRPO batch.
 
         Returns:
-            ``(batch, rewards [b*G])`` with ``input_ids/generation_logprobs/token_mask/advantages
-            [b*G, P+N]``, ``input_lengths``, ``sample_mask`` (``advantages`` zeros with
-            ``use_kl_in_reward``: :meth:`training_step` fills them after the logprobs).
+            ``(batch, rewards [b*G])``: :func:`rollout_batch` rows plus ``advantages
+            [b*G, P+N]`` (zeros with ``use_kl_in_reward``: :meth:`training_step` fills them
+            after the logprobs).
         """
         seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(prompts, seed)
         batch = rollout_batch(out)
-        batch["generation_logprobs"] = out.generation_logprobs
         batch["advantages"] = (
             torch.zeros_like(out.completion_mask, dtype=torch.float32)
             if self._advantages_need_logprobs()  # the training step fills them
@@ -420,18 +478,44 @@ def validation_seed(spec: RolloutSpec, batch_idx: int, dp_rank: int) -> int:
 
 
 def sample_groups(
-    generate: Callable[[torch.Tensor, SamplingConfig], Rollout],
-    prompts: torch.Tensor,
+    generate: Callable[[torch.Tensor, SamplingConfig, torch.Tensor | None], Rollout],
+    prompts: torch.Tensor | PromptBatch,
     spec: RolloutSpec,
     seed: int,
-    task: ModularCountingTask,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> tuple[Rollout, torch.Tensor]:
-    """``spec.group_size`` completions per prompt of ``prompts [b, P]`` (group-major
-    ``[b*G, P+N]``) from ``generate`` (a rollout source's), and the task's rewards ``[b*G]``."""
-    out = generate(
-        prompts.repeat_interleave(spec.group_size, dim=0),  # group-major [b*G, P]
-        SamplingConfig(spec.max_new_tokens, spec.temperature, seed),
-    )
+    """``spec.group_size`` completions per prompt from ``generate`` (a rollout source's) and the
+    task's rewards ``[b*G]``.
+
+    Args:
+        generate: ``(prompts [B, P], sampling, prompt_lengths [B] | None) -> Rollout``.
+        prompts: ``[b, P]`` counting-task prompts, or a text task's :class:`PromptBatch`.
+        spec: group size and sampling settings.
+        seed: the draw's seed.
+        task: scores the completions.
+        tokenizer: a text task's (decodes the completions; its EOS stops them with
+            ``spec.stop_at_eos``).
+
+    Returns:
+        The group-major rollout ``[b*G, P+N]`` and its rewards ``[b*G]``.
+    """
+    group = spec.group_size
+    if isinstance(task, TextRewardTask):
+        assert tokenizer is not None and isinstance(prompts, PromptBatch)  # GRPOModule's check
+        ids, lengths = task.prompts(prompts)
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        stop = (eos,) if spec.stop_at_eos and eos is not None else ()
+        sampling = SamplingConfig(
+            spec.max_new_tokens, spec.temperature, seed, stop, pad if pad is not None else 0
+        )
+        out = generate(
+            ids.repeat_interleave(group, dim=0), sampling, lengths.repeat_interleave(group)
+        )
+        return out, task.rewards(prompts, out, group, tokenizer)
+    assert isinstance(prompts, torch.Tensor)  # the counting task's loaders yield tensors
+    sampling = SamplingConfig(spec.max_new_tokens, spec.temperature, seed)
+    out = generate(prompts.repeat_interleave(group, dim=0), sampling, None)  # group-major
     return out, task.rewards(out.tokens, out.completion_mask)
 
 
@@ -448,13 +532,28 @@ def rollout_scores(out: Rollout, rewards: torch.Tensor, max_new_tokens: int) -> 
 
 
 def rollout_batch(out: Rollout) -> BatchedDataDict:
-    """The training batch of sampled rows: ``input_ids [B, P+N]``, ``input_lengths [B]``,
-    ``token_mask [B, P+N]`` (1 on the completion) and ``sample_mask [B]``."""
+    """The training rows of a rollout, right-aligned to the data contract: row ``i`` is its
+    prompt's real tokens, its completion, then zeros (a left-padded prompt's pad columns move
+    to the end, so positions start at 0 at the prompt's first token, as the rollout sources'
+    do).
+
+    Returns:
+        ``input_ids [B, P+N]``, ``input_lengths [B]`` (prompt + completion tokens),
+        ``token_mask [B, P+N]`` (1 on the completion), ``generation_logprobs [B, P+N]`` and
+        ``sample_mask [B]``.
+    """
     rows, width = out.tokens.shape
+    prompt_width = int(out.completion_mask[0].argmax())  # every completion has >= 1 token
+    columns = torch.arange(width)[None, :]
+    shift = (prompt_width - out.prompt_lengths)[:, None]  # [B, 1] pad columns per row
+    source = (columns + shift).clamp(max=width - 1)  # [B, P+N]
+    lengths = out.prompt_lengths + out.completion_mask.sum(dim=1)
+    valid = columns < lengths[:, None]
     return BatchedDataDict(
-        input_ids=out.tokens,
-        input_lengths=torch.full((rows,), width),
-        token_mask=out.completion_mask.float(),
+        input_ids=out.tokens.gather(1, source).masked_fill(~valid, 0),
+        input_lengths=lengths,
+        token_mask=(out.completion_mask.gather(1, source) * valid).float(),
+        generation_logprobs=out.generation_logprobs.gather(1, source).masked_fill(~valid, 0.0),
         sample_mask=torch.ones(rows),
     )
 

@@ -42,6 +42,7 @@ class PromptBatch:
         prompts: the ``b`` texts that were tokenized (the rendered chat template when used).
         metadata: the ``b`` rows' metadata fields.
         indices: ``[b]`` the rows' positions in the files (before filtering).
+        padding_side: where the pad ids are.
     """
 
     input_ids: Tensor
@@ -49,6 +50,7 @@ class PromptBatch:
     prompts: list[str]
     metadata: list[dict[str, Any]]
     indices: Tensor
+    padding_side: Literal["left", "right"] = "left"
 
 
 def read_prompt_files(files: str | Sequence[str], cache_dir: str | None = None) -> Any:
@@ -250,6 +252,7 @@ def collate_prompts(
         prompts=[item["prompt"] for item in items],
         metadata=[dict(item["metadata"]) for item in items],
         indices=torch.tensor([item["index"] for item in items], dtype=torch.long),
+        padding_side=padding_side,
     )
 
 

@@ -20,7 +20,7 @@ from lightning_mcore_rl.rollout.source import (
     Rollout,
     SamplingConfig,
     check_prompts,
-    completion_mask,
+    stop_completions,
 )
 
 
@@ -99,35 +99,63 @@ class HFRolloutSource:
         return None
 
     @torch.no_grad()
-    def generate(self, prompts: Tensor, sampling: SamplingConfig) -> Rollout:
+    def generate(
+        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
+    ) -> Rollout:
         """Sample on the generator (prefill, then one cached step per token), broadcast to the
         group. Token ``t`` is drawn from ``softmax(logits_t / T)`` with a CPU generator seeded by
-        ``sampling.seed``, as the embedded sampler does."""
-        check_prompts(prompts)
-        batch, prompt_length = prompts.shape
-        width = prompt_length + sampling.max_new_tokens
-        tokens = torch.empty(batch, width, dtype=torch.long)
+        ``sampling.seed``, as the embedded sampler does. Left-padded prompts are masked out of
+        the attention and positions start at each prompt's first real token, so a row's tokens
+        and logprobs do not depend on the padding (up to fp32 rounding); completions end at their
+        first stop token (:func:`~lightning_mcore_rl.rollout.source.stop_completions`) and
+        sampling ends when every row has stopped."""
+        lengths = check_prompts(prompts, prompt_lengths)
+        batch, prompt_width = prompts.shape
+        width = prompt_width + sampling.max_new_tokens
+        tokens = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(batch, width, dtype=torch.float32)
         if self.model is not None:
-            tokens[:, :prompt_length] = prompts
-            self._sample(tokens, logprobs, prompt_length, sampling)
+            tokens[:, :prompt_width] = prompts
+            self._sample(tokens, logprobs, lengths, sampling)
         dist.broadcast(tokens, src=self.src, group=self.group)
         dist.broadcast(logprobs, src=self.src, group=self.group)
-        mask = completion_mask(batch, prompt_length, sampling.max_new_tokens)
-        return Rollout(tokens, mask, logprobs)
+        tokens, mask, logprobs = stop_completions(tokens, logprobs, prompt_width, sampling)
+        return Rollout(tokens, mask, logprobs, lengths)
 
     def _sample(
-        self, tokens: Tensor, logprobs: Tensor, prompt_length: int, sampling: SamplingConfig
+        self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> None:
-        """Fill ``tokens``/``logprobs [B, P+N]`` from position ``P`` on, in place."""
+        """Fill ``tokens``/``logprobs [B, P+N]`` from column ``P`` on, in place, for prompts of
+        ``lengths [B]`` real tokens (left-padded)."""
         assert self.model is not None  # the generator only
         generator = torch.Generator().manual_seed(sampling.seed)
-        out = self.model(input_ids=tokens[:, :prompt_length], use_cache=True, logits_to_keep=1)
-        for pos in range(prompt_length, tokens.shape[1]):
+        prompt_width, width = int(tokens.shape[1] - sampling.max_new_tokens), tokens.shape[1]
+        pads = (prompt_width - lengths)[:, None]  # [B, 1]
+        columns = torch.arange(width)[None, :]
+        attention = (columns >= pads).long()  # [B, P+N]: 0 on the left padding
+        positions = (columns - pads).clamp(min=0)  # [B, P+N]: 0 at each prompt's first token
+        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
+        stopped = torch.zeros(tokens.shape[0], dtype=torch.bool)
+        out = self.model(
+            input_ids=tokens[:, :prompt_width],
+            attention_mask=attention[:, :prompt_width],
+            position_ids=positions[:, :prompt_width],
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for pos in range(prompt_width, width):
             scaled = out.logits[:, -1, :].float() / sampling.temperature  # [B, V]
             log_probs = torch.log_softmax(scaled, dim=-1)
             nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
             tokens[:, pos : pos + 1] = nxt
             logprobs[:, pos : pos + 1] = log_probs.gather(1, nxt)
-            if pos + 1 < tokens.shape[1]:
-                out = self.model(input_ids=nxt, cache=out.cache, use_cache=True)
+            stopped |= torch.isin(nxt[:, 0], stop_ids)
+            if pos + 1 == width or bool(stopped.all()):
+                return
+            out = self.model(
+                input_ids=nxt,
+                attention_mask=attention[:, : pos + 1],
+                position_ids=positions[:, pos : pos + 1],
+                cache=out.cache,
+                use_cache=True,
+            )

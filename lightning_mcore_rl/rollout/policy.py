@@ -87,10 +87,16 @@ class PolicyRollout:
         self.source = HFRolloutSource(self.policy.hf_bridge().directory, group)
         return self.source
 
-    def generate(self, module: MCoreRLModule, prompts: Tensor, sampling: SamplingConfig) -> Rollout:
+    def generate(
+        self,
+        module: MCoreRLModule,
+        prompts: Tensor,
+        sampling: SamplingConfig,
+        prompt_lengths: Tensor | None = None,
+    ) -> Rollout:
         """Refit the source if ``module`` has stepped since the last refit, then sample
-        ``prompts [B, P]`` (collective over the training world when refitting, over the source's
-        group otherwise)."""
+        ``prompts [B, P]`` (left-padded to ``prompt_lengths [B]`` real tokens; collective over
+        the training world when refitting, over the source's group otherwise)."""
         strategy = module.mcore_strategy
         source = self.build(strategy)
         if source.refit_required and self.refit_step != module.global_step:
@@ -99,7 +105,7 @@ class PolicyRollout:
                 bridge.export_hf_weights(strategy.model_chunks, dtype=torch.float32)
             )
             self.refit_step = module.global_step
-        return source.generate(prompts, sampling)
+        return source.generate(prompts, sampling, prompt_lengths)
 
 
 def mismatch_extrema(batch: Mapping[str, Any], dp_group: Any) -> dict[str, Tensor]:

@@ -2,7 +2,8 @@
 (the embedded megatron sampler, a Hugging Face copy of the policy, or an inference engine such as
 vLLM/SGLang), and the embedded sampler wrapped as one. The contract is in ``docs/rollout.md``.
 
-Shapes: ``B`` sequences, ``P`` prompt tokens, ``N`` new tokens.
+Shapes: ``B`` sequences, ``P`` prompt columns (prompts left-padded to the longest), ``N`` new
+tokens.
 """
 
 from __future__ import annotations
@@ -22,36 +23,47 @@ class SamplingConfig:
     """How one :meth:`RolloutSource.generate` call samples.
 
     Attributes:
-        max_new_tokens: ``N`` >= 1 tokens per prompt (no early stop: every completion has ``N``).
+        max_new_tokens: ``N`` >= 1, the most tokens sampled per prompt.
         temperature: > 0; tokens are drawn from ``softmax(logits / temperature)`` (no top-k/p).
         seed: the seed of the draw; the same prompts, weights and seed give the same tokens.
+        stop_token_ids: a completion ends with the first of these it samples (the stop token is
+            part of the completion); none: every completion has ``N`` tokens.
+        pad_token_id: the id put after a completion's stop token.
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
             raise ValueError(f"`temperature` must be > 0, got {self.temperature}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
 class Rollout(NamedTuple):
     """Prompts plus sampled completions, identical on every rank that asked for them.
 
+    Row ``i`` is ``P - prompt_lengths[i]`` pad columns, its prompt, then its completion: the
+    sampled tokens up to and including the first stop token, then ``pad_token_id``.
+
     Attributes:
-        tokens: ``[B, P+N]`` prompt then ``N`` sampled tokens (int64).
-        completion_mask: ``[B, P+N]`` 1 at sampled positions, 0 at prompt positions.
-        generation_logprobs: ``[B, P+N]`` fp32 log-probability of each sampled token under the
-            temperature-scaled sampling distribution ``log_softmax(logits / T)``; 0 at prompt
-            positions (the stored-logprob convention of the losses' ``generation_logprobs``).
+        tokens: ``[B, P+N]`` int64.
+        completion_mask: ``[B, P+N]`` 1 at the completion's positions, 0 elsewhere.
+        generation_logprobs: ``[B, P+N]`` fp32 log-probability of each completion token under
+            the temperature-scaled sampling distribution ``log_softmax(logits / T)``; 0 elsewhere
+            (the stored-logprob convention of the losses' ``generation_logprobs``).
+        prompt_lengths: ``[B]`` int64 real prompt tokens (``P`` for equal-length prompts).
     """
 
     tokens: Tensor
     completion_mask: Tensor
     generation_logprobs: Tensor
+    prompt_lengths: Tensor
 
 
 @runtime_checkable
@@ -66,8 +78,12 @@ class RolloutSource(Protocol):
 
     refit_required: ClassVar[bool]
 
-    def generate(self, prompts: Tensor, sampling: SamplingConfig) -> Rollout:
-        """Sample ``sampling.max_new_tokens`` tokens after each of ``prompts [B, P]``.
+    def generate(
+        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
+    ) -> Rollout:
+        """Sample up to ``sampling.max_new_tokens`` tokens after each of ``prompts [B, P]``,
+        left-padded: row ``i``'s prompt is its last ``prompt_lengths[i]`` columns (``None``:
+        all ``P``).
 
         Collective over the source's group: every rank of it passes the same prompts and gets
         the same :class:`Rollout`.
@@ -82,19 +98,62 @@ class RolloutSource(Protocol):
         ...
 
 
-def check_prompts(prompts: Tensor) -> None:
-    """``ValueError`` unless ``prompts`` is an integer ``[B, P]`` tensor (before any collective)."""
+def check_prompts(prompts: Tensor, prompt_lengths: Tensor | None = None) -> Tensor:
+    """Check ``prompts [B, P]`` and ``prompt_lengths [B]`` before any collective.
+
+    Returns:
+        ``[B]`` int64 prompt lengths (all ``P`` when ``prompt_lengths`` is ``None``).
+
+    Raises:
+        ValueError: ``prompts`` not integer ``[B, P]``; ``prompt_lengths`` not ``[B]`` integers
+            in ``[1, P]``.
+    """
     if prompts.ndim != 2 or prompts.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"`prompts` must be integer [B, P], got {prompts.dtype} {tuple(prompts.shape)}"
         )
+    batch, width = prompts.shape
+    if prompt_lengths is None:
+        return torch.full((batch,), width, dtype=torch.long)
+    if prompt_lengths.shape != (batch,) or prompt_lengths.is_floating_point():
+        raise ValueError(
+            f"`prompt_lengths` must be integer [B={batch}], got {prompt_lengths.dtype} "
+            f"{tuple(prompt_lengths.shape)}"
+        )
+    if batch and not bool(((prompt_lengths >= 1) & (prompt_lengths <= width)).all()):
+        raise ValueError(
+            f"`prompt_lengths` must lie in [1, P={width}], got {prompt_lengths.tolist()}"
+        )
+    return prompt_lengths.long()
 
 
-def completion_mask(batch: int, prompt_length: int, new_tokens: int) -> Tensor:
-    """``[B, P+N]`` int64: 0 on the ``P`` prompt positions, 1 on the ``N`` sampled ones."""
-    mask = torch.zeros(batch, prompt_length + new_tokens, dtype=torch.long)
-    mask[:, prompt_length:] = 1
-    return mask
+def stop_completions(
+    tokens: Tensor, logprobs: Tensor, prompt_width: int, sampling: SamplingConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """End each completion at its first stop token.
+
+    Args:
+        tokens: ``[B, P+N]`` the prompts' ``P`` columns, then ``N`` sampled tokens.
+        logprobs: ``[B, P+N]`` the sampled tokens' logprobs (0 on the prompt columns).
+        prompt_width: ``P``.
+        sampling: its ``stop_token_ids`` and ``pad_token_id``.
+
+    Returns:
+        ``(tokens, completion_mask, logprobs)`` ``[B, P+N]``: positions after a row's first
+        stop token hold ``pad_token_id``, mask 0 and logprob 0 (causal, so what was sampled
+        there never influenced the kept tokens).
+    """
+    mask = torch.zeros_like(tokens)
+    mask[:, prompt_width:] = 1
+    if sampling.stop_token_ids:
+        sampled = tokens[:, prompt_width:]
+        stop = torch.isin(sampled, torch.tensor(sampling.stop_token_ids, dtype=sampled.dtype))
+        after = (stop.long().cumsum(dim=1) - stop.long()) > 0  # past the first stop token
+        mask[:, prompt_width:] = (~after).long()
+        tokens = tokens.clone()
+        tokens[:, prompt_width:] = sampled.masked_fill(after, sampling.pad_token_id)
+        logprobs = logprobs.masked_fill(mask.eq(0), 0.0)
+    return tokens, mask, logprobs
 
 
 class MegatronRolloutSource:
@@ -126,8 +185,23 @@ class MegatronRolloutSource:
         self.pp_group = pp_group
         self.kv_cache = kv_cache
 
-    def generate(self, prompts: Tensor, sampling: SamplingConfig) -> Rollout:
-        """``generate(model, prompts, ...)`` with a CPU generator seeded by ``sampling.seed``."""
+    def generate(
+        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
+    ) -> Rollout:
+        """``generate(model, prompts, ...)`` with a CPU generator seeded by ``sampling.seed``;
+        completions end at their first stop token (:func:`stop_completions`).
+
+        Raises:
+            ValueError: prompts of different lengths (the embedded sampler has no attention
+                mask for left padding; use the ``"hf"`` backend).
+        """
+        lengths = check_prompts(prompts, prompt_lengths)
+        if bool((lengths != prompts.shape[1]).any()):
+            raise ValueError(
+                "MegatronRolloutSource samples equal-length prompts only (no attention mask for "
+                f"left padding); got prompt_lengths {lengths.tolist()} for P={prompts.shape[1]}. "
+                "Use the 'hf' rollout backend for prompts of different lengths."
+            )
         out = generate(
             self.model,
             prompts,
@@ -138,7 +212,10 @@ class MegatronRolloutSource:
             pp_group=self.pp_group,
             kv_cache=self.kv_cache,
         )
-        return Rollout(out.tokens, out.completion_mask, out.logprobs)
+        tokens, mask, logprobs = stop_completions(
+            out.tokens, out.logprobs, prompts.shape[1], sampling
+        )
+        return Rollout(tokens, mask, logprobs, lengths)
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """No-op: the source IS the training model (the stream is not consumed, so do not

@@ -124,7 +124,7 @@ def test_rollout_rows_become_the_distillation_batch():
 
     tokens = torch.tensor([[3, 5, 2, 3], [1, 1, 2, 0]])  # [B=2, P+N=4], P = 2
     mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]])
-    batch = rollout_batch(Rollout(tokens, mask, torch.zeros(2, 4)))
+    batch = rollout_batch(Rollout(tokens, mask, torch.zeros(2, 4), torch.tensor([2, 2])))
     assert torch.equal(batch["input_ids"], tokens)
     assert batch["input_lengths"].tolist() == [4, 4]
     assert batch["token_mask"].dtype == torch.float32 and torch.equal(
