@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.unit import word_level_tokenizer
+
 from lightning_mcore_rl.recipes import GRPOModule, PromptBatch, TextRewardTask, TinyGPTSpec
 from lightning_mcore_rl.recipes.grpo import rollout_batch
 from lightning_mcore_rl.rewards import NumericAnswerReward
@@ -27,7 +27,9 @@ def test_completions_end_at_their_first_stop_token():
     assert out_logprobs.tolist() == [[0, 0, -1, 0, 0], [0, 0, -4, -5, -6], [0, 0, -7, -8, 0]]
     # no stop ids: every sampled token is kept, prompt tokens equal to a stop id are untouched
     kept_tokens, kept_mask, _ = stop_completions(tokens, logprobs, 2, SamplingConfig(3))
-    assert torch.equal(kept_tokens, tokens) and kept_mask[:, 2:].all() and not kept_mask[:, :2].any()
+    assert (
+        torch.equal(kept_tokens, tokens) and kept_mask[:, 2:].all() and not kept_mask[:, :2].any()
+    )
 
 
 def test_prompt_lengths_are_checked():
@@ -90,7 +92,9 @@ def test_text_task_decodes_and_scores_each_completion_with_its_prompts_metadata(
 
 def test_text_task_rejects_bad_batches_and_rewards():
     task = TextRewardTask(reward=NumericAnswerReward(), max_prompt_length=2)
-    with pytest.raises(ValueError, match=r"3 tokens wide, above TextRewardTask\(max_prompt_length=2"):
+    with pytest.raises(
+        ValueError, match=r"3 tokens wide, above TextRewardTask\(max_prompt_length=2"
+    ):
         task.prompts(_prompt_batch())
     with pytest.raises(ValueError, match="must be left-padded"):
         TextRewardTask(NumericAnswerReward(), 8).prompts(_prompt_batch("right"))
