@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_mcore_rl.recipes.prompt_data import PromptBatch
-from lightning_mcore_rl.rewards import RewardFunction
+from lightning_mcore_rl.rewards import AnyReward
 from lightning_mcore_rl.rollout import Rollout
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class TextRewardTask:
             sees.
     """
 
-    reward: RewardFunction
+    reward: AnyReward
     max_prompt_length: int
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """Reward functions over text: score a batch of completions on the host.
 
-Every reward follows :class:`RewardFunction`: ``(prompts, completions, metadata) -> Tensor [B]``
+Every reward follows :class:`RewardFunction` (the built-ins derive from :class:`Reward`, so configs
+name them by ``class_path``): ``(prompts, completions, metadata) -> Tensor [B]``
 (float32, CPU), one score per completion, where ``metadata[i]`` holds sample ``i``'s dataset fields
 (e.g. the reference ``"answer"``). Malformed input (lists of different lengths, a missing metadata
 key, an unreadable reference answer) raises a ``ValueError`` naming the argument or key and the
@@ -17,14 +18,22 @@ from lightning_mcore_rl.rewards.answers import (
     extract_numeric_answer,
     parse_number,
 )
-from lightning_mcore_rl.rewards.base import RewardFunction, check_reward_inputs, score_each
+from lightning_mcore_rl.rewards.base import (
+    AnyReward,
+    Reward,
+    RewardFunction,
+    check_reward_inputs,
+    score_each,
+)
 from lightning_mcore_rl.rewards.combine import WeightedReward
 from lightning_mcore_rl.rewards.format import FormatReward
 
 __all__ = [
+    "AnyReward",
     "ExactMatchReward",
     "FormatReward",
     "NumericAnswerReward",
+    "Reward",
     "RewardFunction",
     "WeightedReward",
     "check_reward_inputs",

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_mcore_rl.rewards.base import metadata_value, score_each
+from lightning_mcore_rl.rewards.base import Reward, metadata_value, score_each
 
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _PLAIN_NUMBER = re.compile(rf"[-+]?{_NUMBER}")
@@ -82,7 +82,7 @@ def _reference_number(value: Any, key: str, index: int) -> float:
 
 
 @dataclass(frozen=True)
-class NumericAnswerReward:
+class NumericAnswerReward(Reward):
     """1 when the completion's numeric answer equals the reference within the tolerance, else 0.
 
     The answer is :func:`extract_numeric_answer`'s (the last ``\\boxed{...}``, else the last
@@ -125,7 +125,7 @@ class NumericAnswerReward:
 
 
 @dataclass(frozen=True)
-class ExactMatchReward:
+class ExactMatchReward(Reward):
     """1 when the completion (or its last ``\\boxed{...}``) equals the reference string, else 0.
 
     Both sides are compared after stripping and collapsing runs of whitespace to one space.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -27,6 +28,25 @@ class RewardFunction(Protocol):
         completions: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
     ) -> Tensor: ...
+
+
+class Reward(ABC):
+    """The base class of the built-in rewards: a :class:`RewardFunction` that a config file can
+    name by ``class_path`` (``LightningCLI``/jsonargparse instantiate subclasses of a class, not
+    implementations of a callable protocol). Any plain function of the protocol works in code."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+    ) -> Tensor:
+        """``[B]`` float32 rewards (see :class:`RewardFunction`)."""
+
+
+AnyReward = Reward | RewardFunction
+"""What takes a reward: a built-in (:class:`Reward`, nameable in configs) or any function."""
 
 
 def check_reward_inputs(

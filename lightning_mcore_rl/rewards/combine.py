@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_mcore_rl.rewards.base import RewardFunction, check_reward_inputs
+from lightning_mcore_rl.rewards.base import AnyReward, Reward, check_reward_inputs
 
 
-class WeightedReward:
+class WeightedReward(Reward):
     """``sum_r weights[r] * rewards[r](prompts, completions, metadata)``.
 
     Args:
@@ -21,7 +21,7 @@ class WeightedReward:
     """
 
     def __init__(
-        self, rewards: Sequence[RewardFunction], weights: Sequence[float] | None = None
+        self, rewards: Sequence[AnyReward], weights: Sequence[float] | None = None
     ) -> None:
         if not rewards:
             raise ValueError("`rewards` must hold at least one reward function.")

@@ -9,11 +9,11 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_mcore_rl.rewards.base import score_each
+from lightning_mcore_rl.rewards.base import Reward, score_each
 
 
 @dataclass(frozen=True)
-class FormatReward:
+class FormatReward(Reward):
     """1 when the completion matches ``pattern``, else 0.
 
     Attributes:

@@ -118,3 +118,45 @@ def test_text_task_rejects_bad_batches_and_rewards():
 def test_a_text_task_needs_a_hugging_face_policy():
     with pytest.raises(ValueError, match="needs an HFModelSpec model, got TinyGPTSpec"):
         GRPOModule(task=TextRewardTask(NumericAnswerReward(), 8), model=TinyGPTSpec())
+
+
+def test_a_config_names_the_text_task_and_its_rewards(tmp_path, monkeypatch):
+    """``lmrl fit`` configs instantiate ``TextRewardTask`` with built-in rewards by class_path
+    (a weighted sum of two), and the module sizes the policy by the tokenizer."""
+    from lightning_mcore_rl.cli import build_cli
+    from lightning_mcore_rl.rewards import FormatReward, WeightedReward
+
+    word_level_tokenizer(WORDS, chat_template="").save_pretrained(tmp_path / "model")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "what is", "answer": "2"}\n')
+    config = f"""
+model:
+  class_path: lightning_mcore_rl.recipes.GRPOModule
+  init_args:
+    model: {{path: {tmp_path / "model"}}}
+    task:
+      class_path: lightning_mcore_rl.recipes.TextRewardTask
+      init_args:
+        max_prompt_length: 6
+        reward:
+          class_path: lightning_mcore_rl.rewards.WeightedReward
+          init_args:
+            rewards:
+              - class_path: lightning_mcore_rl.rewards.NumericAnswerReward
+              - class_path: lightning_mcore_rl.rewards.FormatReward
+                init_args: {{pattern: "the answer"}}
+            weights: [1.0, 0.5]
+    rollout: {{backend: hf, max_new_tokens: 4}}
+data:
+  class_path: lightning_mcore_rl.recipes.PromptFileDataModule
+  init_args: {{train_files: {tmp_path / "p.jsonl"}, tokenizer: {tmp_path / "model"}}}
+trainer: {{accelerator: cpu, devices: 1, logger: false}}
+"""
+    (tmp_path / "text.yaml").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--config", str(tmp_path / "text.yaml")], run=False)
+    task = cli.model.task
+    assert isinstance(task, TextRewardTask) and task.max_prompt_length == 6
+    assert isinstance(task.reward, WeightedReward)
+    assert isinstance(task.reward.rewards[1], FormatReward)
+    assert cli.model.policy.vocab_size == len(WORDS)
+    assert cli.model.policy.max_sequence_length == 6 + 4
