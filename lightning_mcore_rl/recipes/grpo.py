@@ -433,7 +433,8 @@ class GRPOModule(RecipeModule):
         assert self.evaluation is not None  # built in setup()
         seed = validation_seed(self.rollout, batch_idx, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(batch, seed)
-        scores = rollout_scores(out, rewards, self.rollout.max_new_tokens)
+        stops = stop_tokens(self.rollout, self.tokenizer)
+        scores = rollout_scores(out, rewards, self.rollout.max_new_tokens, stops)
         self.evaluation.update(**scores)
         self.evaluation.log(self)
         return scores
@@ -504,10 +505,13 @@ def sample_groups(
     if isinstance(task, TextRewardTask):
         assert tokenizer is not None and isinstance(prompts, PromptBatch)  # GRPOModule's check
         ids, lengths = task.prompts(prompts)
-        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-        stop = (eos,) if spec.stop_at_eos and eos is not None else ()
+        pad = tokenizer.pad_token_id
         sampling = SamplingConfig(
-            spec.max_new_tokens, spec.temperature, seed, stop, pad if pad is not None else 0
+            spec.max_new_tokens,
+            spec.temperature,
+            seed,
+            stop_tokens(spec, tokenizer),
+            pad if pad is not None else 0,
         )
         out = generate(
             ids.repeat_interleave(group, dim=0), sampling, lengths.repeat_interleave(group)
@@ -519,15 +523,31 @@ def sample_groups(
     return out, task.rewards(out.tokens, out.completion_mask)
 
 
-def rollout_scores(out: Rollout, rewards: torch.Tensor, max_new_tokens: int) -> dict[str, Any]:
+def stop_tokens(spec: RolloutSpec, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    """The ids that end a completion: a text task's EOS with ``spec.stop_at_eos``, else none."""
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    return (int(eos),) if spec.stop_at_eos and eos is not None else ()
+
+
+def rollout_scores(
+    out: Rollout,
+    rewards: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: tuple[int, ...] = (),
+) -> dict[str, Any]:
     """Per-sample ``rewards``, ``correct``, completion ``lengths`` and ``truncated`` ``[B]``
-    (what :class:`~lightning_mcore_rl.recipes.evaluation.RolloutEvaluation` aggregates)."""
+    (what :class:`~lightning_mcore_rl.recipes.evaluation.RolloutEvaluation` aggregates): a
+    completion is truncated when it has ``max_new_tokens`` tokens and does not end with one of
+    ``stop_token_ids``."""
     lengths = out.completion_mask.sum(dim=1)
+    prompt_width = int(out.completion_mask[0].argmax())
+    last = out.tokens.gather(1, (prompt_width + lengths - 1)[:, None])[:, 0]
+    stopped = torch.isin(last, torch.tensor(stop_token_ids, dtype=last.dtype))
     return {
         "rewards": rewards,
         "correct": rewards >= 1.0,
         "lengths": lengths,
-        "truncated": lengths >= max_new_tokens,
+        "truncated": (lengths >= max_new_tokens) & ~stopped,
     }
 
 

@@ -160,3 +160,17 @@ trainer: {{accelerator: cpu, devices: 1, logger: false}}
     assert isinstance(task.reward.rewards[1], FormatReward)
     assert cli.model.policy.vocab_size == len(WORDS)
     assert cli.model.policy.max_sequence_length == 6 + 4
+
+
+def test_a_completion_that_ends_with_its_stop_token_is_not_truncated():
+    from lightning_mcore_rl.recipes.grpo import rollout_scores
+
+    # P = 1, N = 3: stopped early, stopped on the last token, ran out without a stop
+    tokens = torch.tensor([[5, 6, 3, 1], [5, 6, 7, 3], [5, 6, 7, 8]])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 1, 1]])
+    out = Rollout(tokens, mask, torch.zeros(3, 4), torch.tensor([1, 1, 1]))
+    scores = rollout_scores(out, torch.tensor([1.0, 0.5, 0.0]), 3, (3,))
+    assert scores["lengths"].tolist() == [2, 3, 3]
+    assert scores["truncated"].tolist() == [False, False, True]
+    assert scores["correct"].tolist() == [True, False, False]
+    assert rollout_scores(out, torch.zeros(3), 3)["truncated"].tolist() == [False, True, True]
