@@ -95,7 +95,7 @@ def _reference_rank(rank: int, directory: str, prompts: torch.Tensor, new: int,
     def hf_generate() -> Any:
         with torch.no_grad():
             return hf.generate(prompts, do_sample=True, max_new_tokens=new, min_new_tokens=new,
-                        attention_mask=torch.ones_like(prompts), pad_token_id=0)  # fmt: skip
+                               attention_mask=torch.ones_like(prompts), pad_token_id=0)  # fmt: skip
 
     return {
         "`HFRolloutSource` (the HF model's KV cache, per-token logprobs)": _best_seconds(
@@ -136,7 +136,7 @@ def main() -> None:
     tokens = args.batch * args.new
     load = os.getloadavg()[0]
     sampled: dict[str, tuple[float, float, float]] = {}  # layout -> no cache, cache, logprob diff
-    first: dict[str, Any] = {}  # the uncached output of the first layout, for comparison
+    plains: dict[str, Any] = {}  # layout -> GenerationOutput without the cache
     with tempfile.TemporaryDirectory() as directory:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(directory)
@@ -150,12 +150,11 @@ def main() -> None:
             diff = float((cached.logprobs - plain.logprobs).abs().max())
             seconds = [max(r[cache][0] for r in per_rank) for cache in (False, True)]
             sampled[layout] = (tokens / seconds[0], tokens / seconds[1], diff)
-            if first:
-                same = torch.equal(plain.tokens, first["output"].tokens)
-                print(f"{layout}: tokens equal {first['layout']}'s: {same}, max logprob diff "
-                      f"{float((plain.logprobs - first['output'].logprobs).abs().max()):.1e}")  # fmt: skip
-            else:
-                first.update(layout=layout, output=plain)
+            plains[layout] = plain
+            name, ref = next(iter(plains.items()))  # the first layout's, e.g. TP=1
+            if name != layout:
+                print(f"{layout}: tokens equal {name}'s: {torch.equal(plain.tokens, ref.tokens)}, "
+                      f"max logprob diff {float((plain.logprobs - ref.logprobs).abs().max()):.1e}")  # fmt: skip
         (reference,) = run_on_ranks(_reference_rank, 1, directory, prompts, args.new,
                                     args.repeats, timeout=1200)  # fmt: skip
     print(
