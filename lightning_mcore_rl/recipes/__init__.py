@@ -2,6 +2,15 @@
 GRPO (RLOO / REINFORCE++), PPO, SFT, DPO, a Bradley-Terry reward model and on-policy
 distillation, and prompt files (``docs/recipes.md``, ``docs/data.md``)."""
 
+from lightning_mcore_rl.recipes.arithmetic import (
+    ArithmeticProblem,
+    evaluate_hf,
+    make_splits,
+    train_tokenizer,
+    write_rl_rows,
+    write_sft_rows,
+    write_tiny_llama,
+)
 from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
 from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
 from lightning_mcore_rl.recipes.dpo import DPOModule, PreferenceDataModule
@@ -17,6 +26,7 @@ from lightning_mcore_rl.recipes.prompt_data import (
     PromptFileDataModule,
     PromptFileDataset,
 )
+from lightning_mcore_rl.recipes.response_data import ResponseFileDataModule, ResponseFileDataset
 from lightning_mcore_rl.recipes.reward_model import RewardModelModule
 from lightning_mcore_rl.recipes.sft import SFTDataModule, SFTModule
 from lightning_mcore_rl.recipes.text_task import TextRewardTask
@@ -27,6 +37,7 @@ from lightning_mcore_rl.recipes.toy_data import (
 )
 
 __all__ = [
+    "ArithmeticProblem",
     "CountingPreferenceDataset",
     "CountingSFTDataset",
     "DPOModule",
@@ -43,6 +54,8 @@ __all__ = [
     "PromptFileDataModule",
     "PromptFileDataset",
     "RecipeModel",
+    "ResponseFileDataModule",
+    "ResponseFileDataset",
     "RewardModelModule",
     "RolloutSpec",
     "SFTDataModule",
@@ -51,4 +64,10 @@ __all__ = [
     "TextRewardTask",
     "TinyGPTSpec",
     "collate_pairs",
+    "evaluate_hf",
+    "make_splits",
+    "train_tokenizer",
+    "write_rl_rows",
+    "write_sft_rows",
+    "write_tiny_llama",
 ]

@@ -1,0 +1,265 @@
+"""Arithmetic word problems made locally (no download) for the text-task example
+(``examples/arithmetic``): seeded templated problems, their JSONL files, a word-level tokenizer
+trained on them with ``tokenizers``, a random-init tiny Llama, and a greedy ``transformers``
+evaluation scored by :class:`~lightning_mcore_rl.rewards.NumericAnswerReward`.
+
+A problem is one sentence of lower-case words and numbers separated by single spaces, e.g.
+``"tom has 3 apples and gets 4 more . how many apples does tom have now ?"`` with answer ``7``;
+its SFT response is the bare answer (``"7"``), which the reward's last-number rule reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+Operation = Literal["add", "subtract", "multiply"]
+
+NAMES = ("tom", "anna", "li", "sara", "omar", "mia", "ken", "zoe")
+OBJECTS = ("apples", "books", "coins", "pens", "cards", "shells", "eggs", "stones")
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
+"""Pad, unknown, BOS and EOS, ids 0-3 of every tokenizer :func:`train_tokenizer` makes."""
+
+_TEMPLATES: dict[Operation, tuple[str, ...]] = {
+    "add": (
+        "{n} has {a} {o} and gets {b} more . how many {o} does {n} have now ?",
+        "{n} has {a} {o} . {m} gives {n} {b} {o} . how many {o} does {n} have ?",
+    ),
+    "subtract": (
+        "{n} has {a} {o} and gives {b} to {m} . how many {o} does {n} have now ?",
+        "{n} had {a} {o} and lost {b} . how many {o} are left ?",
+    ),
+    "multiply": ("{n} has {a} bags with {b} {o} in each bag . how many {o} does {n} have ?",),
+}
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """One word problem.
+
+    Attributes:
+        prompt: the question (space-separated lower-case words and numbers).
+        answer: the non-negative integer answer.
+    """
+
+    prompt: str
+    answer: int
+
+    @property
+    def response(self) -> str:
+        """The SFT demonstration: the bare answer (what ``NumericAnswerReward`` reads)."""
+        return str(self.answer)
+
+
+def _operands(op: Operation, rng: random.Random, max_operand: int) -> tuple[int, int, int]:
+    """``(a, b, answer)`` with ``answer >= 0``; multiplications use factors up to 5."""
+    if op == "multiply":
+        a, b = rng.randint(1, min(5, max_operand)), rng.randint(1, min(5, max_operand))
+        return a, b, a * b
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    if op == "subtract":
+        a, b = max(a, b), min(a, b)
+        return a, b, a - b
+    return a, b, a + b
+
+
+def random_problem(
+    rng: random.Random, operations: Sequence[Operation], max_operand: int
+) -> ArithmeticProblem:
+    """One problem drawn from ``rng``: an operation, a template, two different names, an object
+    and operands in ``[0, max_operand]``."""
+    op = rng.choice(list(operations))
+    template = rng.choice(_TEMPLATES[op])
+    name, other = rng.sample(NAMES, 2)
+    a, b, answer = _operands(op, rng, max_operand)
+    prompt = template.format(n=name, m=other, o=rng.choice(OBJECTS), a=a, b=b)
+    return ArithmeticProblem(prompt, answer)
+
+
+def make_splits(
+    num_train: int,
+    num_val: int,
+    seed: int = 0,
+    operations: Sequence[Operation] = ("add", "subtract"),
+    max_operand: int = 9,
+) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
+    """Disjoint train and validation problems (no prompt text in both), drawn with ``seed``.
+
+    Problems are drawn until ``num_train + num_val`` distinct prompts exist; the first
+    ``num_val`` distinct ones are the validation split.
+
+    Raises:
+        ValueError: a count below 0, an unknown operation, ``max_operand < 1``, or more problems
+            asked than 100 draws per problem find.
+    """
+    if num_train < 0 or num_val < 0:
+        raise ValueError(f"`num_train` and `num_val` must be >= 0, got {num_train}, {num_val}.")
+    unknown = sorted(set(operations) - set(_TEMPLATES))
+    if not operations or unknown:
+        raise ValueError(f"`operations` must be a non-empty subset of {sorted(_TEMPLATES)}.")
+    if max_operand < 1:
+        raise ValueError(f"`max_operand` must be >= 1, got {max_operand}.")
+    rng = random.Random(seed)
+    total = num_train + num_val
+    seen: dict[str, ArithmeticProblem] = {}
+    for _ in range(100 * total):
+        if len(seen) == total:
+            break
+        problem = random_problem(rng, operations, max_operand)
+        seen.setdefault(problem.prompt, problem)
+    if len(seen) < total:
+        raise ValueError(
+            f"Only {len(seen)} distinct problems found for num_train + num_val = {total}; "
+            "allow more operations or a larger `max_operand`."
+        )
+    problems = list(seen.values())
+    return problems[num_val:], problems[:num_val]
+
+
+def write_rl_rows(problems: Iterable[ArithmeticProblem], path: str | os.PathLike[str]) -> Path:
+    """Write ``{"prompt", "answer"}`` JSONL rows (answer as a string) for GRPO; returns the path."""
+    rows = ({"prompt": p.prompt, "answer": str(p.answer)} for p in problems)
+    return _write_jsonl(rows, Path(path))
+
+
+def write_sft_rows(problems: Iterable[ArithmeticProblem], path: str | os.PathLike[str]) -> Path:
+    """Write ``{"prompt", "response"}`` JSONL rows for SFT; returns the path."""
+    rows = ({"prompt": p.prompt, "response": p.response} for p in problems)
+    return _write_jsonl(rows, Path(path))
+
+
+def _write_jsonl(rows: Iterable[dict[str, str]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def train_tokenizer(
+    texts: Iterable[str], out_dir: str | os.PathLike[str] | None = None
+) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the whitespace-split words of ``texts`` (trained with
+    ``tokenizers``' ``WordLevelTrainer``), with :data:`SPECIAL_TOKENS` as ids 0-3 and BOS put
+    before every encoded text; saved to ``out_dir`` when given.
+
+    Decoding joins words with single spaces, so ``decode(encode(t), skip_special_tokens=True)``
+    is ``t`` for any text of the corpus's words in that form. Words outside the corpus map to
+    ``<unk>``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    pad, unk, bos, eos = SPECIAL_TOKENS
+    tok = Tokenizer(models.WordLevel(unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS), min_frequency=1)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=pad, unk_token=unk, bos_token=bos, eos_token=eos
+    )
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def write_tiny_llama(
+    out_dir: str | os.PathLike[str],
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 64,
+    vocab_multiple: int = 8,
+    seed: int = 0,
+) -> Path:
+    """Save a random-init fp32 ``LlamaForCausalLM`` and ``tokenizer`` in ``out_dir``
+    (safetensors), its BOS/EOS/pad ids the tokenizer's.
+
+    ``vocab_size`` is ``len(tokenizer)`` rounded up to ``vocab_multiple`` (megatron splits the
+    vocabulary over TP without padding it), so TP = 2 needs an even multiple.
+
+    Raises:
+        ValueError: heads or query groups not divisible as Llama requires.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"`hidden_size` ({hidden_size}) must be divisible by `num_attention_heads` "
+            f"({num_attention_heads}), and that by `num_key_value_heads` ({num_key_value_heads})."
+        )
+    vocab = -(-len(tokenizer) // vocab_multiple) * vocab_multiple
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def evaluate_hf(
+    hf_dir: str | os.PathLike[str],
+    problems: Sequence[ArithmeticProblem],
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+) -> float:
+    """Greedy accuracy of the ``transformers`` model in ``hf_dir`` on ``problems``: each prompt
+    (left-padded) is continued by ``generate(do_sample=False)`` up to ``max_new_tokens`` or EOS,
+    decoded without special tokens and scored by ``NumericAnswerReward``; returns the mean.
+
+    Raises:
+        ValueError: no problems.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_mcore_rl.rewards import NumericAnswerReward
+
+    if not problems:
+        raise ValueError("`problems` is empty.")
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    reward = NumericAnswerReward()
+    correct = 0.0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        inputs = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        width = inputs["input_ids"].shape[1]
+        completions = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        metadata = [{"answer": p.answer} for p in chunk]
+        correct += float(reward([p.prompt for p in chunk], completions, metadata).sum())
+    return correct / len(problems)

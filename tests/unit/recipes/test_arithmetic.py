@@ -1,0 +1,113 @@
+"""The arithmetic word problems of ``examples/arithmetic``: seeded and deterministic, disjoint
+splits, answers equal to the operation recomputed from the prompt's numbers, the trained
+tokenizer's round trip and special ids, the tiny Llama's vocabulary and ids, and the numeric
+verifier on the reference and a wrong response."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from lightning_mcore_rl.recipes.arithmetic import (
+    SPECIAL_TOKENS,
+    ArithmeticProblem,
+    make_splits,
+    train_tokenizer,
+    write_rl_rows,
+    write_sft_rows,
+    write_tiny_llama,
+)
+from lightning_mcore_rl.rewards import NumericAnswerReward
+
+OPERATIONS = ("add", "subtract", "multiply")
+
+
+def _recomputed(problem: ArithmeticProblem) -> int:
+    """The answer from the prompt's words alone: its two numbers and the operation's verb."""
+    a, b = (int(n) for n in re.findall(r"\d+", problem.prompt))
+    if "bags with" in problem.prompt:
+        return a * b
+    if " gives " in problem.prompt and " to " in problem.prompt or " lost " in problem.prompt:
+        return a - b
+    return a + b
+
+
+@pytest.fixture(scope="module")
+def splits() -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
+    return make_splits(600, 100, seed=3, operations=OPERATIONS)
+
+
+def test_splits_are_seeded_disjoint_and_correct(splits):
+    train, val = splits
+    assert (len(train), len(val)) == (600, 100)
+    assert make_splits(600, 100, seed=3, operations=OPERATIONS) == splits  # deterministic
+    assert make_splits(600, 100, seed=4, operations=OPERATIONS) != splits
+    prompts = [p.prompt for p in train + val]
+    assert len(set(prompts)) == 700  # distinct, so train and val share no prompt
+    for problem in train + val:
+        assert problem.answer == _recomputed(problem) >= 0, problem
+        assert problem.response == str(problem.answer)
+    kinds = {"bags with" in p.prompt for p in train}
+    assert kinds == {True, False}  # multiplications and the others both drawn
+
+
+def test_split_errors():
+    with pytest.raises(ValueError, match="`num_train` and `num_val` must be >= 0"):
+        make_splits(-1, 2)
+    with pytest.raises(ValueError, match="`operations` must be a non-empty subset"):
+        make_splits(2, 2, operations=("divide",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`max_operand` must be >= 1"):
+        make_splits(2, 2, max_operand=0)
+    with pytest.raises(ValueError, match="Only .* distinct problems"):
+        make_splits(300, 0, operations=("multiply",), max_operand=2)  # 256 exist
+
+
+def test_jsonl_rows(tmp_path, splits):
+    train, _ = splits
+    rl = [json.loads(line) for line in write_rl_rows(train[:3], tmp_path / "rl.jsonl").open()]
+    sft = [json.loads(line) for line in write_sft_rows(train[:3], tmp_path / "sft.jsonl").open()]
+    assert rl == [{"prompt": p.prompt, "answer": str(p.answer)} for p in train[:3]]
+    assert sft == [{"prompt": p.prompt, "response": str(p.answer)} for p in train[:3]]
+
+
+def test_tokenizer_round_trip_and_llama(tmp_path, splits):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train, val = splits
+    corpus = [p.prompt + " " + p.response for p in train]
+    train_tokenizer(corpus, tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    words = {w for text in corpus for w in text.split()}
+    assert len(tok) == len(SPECIAL_TOKENS) + len(words)
+    assert [tok.pad_token_id, tok.unk_token_id, tok.bos_token_id, tok.eos_token_id] == [0, 1, 2, 3]
+    for problem in val[:20]:
+        ids = tok(problem.prompt)["input_ids"]
+        assert ids[0] == tok.bos_token_id and len(ids) == 1 + len(problem.prompt.split())
+        assert tok.decode(ids, skip_special_tokens=True) == problem.prompt
+    assert tok("tom has 3 zebras")["input_ids"][-1] == tok.unk_token_id
+
+    write_tiny_llama(tmp_path / "llama", tok, vocab_multiple=8)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"))
+    config = model.config
+    assert config.vocab_size % 8 == 0 and len(tok) <= config.vocab_size < len(tok) + 8
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (2, 3, 0)
+    assert (tmp_path / "llama" / "model.safetensors").is_file()
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "llama")).get_vocab() == tok.get_vocab()
+    with torch.no_grad():
+        assert model(torch.tensor([[2, 5, 6]])).logits.shape == (1, 3, config.vocab_size)
+    with pytest.raises(ValueError, match="must be divisible by `num_attention_heads`"):
+        write_tiny_llama(tmp_path / "bad", tok, hidden_size=64, num_attention_heads=3)
+
+
+def test_numeric_verifier_on_the_responses(splits):
+    train, _ = splits
+    problems = train[:8]
+    meta = [{"answer": str(p.answer)} for p in problems]  # as the RL rows store it
+    prompts = [p.prompt for p in problems]
+    right = NumericAnswerReward()(prompts, [p.response for p in problems], meta)
+    wrong = NumericAnswerReward()(prompts, [str(p.answer + 1) for p in problems], meta)
+    assert right.tolist() == [1.0] * 8
+    assert wrong.tolist() == [0.0] * 8
