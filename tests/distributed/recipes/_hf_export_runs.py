@@ -1,0 +1,58 @@
+"""Rank function of the ``HFExport`` test: a short SFT of the arithmetic example's tiny Llama at
+TP=2 (``ResponseFileDataModule`` rows) with ``HFExport``, then the trained policy's logprobs of
+the first batch, computed by megatron right after the export."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.callbacks import HFExport
+from lightning_mcore_rl.recipes import HFModelSpec, ResponseFileDataModule, SFTModule
+
+
+class _Probe(Callback):
+    """Keeps the first batch and, at the end of training (after ``HFExport``), the trained
+    megatron policy's token logprobs ``[B, S]`` of it."""
+
+    def __init__(self) -> None:
+        self.batch: dict[str, torch.Tensor] = {}
+        self.logprobs = torch.empty(0)
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.batch = {k: v.clone() for k, v in batch.items()}
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self.logprobs = module.compute_logprobs(self.batch)
+
+
+def sft_and_export(
+    rank: int, init_dir: str, sft_file: str, out_dir: str, steps: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``steps`` SFT steps of 8 rows at TP=2 (DP=1), exported to ``out_dir``; returns the first
+    batch and the trained policy's logprobs of it."""
+    probe = _Probe()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4),
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[HFExport(out_dir), probe],
+    )
+    vocab = json.loads((Path(init_dir) / "config.json").read_text())["vocab_size"]
+    module = SFTModule(HFModelSpec(init_dir), vocab_size=vocab, max_sequence_length=32, lr=1e-2)
+    data = ResponseFileDataModule(sft_file, init_dir, samples_per_step=8)
+    trainer.fit(module, datamodule=data)
+    return probe.batch, probe.logprobs
