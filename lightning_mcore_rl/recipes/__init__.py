@@ -5,6 +5,7 @@ distillation, and prompt files (``docs/recipes.md``, ``docs/data.md``)."""
 from lightning_mcore_rl.recipes.arithmetic import (
     ArithmeticProblem,
     evaluate_hf,
+    greedy_completions,
     make_splits,
     train_tokenizer,
     write_rl_rows,
@@ -65,6 +66,7 @@ __all__ = [
     "TinyGPTSpec",
     "collate_pairs",
     "evaluate_hf",
+    "greedy_completions",
     "make_splits",
     "train_tokenizer",
     "write_rl_rows",

@@ -223,33 +223,25 @@ def write_tiny_llama(
     return Path(out_dir)
 
 
-def evaluate_hf(
+def greedy_completions(
     hf_dir: str | os.PathLike[str],
-    problems: Sequence[ArithmeticProblem],
+    prompts: Sequence[str],
     max_new_tokens: int = 8,
     batch_size: int = 64,
-) -> float:
-    """Greedy accuracy of the ``transformers`` model in ``hf_dir`` on ``problems``: each prompt
-    (left-padded) is continued by ``generate(do_sample=False)`` up to ``max_new_tokens`` or EOS,
-    decoded without special tokens and scored by ``NumericAnswerReward``; returns the mean.
-
-    Raises:
-        ValueError: no problems.
-    """
+) -> list[str]:
+    """The ``transformers`` model in ``hf_dir`` continuing each prompt greedily: batches of
+    ``batch_size`` left-padded prompts through ``generate(do_sample=False)``, up to
+    ``max_new_tokens`` or EOS, decoded without special tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lightning_mcore_rl.rewards import NumericAnswerReward
-
-    if not problems:
-        raise ValueError("`problems` is empty.")
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    reward = NumericAnswerReward()
-    correct = 0.0
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        inputs = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
+    completions: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        inputs = tokenizer(
+            list(prompts[start : start + batch_size]), return_tensors="pt", padding=True
+        )
         with torch.no_grad():
             out = model.generate(
                 **inputs,
@@ -257,9 +249,29 @@ def evaluate_hf(
                 max_new_tokens=max_new_tokens,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
-            )
-        width = inputs["input_ids"].shape[1]
-        completions = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        metadata = [{"answer": p.answer} for p in chunk]
-        correct += float(reward([p.prompt for p in chunk], completions, metadata).sum())
-    return correct / len(problems)
+            )  # [b, P + N]
+        new = out[:, inputs["input_ids"].shape[1] :]
+        completions += tokenizer.batch_decode(new, skip_special_tokens=True)
+    return completions
+
+
+def evaluate_hf(
+    hf_dir: str | os.PathLike[str],
+    problems: Sequence[ArithmeticProblem],
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+) -> float:
+    """Greedy accuracy of the ``transformers`` model in ``hf_dir`` on ``problems``: the mean
+    ``NumericAnswerReward`` of its :func:`greedy_completions`.
+
+    Raises:
+        ValueError: no problems.
+    """
+    from lightning_mcore_rl.rewards import NumericAnswerReward
+
+    if not problems:
+        raise ValueError("`problems` is empty.")
+    prompts = [p.prompt for p in problems]
+    completions = greedy_completions(hf_dir, prompts, max_new_tokens, batch_size)
+    metadata = [{"answer": p.answer} for p in problems]
+    return float(NumericAnswerReward()(prompts, completions, metadata).mean())

@@ -14,6 +14,8 @@ import torch
 from lightning_mcore_rl.recipes.arithmetic import (
     SPECIAL_TOKENS,
     ArithmeticProblem,
+    evaluate_hf,
+    greedy_completions,
     make_splits,
     train_tokenizer,
     write_rl_rows,
@@ -111,3 +113,38 @@ def test_numeric_verifier_on_the_responses(splits):
     wrong = NumericAnswerReward()(prompts, [str(p.answer + 1) for p in problems], meta)
     assert right.tolist() == [1.0] * 8
     assert wrong.tolist() == [0.0] * 8
+
+
+def test_greedy_completions_equal_a_plain_argmax_loop(tmp_path, splits):
+    """Batched left-padded ``generate`` gives each prompt's unpadded greedy continuation (a
+    random model: arbitrary tokens, so the strings are a real check); ``evaluate_hf`` is the
+    mean verifier score of those strings."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train, val = splits
+    train_tokenizer((p.prompt + " " + p.response for p in train + val), tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    write_tiny_llama(tmp_path / "llama", tok, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama")).eval()
+    problems = val[:6]
+    expected = []
+    for problem in problems:  # plain loop: one unpadded prompt, argmax, stop at EOS
+        ids = tok(problem.prompt, return_tensors="pt")["input_ids"]
+        new: list[int] = []
+        with torch.no_grad():
+            for _ in range(5):
+                token = int(model(ids).logits[0, -1].argmax())
+                if token == tok.eos_token_id:
+                    break
+                new.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        expected.append(tok.decode(new, skip_special_tokens=True))
+    prompts = [p.prompt for p in problems]
+    got = greedy_completions(tmp_path / "llama", prompts, max_new_tokens=5, batch_size=4)
+    assert got == expected
+    assert any(got)  # not all empty
+    meta = [{"answer": p.answer} for p in problems]
+    score = float(NumericAnswerReward()(prompts, expected, meta).mean())
+    assert evaluate_hf(tmp_path / "llama", problems, max_new_tokens=5) == score
+    with pytest.raises(ValueError, match="`problems` is empty"):
+        evaluate_hf(tmp_path / "llama", [])
