@@ -5,6 +5,7 @@ step's :func:`reduce_step_statistics`, which follows the rule table of
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from lightning_mcore_rl.losses import (
     ReductionRule,
     combine_microbatch_metrics,
 )
+from lightning_mcore_rl.metrics import RuleReduction
+from lightning_mcore_rl.metrics.reduction import Combine
 from lightning_mcore_rl.train.groups import ParallelGroups
 
 
@@ -143,9 +146,11 @@ def reduce_step_statistics(
     On the last pipeline stage: the per-microbatch losses are summed over DP with the seed's
     :func:`aggregate_training_statistics` (one all-reduce), every other metric is combined over
     microbatches and reduced over DP by its rule in
-    :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (one fp64 all-reduce per kind: sum, and
-    min/max only when such metrics exist; the batch counts ride along). The result is then
-    broadcast over the pipeline group (one object broadcast). TP/CP ranks already agree.
+    :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (one fp64 all-gather of one vector, the
+    batch counts riding along, combined per entry by a
+    :class:`~lightning_mcore_rl.metrics.RuleReduction`; started asynchronously before the loss
+    all-reduce, so the two latencies overlap). The result is then broadcast over the pipeline
+    group (one object broadcast). TP/CP ranks already agree.
 
     Args:
         outputs: the schedule's per-microbatch metric dicts (last stage; ``[]`` elsewhere), each
@@ -191,13 +196,11 @@ def _reduce_on_last_stage(
     source: str,
     device: torch.device | str,
 ) -> dict[str, Any]:
-    """The last stage's part of :func:`reduce_step_statistics` (DP collectives only)."""
+    """The last stage's part of :func:`reduce_step_statistics` (DP collectives only: the rule
+    vector's all-gather, started first and asynchronously, overlaps the loss all-reduce of
+    :func:`aggregate_training_statistics`)."""
     host = _materialise([dict(o) for o in outputs])
     local_losses = [float(o["loss"]) for o in host]
-    _, global_loss = aggregate_training_statistics(
-        [], [torch.tensor(x, dtype=torch.float32, device=device) for x in local_losses],
-        groups.dp_group,
-    )  # fmt: skip
     metrics_only = [{k: v for k, v in o.items() if k != "loss"} for o in host]
     error = None
     rules: dict[str, ReductionRule]
@@ -217,7 +220,12 @@ def _reduce_on_last_stage(
         rules = {k: REDUCTION_RULES[MetricNormalizer(v)] for k, v in normalizations.items()}
         rules.pop("loss", None)
         local = {} if error else combine_microbatch_metrics(metrics_only, normalizations)
-    reduced = _all_reduce_by_rule(local, rules, counts, error is not None, groups, device)
+    pending = _RuleGather.start(local, rules, counts, error is not None, groups, device)
+    _, global_loss = aggregate_training_statistics(
+        [], [torch.tensor(x, dtype=torch.float32, device=device) for x in local_losses],
+        groups.dp_group,
+    )  # fmt: skip
+    reduced = pending.finish()
     if reduced is None:
         error = error or (
             f"{source} returned an undeclared metric on another data-parallel rank (see that "
@@ -239,46 +247,76 @@ def _reduce_on_last_stage(
     }
 
 
-def _all_reduce_by_rule(
-    values: Mapping[str, float],
-    rules: Mapping[str, ReductionRule],
-    counts: Mapping[str, float],
-    failed: bool,
-    groups: ParallelGroups,
-    device: torch.device | str,
-) -> tuple[dict[str, float], dict[str, float]] | None:
-    """Reduce ``values`` (by rule) and ``counts`` over DP in ONE synchronisation of a
-    :class:`~lightning_mcore_rl.metrics.RuleReduction` (fp64).
+@functools.lru_cache(maxsize=8)
+def _rule_reduction(kinds: tuple[Combine, ...], device: torch.device) -> RuleReduction:
+    """One local :class:`~lightning_mcore_rl.metrics.RuleReduction` per layout of the step's
+    vector, reset every step (building a torchmetrics ``Metric`` per step costs ~1 ms under the
+    CPU emulation)."""
+    return RuleReduction(kinds, device=device, sync=False)
+
+
+@dataclass(frozen=True)
+class _RuleGather:
+    """The step's metric values (by rule) and counts as ONE fp64 vector, all-gathered over DP
+    asynchronously, then combined row by row (in DP rank order) by a
+    :class:`~lightning_mcore_rl.metrics.RuleReduction`.
 
     The vector also carries how many ranks hold each metric (a metric held by none is dropped;
-    one held by some ranks is reduced over those) and an error flag: ``None`` on every rank when
-    any rank ``failed``.
+    one held by some ranks is reduced over those) and an error flag: :meth:`finish` returns
+    ``None`` on every rank when any rank ``failed``.
     """
-    from lightning_mcore_rl.metrics import RuleReduction
-    from lightning_mcore_rl.metrics.reduction import Combine
 
-    names = sorted(rules)
-    count_names = sorted(counts)
-    identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
-    count_kinds: list[Combine] = [
-        "max" if k == "response_length_max" else "sum" for k in count_names
-    ]
-    kinds = [rules[k].combine for k in names] + count_kinds + ["sum"] * (len(names) + 1)
-    local = (
-        [values.get(k, identity[rules[k].combine]) for k in names]
-        + [counts[k] for k in count_names]
-        + [float(k in values) for k in names]
-        + [float(failed)]
-    )
-    reduction = RuleReduction(
-        kinds, process_group=groups.dp_group, device=device, sync=groups.dp_size > 1
-    )
-    reduction.update(torch.tensor(local, dtype=torch.float64))
-    reduced = reduction.compute().cpu().tolist()  # the one host transfer
-    n, c = len(names), len(count_names)
-    if reduced[-1] > 0:
-        return None
-    holders = reduced[n + c : 2 * n + c]
-    metrics = {k: reduced[i] for i, k in enumerate(names) if holders[i] > 0}
-    summed = {k: reduced[n + i] for i, k in enumerate(count_names)}
-    return metrics, summed
+    names: list[str]
+    count_names: list[str]
+    kinds: tuple[Combine, ...]
+    rows: list[torch.Tensor]  # [dp] x [n]: every DP rank's vector once the gather is done
+    work: Any  # the async all-gather (``None`` for a DP group of one)
+
+    @classmethod
+    def start(
+        cls,
+        values: Mapping[str, float],
+        rules: Mapping[str, ReductionRule],
+        counts: Mapping[str, float],
+        failed: bool,
+        groups: ParallelGroups,
+        device: torch.device | str,
+    ) -> _RuleGather:
+        """Build this rank's vector and start its all-gather (no wait)."""
+        names = sorted(rules)
+        count_names = sorted(counts)
+        identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+        count_kinds: list[Combine] = [
+            "max" if k == "response_length_max" else "sum" for k in count_names
+        ]
+        kinds = [rules[k].combine for k in names] + count_kinds + ["sum"] * (len(names) + 1)
+        local = torch.tensor(
+            [values.get(k, identity[rules[k].combine]) for k in names]
+            + [counts[k] for k in count_names]
+            + [float(k in values) for k in names]
+            + [float(failed)],
+            dtype=torch.float64,
+            device=device,
+        )
+        if groups.dp_size == 1:
+            return cls(names, count_names, tuple(kinds), [local], None)
+        rows = [torch.empty_like(local) for _ in range(groups.dp_size)]
+        work = dist.all_gather(rows, local, group=groups.dp_group, async_op=True)
+        return cls(names, count_names, tuple(kinds), rows, work)
+
+    def finish(self) -> tuple[dict[str, float], dict[str, float]] | None:
+        """Wait for the gather; ``(metrics, counts)`` reduced over DP, or ``None`` (failed)."""
+        if self.work is not None:
+            self.work.wait()
+        reduction = _rule_reduction(self.kinds, self.rows[0].device)
+        reduction.reset()
+        for row in self.rows:
+            reduction.update(row)
+        reduced = reduction.compute().cpu().tolist()  # the one host transfer
+        n, c = len(self.names), len(self.count_names)
+        if reduced[-1] > 0:
+            return None
+        holders = reduced[n + c : 2 * n + c]
+        metrics = {k: reduced[i] for i, k in enumerate(self.names) if holders[i] > 0}
+        summed = {k: reduced[n + i] for i, k in enumerate(self.count_names)}
+        return metrics, summed
