@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -150,7 +151,7 @@ def reduce_step_statistics(
     batch counts riding along, combined per entry by a
     :class:`~lightning_mcore_rl.metrics.RuleReduction`; started asynchronously before the loss
     all-reduce, so the two latencies overlap). The result is then broadcast over the pipeline
-    group (one object broadcast). TP/CP ranks already agree.
+    group (one broadcast, :func:`_broadcast_payload`). TP/CP ranks already agree.
 
     Args:
         outputs: the schedule's per-microbatch metric dicts (last stage; ``[]`` elsewhere), each
@@ -169,9 +170,7 @@ def reduce_step_statistics(
     if groups.is_pipeline_last_stage:
         payload = _reduce_on_last_stage(outputs, counts, groups, normalizations, source, device)
     if groups.pp_size > 1:
-        holder = [payload]
-        dist.broadcast_object_list(holder, src=groups.pp_last_rank, group=groups.pp_group)
-        payload = holder[0]
+        payload = _broadcast_payload(payload, groups, device)
     assert payload is not None  # the last stage always fills it
     if payload["error"] is not None:
         raise ValueError(payload["error"])
@@ -245,6 +244,38 @@ def _reduce_on_last_stage(
         "microbatch_losses": local_losses,
         "counts": summed,
     }
+
+
+PAYLOAD_BYTES = 1 << 14
+"""Size of the pipeline broadcast's buffer: a step's pickled statistics fit (a few hundred bytes
+per metric); a larger payload costs a second broadcast."""
+
+
+def _broadcast_payload(
+    payload: dict[str, Any] | None, groups: ParallelGroups, device: torch.device | str
+) -> dict[str, Any]:
+    """The last stage's pickled ``payload`` to every stage of the pipeline in ONE broadcast of a
+    :data:`PAYLOAD_BYTES` buffer (``[length: 8 bytes][pickle]``; the rest, if any, in a second
+    one), where ``broadcast_object_list`` always needs two (sizes, then data)."""
+    buffer = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+    blob = b""
+    if groups.is_pipeline_last_stage:
+        data = pickle.dumps(payload)
+        blob = len(data).to_bytes(8, "little") + data
+        head = blob[:PAYLOAD_BYTES]
+        buffer[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    buffer = buffer.to(device)
+    dist.broadcast(buffer, src=groups.pp_last_rank, group=groups.pp_group)
+    received = buffer.cpu().numpy().tobytes()
+    total = 8 + int.from_bytes(received[:8], "little")
+    if total > PAYLOAD_BYTES:
+        rest = torch.zeros(total - PAYLOAD_BYTES, dtype=torch.uint8)
+        if groups.is_pipeline_last_stage:
+            rest = torch.frombuffer(bytearray(blob[PAYLOAD_BYTES:]), dtype=torch.uint8)
+        rest = rest.to(device)
+        dist.broadcast(rest, src=groups.pp_last_rank, group=groups.pp_group)
+        received += rest.cpu().numpy().tobytes()
+    return cast(dict[str, Any], pickle.loads(received[8:total]))  # noqa: S301 - our own ranks
 
 
 @functools.lru_cache(maxsize=8)

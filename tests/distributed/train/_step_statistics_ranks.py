@@ -44,29 +44,36 @@ class Recorded:
 
     output: StepOutput | None
     error: str | None
-    calls: list[tuple[str, bool, bool]]  # (name, async_op, group is the DP group)
+    calls: list[tuple[str, bool, bool]]  # (name, async_op, group is the DP (PP: broadcast) group)
 
 
-def _reduce(rank: int, groups: ParallelGroups, undeclared_on: int | None) -> Recorded:
+def _reduce(
+    rank: int,
+    groups: ParallelGroups,
+    undeclared_on: int | None = None,
+    outputs: list[dict[str, Any]] | None = None,
+    norms: dict[str, MetricNormalizer] = NORMS,
+) -> Recorded:
     calls: list[tuple[str, bool, bool]] = []
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
 
     def recording(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            calls.append((name, bool(kwargs.get("async_op")), group is groups.dp_group))
+            expected = groups.pp_group if name == "broadcast" else groups.dp_group
+            calls.append((name, bool(kwargs.get("async_op")), group is expected))
             return originals[name](*args, **kwargs)
 
         return call
 
-    outputs = microbatch_outputs(rank)
+    outputs = microbatch_outputs(rank) if outputs is None else outputs
     if rank == undeclared_on:
         outputs[1]["surprise"] = 1.0
     for name in originals:
         setattr(dist, name, recording(name))
     try:
         out = reduce_step_statistics(
-            outputs, counts(rank), groups, normalizations=NORMS, source="TestLoss"
+            outputs, counts(rank), groups, normalizations=norms, source="TestLoss"
         )
         return Recorded(out, None, calls)
     except ValueError as err:
@@ -82,3 +89,22 @@ def statistics_run(rank: int) -> dict[str, Recorded]:
     groups = ParallelGroups.from_megatron()
     assert groups.dp_size == 2
     return {"clean": _reduce(rank, groups, None), "undeclared": _reduce(rank, groups, 1)}
+
+
+MANY = 2000
+"""Metrics of the large-payload step: its pickle is over ``PAYLOAD_BYTES``."""
+
+
+def pipeline_run(rank: int) -> dict[str, Recorded]:
+    """PP=2 (DP=1): the last stage (rank 1) reduces, the first one receives the broadcast; a
+    step with the usual metrics, then one with :data:`MANY` metrics."""
+    init_megatron_state(pipeline_model_parallel_size=2)
+    groups = ParallelGroups.from_megatron()
+    last = groups.is_pipeline_last_stage
+    many_norms = {"loss": MetricNormalizer.TOKENS}
+    many_norms.update({f"metric_{i:04d}": MetricNormalizer.NONE for i in range(MANY)})
+    many = [{"loss": torch.tensor(0.5), **{f"metric_{i:04d}": float(i) for i in range(MANY)}}]
+    return {
+        "small": _reduce(rank, groups, outputs=microbatch_outputs(0) if last else []),
+        "large": _reduce(rank, groups, outputs=many if last else [], norms=many_norms),
+    }
