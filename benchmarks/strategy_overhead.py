@@ -14,7 +14,7 @@ loaded machine megatron's own schedule varies by more than the overhead between 
 table also gives the overhead itself, ``fixed`` (below) of the Trainer minus that of the bare
 loop (the slowest rank, median of pairs), and the ratio it implies for an equal schedule time.
 
-The breakdown (rank 0, medians in ms) splits each step at megatron's forward-backward schedule
+The breakdown (each rank, medians in ms) splits each step at megatron's forward-backward schedule
 (``schedule``: the function ``get_forward_backward_func()`` returns, timed by a wrapper) and
 megatron's optimizer step (``optimizer``); ``fixed`` = step - schedule - optimizer is what the
 loop adds around megatron. For the Trainer, ``fixed`` is split further by callback hooks:
@@ -251,8 +251,10 @@ def main() -> None:
             ratios.append(trainer / bare)
             extras.append(extra)
             fixed_ratios.append(1 + extra / bare)
-            breakdown.append(f"| {name} | {i} | bare | {_fmt(results[0][i]['bare'], KEYS)} |")
-            breakdown.append(f"| {name} | {i} | Trainer | {_fmt(results[0][i]['trainer'], KEYS)} |")
+            for rank, result in enumerate(results):
+                for run in ("bare", "trainer"):
+                    row = _fmt(result[i][run], KEYS)
+                    breakdown.append(f"| {name} | {i} | {rank} | {run} | {row} |")
         pairs = " / ".join(f"{r:.2f}" for r in ratios)
         summary.append(
             f"| {name} | {statistics.median(bares):.1f} | {statistics.median(trainers):.1f} | "
@@ -265,9 +267,9 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(summary))
-    print(f"\nBreakdown, rank 0, median ms per step ({' | '.join(KEYS)}):\n")
-    print(f"| layout | pair | run | {' | '.join(KEYS)} |")
-    print("|---|---|---|" + "---|" * len(KEYS))
+    print("\nBreakdown, median ms per step of each rank:\n")
+    print(f"| layout | pair | rank | run | {' | '.join(KEYS)} |")
+    print("|---|---|---|---|" + "---|" * len(KEYS))
     print("\n".join(breakdown))
 
 
