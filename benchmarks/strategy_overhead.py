@@ -242,6 +242,11 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=int(os.environ.get("OVERHEAD_PAIRS", 3)))
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
+    unknown = sorted(set(args.layouts.split(",")) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
+    if args.pairs < 1:
+        parser.error(f"--pairs must be >= 1, got {args.pairs}")
     if args.steps <= WARMUP + 1:
         parser.error(f"--steps must be > {WARMUP + 1} (the first {WARMUP} steps are warm-up)")
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
