@@ -146,12 +146,15 @@ def _steps(starts: list[float]) -> list[float]:
 
 
 def _phases(marks: Marks, optimizer_start: str) -> dict[str, float]:
-    """Median ms of each phase (``fixed`` per step: step - schedule - optimizer)."""
+    """Median ms of each phase (per step: ``outside`` = step - schedule, ``fixed`` = outside -
+    optimizer)."""
     step = _steps(marks["start"])
     schedule = _spans(marks, "schedule_start", "schedule_end")
     optimizer = _spans(marks, optimizer_start, "optimizer_end")
-    fixed = [s - a - b for s, a, b in zip(step, schedule, optimizer, strict=True)]
-    phases = {"step": step, "schedule": schedule, "optimizer": optimizer, "fixed": fixed}
+    outside = [s - a for s, a in zip(step, schedule, strict=True)]
+    fixed = [s - b for s, b in zip(outside, optimizer, strict=True)]
+    phases = {"step": step, "schedule": schedule, "optimizer": optimizer, "outside": outside,
+              "fixed": fixed}  # fmt: skip
     if "log_end" in marks:  # the Trainer's run
         phases.update(
             pre=_spans(marks, "start", "schedule_start"),
@@ -212,11 +215,11 @@ def _lightning(tp: int, pp: int, steps: int, log_dir: str) -> dict[str, float]:
 
 
 def _outside(phases: dict[str, float]) -> float:
-    """ms per step outside megatron's schedule (``step - schedule``: the optimizer step and the
-    loop's fixed cost). Not ``fixed`` alone: a pipeline's last stage waits for the first one's
+    """Median ms per step outside megatron's schedule (``step - schedule``: the optimizer step
+    and the loop's fixed cost). Not ``fixed`` alone: a pipeline's last stage waits for the first one's
     last backward in megatron's grad-norm all-reduce (bare) or in the statistics broadcast
     (Trainer), so that wait moves between the two parts."""
-    return phases["step"] - phases["schedule"]
+    return phases["outside"]
 
 
 def _rank(rank: int, tp: int, pp: int, steps: int, pairs: int) -> list[dict[str, Any]]:
@@ -289,7 +292,7 @@ def main() -> None:
     print("\n".join(breakdown))
 
 
-KEYS = ("step", "schedule", "optimizer", "fixed", "pre", "post", "log", "loop")
+KEYS = ("step", "schedule", "optimizer", "outside", "fixed", "pre", "post", "log", "loop")
 
 if __name__ == "__main__":
     main()
