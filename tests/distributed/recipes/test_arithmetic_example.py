@@ -1,0 +1,60 @@
+"""Smoke run of ``examples/arithmetic/run.py`` (the whole pipeline, two CPU ranks per training
+stage) with a few steps of each stage: it writes the summary, the SFT and GRPO exports load
+with ``transformers``, GRPO moved the weights, and the summary's accuracies are
+``evaluate_hf``'s of the exports on the held-out split. The full run (its accuracy gain) is
+``.venv/bin/python examples/arithmetic/run.py --seed 0 --out outputs/arithmetic/seed0``
+(numbers in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mcore_rl.recipes import evaluate_hf, make_splits
+
+RUN = Path(__file__).parents[3] / "examples" / "arithmetic" / "run.py"
+SMOKE = [
+    "--seed", "3", "--train-problems", "64", "--val-problems", "16", "--sft-steps", "2",
+    "--sft-batch", "8", "--grpo-steps", "2", "--grpo-prompts", "4", "--group-size", "2",
+]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_smoke(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, str(RUN), *SMOKE, "--out", str(out)], check=True, timeout=280)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["seconds"]) == {"prepare", "sft", "eval_sft", "grpo", "eval_grpo"}
+    _, val = make_splits(64, 16, seed=3)
+    assert summary["val_problems"] == 16
+    for stage in ("sft", "grpo"):
+        assert summary[f"{stage}_accuracy"] == evaluate_hf(out / stage / "hf", val, 4)
+    rows = list(csv.DictReader((out / "grpo" / "metrics.csv").open()))
+    assert len(rows) == 2 and all(0 <= float(r["reward"]) <= 1 for r in rows)
+    assert all(math.isfinite(float(r["train_loss"])) for r in rows)
+    sft, grpo = (
+        AutoModelForCausalLM.from_pretrained(out / stage / "hf").state_dict()
+        for stage in ("sft", "grpo")
+    )
+    assert sft.keys() == grpo.keys()
+    assert any(not torch.equal(sft[k], grpo[k]) for k in sft)
+
+
+def test_pipeline_refuses_a_used_directory(tmp_path):
+    spec = importlib.util.spec_from_file_location("arithmetic_run", RUN)
+    assert spec is not None and spec.loader is not None
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    (tmp_path / "old.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="is not empty; give a new directory"):
+        run.main(["--out", str(tmp_path)])
