@@ -246,8 +246,8 @@ def _reduce_on_last_stage(
     }
 
 
-PAYLOAD_BYTES = 1 << 14
-"""Size of the pipeline broadcast's buffer: a step's pickled statistics fit (a few hundred bytes
+_PAYLOAD_BYTES = 1 << 14
+"""Size of the pipeline broadcast's buffer: a step's pickled statistics fit (tens of bytes
 per metric); a larger payload costs a second broadcast."""
 
 
@@ -255,23 +255,23 @@ def _broadcast_payload(
     payload: dict[str, Any] | None, groups: ParallelGroups, device: torch.device | str
 ) -> dict[str, Any]:
     """The last stage's pickled ``payload`` to every stage of the pipeline in ONE broadcast of a
-    :data:`PAYLOAD_BYTES` buffer (``[length: 8 bytes][pickle]``; the rest, if any, in a second
+    16 KiB buffer (``[length: 8 bytes][pickle]``; the rest, if any, in a second
     one), where ``broadcast_object_list`` always needs two (sizes, then data)."""
-    buffer = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+    buffer = torch.zeros(_PAYLOAD_BYTES, dtype=torch.uint8)
     blob = b""
     if groups.is_pipeline_last_stage:
         data = pickle.dumps(payload)
         blob = len(data).to_bytes(8, "little") + data
-        head = blob[:PAYLOAD_BYTES]
+        head = blob[:_PAYLOAD_BYTES]
         buffer[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     buffer = buffer.to(device)
     dist.broadcast(buffer, src=groups.pp_last_rank, group=groups.pp_group)
     received = buffer.cpu().numpy().tobytes()
     total = 8 + int.from_bytes(received[:8], "little")
-    if total > PAYLOAD_BYTES:
-        rest = torch.zeros(total - PAYLOAD_BYTES, dtype=torch.uint8)
+    if total > _PAYLOAD_BYTES:
+        rest = torch.zeros(total - _PAYLOAD_BYTES, dtype=torch.uint8)
         if groups.is_pipeline_last_stage:
-            rest = torch.frombuffer(bytearray(blob[PAYLOAD_BYTES:]), dtype=torch.uint8)
+            rest = torch.frombuffer(bytearray(blob[_PAYLOAD_BYTES:]), dtype=torch.uint8)
         rest = rest.to(device)
         dist.broadcast(rest, src=groups.pp_last_rank, group=groups.pp_group)
         received += rest.cpu().numpy().tobytes()

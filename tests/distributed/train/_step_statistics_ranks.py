@@ -92,7 +92,7 @@ def statistics_run(rank: int) -> dict[str, Recorded]:
 
 
 MANY = 2000
-"""Metrics of the large-payload step: its pickle is over ``PAYLOAD_BYTES``."""
+"""Metrics of the large-payload step: its pickle is over the 16 KiB broadcast buffer."""
 
 
 def pipeline_run(rank: int) -> dict[str, Recorded]:
