@@ -1,7 +1,7 @@
 """Arithmetic word problems on two CPU ranks: a tiny Llama is SFT-warmed, then trained with GRPO
 and the numeric verifier, and evaluated with ``transformers`` before and after GRPO.
 
-Launch (5-8 minutes on 2 shared CPU cores)::
+Launch (about 2.5 minutes on 2 idle CPU cores, 5-8 under load)::
 
     .venv/bin/python examples/arithmetic/run.py --seed 0 --out outputs/arithmetic/seed0
 
