@@ -8,14 +8,13 @@ added by its post-processor, and a chat template that starts with the BOS itself
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.trainer import cpu_trainer
 from helpers.unit import word_level_tokenizer
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
@@ -108,15 +107,10 @@ def _fit(
                 dirpath=ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1
             )
         )
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(micro_batch_size=1),
         max_steps=7,
-        logger=False,
         enable_checkpointing=ckpt_path is None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     data = PromptFileDataModule(

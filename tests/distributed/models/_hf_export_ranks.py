@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from _hf_ranks import SEQ, VOCAB, input_ids
+from helpers.trainer import cpu_trainer
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset
 
@@ -60,21 +61,15 @@ class _Losses(Callback):
 def fit_and_checkpoint(rank: int, hf_dir: str, ckpt: str) -> dict[str, Any]:
     """Train 6 steps at TP=2 on one repeated global batch, save ``ckpt``; return the per-step
     losses and the trained model's TP-gathered logits on :func:`input_ids` (rank 0)."""
-    from lightning.pytorch import Trainer
     from megatron.core import parallel_state as ps
 
     module = HFModule(hf_dir)
     losses = _Losses()
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2),
         max_steps=6,
-        logger=False,
         callbacks=[losses],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(_Rows(), batch_size=4))

@@ -4,11 +4,11 @@ recorded."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from helpers.trainer import cpu_trainer
 from lightning.pytorch import Callback, Trainer
 
 from lightning_mcore_rl import MCoreRLStrategy
@@ -80,16 +80,10 @@ def _fit(
     module: Any, tp: int, steps: int, prompts: int, val_prompts: int = 0, mbs: int = 8
 ) -> tuple[Fit, Trainer]:
     record = _Record()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=mbs),
         max_steps=steps,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[record],
     )

@@ -5,12 +5,12 @@ the first batch, computed by megatron right after the export."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer
+from helpers.trainer import cpu_trainer
+from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.callbacks import HFExport
@@ -39,16 +39,10 @@ def sft_and_export(
     """``steps`` SFT steps of 8 rows at TP=2 (DP=1), exported to ``out_dir``; returns the first
     batch and the trained policy's logprobs of it."""
     probe = _Probe()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4),
         max_steps=steps,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[HFExport(out_dir), probe],
     )
     vocab = json.loads((Path(init_dir) / "config.json").read_text())["vocab_size"]

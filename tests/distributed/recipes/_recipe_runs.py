@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.trainer import cpu_trainer
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader
 
@@ -69,17 +70,12 @@ class _Record(Callback):
 def _trainer(
     strategy: MCoreRLStrategy, steps: int, callbacks: list[Callback], root: str | None = None
 ) -> Trainer:
-    return Trainer(
+    return cpu_trainer(
         default_root_dir=root,
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_steps=steps,
         gradient_clip_val=1.0,
-        logger=False,
         enable_checkpointing=root is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer
+from helpers.trainer import cpu_trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mcore_rl import MCoreRLStrategy
@@ -73,16 +74,11 @@ def fit(
         callbacks.append(
             ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=2, save_top_k=-1)
         )
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(tensor_model_parallel_size=recipe.tp, micro_batch_size=16),
         max_steps=recipe.steps,
         gradient_clip_val=recipe.clip,
-        logger=False,
         enable_checkpointing=root is not None and ckpt_path is None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     module = _module(recipe)
@@ -133,15 +129,9 @@ def ppo_rejections(rank: int, layouts: list[dict[str, Any]]) -> list[str]:
     (``""`` if it trains)."""
     messages = []
     for layout in layouts:
-        trainer = Trainer(
-            accelerator="cpu",
-            devices=int(os.environ["WORLD_SIZE"]),
+        trainer = cpu_trainer(
             strategy=MCoreRLStrategy(micro_batch_size=16, **layout),
             max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         try:
             trainer.fit(PPOModule(), datamodule=PromptDataModule(num_steps=1))

@@ -4,13 +4,13 @@ TP=1 run's samples, rewards, losses and grad norms — and the reward rises."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from helpers.trainer import cpu_trainer
+from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
@@ -40,16 +40,10 @@ class RecipeRun:
 
 def _grpo(rank: int, tp: int, steps: int, kl: float = 0.0) -> RecipeRun:
     record = _Record()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=16),
         max_steps=steps,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[record],
     )
     module = GRPOModule(loss=ClippedPGLossConfig(reference_policy_kl_penalty=kl))

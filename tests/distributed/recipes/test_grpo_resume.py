@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from helpers.trainer import cpu_trainer
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mcore_rl import MCoreRLStrategy
@@ -59,16 +60,11 @@ def _fit(tp: int, ckpt_dir: str, ckpt_path: str | None) -> RecordedFit:
                 dirpath=ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1
             )
         )
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=16),
         max_steps=6,
         gradient_clip_val=1.0,
-        logger=False,
         enable_checkpointing=ckpt_path is None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     # reference KL on: the reference policy (regenerated from the seed) must survive the resume
@@ -140,13 +136,10 @@ def _positions(ckpt_dir: str, ckpt_path: str | None = None) -> list[list[int]]:
         ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1)
     ]
     module = _Positions()
-    trainer = Trainer(
+    trainer = cpu_trainer(
         max_steps=10,
         default_root_dir=ckpt_dir,
-        logger=False,
         enable_checkpointing=ckpt_path is None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[] if ckpt_path else callbacks,
     )
     trainer.fit(module, ckpt_path=ckpt_path)

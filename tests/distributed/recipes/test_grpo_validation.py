@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from helpers.trainer import cpu_trainer
+from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.metrics import pass_at_k
@@ -29,13 +29,8 @@ class _Scores(Callback):
 
 def _validate(rank: int) -> tuple[dict[str, float], list[dict[str, torch.Tensor]]]:
     scores = _Scores()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(micro_batch_size=8),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[scores],
     )
     # two-token completions: a random policy solves some of them, so pass@k is not trivially 0

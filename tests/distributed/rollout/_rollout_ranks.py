@@ -4,13 +4,13 @@ recipe with ``RolloutSpec(backend="hf")`` under a Trainer."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer
+from helpers.trainer import cpu_trainer
+from lightning.pytorch import Callback
 from megatron.core import parallel_state as ps
 
 from lightning_mcore_rl import MCoreRLStrategy
@@ -173,18 +173,12 @@ def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, pp: int, steps: int)
     """GRPO of the HF model with ``RolloutSpec(backend=backend)``: ``steps`` steps at
     TP=``tp``, PP=``pp`` (DP = world / (TP PP)), temperature 0.8."""
     rows = _Rows()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=4
         ),
         max_steps=steps,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[rows],
     )
     module = _RecordingGRPO(

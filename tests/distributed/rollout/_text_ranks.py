@@ -5,7 +5,6 @@ under a Trainer with ``backend="hf"``."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,8 @@ import torch
 import torch.distributed as dist
 from _hf_ranks import _COMMON, randomize
 from _rollout_ranks import _RecordingGRPO, _Rows
+from helpers.trainer import cpu_trainer
 from helpers.unit import word_level_tokenizer
-from lightning.pytorch import Trainer
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.recipes import (
@@ -90,16 +89,10 @@ def text_grpo_run(rank: int, hf_dir: str, tp: int, steps: int) -> dict[str, Any]
     """GRPO on the text task (the digit reward, EOS stops) with ``backend="hf"`` at TP=``tp``
     (DP = 2 / TP): ``steps`` steps of 4 prompts x 2 completions."""
     rows = _Rows()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+    trainer = cpu_trainer(
         strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=4),
         max_steps=steps,
         gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[rows],
     )
     module = _TextGRPO(

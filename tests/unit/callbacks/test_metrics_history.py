@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.trainer import cpu_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
@@ -45,16 +46,11 @@ class CountingModule(LightningModule):
 
 
 def _fit(module: LightningModule, callback: MetricsHistory, **kwargs) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=4,
         val_check_interval=2,
         num_sanity_val_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
         **kwargs,
     )
@@ -87,16 +83,12 @@ def test_steps_match_what_lightning_loggers_receive(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     callback = MetricsHistory(tmp_path / "out", plot_keys=())
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_steps=4,
         val_check_interval=2,
         logger=CSVLogger(tmp_path, name="logs", version=0),
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
     )
     trainer.fit(CountingModule())
