@@ -148,3 +148,36 @@ def test_greedy_completions_equal_a_plain_argmax_loop(tmp_path, splits):
     assert evaluate_hf(tmp_path / "llama", problems, max_new_tokens=5) == score
     with pytest.raises(ValueError, match="`problems` is empty"):
         evaluate_hf(tmp_path / "llama", [])
+
+
+def test_the_grpo_stage_config_matches_the_pipeline(tmp_path, monkeypatch):
+    """``examples/arithmetic/grpo.yaml`` (the GRPO stage for ``lmrl fit``) instantiates with the
+    settings ``run.py`` trains with."""
+    from pathlib import Path
+
+    from lightning_mcore_rl import MCoreRLStrategy
+    from lightning_mcore_rl.callbacks import HFExport
+    from lightning_mcore_rl.cli import build_cli
+    from lightning_mcore_rl.recipes import GRPOModule, PromptFileDataModule, TextRewardTask
+
+    config = Path(__file__).parents[3] / "examples" / "arithmetic" / "grpo.yaml"
+    train, _ = make_splits(8, 2, seed=0)
+    tokenizer = train_tokenizer(p.prompt + " " + p.response for p in train)
+    write_tiny_llama(tmp_path / "sft", tokenizer, seed=0)
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(
+        ["--config", str(config), f"--model.init_args.model.path={tmp_path / 'sft'}",
+         f"--data.init_args.tokenizer={tmp_path / 'sft'}"],
+        run=False,
+    )  # fmt: skip
+    module, data = cli.model, cli.datamodule
+    assert isinstance(module, GRPOModule) and isinstance(module.task, TextRewardTask)
+    assert isinstance(module.task.reward, NumericAnswerReward)
+    assert module.rollout.backend == "hf" and module.rollout.stop_at_eos
+    assert (module.rollout.group_size, module.rollout.max_new_tokens, module.lr) == (8, 4, 1e-3)
+    assert isinstance(data, PromptFileDataModule) and data.prompts_per_step == 16
+    assert data.max_prompt_length == module.task.max_prompt_length == 24
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, MCoreRLStrategy)
+    assert strategy.microbatching.micro_batch_size == 16 * 8 // 2  # one microbatch per DP rank
+    assert any(isinstance(c, HFExport) for c in cli.trainer.callbacks)
