@@ -540,7 +540,7 @@ def rollout_scores(
     completion is truncated when it has ``max_new_tokens`` tokens and does not end with one of
     ``stop_token_ids``."""
     lengths = out.completion_mask.sum(dim=1)
-    prompt_width = int(out.completion_mask[0].argmax())
+    prompt_width = out.prompt_width
     last = out.tokens.gather(1, (prompt_width + lengths - 1)[:, None])[:, 0]
     stopped = torch.isin(last, torch.tensor(stop_token_ids, dtype=last.dtype))
     return {
@@ -563,7 +563,7 @@ def rollout_batch(out: Rollout) -> BatchedDataDict:
         ``sample_mask [B]``.
     """
     rows, width = out.tokens.shape
-    prompt_width = int(out.completion_mask[0].argmax())  # every completion has >= 1 token
+    prompt_width = out.prompt_width
     columns = torch.arange(width)[None, :]
     shift = (prompt_width - out.prompt_lengths)[:, None]  # [B, 1] pad columns per row
     source = (columns + shift).clamp(max=width - 1)  # [B, P+N]

@@ -65,6 +65,11 @@ class Rollout(NamedTuple):
     generation_logprobs: Tensor
     prompt_lengths: Tensor
 
+    @property
+    def prompt_width(self) -> int:
+        """``P``, the prompt columns: where the completions start (each has >= 1 token)."""
+        return int(self.completion_mask[0].argmax())
+
 
 @runtime_checkable
 class RolloutSource(Protocol):
