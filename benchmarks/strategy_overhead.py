@@ -1,29 +1,34 @@
-"""Cost of Lightning around megatron-core: ms per optimizer step, Trainer vs the bare loop.
+"""Cost of Lightning around megatron-core: each Trainer step against a bare megatron step.
 
-Run: ``.venv/bin/python benchmarks/strategy_overhead.py [--steps N] [--pairs P] [--layouts
-TP=2,PP=2,DP=2]``. For each layout on two CPU gloo ranks, the same tiny GPT (4 layers, hidden
-256), global batch 16 x 64 tokens in micro-batches of 4 and Adam with clipping, trained by the
-bare megatron loop of ``lightning_mcore_rl.testing.training`` and by
-``Trainer(strategy=MCoreRLStrategy(...))`` (progress bar and CSV logging on, every step logged),
-interleaved in one process pair: bare, Trainer, bare, Trainer, ... (``P`` pairs, ``N`` steps each).
+Run: ``.venv/bin/python benchmarks/strategy_overhead.py [--steps N] [--repeats R] [--layouts
+TP=2,PP=2,DP=2] [--num-layers L --hidden-size H --seq-length S] [--no-logging]``. For each layout on two CPU gloo
+ranks, ``R`` times: one ``Trainer(strategy=MCoreRLStrategy(...)).fit`` of ``N`` optimizer steps
+(progress bar and CSV logging on, every step logged) on a tiny GPT (default 4 layers, hidden 256),
+global batch 16 x ``S`` (default 64) tokens in micro-batches of 4, Adam with clipping. After each
+Trainer step a callback runs one step of the bare megatron loop of
+``lightning_mcore_rl.testing.training`` (its own copy of the model in megatron DDP, the same
+schedule and megatron optimizer, the same rows, no Lightning): the two loops alternate step by
+step, so both see the same state of the machine.
 
-Time per step is the median over steps 5..N of the wall time between consecutive step starts
-(the slowest rank), so the Trainer's figure includes data loading, hooks, logging and the
-optimizer wrapper. The ratio of each pair is Trainer / bare; the table shows their median. On a
-loaded machine megatron's own schedule varies by more than the overhead between two runs, so the
-table also gives the overhead itself: the time outside megatron's schedule (``step -
-schedule``, below) of the Trainer minus that of the bare loop (the rank with the largest
-difference, median of pairs), and the ratio it implies for an equal schedule time. Each process
-first runs a short bare warm-up (its first run is slower), not reported.
+Why step by step: on this shared 2-core machine megatron's own step drifts by up to 10% between
+two runs a minute apart, more than the overhead being measured, so whole-run comparisons (an
+earlier version of this script) carried +-0.1 of noise. Alternating steps cancels that drift: the
+figure is the median over steps of ``Trainer step / bare step`` (steps ``WARMUP..N``; the rank
+with the larger median), with its interquartile range, and the ratio of the total times. A second,
+identical copy of the bare loop (``control``) also runs after every Trainer step, bare and control
+in alternating order: ``control / bare`` is what two identical loops differ by here (the method's
+resolution; it should be 1).
 
-The breakdown (each rank, medians in ms) splits each step at megatron's forward-backward schedule
-(``schedule``: the function ``get_forward_backward_func()`` returns, timed by a wrapper) and
-megatron's optimizer step (``optimizer``); ``fixed`` = step - schedule - optimizer is what the
-loop adds around megatron. For the Trainer, ``fixed`` is split further by callback hooks:
-``pre`` (batch start -> schedule: grad zeroing, batch validation + its agreement all-reduce,
-split), ``post`` (schedule -> end of the training step: the statistics reduction), ``log``
-(``TrainingStatistics.on_optimizer_step``) and ``loop`` (the rest: Lightning's loop, progress
-bar, logger, data loading).
+A Trainer step is the time between two consecutive ``on_train_batch_start`` minus the bare steps
+run in between: it includes data loading, every hook, the logging, the progress bar and
+Lightning's loop. The breakdown (medians, ms, each rank) splits each step at megatron's
+forward-backward schedule (``schedule``: the function ``get_forward_backward_func()`` returns,
+timed by a wrapper) and megatron's optimizer step (``optimizer``); ``fixed`` = step - schedule -
+optimizer is what each loop adds around megatron. For the Trainer, ``fixed`` is split further by
+callback hooks: ``pre`` (batch start -> schedule: grad zeroing, batch validation + its agreement
+all-reduce, split), ``post`` (schedule -> end of the training step: the statistics reduction),
+``log`` (``TrainingStatistics.on_optimizer_step``) and ``loop`` (the rest: Lightning's loop,
+progress bar, logger, data loading).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -47,26 +53,47 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.callbacks import TrainingStatistics
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state, run_on_ranks
+from lightning_mcore_rl.testing import destroy_megatron_state, run_on_ranks
 from lightning_mcore_rl.testing.training import build_training, forward_backward, optimizer_step
 
-GLOBAL_BATCH, MBS, SEQ, VOCAB, WARMUP = 16, 4, 64, 128, 4
-MODEL: dict[str, Any] = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8}
+GLOBAL_BATCH, MBS, VOCAB, WARMUP = 16, 4, 128, 4
 LAYOUTS = {"TP=2": (2, 1), "PP=2": (1, 2), "DP=2": (1, 1)}
 SCHEDULES = (
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
+BARE_LOOPS = ("bare", "control")
+KEYS = ("step", "schedule", "optimizer", "fixed", "pre", "post", "log", "loop")
+
+
+@dataclass(frozen=True)
+class Size:
+    """The benchmark's model and row length (``--num-layers``, ``--hidden-size``,
+    ``--seq-length``; the defaults are the toy of the recorded runs) and whether the Trainer's
+    statistics callback logs (``--no-logging``: what the logging costs)."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    seq_length: int = 64
+    log: bool = True
+
+    @property
+    def model(self) -> dict[str, int]:
+        return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "num_attention_heads": 8}  # fmt: skip
+
 
 Marks = dict[str, list[float]]
-"""Per-step timestamps (``perf_counter``) by event name."""
+"""Per-step timestamps (``perf_counter``) by event name; ``bare_``/``control_`` prefixed for the
+two bare loops."""
 
 
 class _Rows(Dataset):
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, size: Size) -> None:
         generator = torch.Generator().manual_seed(0)
-        self.rows = torch.randint(0, VOCAB, (GLOBAL_BATCH * steps, SEQ + 1), generator=generator)
+        shape = (GLOBAL_BATCH * steps, size.seq_length + 1)
+        self.rows = torch.randint(0, VOCAB, shape, generator=generator)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,8 +103,14 @@ class _Rows(Dataset):
 
 
 class _Module(MCoreRLModule):
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        self.size = size
+
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        return tiny_gpt(tiny_gpt_config(**MODEL), vocab_size=VOCAB, vp_stage=vp_stage)
+        config = tiny_gpt_config(**self.size.model)
+        return tiny_gpt(config, vocab_size=VOCAB, vp_stage=vp_stage,
+                        max_sequence_length=self.size.seq_length)  # fmt: skip
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig
@@ -85,33 +118,93 @@ class _Module(MCoreRLModule):
         return OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0)
 
 
-class _Clock(Callback):
-    """Step start, end of the training step (closure) and step end of every Trainer step."""
+class _Recorder:
+    """Timestamps of the three loops; ``prefix`` names the loop running now (the schedule wrapper
+    marks into it)."""
 
-    def __init__(self, marks: Marks) -> None:
-        self.marks = marks
+    def __init__(self) -> None:
+        self.marks: Marks = defaultdict(list)
+        self.prefix = ""
+
+    def mark(self, name: str) -> None:
+        self.marks[self.prefix + name].append(time.perf_counter())
+
+
+class _Clock(Callback):
+    """The Trainer's step start and end of its training step (closure)."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self.marks["start"].append(time.perf_counter())
+        self.recorder.mark("start")
 
     def on_before_optimizer_step(self, *args: Any) -> None:
-        self.marks["closure_end"].append(time.perf_counter())
+        self.recorder.mark("closure_end")
 
 
 class _TimedStatistics(TrainingStatistics):
-    """The default statistics callback, with its logging hook timed."""
+    """The default statistics callback, with its logging hook timed (``log=False``: it only
+    takes the step's output and logs nothing, for ``--no-logging``)."""
 
-    def __init__(self, marks: Marks) -> None:
+    def __init__(self, recorder: _Recorder, log: bool) -> None:
         super().__init__()
-        self.marks = marks
+        self.recorder = recorder
+        self.logs = log
 
     def on_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.marks["optimizer_end"].append(time.perf_counter())
-        super().on_optimizer_step(trainer, pl_module)
-        self.marks["log_end"].append(time.perf_counter())
+        self.recorder.mark("optimizer_end")
+        if self.logs:
+            super().on_optimizer_step(trainer, pl_module)
+        else:
+            cast(MCoreRLStrategy, trainer.strategy).take_step_output()
+        self.recorder.mark("log_end")
 
 
-def _time_schedules(marks: Marks) -> None:
+class _BareSteps(Callback):
+    """After every Trainer step, one step of the bare megatron loop (``bare``) and one of an
+    identical second copy (``control``, in alternating order), on the groups the strategy built:
+    each its own model, optimizer and copy of the rows. ``control / bare`` is what two identical
+    loops differ by on this machine (the noise floor of the ``Trainer / bare`` figure)."""
+
+    def __init__(self, recorder: _Recorder, steps: int, size: Size) -> None:
+        self.recorder = recorder
+        self.rows = _Rows(steps, size).rows
+        self.size = size
+        self.step = 0
+        self.setups: dict[str, Any] = {}
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        model = {**self.size.model, "max_sequence_length": self.size.seq_length}
+        self.setups = {name: build_training(clip_grad=1.0, **model) for name in BARE_LOOPS}
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        order = BARE_LOOPS if self.step % 2 == 0 else BARE_LOOPS[::-1]
+        for name in order:
+            self._bare_step(name)
+        self.step += 1
+
+    def _bare_step(self, name: str) -> None:
+        from megatron.core import parallel_state as ps
+
+        recorder = self.recorder
+        recorder.prefix = f"{name}_"
+        recorder.mark("start")
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        rows = self.rows[self.step * GLOBAL_BATCH : (self.step + 1) * GLOBAL_BATCH]
+        batches = [
+            {"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous()}
+            for mb in rows.chunk(dp)[dp_rank].split(MBS)
+        ]
+        forward_backward(self.setups[name], batches)
+        recorder.mark("optimizer_start")
+        optimizer_step(self.setups[name])
+        recorder.mark("optimizer_end")
+        recorder.mark("end")
+        recorder.prefix = ""
+
+
+def _time_schedules(recorder: _Recorder) -> None:
     """Wrap megatron's three schedule functions so every call marks its start and end (both
     loops look them up by name through ``get_forward_backward_func()`` at each step)."""
     from megatron.core.pipeline_parallel import schedules
@@ -119,11 +212,11 @@ def _time_schedules(marks: Marks) -> None:
     def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            marks["schedule_start"].append(time.perf_counter())
+            recorder.mark("schedule_start")
             try:
                 return fn(*args, **kwargs)
             finally:
-                marks["schedule_end"].append(time.perf_counter())
+                recorder.mark("schedule_end")
 
         wrapper.__wrapped_schedule__ = fn  # type: ignore[attr-defined]
         return wrapper
@@ -133,66 +226,57 @@ def _time_schedules(marks: Marks) -> None:
         setattr(schedules, name, timed(getattr(fn, "__wrapped_schedule__", fn)))
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values[WARMUP:]) * 1e3
-
-
 def _spans(marks: Marks, start: str, end: str) -> list[float]:
     return [b - a for a, b in zip(marks[start], marks[end], strict=False)]
 
 
-def _steps(starts: list[float]) -> list[float]:
-    return [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
-
-
-def _phases(marks: Marks, optimizer_start: str) -> dict[str, float]:
-    """Median ms of each phase (per step: ``outside`` = step - schedule, ``fixed`` = outside -
-    optimizer)."""
-    step = _steps(marks["start"])
-    schedule = _spans(marks, "schedule_start", "schedule_end")
-    optimizer = _spans(marks, optimizer_start, "optimizer_end")
-    outside = [s - a for s, a in zip(step, schedule, strict=True)]
-    fixed = [s - b for s, b in zip(outside, optimizer, strict=True)]
-    phases = {"step": step, "schedule": schedule, "optimizer": optimizer, "outside": outside,
-              "fixed": fixed}  # fmt: skip
-    if "log_end" in marks:  # the Trainer's run
-        phases.update(
-            pre=_spans(marks, "start", "schedule_start"),
-            post=_spans(marks, "schedule_end", "closure_end"),
-            log=_spans(marks, "optimizer_end", "log_end"),
-            loop=[b - a for a, b in zip(marks["log_end"], marks["start"][1:], strict=True)],
-        )
-    return {name: _median(values) for name, values in phases.items()}
-
-
-def _bare(tp: int, pp: int, steps: int) -> dict[str, float]:
-    marks: Marks = defaultdict(list)
-    _time_schedules(marks)
-    init_megatron_state(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    setup = build_training(clip_grad=1.0, **MODEL)
-    from megatron.core import parallel_state as ps
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    data = _Rows(steps).rows
-    for step in range(steps):
-        marks["start"].append(time.perf_counter())
-        rows = data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH].chunk(dp)[dp_rank]
-        batches = [
-            {"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous()}
-            for mb in rows.split(MBS)
+def _per_step(marks: Marks) -> dict[str, dict[str, list[float]]]:
+    """Seconds per step of each phase of the three loops (steps ``0..N-2``: a Trainer step ends
+    at the next one's start, minus the bare steps run in between)."""
+    loops: dict[str, dict[str, list[float]]] = {
+        name: {
+            "step": _spans(marks, f"{name}_start", f"{name}_end"),
+            "schedule": _spans(marks, f"{name}_schedule_start", f"{name}_schedule_end"),
+            "optimizer": _spans(marks, f"{name}_optimizer_start", f"{name}_optimizer_end"),
+        }
+        for name in BARE_LOOPS
+    }
+    between = [sum(steps) for steps in zip(*(loops[n]["step"] for n in BARE_LOOPS), strict=True)]
+    trainer_step = [
+        b - a - bare
+        for a, b, bare in zip(marks["start"][:-1], marks["start"][1:], between, strict=False)
+    ]
+    loops["trainer"] = {
+        "step": trainer_step,
+        "schedule": _spans(marks, "schedule_start", "schedule_end"),
+        "optimizer": _spans(marks, "closure_end", "optimizer_end"),
+        "pre": _spans(marks, "start", "schedule_start"),
+        "post": _spans(marks, "schedule_end", "closure_end"),
+        "log": _spans(marks, "optimizer_end", "log_end"),
+    }
+    n = len(trainer_step)
+    for phases in loops.values():
+        for name in phases:
+            phases[name] = phases[name][:n]
+        phases["fixed"] = [
+            s - a - b
+            for s, a, b in zip(phases["step"], phases["schedule"], phases["optimizer"], strict=True)
         ]
-        forward_backward(setup, batches)
-        marks["optimizer_start"].append(time.perf_counter())
-        optimizer_step(setup)
-        marks["optimizer_end"].append(time.perf_counter())
-    marks["start"].append(time.perf_counter())
-    destroy_megatron_state()
-    return _phases(marks, "optimizer_start")
+    trainer = loops["trainer"]
+    trainer["loop"] = [  # the rest of the fixed cost: Lightning's loop, logger, progress bar
+        f - a - b - c
+        for f, a, b, c in zip(
+            trainer["fixed"], trainer["pre"], trainer["post"], trainer["log"], strict=True
+        )
+    ]
+    return loops
 
 
-def _lightning(tp: int, pp: int, steps: int, log_dir: str) -> dict[str, float]:
-    marks: Marks = defaultdict(list)
-    _time_schedules(marks)
+def _fit(
+    tp: int, pp: int, steps: int, size: Size, log_dir: str
+) -> dict[str, dict[str, list[float]]]:
+    recorder = _Recorder()
+    _time_schedules(recorder)
     world = int(os.environ["WORLD_SIZE"])
     trainer = Trainer(
         accelerator="cpu",
@@ -206,93 +290,119 @@ def _lightning(tp: int, pp: int, steps: int, log_dir: str) -> dict[str, float]:
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[_Clock(marks), _TimedStatistics(marks)],
+        callbacks=[
+            _Clock(recorder),
+            _TimedStatistics(recorder, size.log),
+            _BareSteps(recorder, steps, size),
+        ],
     )
     dp = world // (tp * pp)
-    trainer.fit(_Module(), DataLoader(_Rows(steps), batch_size=GLOBAL_BATCH // dp))
-    marks["start"].append(time.perf_counter())
-    return _phases(marks, "closure_end")
+    trainer.fit(_Module(size), DataLoader(_Rows(steps, size), batch_size=GLOBAL_BATCH // dp))
+    destroy_megatron_state()
+    return _per_step(recorder.marks)
 
 
-def _outside(phases: dict[str, float]) -> float:
-    """Median ms per step outside megatron's schedule (``step - schedule``: the optimizer step
-    and the loop's fixed cost). Not ``fixed`` alone: a pipeline's last stage waits for the first one's
-    last backward in megatron's grad-norm all-reduce (bare) or in the statistics broadcast
-    (Trainer), so that wait moves between the two parts."""
-    return phases["outside"]
-
-
-def _rank(rank: int, tp: int, pp: int, steps: int, pairs: int) -> list[dict[str, Any]]:
-    _bare(tp, pp, WARMUP + 2)  # warm-up: the first run of a process is slower (not reported)
+def _rank(rank: int, tp: int, pp: int, steps: int, repeats: int, size: Size) -> list[Any]:
     runs = []
-    for _ in range(pairs):
+    for _ in range(repeats):
         torch.manual_seed(0)
-        bare = _bare(tp, pp, steps)
         with tempfile.TemporaryDirectory() as log_dir:
-            trainer = _lightning(tp, pp, steps, log_dir)
-        destroy_megatron_state()
-        runs.append({"bare": bare, "trainer": trainer})
+            runs.append(_fit(tp, pp, steps, size, log_dir))
     return runs
 
 
-def _fmt(values: dict[str, float], keys: tuple[str, ...]) -> str:
-    return " | ".join(f"{values[k]:.1f}" if k in values else "" for k in keys)
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def _ratios(num: list[float], den: list[float]) -> tuple[float, str]:
+    """Median and interquartile range of the per-step ratios ``num / den``."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return median, f"{q1:.3f}-{q3:.3f}"
+
+
+def _summary(name: str, results: list[list[Any]]) -> tuple[str, list[str]]:
+    """The layout's table row (the rank with the larger median ratio) and its breakdown rows."""
+    rows, best = [], None
+    for rank, runs in enumerate(results):
+        steps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for run in runs:  # pool the steps of every repeat, warm-up steps dropped
+            for loop, phases in run.items():
+                for key, values in phases.items():
+                    steps[loop][key].extend(values[WARMUP:])
+        trainer, bare, control = (steps[k]["step"] for k in ("trainer", "bare", "control"))
+        ratio, iqr = _ratios(trainer, bare)
+        control_ratio, control_iqr = _ratios(control, bare)
+        stats: dict[str, Any] = {
+            "bare": _median_ms(bare),
+            "trainer": _median_ms(trainer),
+            "ratio": ratio,
+            "iqr": iqr,
+            "control": f"{control_ratio:.3f} ({control_iqr})",
+            "extra": _median_ms([t - b for t, b in zip(trainer, bare, strict=True)]),
+            "total": sum(trainer) / sum(bare),
+            "n": len(trainer),
+        }
+        if best is None or stats["ratio"] > best["ratio"]:
+            best = stats
+        for loop in ("bare", "control", "trainer"):
+            cells = " | ".join(
+                f"{_median_ms(steps[loop][k]):.1f}" if steps[loop].get(k) else "" for k in KEYS
+            )
+            rows.append(f"| {name} | {rank} | {loop} | {cells} |")
+    assert best is not None
+    row = (
+        f"| {name} | {best['bare']:.1f} | {best['trainer']:.1f} | {best['ratio']:.3f} | "
+        f"{best['iqr']} | {best['extra']:.1f} | {best['total']:.3f} | {best['control']} | "
+        f"{best['n']} |"
+    )
+    return row, rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=int(os.environ.get("OVERHEAD_STEPS", 30)))
-    parser.add_argument("--pairs", type=int, default=int(os.environ.get("OVERHEAD_PAIRS", 3)))
+    parser.add_argument("--steps", type=int, default=int(os.environ.get("OVERHEAD_STEPS", 40)))
+    parser.add_argument("--repeats", type=int, default=int(os.environ.get("OVERHEAD_REPEATS", 2)))
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    for name in ("num_layers", "hidden_size", "seq_length"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Size(), name))
+    parser.add_argument(
+        "--no-logging", action="store_true", help="the statistics callback logs nothing"
+    )
     args = parser.parse_args()
+    size = Size(args.num_layers, args.hidden_size, args.seq_length, log=not args.no_logging)
     unknown = sorted(set(args.layouts.split(",")) - set(LAYOUTS))
     if unknown:
         parser.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
-    if args.pairs < 1:
-        parser.error(f"--pairs must be >= 1, got {args.pairs}")
-    if args.steps <= WARMUP + 1:
-        parser.error(f"--steps must be > {WARMUP + 1} (the first {WARMUP} steps are warm-up)")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.steps <= WARMUP + 2:
+        parser.error(f"--steps must be > {WARMUP + 2} (the first {WARMUP} steps are warm-up)")
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs; {args.steps} steps x {args.pairs} interleaved pairs; "
+          f"{os.cpu_count()} CPUs; {size}, global batch {GLOBAL_BATCH}; {args.steps} steps x "
+          f"{args.repeats} fits per layout; "
           f"uptime at start: {load}")  # fmt: skip
     summary, breakdown = [], []
     for name in args.layouts.split(","):
         tp, pp = LAYOUTS[name]
-        results = run_on_ranks(_rank, 2, tp, pp, args.steps, args.pairs, timeout=1800)
-        ratios, bares, trainers, extras, fixed_ratios = [], [], [], [], []
-        for i in range(args.pairs):
-            bare = max(r[i]["bare"]["step"] for r in results)  # the slowest rank
-            trainer = max(r[i]["trainer"]["step"] for r in results)
-            extra = max(_outside(r[i]["trainer"]) - _outside(r[i]["bare"]) for r in results)
-            bares.append(bare)
-            trainers.append(trainer)
-            ratios.append(trainer / bare)
-            extras.append(extra)
-            fixed_ratios.append(1 + extra / bare)
-            for rank, result in enumerate(results):
-                for run in ("bare", "trainer"):
-                    row = _fmt(result[i][run], KEYS)
-                    breakdown.append(f"| {name} | {i} | {rank} | {run} | {row} |")
-        pairs = " / ".join(f"{r:.2f}" for r in ratios)
-        summary.append(
-            f"| {name} | {statistics.median(bares):.1f} | {statistics.median(trainers):.1f} | "
-            f"{statistics.median(ratios):.2f} | {pairs} | {statistics.median(extras):.1f} | "
-            f"{statistics.median(fixed_ratios):.3f} |"
-        )
+        results = run_on_ranks(_rank, 2, tp, pp, args.steps, args.repeats, size, timeout=3600)
+        row, rows = _summary(name, results)
+        summary.append(row)
+        breakdown.extend(rows)
     print(
-        "\n| layout | bare ms/step | Trainer ms/step | ratio (median of pairs) | pair ratios | "
-        "overhead ms (outside the schedule, Trainer - bare) | 1 + overhead / bare step |"
+        "\n| layout | bare ms/step | Trainer ms/step | Trainer ÷ bare (median of steps) | "
+        "IQR of the step ratios | Trainer - bare ms (median of steps) | total Trainer time ÷ "
+        "total bare time | control ÷ bare (median, IQR) | steps |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(summary))
     print("\nBreakdown, median ms per step of each rank:\n")
-    print(f"| layout | pair | rank | run | {' | '.join(KEYS)} |")
-    print("|---|---|---|---|" + "---|" * len(KEYS))
+    print(f"| layout | rank | loop | {' | '.join(KEYS)} |")
+    print("|---|---|---|" + "---|" * len(KEYS))
     print("\n".join(breakdown))
 
-
-KEYS = ("step", "schedule", "optimizer", "outside", "fixed", "pre", "post", "log", "loop")
 
 if __name__ == "__main__":
     main()

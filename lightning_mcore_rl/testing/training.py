@@ -41,6 +41,7 @@ def build_training(
     clip_grad: float = 1.0,
     lr: float = 1e-3,
     vocab_size: int = 128,
+    max_sequence_length: int = 64,
     **config_kwargs: Any,
 ) -> TrainingSetup:
     """Tiny GPT (all VPP chunks of this rank) + megatron DDP + megatron Adam optimizer.
@@ -52,6 +53,7 @@ def build_training(
         clip_grad: global gradient-norm clip (megatron ``clip_grad``); 0 disables.
         lr: Adam learning rate.
         vocab_size: ``V``.
+        max_sequence_length: longest row (learned position embeddings).
         **config_kwargs: forwarded to :func:`tiny_gpt_config`.
     """
     from megatron.core import parallel_state as ps
@@ -72,8 +74,9 @@ def build_training(
     )
     for vp_stage in stages:
         chunk: torch.nn.Module = tiny_gpt(
-            config, vocab_size=vocab_size, seed=seed, vp_stage=vp_stage
-        )
+            config, vocab_size=vocab_size, seed=seed, vp_stage=vp_stage,
+            max_sequence_length=max_sequence_length,
+        )  # fmt: skip
         if bf16:
             chunk = Float16Module(config, chunk)
         chunks.append(DistributedDataParallel(config, ddp_config, chunk))
