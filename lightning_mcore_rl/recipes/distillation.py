@@ -313,9 +313,10 @@ class DistillationModule(RecipeModule):
     ) -> tuple[Rollout, torch.Tensor]:
         """``G`` completions per prompt (group-major ``[b*G, P+N]``) sampled by the student (or
         the teacher) and their rewards ``[b*G]``."""
-        strategy = self.mcore_strategy
+        strategy, groups = self.mcore_strategy, self.mcore_strategy.groups
         chunks = strategy.teacher.chunks if teacher else strategy.model_chunks
-        source = MegatronRolloutSource(chunks[0], strategy.groups.tp_group)
+        pp_group = groups.pp_group if groups.pp_size > 1 else None
+        source = MegatronRolloutSource(chunks[0], groups.tp_group, pp_group)
         return sample_groups(source.generate, prompts, self.rollout, seed, self.task)
 
     @torch.no_grad()

@@ -65,7 +65,7 @@ class Fit:
 
     rows: list[dict[str, float]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
-    layout: tuple[int, int] = (1, 1)  # (TP, DP)
+    layout: tuple[int, int, int] = (1, 1, 1)  # (TP, PP, DP)
 
 
 class _Record(Callback):
@@ -77,11 +77,14 @@ class _Record(Callback):
 
 
 def _fit(
-    module: Any, tp: int, steps: int, prompts: int, val_prompts: int = 0, mbs: int = 8
+    module: Any, tp: int, steps: int, prompts: int, val_prompts: int = 0, mbs: int = 8, pp: int = 1
 ) -> tuple[Fit, Trainer]:
     record = _Record()
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=mbs
+    )
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=mbs),
+        strategy=strategy,
         max_steps=steps,
         gradient_clip_val=1.0,
         num_sanity_val_steps=0,
@@ -93,7 +96,7 @@ def _fit(
     fit = Fit(
         rows=record.rows,
         final={k: float(v) for k, v in trainer.callback_metrics.items()},
-        layout=(groups.tp_size, groups.dp_size),
+        layout=(groups.tp_size, groups.pp_size, groups.dp_size),
     )
     return fit, trainer
 
@@ -120,11 +123,13 @@ def converge_rank(rank: int, directory: str, steps: dict[str, int]) -> dict[str,
     return runs
 
 
-def variants_rank(rank: int, tp: int, variants: dict[str, Variant], steps: int) -> dict[str, Fit]:
-    """``steps`` steps of every variant at TP = ``tp`` (DP = world / TP), 4 prompts x 4
-    samples per step, 8-row microbatches."""
+def variants_rank(
+    rank: int, tp: int, variants: dict[str, Variant], steps: int, pp: int = 1
+) -> dict[str, Fit]:
+    """``steps`` steps of every variant at TP = ``tp``, PP = ``pp`` (DP = world / TP / PP), 4
+    prompts x 4 samples per step, 8-row microbatches."""
     runs = {}
     for name, variant in variants.items():
-        runs[name], _ = _fit(variant.module(), tp, steps, 4)
+        runs[name], _ = _fit(variant.module(), tp, steps, 4, pp=pp)
         destroy_megatron_state()
     return runs
