@@ -87,10 +87,12 @@ def test_ppo_rejects_layouts_it_cannot_run_before_any_step():
     layouts = [
         {"use_fused_linear_logprobs": True},
         {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        {"pipeline_model_parallel_size": 2},
     ]
-    fused, sequence_parallel = run_on_ranks(ppo_rejections, 2, layouts, timeout=240)[0]
+    fused, sequence_parallel, pipelined = run_on_ranks(ppo_rejections, 2, layouts, timeout=240)[0]
     assert "use_fused_linear_logprobs=False" in fused and "got True" in fused
     assert "PPOModule does not support sequence_parallel=True" in sequence_parallel
+    assert "pipeline_model_parallel_size must be 1, got 2" in pipelined
 
 
 def test_masked_whiten_over_the_data_parallel_group_equals_the_whole_batch():
