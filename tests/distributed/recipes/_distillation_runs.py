@@ -77,12 +77,16 @@ class _Record(Callback):
 
 
 def _fit(
-    module: Any, tp: int, steps: int, prompts: int, val_prompts: int = 0, mbs: int = 8, pp: int = 1
+    module: Any,
+    tp: int,
+    steps: int,
+    prompts: int,
+    val_prompts: int = 0,
+    mbs: int = 8,
+    **layout: Any,
 ) -> tuple[Fit, Trainer]:
     record = _Record()
-    strategy = MCoreRLStrategy(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=mbs
-    )
+    strategy = MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=mbs, **layout)
     trainer = cpu_trainer(
         strategy=strategy,
         max_steps=steps,
@@ -124,12 +128,21 @@ def converge_rank(rank: int, directory: str, steps: dict[str, int]) -> dict[str,
 
 
 def variants_rank(
-    rank: int, tp: int, variants: dict[str, Variant], steps: int, pp: int = 1
+    rank: int, tp: int, variants: dict[str, Variant], steps: int, **layout: Any
 ) -> dict[str, Fit]:
-    """``steps`` steps of every variant at TP = ``tp``, PP = ``pp`` (DP = world / TP / PP), 4
-    prompts x 4 samples per step, 8-row microbatches."""
+    """``steps`` steps of every variant at TP = ``tp`` and the other ``MCoreRLStrategy``
+    ``layout`` arguments (DP = world / TP / PP), 4 prompts x 4 samples per step, 8-row
+    microbatches."""
     runs = {}
     for name, variant in variants.items():
-        runs[name], _ = _fit(variant.module(), tp, steps, 4, pp=pp)
+        runs[name], _ = _fit(variant.module(), tp, steps, 4, **layout)
         destroy_megatron_state()
     return runs
+
+
+def packing_rank(rank: int, variants: dict[str, Variant], steps: int) -> tuple[dict, dict]:
+    """Every variant padded, then with ``sequence_packing=True`` (the student's loss and the
+    teacher's signal on packed microbatches), on the same ranks."""
+    padded = variants_rank(rank, 1, variants, steps)
+    packed = variants_rank(rank, 1, variants, steps, sequence_packing=True)
+    return padded, packed

@@ -13,22 +13,25 @@ student samples with the embedded sampler, the hosted teacher scores its samples
 * TP=2 equals TP=1 step by step (sampled rewards exactly, losses within 1e-5, grad norms rel 1e-5)
   for the top-k forward / reverse / mixed + tail and the two full-vocabulary variants, with a
   teacher of another size (1 layer, H_t = 32) and seed; PP=2 likewise for the top-k mixed + tail
-  and the two full-vocabulary variants (a 2-layer teacher, one layer per stage).
+  and the two full-vocabulary variants (a 2-layer teacher, one layer per stage); sequence packing
+  equals padding at DP=2 for the same three.
 
 Measured (loaded 2-core machine): GRPO teacher val reward 0.998; distilled students 0.996 (full,
 30 steps) and 0.9985 (top-k, 40 steps), from 0.24 at step 0; teacher = student losses 0.0; TP=2 vs
-TP=1 loss diffs <= 4e-7; PP=2 vs one rank <= 1.9e-6 on losses of ~20 (grad norms rel <= 1.2e-7).
+TP=1 loss diffs <= 4e-7; PP=2 vs one rank <= 1.9e-6 on losses of ~20 (grad norms rel <= 1.2e-7); packed vs padded
+<= 4.8e-6 on losses of ~14 (grad norms rel <= 4.1e-7).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import math
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from _distillation_runs import Variant, converge_rank, variants_rank
+from _distillation_runs import Variant, converge_rank, packing_rank, variants_rank
 from _recipe_runs import lmrl_fit
 
 from lightning_mcore_rl.recipes import HFModelSpec, TinyGPTSpec
@@ -186,8 +189,23 @@ def test_pp2_matches_pp1_per_step():
     """PP=2 (one layer of the student and of the teacher per stage): the student samples with
     the pipelined embedded sampler, the teacher scores on both stages."""
     (reference,) = run_on_ranks(variants_rank, 1, 1, PP_PARITY, STEPS, timeout=240)
-    pp2 = run_on_ranks(variants_rank, 2, 1, PP_PARITY, STEPS, 2, timeout=240)
+    pp2_rank = functools.partial(variants_rank, pipeline_model_parallel_size=2)
+    pp2 = run_on_ranks(pp2_rank, 2, 1, PP_PARITY, STEPS, timeout=240)
     _assert_parity_per_step(pp2, reference, PP_PARITY, (1, 2, 1))
+
+
+def test_sequence_packing_matches_padding_at_dp2():
+    """DP=2: the packed student loss and the teacher's signal on packed microbatches equal the
+    padded run's step by step (top-k mixed + tail, full logits, full hidden states)."""
+    names = ("topk_mixed_tail", "full_logits", "full_hidden_states")
+    variants = {name: PARITY[name] for name in names}
+    for padded, packed in run_on_ranks(packing_rank, 2, variants, STEPS, timeout=240):
+        for name in names:
+            for a, b in zip(packed[name].rows, padded[name].rows, strict=True):
+                assert a["reward"] == b["reward"], name  # the same samples
+                assert a["train_loss"] == pytest.approx(b["train_loss"], abs=TOL), name
+                assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=TOL), name
+            assert len(packed[name].rows) == STEPS
 
 
 def test_lmrl_fit_runs_the_distillation_configs(tmp_path):
