@@ -18,8 +18,8 @@ student samples with the embedded sampler, the hosted teacher scores its samples
 
 Measured (loaded 2-core machine): GRPO teacher val reward 0.998; distilled students 0.996 (full,
 30 steps) and 0.9985 (top-k, 40 steps), from 0.24 at step 0; teacher = student losses 0.0; TP=2 vs
-TP=1 loss diffs <= 4e-7; PP=2 vs one rank <= 1.9e-6 on losses of ~20 (grad norms rel <= 1.2e-7); packed vs padded
-<= 4.8e-6 on losses of ~14 (grad norms rel <= 4.1e-7).
+TP=1 loss diffs <= 4e-7; PP=2 vs one rank <= 1.9e-6 on losses of ~20 (grad norms rel <= 1.2e-7);
+packed vs padded <= 4.8e-6 on losses of ~14 (grad norms rel <= 4.1e-7).
 """
 
 from __future__ import annotations
