@@ -43,10 +43,16 @@ class HFExport(Callback):
         """The module's :class:`~lightning_mcore_rl.models.HFBridge` (its ``policy``'s).
 
         Raises:
-            TypeError: the module has no ``policy.hf_bridge()``, or its model is not an HF one.
+            TypeError: the module has no ``policy.hf_bridge()``, its model is not an HF one, or
+                it is a reward model (its score head has no causal-LM counterpart).
         """
-        from lightning_mcore_rl.recipes import RecipeModel
+        from lightning_mcore_rl.recipes import RecipeModel, RewardModelModule
 
+        if isinstance(pl_module, RewardModelModule):
+            raise TypeError(
+                "HFExport writes causal LMs; a RewardModelModule's LM head is its score head "
+                "(`ScalarHead`, [1, H]), which the Hugging Face checkpoint has no place for."
+            )
         policy = getattr(pl_module, "policy", None)
         if not isinstance(policy, RecipeModel):
             raise TypeError(

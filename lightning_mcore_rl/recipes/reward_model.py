@@ -1,5 +1,6 @@
-"""A Bradley-Terry reward model: a megatron GPT whose LM head is replaced by a scalar head, trained
-on chosen/rejected pairs with :class:`~lightning_mcore_rl.losses.PreferenceLossFn`.
+"""A Bradley-Terry reward model: a megatron GPT (the tiny GPT or a Hugging Face checkpoint) whose LM
+head is replaced by a scalar head, trained on chosen/rejected pairs with
+:class:`~lightning_mcore_rl.losses.PreferenceLossFn`.
 
 The score of a row is the head's value at its last real token (``input_lengths - 1``); the loss
 is ``-log sigmoid(s_chosen - s_rejected)`` averaged over the global batch's pairs, and
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from lightning_mcore_rl.losses import PreferenceLossFn
 from lightning_mcore_rl.recipes.common import (
+    HFModelSpec,
     RecipeModel,
     RecipeModule,
     TinyGPTSpec,
@@ -74,11 +76,14 @@ def last_token_scores(
 
 
 class RewardModelModule(RecipeModule):
-    """A Bradley-Terry reward model (the tiny GPT with a scalar head) on preference pairs.
+    """A Bradley-Terry reward model (a megatron GPT with a scalar head) on preference pairs.
 
     Args:
         model: the tiny GPT's size and seed (the head's initial weights come from the same
-            seed, as ``output_layer.weight``).
+            seed, as ``output_layer.weight``), or a Hugging Face checkpoint
+            (:class:`HFModelSpec`: the backbone's weights from it, its LM head dropped, the
+            score head initialised to zero, so every score is 0 and the loss ``ln 2`` at step
+            0).
         vocab_size: ``V`` of the data.
         max_sequence_length: the widest row ``S``.
         lr: Adam learning rate.
@@ -91,15 +96,15 @@ class RewardModelModule(RecipeModule):
 
     def __init__(
         self,
-        model: TinyGPTSpec | None = None,
+        model: TinyGPTSpec | HFModelSpec | None = None,
         vocab_size: int = 16,
         max_sequence_length: int = 16,
         lr: float = 1e-3,
     ) -> None:
-        if model is not None and not isinstance(model, TinyGPTSpec):
+        if model is not None and not isinstance(model, (TinyGPTSpec, HFModelSpec)):
             raise TypeError(
-                f"RewardModelModule builds the tiny GPT (`TinyGPTSpec`), got "
-                f"{type(model).__name__}; a Hugging Face reward model is not supported yet."
+                "RewardModelModule builds the tiny GPT (`TinyGPTSpec`) or a Hugging Face "
+                f"checkpoint (`HFModelSpec`), got {type(model).__name__}."
             )
         super().__init__(loss_fn=PreferenceLossFn())
         self.model_spec = replace(model) if model is not None else TinyGPTSpec()
@@ -115,15 +120,28 @@ class RewardModelModule(RecipeModule):
         )
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The tiny GPT chunk; on the last stage its LM head replaced by a :class:`ScalarHead`
-        (deterministic initial weights from the seed)."""
+        """The model's chunk; on the last stage its LM head replaced by a :class:`ScalarHead`
+        (the tiny GPT: deterministic initial weights from the seed; an HF checkpoint: zeros).
+
+        Raises:
+            ValueError: an HF checkpoint with tied input/output embeddings under pipeline
+                parallelism (megatron would all-reduce the first stage's embedding gradient
+                with the last stage's head, which the score head replaced).
+        """
         from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
 
         chunk = self.policy.build_chunk(self, vp_stage)
         gpt: Any = unwrap(chunk)  # a megatron GPTModel
+        if gpt.share_embeddings_and_output_weights and not (gpt.pre_process and gpt.post_process):
+            raise ValueError(
+                "RewardModelModule: the HF checkpoint ties its input and output embeddings, "
+                "which pipeline parallelism cannot split once the LM head is replaced by the "
+                "score head; use pipeline_model_parallel_size=1 or an untied checkpoint."
+            )
         if gpt.post_process:
             gpt.output_layer = ScalarHead(gpt.config.hidden_size, gpt.config.params_dtype)
-            load_deterministic_weights(gpt, self.model_spec.seed)
+            if isinstance(self.model_spec, TinyGPTSpec):
+                load_deterministic_weights(gpt, self.model_spec.seed)
         return chunk
 
     def setup(self, stage: str) -> None:

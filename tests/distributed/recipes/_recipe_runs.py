@@ -282,7 +282,7 @@ def build_hf_llama(directory: str, seed: int = 0) -> None:
 
 
 def hf_recipes(rank: int, hf_dir: str, steps: int) -> dict[str, Fit]:
-    """SFT and DPO of the HF model at TP=2 (``HFModelSpec``)."""
+    """SFT, DPO and the reward model of the HF model at TP=2 (``HFModelSpec``)."""
     from lightning_mcore_rl.recipes import HFModelSpec
 
     strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=8)
@@ -290,7 +290,10 @@ def hf_recipes(rank: int, hf_dir: str, steps: int) -> dict[str, Fit]:
     module = DPOModule(HFModelSpec(hf_dir), loss=DPOLossConfig(reference_policy_kl_penalty=BETA))
     strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=8)
     dpo = _fit(module, PreferenceDataModule(num_steps=DATA_STEPS), strategy, steps)
-    return {"sft": sft, "dpo": dpo}
+    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4)
+    pairs = PreferenceDataModule(pairs_per_step=8, num_steps=DATA_STEPS, chosen_demonstration=True)
+    rm = _fit(RewardModelModule(HFModelSpec(hf_dir)), pairs, strategy, steps)
+    return {"sft": sft, "dpo": dpo, "rm": rm}
 
 
 # ---------------------------------------------------------------- resume

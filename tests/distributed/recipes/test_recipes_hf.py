@@ -1,6 +1,7 @@
-"""SFT and DPO of a Hugging Face model (``HFModelSpec``, a random tiny Llama) at TP=2: the SFT
-step-0 loss equals ``transformers``' NLL of the same batch, and DPO's reference (re-read from the
-checkpoint) gives exactly ln 2 at step 0."""
+"""SFT, DPO and the reward model of a Hugging Face model (``HFModelSpec``, a random tiny Llama) at
+TP=2: the SFT step-0 loss equals ``transformers``' NLL of the same batch, DPO's reference (re-read
+from the checkpoint) gives exactly ln 2 at step 0, and so does the reward model's zero score head,
+whose step-0 gradient norm equals the one derived from ``transformers``' final hidden states."""
 
 from __future__ import annotations
 
@@ -40,3 +41,23 @@ def test_sft_and_dpo_of_an_hf_model(tmp_path):
     dpo = [row["train_loss"] for row in runs["dpo"].rows]
     assert dpo[0] == pytest.approx(math.log(2), abs=1e-6)
     assert abs(dpo[1] - math.log(2)) > 1e-4  # the policy moved away from the reference
+    _check_reward_model(model, runs["rm"])
+
+
+def _check_reward_model(model, fit) -> None:
+    """Step 0 of the HF reward model: the zero head scores every row 0 (loss ln 2, accuracy 0),
+    and only the head has a gradient, ``dL/dw = -1/2 mean over pairs (h_chosen - h_rejected)``
+    with ``h`` the final (normed) hidden state at each row's last real token, so the logged
+    pre-clip grad norm is its norm."""
+    batch = fit.first_batch
+    ids, lengths = batch["input_ids"], batch["input_lengths"]
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state.float()  # [B, S, H], causal
+    last = hidden[torch.arange(ids.shape[0]), lengths - 1]  # [B, H]
+    grad = -0.5 * (last[::2] - last[1::2]).mean(0)
+    rm = fit.rows
+    print(f"RM: losses {[r['train_loss'] for r in rm]}, step-0 grad norm {rm[0]['grad_norm']} "
+          f"(transformers {float(grad.norm())})")  # fmt: skip
+    assert rm[0]["train_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rm[0]["grad_norm"] == pytest.approx(float(grad.norm()), rel=1e-5)
+    assert rm[1]["train_loss"] < math.log(2)  # the scores separate the pairs

@@ -1,5 +1,6 @@
 """``HFExport`` refuses, at ``setup`` (before any collective), a module without a Hugging Face
-bridge: one without a recipe ``policy``, and a recipe of the tiny GPT."""
+bridge: one without a recipe ``policy``, a recipe of the tiny GPT, and a reward model (whose
+score head has no causal-LM counterpart)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,11 @@ def test_setup_needs_an_hf_bridge(tmp_path):
         TypeError, match="SFTModule's model has no Hugging Face bridge.*TinyGPTSpec"
     ):
         callback.setup(None, SFTModule(), "fit")  # type: ignore[arg-type]
+
+
+def test_setup_refuses_a_reward_model(tmp_path):
+    from lightning_mcore_rl.recipes import HFModelSpec, RewardModelModule
+
+    module = RewardModelModule(model=HFModelSpec(path=str(tmp_path)))  # has an HF bridge
+    with pytest.raises(TypeError, match=r"HFExport writes causal LMs; a RewardModelModule"):
+        HFExport(tmp_path).setup(None, module, "fit")  # type: ignore[arg-type]

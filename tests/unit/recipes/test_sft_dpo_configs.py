@@ -72,8 +72,10 @@ def test_dpo_loss_settings_override_from_the_command_line(tmp_path, monkeypatch)
     assert cli.model.model_spec.num_layers == 3 and cli.model.model_spec.hidden_size == 64
 
 
-def test_reward_model_module_takes_only_the_tiny_gpt():
+def test_reward_model_module_takes_the_tiny_gpt_or_an_hf_checkpoint():
     from lightning_mcore_rl.recipes import HFModelSpec
 
-    with pytest.raises(TypeError, match=r"builds the tiny GPT \(`TinyGPTSpec`\), got HFModelSpec"):
-        RewardModelModule(model=HFModelSpec(path="x"))  # type: ignore[arg-type]
+    module = RewardModelModule(model=HFModelSpec(path="x"))  # read when the chunks are built
+    assert module.model_spec == HFModelSpec(path="x")
+    with pytest.raises(TypeError, match=r"\(`HFModelSpec`\), got dict"):
+        RewardModelModule(model={"num_layers": 2})  # type: ignore[arg-type]
