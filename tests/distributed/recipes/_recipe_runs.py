@@ -264,8 +264,9 @@ def rm_layouts(rank: int, steps: int) -> dict[str, Fit]:
 # ---------------------------------------------------------------- Hugging Face models
 
 
-def build_hf_llama(directory: str, seed: int = 0) -> None:
-    """Save a random fp32 Llama (2 layers, H = 64, V = 16: the toy task's ids) in ``directory``."""
+def build_hf_llama(directory: str, seed: int = 0, tied: bool = False) -> None:
+    """Save a random fp32 Llama (2 layers, H = 64, V = 16: the toy task's ids; ``tied``: input and
+    output embeddings tied) in ``directory``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -276,6 +277,7 @@ def build_hf_llama(directory: str, seed: int = 0) -> None:
         intermediate_size=96,
         vocab_size=16,
         max_position_embeddings=32,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(directory)
@@ -294,6 +296,15 @@ def hf_recipes(rank: int, hf_dir: str, steps: int) -> dict[str, Fit]:
     pairs = PreferenceDataModule(pairs_per_step=8, num_steps=DATA_STEPS, chosen_demonstration=True)
     rm = _fit(RewardModelModule(HFModelSpec(hf_dir)), pairs, strategy, steps)
     return {"sft": sft, "dpo": dpo, "rm": rm}
+
+
+def hf_tied_rm_pp2_error(rank: int, hf_dir: str) -> str:
+    """The error of a reward model of a tied-embedding HF checkpoint at PP=2."""
+    from lightning_mcore_rl.recipes import HFModelSpec
+
+    strategy = MCoreRLStrategy(pipeline_model_parallel_size=2, micro_batch_size=4)
+    pairs = PreferenceDataModule(pairs_per_step=8, num_steps=DATA_STEPS, chosen_demonstration=True)
+    return _error(lambda: _fit(RewardModelModule(HFModelSpec(hf_dir)), pairs, strategy, 1))
 
 
 # ---------------------------------------------------------------- resume

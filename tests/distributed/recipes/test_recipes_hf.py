@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from _recipe_runs import build_hf_llama, hf_recipes
+from _recipe_runs import build_hf_llama, hf_recipes, hf_tied_rm_pp2_error
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -61,3 +61,9 @@ def _check_reward_model(model, fit) -> None:
     assert rm[0]["train_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert rm[0]["grad_norm"] == pytest.approx(float(grad.norm()), rel=1e-5)
     assert rm[1]["train_loss"] < math.log(2)  # the scores separate the pairs
+
+
+def test_reward_model_of_a_tied_hf_checkpoint_refuses_pipeline_parallelism(tmp_path):
+    build_hf_llama(str(tmp_path), tied=True)
+    for error in run_on_ranks(hf_tied_rm_pp2_error, 2, str(tmp_path), timeout=240):
+        assert error.startswith("ValueError: RewardModelModule: the HF checkpoint ties"), error
