@@ -1,8 +1,8 @@
 """Cost of Lightning around megatron-core: each Trainer step against a bare megatron step.
 
-Run: ``.venv/bin/python benchmarks/strategy_overhead.py [--steps N] [--repeats R] [--layouts
-TP=2,PP=2,DP=2] [--num-layers L --hidden-size H --seq-length S] [--no-logging]``. For each layout on two CPU gloo
-ranks, ``R`` times: one ``Trainer(strategy=MCoreRLStrategy(...)).fit`` of ``N`` optimizer steps
+Run: ``.venv/bin/python benchmarks/strategy_overhead.py [--steps N] [--repeats R]
+[--layouts TP=2,PP=2,DP=2] [--num-layers L --hidden-size H --seq-length S] [--no-logging]``.
+For each layout on two CPU gloo ranks, ``R`` times: one ``Trainer(strategy=MCoreRLStrategy(...)).fit`` of ``N`` optimizer steps
 (progress bar and CSV logging on, every step logged) on a tiny GPT (default 4 layers, hidden 256),
 global batch 16 x ``S`` (default 64) tokens in micro-batches of 4, Adam with clipping. After each
 Trainer step a callback runs one step of the bare megatron loop of
@@ -68,10 +68,10 @@ KEYS = ("step", "schedule", "optimizer", "fixed", "pre", "post", "log", "loop")
 
 
 @dataclass(frozen=True)
-class Size:
-    """The benchmark's model and row length (``--num-layers``, ``--hidden-size``,
-    ``--seq-length``; the defaults are the toy of the recorded runs) and whether the Trainer's
-    statistics callback logs (``--no-logging``: what the logging costs)."""
+class RunConfig:
+    """What one benchmark run trains: the model and row length (``--num-layers``,
+    ``--hidden-size``, ``--seq-length``; the defaults are the toy of the recorded runs) and whether
+    the Trainer's statistics callback logs (``--no-logging``: what the logging costs)."""
 
     num_layers: int = 4
     hidden_size: int = 256
@@ -90,9 +90,9 @@ two bare loops."""
 
 
 class _Rows(Dataset):
-    def __init__(self, steps: int, size: Size) -> None:
+    def __init__(self, steps: int, run: RunConfig) -> None:
         generator = torch.Generator().manual_seed(0)
-        shape = (GLOBAL_BATCH * steps, size.seq_length + 1)
+        shape = (GLOBAL_BATCH * steps, run.seq_length + 1)
         self.rows = torch.randint(0, VOCAB, shape, generator=generator)
 
     def __len__(self) -> int:
@@ -103,14 +103,14 @@ class _Rows(Dataset):
 
 
 class _Module(MCoreRLModule):
-    def __init__(self, size: Size) -> None:
+    def __init__(self, run: RunConfig) -> None:
         super().__init__()
-        self.size = size
+        self.run = run
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        config = tiny_gpt_config(**self.size.model)
+        config = tiny_gpt_config(**self.run.model)
         return tiny_gpt(config, vocab_size=VOCAB, vp_stage=vp_stage,
-                        max_sequence_length=self.size.seq_length)  # fmt: skip
+                        max_sequence_length=self.run.seq_length)  # fmt: skip
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig
@@ -167,15 +167,15 @@ class _BareSteps(Callback):
     each its own model, optimizer and copy of the rows. ``control / bare`` is what two identical
     loops differ by on this machine (the noise floor of the ``Trainer / bare`` figure)."""
 
-    def __init__(self, recorder: _Recorder, steps: int, size: Size) -> None:
+    def __init__(self, recorder: _Recorder, steps: int, run: RunConfig) -> None:
         self.recorder = recorder
-        self.rows = _Rows(steps, size).rows
-        self.size = size
+        self.rows = _Rows(steps, run).rows
+        self.run = run
         self.step = 0
         self.setups: dict[str, Any] = {}
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        model = {**self.size.model, "max_sequence_length": self.size.seq_length}
+        model = {**self.run.model, "max_sequence_length": self.run.seq_length}
         self.setups = {name: build_training(clip_grad=1.0, **model) for name in BARE_LOOPS}
 
     def on_train_batch_end(self, *args: Any) -> None:
@@ -273,7 +273,7 @@ def _per_step(marks: Marks) -> dict[str, dict[str, list[float]]]:
 
 
 def _fit(
-    tp: int, pp: int, steps: int, size: Size, log_dir: str
+    tp: int, pp: int, steps: int, run: RunConfig, log_dir: str
 ) -> dict[str, dict[str, list[float]]]:
     recorder = _Recorder()
     _time_schedules(recorder)
@@ -292,22 +292,22 @@ def _fit(
         enable_model_summary=False,
         callbacks=[
             _Clock(recorder),
-            _TimedStatistics(recorder, size.log),
-            _BareSteps(recorder, steps, size),
+            _TimedStatistics(recorder, run.log),
+            _BareSteps(recorder, steps, run),
         ],
     )
     dp = world // (tp * pp)
-    trainer.fit(_Module(size), DataLoader(_Rows(steps, size), batch_size=GLOBAL_BATCH // dp))
+    trainer.fit(_Module(run), DataLoader(_Rows(steps, run), batch_size=GLOBAL_BATCH // dp))
     destroy_megatron_state()
     return _per_step(recorder.marks)
 
 
-def _rank(rank: int, tp: int, pp: int, steps: int, repeats: int, size: Size) -> list[Any]:
+def _rank(rank: int, tp: int, pp: int, steps: int, repeats: int, run: RunConfig) -> list[Any]:
     runs = []
     for _ in range(repeats):
         torch.manual_seed(0)
         with tempfile.TemporaryDirectory() as log_dir:
-            runs.append(_fit(tp, pp, steps, size, log_dir))
+            runs.append(_fit(tp, pp, steps, run, log_dir))
     return runs
 
 
@@ -366,12 +366,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=int(os.environ.get("OVERHEAD_REPEATS", 2)))
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     for name in ("num_layers", "hidden_size", "seq_length"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Size(), name))
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=getattr(RunConfig(), name)
+        )
     parser.add_argument(
         "--no-logging", action="store_true", help="the statistics callback logs nothing"
     )
     args = parser.parse_args()
-    size = Size(args.num_layers, args.hidden_size, args.seq_length, log=not args.no_logging)
+    run = RunConfig(args.num_layers, args.hidden_size, args.seq_length, log=not args.no_logging)
     unknown = sorted(set(args.layouts.split(",")) - set(LAYOUTS))
     if unknown:
         parser.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
@@ -381,13 +383,13 @@ def main() -> None:
         parser.error(f"--steps must be > {WARMUP + 2} (the first {WARMUP} steps are warm-up)")
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs; {size}, global batch {GLOBAL_BATCH}; {args.steps} steps x "
+          f"{os.cpu_count()} CPUs; {run}, global batch {GLOBAL_BATCH}; {args.steps} steps x "
           f"{args.repeats} fits per layout; "
           f"uptime at start: {load}")  # fmt: skip
     summary, breakdown = [], []
     for name in args.layouts.split(","):
         tp, pp = LAYOUTS[name]
-        results = run_on_ranks(_rank, 2, tp, pp, args.steps, args.repeats, size, timeout=3600)
+        results = run_on_ranks(_rank, 2, tp, pp, args.steps, args.repeats, run, timeout=3600)
         row, rows = _summary(name, results)
         summary.append(row)
         breakdown.extend(rows)
