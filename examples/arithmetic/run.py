@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from lightning.pytorch import Trainer
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_mcore_rl import MCoreRLStrategy
@@ -53,27 +56,80 @@ from lightning_mcore_rl.recipes import (
 MAX_PROMPT_LENGTH = 24
 """Prompt tokens at most (the longest template is 19 words + BOS)."""
 
+THREADS = "1"
+"""Intra-op threads of every process (``OMP_NUM_THREADS``): the model is tiny, so more threads
+per rank only contend for the cores (Lightning gives each rank ``visible CPUs / ranks``, all of a
+large host's CPUs under a container's CPU quota), and the results do not depend on the core
+count."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0, help="data, weight and sampling seed")
-    parser.add_argument("--out", default="outputs/arithmetic", help="output directory (new)")
-    parser.add_argument("--train-problems", type=int, default=4000)
-    parser.add_argument("--val-problems", type=int, default=256)
-    parser.add_argument("--sft-steps", type=int, default=150)
-    parser.add_argument("--sft-batch", type=int, default=32, help="SFT rows per step")
-    parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--grpo-steps", type=int, default=300)
-    parser.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--grpo-lr", type=float, default=1e-3)
-    parser.add_argument("--max-new-tokens", type=int, default=4)
-    parser.add_argument("--stage", choices=("sft", "grpo"), help=argparse.SUPPRESS)
+    description = " ".join(__doc__.split("\n\n")[0].replace("``", "").split())
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog="Stages, outputs and measured numbers: docs/recipes.md and BENCHMARKS.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--seed", type=int, default=0, help="data, weight and sampling seed")
+    add("--out", default="outputs/arithmetic", help="output directory (new or empty)")
+    add("--train-problems", type=int, default=4000, help="training problems (SFT and GRPO)")
+    add("--val-problems", type=int, default=256, help="held-out problems for the accuracy")
+    add("--sft-steps", type=int, default=150, help="SFT optimizer steps")
+    add("--sft-batch", type=int, default=32, help="SFT rows per step (even: 2 ranks)")
+    add("--sft-lr", type=float, default=3e-3, help="SFT learning rate")
+    add("--grpo-steps", type=int, default=300, help="GRPO optimizer steps")
+    add("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
+    add("--group-size", type=int, default=8, help="GRPO completions per prompt")
+    add("--grpo-lr", type=float, default=1e-3, help="GRPO learning rate")
+    add("--max-new-tokens", type=int, default=4, help="completion tokens at most")
+    add("--stage", choices=("sft", "grpo"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+class StepLines(Callback):
+    """Progress of a training stage on rank 0: one line every ``max_steps / lines`` optimizer
+    steps and after the last, with the step, the percentage, the mean of each of ``keys`` over
+    the steps since the previous line, the seconds per step and the time left. Lines, not a
+    progress bar, so a redirected log shows them too."""
+
+    def __init__(
+        self, stage: str, lines: int = 20, keys: tuple[str, ...] = ("reward", "train_loss")
+    ):
+        self.stage, self.lines, self.keys = stage, lines, keys
+        self._values: dict[str, list[float]] = {}
+        self._first_step = self._last_step = 0
+        self._start = 0.0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_step = self._last_step = trainer.global_step
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step, total = trainer.global_step, trainer.max_steps
+        if not trainer.is_global_zero or step == self._last_step:
+            return
+        self._last_step = step
+        for key in self.keys:
+            if key in trainer.callback_metrics:
+                self._values.setdefault(key, []).append(float(trainer.callback_metrics[key]))
+        if step % max(1, total // self.lines) and step != total:
+            return
+        per_step = (time.perf_counter() - self._start) / (step - self._first_step)
+        means = "".join(f"  {k} {sum(v) / len(v):.3g}" for k, v in self._values.items())
+        print(
+            f"[{self.stage}] step {step}/{total} ({100 * step // total}%){means}  "
+            f"{per_step:.2f} s/step, {per_step * (total - step):.0f} s left",
+            flush=True,
+        )
+        self._values = {}
+
+
 def _trainer(out: Path, steps: int, micro_batch_size: int, callbacks: list) -> Trainer:
-    """Two CPU ranks at TP=1 (DP=2), one microbatch per rank and step."""
+    """Two CPU ranks at TP=1 (DP=2), one microbatch per rank and step, progress as
+    :class:`StepLines`."""
     return Trainer(
         accelerator="cpu",
         devices=2,
@@ -81,7 +137,11 @@ def _trainer(out: Path, steps: int, micro_batch_size: int, callbacks: list) -> T
         max_steps=steps,
         gradient_clip_val=1.0,
         logger=CSVLogger(str(out), name="logs"),
-        callbacks=[MetricsHistory(out, plot_keys=("train_loss", "reward")), *callbacks],
+        callbacks=[
+            MetricsHistory(out, plot_keys=("train_loss", "reward")),
+            StepLines(out.name),
+            *callbacks,
+        ],
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -162,10 +222,20 @@ def prepare(args: argparse.Namespace, out: Path) -> list[ArithmeticProblem]:
 
 
 def _stage(argv: list[str], stage: str) -> float:
-    """Run ``--stage stage`` in a new ``Trainer(devices=2)`` launch; returns its wall time."""
+    """Run ``--stage stage`` in a new ``Trainer(devices=2)`` launch with :data:`THREADS`
+    threads per rank; returns its wall time."""
+    print(f"[{stage}] launching 2 ranks", flush=True)
     start = time.perf_counter()
-    subprocess.run([sys.executable, __file__, *argv, "--stage", stage], check=True)
+    env = {**os.environ, "OMP_NUM_THREADS": THREADS}
+    subprocess.run([sys.executable, __file__, *argv, "--stage", stage], check=True, env=env)
     return time.perf_counter() - start
+
+
+def _evaluate(hf_dir: Path, val: list[ArithmeticProblem], max_new_tokens: int) -> float:
+    """:func:`evaluate_hf` of ``hf_dir``, printed."""
+    accuracy = evaluate_hf(hf_dir, val, max_new_tokens)
+    print(f"[eval] {hf_dir}: greedy accuracy {accuracy:.3f} on {len(val)} problems", flush=True)
+    return accuracy
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -178,17 +248,18 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out} is not empty; give a new directory.")
+    torch.set_num_threads(int(THREADS))
     times: dict[str, float] = {}
     start = time.perf_counter()
     val = prepare(args, out)
     times["prepare"] = time.perf_counter() - start
     times["sft"] = _stage(argv, "sft")
     start = time.perf_counter()
-    sft_accuracy = evaluate_hf(out / "sft" / "hf", val, args.max_new_tokens)
+    sft_accuracy = _evaluate(out / "sft" / "hf", val, args.max_new_tokens)
     times["eval_sft"] = time.perf_counter() - start
     times["grpo"] = _stage(argv, "grpo")
     start = time.perf_counter()
-    grpo_accuracy = evaluate_hf(out / "grpo" / "hf", val, args.max_new_tokens)
+    grpo_accuracy = _evaluate(out / "grpo" / "hf", val, args.max_new_tokens)
     times["eval_grpo"] = time.perf_counter() - start
     summary = {
         "seed": args.seed,

@@ -1,7 +1,7 @@
 """Smoke run of ``examples/arithmetic/run.py`` (the whole pipeline, two CPU ranks per training
-stage) with a few steps of each stage: it writes the summary, the SFT and GRPO exports load
-with ``transformers``, GRPO moved the weights, and the summary's accuracies are
-``evaluate_hf``'s of the exports on the held-out split. The full run (its accuracy gain) is
+stage) with a few steps of each stage: it prints each stage's progress, writes the summary, the
+SFT and GRPO exports load with ``transformers``, GRPO moved the weights, and the summary's
+accuracies are ``evaluate_hf``'s (at the run's one thread) of the exports on the held-out split. The full run (its accuracy gain) is
 ``.venv/bin/python examples/arithmetic/run.py --seed 0 --out outputs/arithmetic/seed0``
 (numbers in BENCHMARKS.md)."""
 
@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,13 +34,34 @@ def test_pipeline_smoke(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    subprocess.run([sys.executable, str(RUN), *SMOKE, "--out", str(out)], check=True, timeout=280)
+    command = [sys.executable, str(RUN), *SMOKE, "--out", str(out)]
+    printed = subprocess.run(command, check=True, timeout=280, capture_output=True, text=True)
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["seconds"]) == {"prepare", "sft", "eval_sft", "grpo", "eval_grpo"}
+    progress = re.findall(r"^\[(?:sft|grpo|eval)\] .*$", printed.stdout, re.MULTILINE)
+    expected = [
+        line.format(stage=stage, hf=out / stage / "hf", accuracy=summary[f"{stage}_accuracy"])
+        for stage in ("sft", "grpo")
+        for line in (
+            "[{stage}] launching 2 ranks",
+            "[{stage}] step 1/2 (50%)",
+            "[{stage}] step 2/2 (100%)",
+            "[eval] {hf}: greedy accuracy {accuracy:.3f} on 16 problems",
+        )
+    ]
+    assert [line.split("  ")[0] for line in progress] == expected
+    values = r"  train_loss \S+  [\d.]+ s/step, \d+ s left"
+    assert all(re.fullmatch(r"\[sft\] .*%\)" + values, line) for line in progress[1:3])
+    assert all(re.fullmatch(r"\[grpo\] .*%\)  reward \S+" + values, line) for line in progress[5:7])
     _, val = make_splits(64, 16, seed=3)
     assert summary["val_problems"] == 16
-    for stage in ("sft", "grpo"):
-        assert summary[f"{stage}_accuracy"] == evaluate_hf(out / stage / "hf", val, 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for stage in ("sft", "grpo"):
+            assert summary[f"{stage}_accuracy"] == evaluate_hf(out / stage / "hf", val, 4)
+    finally:
+        torch.set_num_threads(threads)
     rows = list(csv.DictReader((out / "grpo" / "metrics.csv").open()))
     assert len(rows) == 2 and all(0 <= float(r["reward"]) <= 1 for r in rows)
     assert all(math.isfinite(float(r["train_loss"])) for r in rows)
@@ -51,7 +73,7 @@ def test_pipeline_smoke(tmp_path):
     assert any(not torch.equal(sft[k], grpo[k]) for k in sft)
 
 
-def test_pipeline_refuses_a_used_directory(tmp_path):
+def test_pipeline_refuses_a_used_directory_and_helps_in_full_sentences(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("arithmetic_run", RUN)
     assert spec is not None and spec.loader is not None
     run = importlib.util.module_from_spec(spec)
@@ -59,6 +81,11 @@ def test_pipeline_refuses_a_used_directory(tmp_path):
     (tmp_path / "old.txt").write_text("x")
     with pytest.raises(FileExistsError, match="is not empty; give a new directory"):
         run.main(["--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "evaluated with transformers before and after GRPO. options:" in text
+    assert "--grpo-steps GRPO_STEPS GRPO optimizer steps (default: 300)" in text
 
 
 MARGIN = 0.25
