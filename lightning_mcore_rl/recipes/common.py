@@ -218,14 +218,60 @@ def rank_train_loader(
         ValueError: ``global_batch`` is not divisible by the data-parallel size.
     """
     dp = data_parallel_size(trainer)
-    if global_batch % dp != 0:
-        raise ValueError(
-            f"`{name}` ({global_batch}) must be divisible by the data-parallel size ({dp})."
-        )
+    check_divisible_by_dp(global_batch, dp, name)
     assert trainer is not None  # checked by data_parallel_size
     return resumable_dataloader(
         dataset, trainer, global_batch // dp, seed=seed, collate_fn=collate_fn, drop_last=drop_last
     )
+
+
+def check_divisible_by_dp(global_batch: int, dp: int, name: str) -> None:
+    """``ValueError`` unless ``global_batch`` (the DataModule argument ``name``) divides over the
+    ``dp`` data-parallel ranks."""
+    if global_batch % dp != 0:
+        raise ValueError(
+            f"`{name}` ({global_batch}) must be divisible by the data-parallel size ({dp})."
+        )
+
+
+def check_step_microbatches(
+    module: MCoreRLModule, per_step: str, rows_per_item: int = 1, rows_source: str = ""
+) -> None:
+    """At setup, before the first step (and a recipe's first rollout): the strategy's
+    ``micro_batch_size`` divides this data-parallel rank's batch, ``per_step`` (the attached
+    DataModule's items per optimizer step) / DP x ``rows_per_item`` rows.
+
+    Nothing to check with a token budget (``max_tokens_per_microbatch``) or when the Trainer has
+    no DataModule with a ``per_step`` argument (loaders passed directly: the step checks).
+
+    Args:
+        module: the recipe module (attached to its Trainer).
+        per_step: the DataModule argument holding the global items per step.
+        rows_per_item: training rows per item (GRPO: completions per prompt; DPO: 2 per pair).
+        rows_source: where ``rows_per_item`` comes from (for the message), e.g.
+            ``"GRPOModule(rollout.group_size=4)"``.
+
+    Raises:
+        ValueError: ``per_step`` not divisible by DP, or ``micro_batch_size`` not dividing the
+            local batch; the message names the DataModule argument, the DP size and the factor.
+    """
+    trainer = module.trainer
+    datamodule = trainer.datamodule
+    items = getattr(datamodule, per_step, None)
+    batching = module.mcore_strategy.microbatching
+    if not isinstance(items, int) or batching.max_tokens_per_microbatch is not None:
+        return
+    dp = data_parallel_size(trainer)
+    check_divisible_by_dp(items, dp, per_step)
+    rows, size = items // dp * rows_per_item, batching.micro_batch_size
+    if rows % size != 0:
+        factor = f" x {rows_source}" if rows_source else ""
+        raise ValueError(
+            f"`MCoreRLStrategy(micro_batch_size={size})` must divide each data-parallel rank's "
+            f"batch of {rows} rows = {type(datamodule).__name__}({per_step}={items}) / "
+            f"data-parallel size {dp}{factor}. Set `micro_batch_size` to a divisor of {rows}, "
+            f"or change `{per_step}`."
+        )
 
 
 def rank_val_loader(

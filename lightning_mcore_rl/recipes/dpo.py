@@ -37,6 +37,7 @@ from lightning_mcore_rl.recipes.common import (
     TinyGPTSpec,
     agree_on_batch,
     check_rows,
+    check_step_microbatches,
     rank_train_loader,
     rank_val_loader,
 )
@@ -207,11 +208,14 @@ class DPOModule(RecipeModule):
         )
 
     def setup(self, stage: str) -> None:
-        """Reject microbatching that would split pairs (same verdict on every rank)."""
+        """Reject microbatching that would split pairs or, when fitting, not divide the rank's
+        ``2 x pairs_per_step / DP`` rows (same verdict on every rank, before any step)."""
         batching = self.mcore_strategy.microbatching
         check_pair_microbatching(
             type(self).__name__, batching.micro_batch_size, batching.max_tokens_per_microbatch
         )
+        if stage == "fit":
+            check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
     def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
         """The base hook's loss callback, with packed microbatches scored in one loss call

@@ -46,6 +46,7 @@ from lightning_mcore_rl.recipes.common import (
     RecipeModel,
     RecipeModule,
     TinyGPTSpec,
+    check_step_microbatches,
     rank_train_loader,
     rank_val_loader,
 )
@@ -412,7 +413,13 @@ class GRPOModule(RecipeModule):
 
     def setup(self, stage: str) -> None:
         """The rollout reward and validation metrics (torchmetrics over the data-parallel group,
-        known once the strategy has built megatron's groups, which happens before this hook)."""
+        known once the strategy has built megatron's groups, which happens before this hook);
+        when fitting, ``micro_batch_size`` must divide the rank's ``prompts_per_step / DP x
+        group_size`` completions (:func:`~.common.check_step_microbatches`, before any rollout)."""
+        if stage == "fit":
+            size = self.rollout.group_size
+            owner = f"{type(self).__name__}(rollout.group_size={size})"
+            check_step_microbatches(self, "prompts_per_step", size, owner)
         group, device = self.mcore_strategy.groups.dp_group, self.mcore_strategy.root_device
         if self.evaluation is None:
             self.evaluation = RolloutEvaluation(self.pass_at_k, self.rollout.group_size, group).to(

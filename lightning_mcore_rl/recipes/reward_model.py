@@ -24,6 +24,7 @@ from lightning_mcore_rl.recipes.common import (
     RecipeModule,
     TinyGPTSpec,
     agree_on_batch,
+    check_step_microbatches,
     unwrap,
 )
 from lightning_mcore_rl.recipes.dpo import check_pair_microbatching, check_preference_batch
@@ -145,7 +146,9 @@ class RewardModelModule(RecipeModule):
         return chunk
 
     def setup(self, stage: str) -> None:
-        """Reject layouts the last-token score cannot follow (same verdict on every rank)."""
+        """Reject layouts the last-token score cannot follow and, when fitting, a
+        ``micro_batch_size`` not dividing the rank's ``2 x pairs_per_step / DP`` rows (same
+        verdict on every rank, before any step)."""
         strategy = self.mcore_strategy
         owner = type(self).__name__
         parallel = strategy.parallel
@@ -159,6 +162,8 @@ class RewardModelModule(RecipeModule):
         check_pair_microbatching(
             owner, batching.micro_batch_size, batching.max_tokens_per_microbatch
         )
+        if stage == "fit":
+            check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
     def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
         """The base hook's loss callback with :func:`last_token_scores` as the input

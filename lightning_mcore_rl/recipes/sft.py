@@ -27,6 +27,7 @@ from lightning_mcore_rl.recipes.common import (
     TinyGPTSpec,
     agree_on_batch,
     check_rows,
+    check_step_microbatches,
     rank_train_loader,
     rank_val_loader,
 )
@@ -123,6 +124,12 @@ class SFTModule(RecipeModule):
                 "lr": lr,
             }
         )
+
+    def setup(self, stage: str) -> None:
+        """When fitting: ``micro_batch_size`` divides the rank's ``samples_per_step / DP`` rows
+        (:func:`~.common.check_step_microbatches`, before any step)."""
+        if stage == "fit":
+            check_step_microbatches(self, "samples_per_step")
 
     def check_batch(self, batch: Mapping[str, Any]) -> None:
         """Every rank agrees that each has the SFT keys and rows within the model's length."""

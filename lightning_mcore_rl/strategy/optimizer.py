@@ -192,7 +192,9 @@ def resolve_optimizer_config(
     Raises:
         ValueError: the module's ``OptimizerConfig`` sets an owned field to a conflicting value
             (``clip_grad`` other than megatron's default 1.0, ``bf16``/``fp16``,
-            ``use_distributed_optimizer``); the message names where to set it instead.
+            ``use_distributed_optimizer``); the message names where to set it instead. A
+            learning rate or weight decay that is negative or not finite
+            (:func:`check_optimizer_values`).
     """
     from megatron.core.optimizer import OptimizerConfig
 
@@ -222,6 +224,7 @@ def resolve_optimizer_config(
             "`OptimizerConfig.use_distributed_optimizer=True` conflicts with the strategy; set "
             "`MCoreRLStrategy(use_distributed_optimizer=True)` instead."
         )
+    check_optimizer_values(config)
     return dataclasses.replace(
         config,
         clip_grad=clip_grad,
@@ -229,6 +232,61 @@ def resolve_optimizer_config(
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
     )
+
+
+_OPTIMIZER_VALUES = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay")
+"""``OptimizerConfig`` fields that must be finite and >= 0 (``None``: megatron's "unset")."""
+
+
+def check_optimizer_values(config: Any) -> None:
+    """The learning rates and the weight decay of a megatron ``OptimizerConfig``: each a finite
+    number >= 0 (or ``None``, except ``lr``), checked before megatron builds the optimizer (torch
+    would reject a negative ``lr`` inside it, naming none of these fields).
+
+    Raises:
+        ValueError: ``lr`` is ``None``; a field is negative, NaN or infinite.
+        TypeError: a field is not a number.
+    """
+    if config.lr is None:
+        raise ValueError(
+            "`OptimizerConfig.lr` is None: megatron needs a learning rate; return "
+            "`OptimizerConfig(lr=...)` from `configure_optimizers`."
+        )
+    for name in _OPTIMIZER_VALUES:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"`OptimizerConfig.{name}` must be a number, got {type(value).__name__} "
+                f"({value!r})."
+            )
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"`OptimizerConfig.{name}={value}` must be a finite number >= 0; set it in the "
+                "`OptimizerConfig` that `configure_optimizers` returns (the recipes: their "
+                "`lr` argument)."
+            )
+
+
+def check_fit_limits(max_steps: int, max_epochs: int | None) -> None:
+    """``Trainer.fit`` limits that would train nothing: checked when ``fit`` launches, before
+    any process group exists (one Lightning batch is one optimizer step).
+
+    Raises:
+        ValueError: ``max_steps=0`` or ``max_epochs=0``.
+    """
+    if max_steps == 0:
+        raise ValueError(
+            "`Trainer(max_steps=0)` trains no step (fit would set up and stop silently). Set "
+            "`max_steps` to the number of optimizer steps to run (one Lightning batch is one "
+            "optimizer step), or -1 to stop at `max_epochs`."
+        )
+    if max_epochs == 0:
+        raise ValueError(
+            "`Trainer(max_epochs=0)` trains no step (fit would set up and stop silently). Set "
+            "`max_epochs` >= 1, or -1 to stop at `max_steps`."
+        )
 
 
 def check_trainer_flags(

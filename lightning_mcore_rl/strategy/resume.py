@@ -21,13 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_mcore_rl.strategy import checkpoint as ckpt
+from lightning_mcore_rl.strategy.optimizer import check_fit_limits
 
 
 class ResumeGuardLauncher(_Launcher):
-    """Runs :func:`guard_last_checkpoint` before ``inner`` launches (or, with no inner launcher,
-    before the trainer function is called directly)."""
+    """Runs :func:`guard_last_checkpoint` (and, for ``fit``,
+    :func:`~lightning_mcore_rl.strategy.optimizer.check_fit_limits`) before ``inner`` launches
+    (or, with no inner launcher, before the trainer function is called directly)."""
 
     def __init__(self, inner: _Launcher | None) -> None:
         self.inner = inner
@@ -38,6 +41,8 @@ class ResumeGuardLauncher(_Launcher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:
+            if trainer.state.fn == TrainerFn.FITTING:  # before the ranks start: one error
+                check_fit_limits(trainer.max_steps, trainer.max_epochs)
             guard_last_checkpoint(function, args, kwargs, trainer)
         if self.inner is not None:
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
