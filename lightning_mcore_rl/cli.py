@@ -16,6 +16,9 @@ Choosing the strategy (importing :mod:`lightning_mcore_rl` registers the name ``
 
 Optimizers come from the module's ``configure_optimizers`` (a megatron ``OptimizerConfig``), so
 LightningCLI's ``--optimizer``/``--lr_scheduler`` arguments are not offered.
+
+An error raised on every rank prints one traceback, rank 0's; the other ranks print one line
+each (:mod:`lightning_mcore_rl.rank_errors`; ``LMRL_ALL_TRACEBACKS=1`` prints every rank's).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightning_mcore_rl  # noqa: F401 - registers "mcore_rl"
 from lightning_mcore_rl._compat import filter_expected_warnings
+from lightning_mcore_rl.rank_errors import install_rank_excepthook
 
 DESCRIPTION = (
     "lightning-mcore-rl: megatron-core RL training under PyTorch Lightning. "
@@ -53,9 +57,11 @@ def main(args: ArgsType = None) -> int | None:
     """Console entry point ``lmrl``: ``lmrl export ...`` runs
     :func:`lightning_mcore_rl.models.hf.export.main`, anything else goes to LightningCLI.
 
-    Returns the export's exit status (``None`` after a LightningCLI run).
+    Returns the export's exit status (``None`` after a LightningCLI run). An uncaught error
+    prints its traceback on rank 0 only (:func:`~.rank_errors.install_rank_excepthook`).
     """
     filter_expected_warnings()
+    install_rank_excepthook()
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, Sequence) and not isinstance(argv, str) and argv and argv[0] == "export":
         from lightning_mcore_rl.models.hf.export import main as export_main

@@ -1,0 +1,62 @@
+"""An error raised on both ranks of ``lmrl fit`` prints one traceback (rank 0's) and a one-line
+pointer from rank 1, instead of one traceback per rank. A real two-process run of the console
+script (Lightning's own launcher starts rank 1), a config whose prompts do not split over DP=2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from lightning_mcore_rl.rank_errors import ALL_TRACEBACKS_ENV, RankExceptHook, pointer_line
+
+CONFIG = Path(__file__).parents[3] / "examples" / "configs" / "grpo_tiny.yaml"
+ERROR = "ValueError: `prompts_per_step` (5) must be divisible by the data-parallel size (2)."
+TIMEOUT_S = 110
+
+
+def test_lmrl_prints_one_traceback_for_an_error_on_every_rank(tmp_path):
+    lmrl = Path(sys.executable).with_name("lmrl")
+    command = [
+        str(lmrl), "fit", "--config", str(CONFIG),
+        "--trainer.strategy.init_args.tensor_model_parallel_size=1",  # DP = 2
+        "--data.init_args.prompts_per_step=5",
+        "--trainer.logger=false", "--trainer.callbacks=null",
+        "--trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.pop(ALL_TRACEBACKS_ENV, None)
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, stderr = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:  # a hang: kill lmrl and the rank it started
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 1, stderr[-3000:]
+    lines = stderr.splitlines()
+    assert sum("Traceback (most recent call last)" in line for line in lines) == 1, stderr
+    assert sum(line.endswith(ERROR) for line in lines) == 1  # rank 0's traceback's last line
+    pointer = f"rank 1: {ERROR} — see rank 0's traceback ({ALL_TRACEBACKS_ENV}=1 prints every"
+    assert sum(pointer in line for line in lines) == 1, stderr[-3000:]
+
+
+def test_rank_hook_prints_a_pointer_off_rank_zero_and_everything_on_request(monkeypatch, capsys):
+    seen: list[BaseException] = []
+    hook = RankExceptHook(lambda kind, error, traceback: seen.append(error))
+    error = ValueError("first line\nsecond line")
+    monkeypatch.setattr("lightning_mcore_rl.rank_errors.current_rank", lambda: 1)
+    hook(ValueError, error, None)
+    assert capsys.readouterr().err == pointer_line(1, error) + "\n" and not seen
+    assert pointer_line(1, error).startswith("rank 1: ValueError: first line — see rank 0's")
+    monkeypatch.setenv(ALL_TRACEBACKS_ENV, "1")
+    hook(ValueError, error, None)
+    assert seen == [error]
+    monkeypatch.setattr("lightning_mcore_rl.rank_errors.current_rank", lambda: 0)
+    monkeypatch.delenv(ALL_TRACEBACKS_ENV)
+    hook(ValueError, error, None)
+    assert seen == [error, error] and capsys.readouterr().err == ""
