@@ -57,14 +57,13 @@ def _step_rank(rank: int, variant: str, cfg: dict) -> dict[str, float]:
     from lightning_mcore_rl.data import BatchedDataDict, get_packed_local_layer_spec
     from lightning_mcore_rl.losses import NLLLossFn
     from lightning_mcore_rl.losses.loss_input import _pack_input_ids
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
     from lightning_mcore_rl.train import (
         LossPostProcessor,
-        ParallelGroups,
         PolicyConfig,
         forward_with_post_processing_fn,
         process_global_batch,
-        use_parallel_groups,
     )
 
     init_megatron_state()
@@ -100,20 +99,20 @@ def _step_rank(rank: int, variant: str, cfg: dict) -> dict[str, float]:
     baseline = _status_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     start = time.perf_counter()
-    with use_parallel_groups(ParallelGroups.from_megatron()):
-        if variant == "megatron_ce":
-            per_token = model(
-                mb.input_ids_cp_sharded, mb.position_ids, None, labels=labels,
-                packed_seq_params=mb.packed_seq_params,
-            )  # fmt: skip  # [1, T] cross entropy
-            loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
-        else:
-            output, fn = forward_with_post_processing_fn(
-                iter([mb]), model, post, global_valid_seqs=batch.global_valid_seqs,
-                global_valid_toks=batch.global_valid_toks, use_fused_linear_logprobs=fused,
-            )  # fmt: skip
-            loss = fn(output)[0]
-        loss.backward()
+    if variant == "megatron_ce":
+        per_token = model(
+            mb.input_ids_cp_sharded, mb.position_ids, None, labels=labels,
+            packed_seq_params=mb.packed_seq_params,
+        )  # fmt: skip  # [1, T] cross entropy
+        loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+    else:
+        output, fn = forward_with_post_processing_fn(
+            iter([mb]), model, post, global_valid_seqs=batch.global_valid_seqs,
+            global_valid_toks=batch.global_valid_toks, use_fused_linear_logprobs=fused,
+            groups=megatron_groups(),
+        )  # fmt: skip
+        loss = fn(output)[0]
+    loss.backward()
     seconds = time.perf_counter() - start
     return {
         "peak_extra_mib": _status_mib("VmHWM") - baseline,

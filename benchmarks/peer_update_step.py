@@ -248,14 +248,13 @@ def _bridge_module(
 
             return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.0)
 
-        def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+        def loss_post_processor(self) -> LossPostProcessor:
             if chunk_size is None:
-                return super().loss_post_processor(num_microbatches)
+                return super().loss_post_processor()
             assert self.loss_fn is not None
             return LossPostProcessor(
                 self.loss_fn,
                 PolicyConfig(sequence_packing=False, logprob_chunk_size=chunk_size),
-                num_microbatches,
                 sampling_params=self.sampling_params(),
             )
 
@@ -335,12 +334,13 @@ def run_bare(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]:
 
     from lightning_mcore_rl.cpu import cpu_emulation
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
     from lightning_mcore_rl.train import (
         LossPostProcessor,
         Microbatching,
-        ParallelGroups,
         PolicyConfig,
+        StepContext,
         run_global_batch,
     )
 
@@ -364,18 +364,16 @@ def run_bare(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]:
             ),
             [model],
         )
-        groups = ParallelGroups.from_megatron()
         loss_fn = make_loss_fn(loss)
         batch = rank_batch(args, rank)
-        microbatching = Microbatching(micro_batch_size=args.rows_per_rank)
+        context = StepContext(megatron_groups(), Microbatching(micro_batch_size=args.rows_per_rank))
         losses: list[float] = []
 
         def step() -> None:
             model.zero_grad_buffer()
             optimizer.zero_grad()
             out = run_global_batch(
-                [model], batch, groups, microbatching,
-                post_processor_factory=lambda m: LossPostProcessor(loss_fn, PolicyConfig(), m),
+                [model], batch, context, loss=LossPostProcessor(loss_fn, PolicyConfig()),
                 normalizations=loss_fn.metric_normalizations,
             )  # fmt: skip
             optimizer.step()

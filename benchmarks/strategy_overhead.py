@@ -27,7 +27,7 @@ timed by a wrapper) and megatron's optimizer step (``optimizer``); ``fixed`` = s
 optimizer is what each loop adds around megatron. For the Trainer, ``fixed`` is split further by
 callback hooks: ``pre`` (batch start -> schedule: grad zeroing, batch validation + its agreement
 all-reduce, split), ``post`` (schedule -> end of the training step: the statistics reduction),
-``log`` (``TrainingStatistics.on_optimizer_step``) and ``loop`` (the rest: Lightning's loop,
+``log`` (``TrainingStatistics.on_train_batch_end``) and ``loop`` (the rest: Lightning's loop,
 progress bar, logger, data loading).
 """
 
@@ -43,7 +43,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -144,20 +144,20 @@ class _Clock(Callback):
 
 
 class _TimedStatistics(TrainingStatistics):
-    """The default statistics callback, with its logging hook timed (``log=False``: it only
-    takes the step's output and logs nothing, for ``--no-logging``)."""
+    """The default statistics callback, with its logging hook timed (``log=False``: it logs
+    nothing, for ``--no-logging``)."""
 
     def __init__(self, recorder: _Recorder, log: bool) -> None:
         super().__init__()
         self.recorder = recorder
         self.logs = log
 
-    def on_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.recorder.mark("optimizer_end")
         if self.logs:
-            super().on_optimizer_step(trainer, pl_module)
-        else:
-            cast(MCoreRLStrategy, trainer.strategy).take_step_output()
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.recorder.mark("log_end")
 
 

@@ -1,11 +1,14 @@
 """``MCoreRLModule``: the LightningModule users subclass to train megatron-core models.
 
 The user supplies ``build_chunk(vp_stage)`` (one megatron model chunk per virtual pipeline stage)
-and ``configure_optimizers`` (a megatron ``OptimizerConfig``). Loss and logprob post-processing
-are hooks (:meth:`~MCoreRLModule.loss_post_processor`, :meth:`~MCoreRLModule.sampling_params`,
-...); the strategy runs the step with them, and the
-:class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback logs its statistics. The
-module never touches a process group or megatron's ``parallel_state``.
+and ``configure_optimizers`` (a megatron ``OptimizerConfig``). The module declares what a step
+computes (its ``loss_fn``, :meth:`~MCoreRLModule.sampling_params`, the post-processor hooks
+:meth:`~MCoreRLModule.loss_post_processor`, ...); the strategy asks those hooks before a pass
+starts and never calls back into the module during it. ``training_step`` returns the step's
+:class:`~lightning_mcore_rl.train.StepOutput` as data, which the
+:class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback logs in
+``on_train_batch_end``. The module never touches a process group or megatron's
+``parallel_state``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
+
+from lightning_mcore_rl.train.step import lm_forward_step
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.ops import TrainingSamplingParams
@@ -31,9 +36,10 @@ if TYPE_CHECKING:
 class MCoreRLModule(LightningModule):
     """Base LightningModule for :class:`~lightning_mcore_rl.MCoreRLStrategy`.
 
-    Override :meth:`build_chunk` and ``configure_optimizers``; optionally :meth:`forward_step`
-    (megatron's ``forward_step_func``) for a loss other than the default LM cross entropy on
-    ``{"tokens": [B, S], "labels": [B, S]}`` batches.
+    Override :meth:`build_chunk` and ``configure_optimizers``; optionally ``forward_step``
+    (megatron's ``forward_step_func(data_iterator, model)``; default:
+    :func:`~lightning_mcore_rl.train.lm_forward_step`, the mean token cross entropy on
+    ``{"tokens": [B, S], "labels": [B, S]}`` batches) for another LM-path loss.
 
     With a ``loss_fn`` (an RL/distillation ``LossFunction``), batches are ``BatchedDataDict``-style
     mappings (``input_ids``, ``input_lengths``, ``token_mask``, ``sample_mask`` + the loss's
@@ -156,7 +162,7 @@ class MCoreRLModule(LightningModule):
         """:class:`~lightning_mcore_rl.callbacks.TrainingStatistics`, unless the Trainer already
         has one (a subclass or an explicit instance: never logged twice). Call ``super()`` when
         overriding."""
-        from lightning_mcore_rl.callbacks import TrainingStatistics
+        from lightning_mcore_rl.callbacks.training_statistics import TrainingStatistics
 
         callbacks: list[Callback] = getattr(self.trainer, "callbacks", [])
         if any(isinstance(c, TrainingStatistics) for c in callbacks):
@@ -172,8 +178,9 @@ class MCoreRLModule(LightningModule):
         different temperature raises ``ValueError``."""
         return self._sampling_params
 
-    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
-        """The per-microbatch training-loss callback for a step of ``num_microbatches``."""
+    def loss_post_processor(self) -> LossPostProcessor:
+        """The per-microbatch training-loss callback, asked by the strategy before every
+        ``loss_fn`` step (built without ``num_microbatches``: the step binds its ``M``)."""
         from lightning_mcore_rl.train import LossPostProcessor
 
         if self.loss_fn is None:
@@ -181,30 +188,30 @@ class MCoreRLModule(LightningModule):
                 f"{type(self).__name__} has no `loss_fn`; pass `MCoreRLModule(loss_fn=...)` or "
                 "override `forward_step` for the LM path."
             )
+        context = self.mcore_strategy.step_context
         return LossPostProcessor(
             self.loss_fn,
-            self.mcore_strategy.policy_config(),
-            num_microbatches,
-            sampling_params=self.sampling_params(),
-            use_fused_linear_logprobs=self.mcore_strategy.use_fused_linear_logprobs,
+            context.policy,
+            sampling_params=context.sampling_params,
+            use_fused_linear_logprobs=context.use_fused_linear_logprobs,
         )
 
     def logprobs_post_processor(self) -> LogprobsPostProcessor:
         """The forward-only callback of :meth:`compute_logprobs`."""
         from lightning_mcore_rl.train import LogprobsPostProcessor
 
-        strategy = self.mcore_strategy
+        context = self.mcore_strategy.step_context
         return LogprobsPostProcessor(
-            strategy.policy_config(),
-            sampling_params=self.sampling_params(),
-            use_fused_linear_logprobs=strategy.use_fused_linear_logprobs,
+            context.policy,
+            sampling_params=context.sampling_params,
+            use_fused_linear_logprobs=context.use_fused_linear_logprobs,
         )
 
     def topk_logits_post_processor(self, k: int) -> TopkLogitsPostProcessor:
         """The forward-only callback of :meth:`compute_topk_logits`."""
         from lightning_mcore_rl.train import TopkLogitsPostProcessor
 
-        return TopkLogitsPostProcessor(self.mcore_strategy.policy_config(), k)
+        return TopkLogitsPostProcessor(self.mcore_strategy.step_context.policy, k)
 
     def teacher_payload_post_processor(
         self, payload: str, payload_dtype: torch.dtype
@@ -212,19 +219,16 @@ class MCoreRLModule(LightningModule):
         """The forward-only callback of :meth:`compute_teacher_payload`."""
         from lightning_mcore_rl.train import TeacherFullPayloadPostProcessor
 
+        context = self.mcore_strategy.step_context
         return TeacherFullPayloadPostProcessor(
-            self.mcore_strategy.policy_config(), payload, payload_dtype,
-            sampling_params=self.sampling_params(),
-        )  # fmt: skip
+            context.policy, payload, payload_dtype, sampling_params=context.sampling_params
+        )
 
     # ---------------------------------------------------------------- steps
 
-    def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> Any:
-        """Megatron ``forward_step_func`` of the LM path (default: mean token cross entropy on
-        ``tokens``/``labels``, :func:`~lightning_mcore_rl.train.lm_forward_step`)."""
-        from lightning_mcore_rl.train import lm_forward_step
-
-        return lm_forward_step(data_iterator, model)
+    forward_step = staticmethod(lm_forward_step)
+    """Megatron ``forward_step_func(data_iterator, model)`` of the LM path (override with a
+    method for another loss; megatron calls it per microbatch)."""
 
     def forward_backward(self, batch: Mapping[str, Any], forward_only: bool = False) -> StepOutput:
         """Run this DP rank's share of one global batch through the strategy's step.
@@ -234,13 +238,21 @@ class MCoreRLModule(LightningModule):
         """
         return self.mcore_strategy.forward_backward(self, batch, forward_only=forward_only)
 
-    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
-        """One optimizer step's forward and backward (``TrainingStatistics`` logs it)."""
-        return self.forward_backward(batch).loss
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
+        """One optimizer step's forward and backward.
 
-    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
-        """Forward-only step (``TrainingStatistics`` logs ``val_loss`` and ``val_<metric>``)."""
-        return self.forward_backward(batch, forward_only=True).loss
+        Returns:
+            ``{"loss": loss, "step_output": StepOutput}``
+            (:meth:`~lightning_mcore_rl.train.StepOutput.as_step_result`): Lightning hands it to
+            every callback's ``on_train_batch_end``, where ``TrainingStatistics`` logs it.
+            Overrides return the same for their last ``forward_backward``.
+        """
+        return self.forward_backward(batch).as_step_result()
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
+        """Forward-only step; returns like :meth:`training_step` (``TrainingStatistics`` logs
+        ``val_loss`` and ``val_<metric>`` in ``on_validation_batch_end``)."""
+        return self.forward_backward(batch, forward_only=True).as_step_result()
 
     # ---------------------------------------------------------------- forward-only passes
 
@@ -253,7 +265,7 @@ class MCoreRLModule(LightningModule):
         (dropout off) through :meth:`logprobs_post_processor`, in the batch's sample order, on
         every rank; ``teacher=True``: the hosted teacher's."""
         post = self.logprobs_post_processor()
-        return self.mcore_strategy.forward_only(self, batch, post, teacher=teacher)["logprobs"]
+        return self.mcore_strategy.forward_only(batch, post, teacher=teacher)["logprobs"]
 
     @torch.no_grad()
     def compute_topk_logits(
@@ -264,7 +276,7 @@ class MCoreRLModule(LightningModule):
         hosted teacher's (``teacher_topk_logits``/``teacher_topk_indices`` of a distillation
         batch)."""
         post = self.topk_logits_post_processor(k)
-        out = self.mcore_strategy.forward_only(self, batch, post, teacher=teacher)
+        out = self.mcore_strategy.forward_only(batch, post, teacher=teacher)
         return out["topk_logits"], out["topk_indices"]
 
     @torch.no_grad()
@@ -281,5 +293,5 @@ class MCoreRLModule(LightningModule):
         also under sequence parallelism), forward-only, on every rank; ``teacher=True``: the
         hosted teacher's (``teacher_full_payload`` of an ``OPDFullLossFn`` batch)."""
         post = self.teacher_payload_post_processor(payload, payload_dtype)
-        out = self.mcore_strategy.forward_only(self, batch, post, teacher=teacher)
+        out = self.mcore_strategy.forward_only(batch, post, teacher=teacher)
         return out["logprobs"], out["teacher_full_payload"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +30,9 @@ class TrainingStatistics(Callback):
     (at Lightning's step, 0-based; every ``Trainer(log_every_n_steps=...)`` steps: set 1, since
     Lightning's default of 50 sends a short run's loggers nothing).
 
-    The step's loss and metrics come from the strategy's step
-    (:class:`~lightning_mcore_rl.train.StepOutput`: every metric already combined by its
+    The step's loss and metrics are the step's data: the
+    :class:`~lightning_mcore_rl.train.StepOutput` the module's ``training_step`` returns
+    (``StepOutput.as_step_result()``, every metric already combined by its
     ``MetricNormalizer`` rule over packed sequences, microbatches, pipeline stages and
     data-parallel ranks). Logged per training step:
 
@@ -48,11 +50,14 @@ class TrainingStatistics(Callback):
     layout, precision, micro-batching and loss settings as hyperparameters.
 
     :class:`~lightning_mcore_rl.MCoreRLModule` adds one to every run; pass an instance (or a
-    subclass overriding :meth:`step_metrics`) in ``Trainer(callbacks=...)`` to replace it. The
-    strategy calls :meth:`on_optimizer_step` right after megatron's optimizer step (the step's
-    grad norm exists only then), before any callback's ``on_train_batch_end``. The
-    :data:`TIMING_METRICS` are logged in float64 (``tokens_per_sec * step_time`` gives back the
-    token count); other Python numbers get Lightning's float32.
+    subclass overriding :meth:`step_metrics`) in ``Trainer(callbacks=...)`` to replace it. It
+    logs in ``on_train_batch_end`` (after megatron's optimizer step: the grad norm comes from
+    the optimizer's last step record, the skip count from the strategy's non-finite policy) and
+    moves itself to the front of ``trainer.callbacks`` in ``setup``, so every other callback's
+    ``on_train_batch_end`` already sees this step's values. A ``training_step`` that returns no
+    ``StepOutput`` logs nothing (one warning). The :data:`TIMING_METRICS` are logged in float64
+    (``tokens_per_sec * step_time`` gives back the token count); other Python numbers get
+    Lightning's float32.
 
     Args:
         prog_bar: metric names also shown in the progress bar.
@@ -62,8 +67,16 @@ class TrainingStatistics(Callback):
         self.prog_bar = prog_bar
         self._start: float | None = None
         self._val_metrics: dict[str, Metric] = {}
+        self._warned_no_output = False
 
     # ---------------------------------------------------------------- hooks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Move this callback to the front of ``trainer.callbacks`` (a new list: Lightning's
+        loop over the old one is unaffected), so it logs before any other callback's
+        ``on_train_batch_end`` reads ``trainer.callback_metrics``."""
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Log the run configuration as hyperparameters (rank 0's loggers)."""
@@ -76,11 +89,13 @@ class TrainingStatistics(Callback):
     ) -> None:
         self._start = time.perf_counter()
 
-    def on_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Log the step (called by the strategy right after each optimizer step, so every
-        callback's ``on_train_batch_end`` already sees this step's values)."""
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the step from its ``outputs`` (the ``training_step`` result), after megatron's
+        optimizer step."""
         strategy = _strategy(trainer)
-        output = strategy.take_step_output()
+        output = self._step_output(outputs, "training_step")
         if output is None:
             return
         elapsed = time.perf_counter() - (self._start or time.perf_counter())
@@ -106,7 +121,7 @@ class TrainingStatistics(Callback):
     ) -> None:
         from lightning_mcore_rl.losses import MEAN_RULE, REDUCTION_RULES, MetricNormalizer
 
-        output = _strategy(trainer).take_step_output()
+        output = self._step_output(outputs, None)
         if output is None:
             return
         norms: Mapping[str, Any] = getattr(
@@ -122,6 +137,25 @@ class TrainingStatistics(Callback):
                 f"val_{name}", metric, on_step=False, on_epoch=True, batch_size=1,
                 prog_bar=name == "loss", metric_attribute=f"training_statistics.val_{name}",
             )  # fmt: skip
+
+    def _step_output(self, outputs: Any, hook: str | None) -> StepOutput | None:
+        """The :class:`~lightning_mcore_rl.train.StepOutput` in a step's result, or ``None``
+        (warned once for ``hook``: a training step whose statistics cannot be logged)."""
+        from lightning_mcore_rl.train import STEP_OUTPUT_KEY, StepOutput
+
+        output = outputs.get(STEP_OUTPUT_KEY) if isinstance(outputs, Mapping) else None
+        if isinstance(output, StepOutput):
+            return output
+        if hook is not None and not self._warned_no_output:
+            self._warned_no_output = True
+            warnings.warn(
+                f"TrainingStatistics: `{hook}` returned {type(outputs).__name__}, not the step's "
+                "result, so nothing is logged for it; return "
+                "`self.forward_backward(batch).as_step_result()`.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return None
 
     def _validation_metric(self, name: str, aggregation: str, device: torch.device) -> Metric:
         """The epoch aggregation of ``name`` (torchmetrics, by the rule table's

@@ -26,7 +26,7 @@ checkpoint of an ``MCoreRLStrategy`` run, e.g. a GRPO-trained policy) with
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torchmetrics.aggregation import MeanMetric
@@ -232,7 +232,7 @@ class DistillationModule(RecipeModule):
             load_dist_checkpoint(chunk, spec.checkpoint, prefix=spec.checkpoint_prefix)
         return chunk
 
-    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+    def loss_post_processor(self) -> LossPostProcessor:
         """The default post-processor; with the ``"hidden_states"`` payload it also gets the
         teacher's LM-head shard ``[V/TP, H_t]`` (on the last pipeline stage) to project them."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -242,7 +242,6 @@ class DistillationModule(RecipeModule):
         return LossPostProcessor(
             self.loss_fn,
             self.mcore_strategy.policy_config(),
-            num_microbatches,
             sampling_params=self.sampling_params(),
             teacher_output_layer_weight_by_index=None if weight is None else {0: weight},
             use_fused_linear_logprobs=self.mcore_strategy.use_fused_linear_logprobs,
@@ -267,7 +266,7 @@ class DistillationModule(RecipeModule):
     # step is replaced whole (Lightning hooks take whatever the dataloader yields).
     def training_step(  # type: ignore[override]
         self, batch: torch.Tensor, batch_idx: int = 0
-    ) -> torch.Tensor:
+    ) -> dict[str, Any]:
         """Student rollout, teacher signal, one distillation step.
 
         Args:
@@ -276,11 +275,11 @@ class DistillationModule(RecipeModule):
         seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(batch, seed)
         data = self.teacher_signal(rollout_batch(out))
-        loss = self.forward_backward(data).loss
+        step = self.forward_backward(data)
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
         self.log("reward", self.rollout_reward, on_step=True, on_epoch=False, prog_bar=True)
-        return loss
+        return step.as_step_result()
 
     @torch.no_grad()
     def validation_step(  # type: ignore[override]

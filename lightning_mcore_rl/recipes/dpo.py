@@ -22,7 +22,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -217,7 +216,7 @@ class DPOModule(RecipeModule):
         if stage == "fit":
             check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
-    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+    def loss_post_processor(self) -> LossPostProcessor:
         """The base hook's loss callback, with packed microbatches scored in one loss call
         (``fuse_loss``): the per-sequence wrapper would call the loss on single rows."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -228,7 +227,6 @@ class DPOModule(RecipeModule):
         return LossPostProcessor(
             loss_fn,
             replace(cfg, fuse_loss=cfg.sequence_packing),
-            num_microbatches,
             sampling_params=self.sampling_params(),
             use_fused_linear_logprobs=strategy.use_fused_linear_logprobs,
         )
@@ -264,10 +262,10 @@ class DPOModule(RecipeModule):
         data["reference_policy_logprobs"] = shift_left(reference)
         return data
 
-    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """Reference logprobs, then one optimizer step of the DPO loss."""
-        return self.forward_backward(self.preference_batch(batch)).loss
+        return self.forward_backward(self.preference_batch(batch)).as_step_result()
 
-    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """Held-out DPO loss and metrics (``val_loss``, ``val_accuracy``, ...), forward-only."""
-        return self.forward_backward(self.preference_batch(batch), forward_only=True).loss
+        return self.forward_backward(self.preference_batch(batch), forward_only=True).as_step_result()

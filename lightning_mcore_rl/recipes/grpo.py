@@ -338,7 +338,7 @@ class GRPOModule(RecipeModule):
     # step is replaced whole (Lightning hooks take whatever the dataloader yields).
     def training_step(  # type: ignore[override]
         self, batch: torch.Tensor | PromptBatch, batch_idx: int = 0
-    ) -> torch.Tensor:
+    ) -> dict[str, Any]:
         """Rollout, score, advantages, ``prev_logprobs``, one policy-gradient step.
 
         Args:
@@ -357,7 +357,7 @@ class GRPOModule(RecipeModule):
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
         self.log("reward", self.rollout_reward, on_step=True, on_epoch=False, prog_bar=True)
-        return out.loss
+        return out.as_step_result()
 
     def reference_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
         """The reference policy's token logprobs ``[B, S]`` of this rank's batch: the hosted

@@ -314,7 +314,7 @@ class PPOModule(GRPOModule):
             )
         return PolicyValueChunk(policy, self.policy.build_chunk(self, vp_stage))
 
-    def loss_post_processor(self, num_microbatches: int) -> Any:
+    def loss_post_processor(self) -> Any:
         """The loss callback with :func:`prepare_policy_value_input` (its layout limits are
         checked by :meth:`build_chunk`)."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -326,7 +326,7 @@ class PPOModule(GRPOModule):
             chunk_size=cfg.logprob_chunk_size,
         )
         return LossPostProcessor(
-            cast(Any, self.loss_fn), cfg, num_microbatches,
+            cast(Any, self.loss_fn), cfg,
             sampling_params=self.sampling_params(), prepare_fn=prepare,
         )  # fmt: skip
 

@@ -165,7 +165,7 @@ class RewardModelModule(RecipeModule):
         if stage == "fit":
             check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
-    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+    def loss_post_processor(self) -> LossPostProcessor:
         """The base hook's loss callback with :func:`last_token_scores` as the input
         preparation (the loss reads one score per row)."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -173,7 +173,7 @@ class RewardModelModule(RecipeModule):
         loss_fn: Any = self.loss_fn  # the PreferenceLossFn of __init__
         strategy = self.mcore_strategy
         return LossPostProcessor(
-            loss_fn, strategy.policy_config(), num_microbatches, prepare_fn=last_token_scores
+            loss_fn, strategy.policy_config(), prepare_fn=last_token_scores
         )
 
     def check_batch(self, batch: Mapping[str, Any]) -> None:
@@ -181,12 +181,12 @@ class RewardModelModule(RecipeModule):
         owner, size = type(self).__name__, self.policy.max_sequence_length
         agree_on_batch(self, lambda: check_preference_batch(owner, batch, size))
 
-    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """One optimizer step of the Bradley-Terry loss over the global batch's pairs."""
         self.check_batch(batch)
-        return self.forward_backward(batch).loss
+        return self.forward_backward(batch).as_step_result()
 
-    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """Held-out loss and ``val_accuracy``, forward-only."""
         self.check_batch(batch)
-        return self.forward_backward(batch, forward_only=True).loss
+        return self.forward_backward(batch, forward_only=True).as_step_result()

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
@@ -136,12 +135,12 @@ class SFTModule(RecipeModule):
         size = self.policy.max_sequence_length
         agree_on_batch(self, lambda: check_rows(type(self).__name__, batch, SFT_KEYS, size))
 
-    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """One optimizer step of the token-mean NLL over the global batch."""
         self.check_batch(batch)
-        return self.forward_backward(batch).loss
+        return self.forward_backward(batch).as_step_result()
 
-    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> torch.Tensor:
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """The held-out NLL (``val_loss``), forward-only."""
         self.check_batch(batch)
-        return self.forward_backward(batch, forward_only=True).loss
+        return self.forward_backward(batch, forward_only=True).as_step_result()

@@ -1,4 +1,6 @@
-"""Trainer-free set-up of megatron's parallel state for a :class:`ParallelSizes` layout."""
+"""Trainer-free set-up of megatron's parallel state for a :class:`ParallelSizes` layout, and the
+package's ONE read of it (:func:`megatron_groups`, called from the strategy's
+``setup_environment``)."""
 
 from __future__ import annotations
 
@@ -34,11 +36,9 @@ def init_model_parallel(
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from lightning_mcore_rl.train import ParallelGroups
-
     p = parallel
     if ps.model_parallel_is_initialized():
-        groups = ParallelGroups.from_megatron()
+        groups = megatron_groups()
         existing = (groups.tp_size, groups.pp_size, groups.vpp_size, groups.cp_size)
         if existing != (p.tp, p.pp, p.vpp, p.cp):
             raise RuntimeError(
@@ -58,7 +58,33 @@ def init_model_parallel(
     rng_state = torch.get_rng_state()
     model_parallel_cuda_manual_seed(int(os.environ.get("PL_GLOBAL_SEED", DEFAULT_SEED)))
     torch.set_rng_state(rng_state)
-    return ParallelGroups.from_megatron()
+    return megatron_groups()
+
+
+def megatron_groups() -> ParallelGroups:
+    """This rank's :class:`~lightning_mcore_rl.train.ParallelGroups` from megatron's initialised
+    ``parallel_state`` (the package's one read of it outside ``testing/``)."""
+    from megatron.core import parallel_state as ps
+
+    from lightning_mcore_rl.train import ParallelGroups
+
+    return ParallelGroups(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+        dp_group=ps.get_data_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        cp_group=ps.get_context_parallel_group(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        mp_group=ps.get_model_parallel_group(),
+    )
 
 
 def check_strategy_args(

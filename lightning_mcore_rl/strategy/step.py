@@ -1,11 +1,12 @@
-"""The module's hooks -> one trainer-free call of :mod:`lightning_mcore_rl.train.step`.
+"""What the module declares -> one trainer-free call of :mod:`lightning_mcore_rl.train.step`.
 
 :class:`StepRunner` is what :meth:`MCoreRLStrategy.forward_backward` and
-:meth:`~MCoreRLStrategy.forward_only` delegate to: it reads the module's post-processing hooks
-once per pass (``loss_post_processor``, ``sampling_params``, or ``forward_step`` on the LM path)
-and runs :func:`~lightning_mcore_rl.train.run_global_batch` /
-:func:`~lightning_mcore_rl.train.run_forward_only` on the strategy's chunks, groups and
-micro-batching, with the non-finite policy's input agreement as the batch check.
+:meth:`~MCoreRLStrategy.forward_only` delegate to: it asks the module's hooks BEFORE the pass
+(``loss_post_processor()`` on the ``loss_fn`` path, or the declared ``forward_step`` on the LM
+path) and runs :func:`~lightning_mcore_rl.train.run_global_batch` /
+:func:`~lightning_mcore_rl.train.run_forward_only` on the given chunks with the strategy's frozen
+:class:`~lightning_mcore_rl.train.StepContext`, the non-finite policy's input agreement as the
+batch check. Nothing in the pass calls back into the module.
 """
 
 from __future__ import annotations
@@ -13,86 +14,86 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from lightning_mcore_rl.module import MCoreRLModule
     from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
-    from lightning_mcore_rl.train import Microbatching, ParallelGroups, StepOutput
+    from lightning_mcore_rl.train import LossPostProcessor, StepContext, StepOutput
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
+
+
+class StepDeclaration(Protocol):
+    """What a module declares for a step (``MCoreRLModule`` satisfies it): its ``loss_fn``
+    (``None``: the LM path), the ``loss_post_processor()`` hook and the LM path's
+    ``forward_step``."""
+
+    loss_fn: Any
+
+    def loss_post_processor(self) -> LossPostProcessor: ...
+
+    def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> Any: ...
 
 
 @dataclass(frozen=True)
 class StepRunner:
-    """One pass over ``chunks`` with the strategy's layout (built per call: cheap, stateless).
+    """One pass over ``chunks`` with the strategy's context (built per call: cheap, stateless).
 
     Attributes:
         chunks: the wrapped model chunks the pass runs (the policy's or the hosted teacher's).
-        groups: the strategy's :class:`~lightning_mcore_rl.train.ParallelGroups`.
-        microbatching: the strategy's :class:`~lightning_mcore_rl.train.Microbatching`.
+        context: the strategy's frozen :class:`~lightning_mcore_rl.train.StepContext`.
         guard: the non-finite policy (one input-agreement all-reduce per pass).
-        device: where the step's collectives run.
-        use_fused_linear_logprobs: logprobs from hidden x output weight on the last stage.
     """
 
     chunks: Sequence[torch.nn.Module]
-    groups: ParallelGroups
-    microbatching: Microbatching
+    context: StepContext
     guard: NonFiniteGuard
-    device: torch.device
-    use_fused_linear_logprobs: bool
 
     def forward_backward(
-        self, module: MCoreRLModule, batch: Mapping[str, Any], *, forward_only: bool
+        self, module: StepDeclaration, batch: Mapping[str, Any], *, forward_only: bool
     ) -> StepOutput:
-        """One global batch: the ``loss_fn`` path through the module's ``loss_post_processor``
-        hook, or the LM path through its ``forward_step``; the training loss is noted for the
-        non-finite policy."""
+        """One global batch: the ``loss_fn`` path through the post-processor the module's
+        ``loss_post_processor()`` hook returns (asked here, before the pass), or the LM path
+        through its declared ``forward_step``; the training loss is noted for the non-finite
+        policy."""
         from lightning_mcore_rl.train import run_global_batch
         from lightning_mcore_rl.train.validation import loss_input_keys
 
         kwargs: dict[str, Any] = {}
         if module.loss_fn is not None:
             kwargs.update(
-                post_processor_factory=module.loss_post_processor,
+                loss=module.loss_post_processor(),
                 normalizations=module.loss_fn.metric_normalizations,
-                sampling_params=module.sampling_params(),
                 required_keys=loss_input_keys(module.loss_fn),
+                required_by=type(module.loss_fn).__name__,
             )
         else:
             kwargs["forward_step_func"] = module.forward_step
         out = run_global_batch(
-            list(self.chunks), batch, self.groups, self.microbatching,
-            forward_only=forward_only, device=self.device,
+            list(self.chunks), batch, self.context, forward_only=forward_only,
             input_check=functools.partial(self._check_inputs, training=not forward_only),
-            use_fused_linear_logprobs=self.use_fused_linear_logprobs, **kwargs,
+            **kwargs,
         )  # fmt: skip
         if not forward_only:
             self.guard.note_loss(out.loss)
         return out
 
     def forward_only(
-        self,
-        module: MCoreRLModule,
-        batch: Mapping[str, Any],
-        post_processor: PostProcessingFunction,
+        self, batch: Mapping[str, Any], post_processor: PostProcessingFunction
     ) -> dict[str, torch.Tensor]:
         """A forward-only post-processor pass: per-sample outputs in the batch's order, on every
         rank."""
         from lightning_mcore_rl.train import run_forward_only
 
         return run_forward_only(
-            list(self.chunks), batch, self.groups, self.microbatching, post_processor,
-            sampling_params=module.sampling_params(),
-            use_fused_linear_logprobs=self.use_fused_linear_logprobs,
+            list(self.chunks), batch, self.context, post_processor,
             input_check=functools.partial(self._check_inputs, training=False),
         )  # fmt: skip
 
     def _check_inputs(self, finding: Any, error: BaseException | None, training: bool) -> bool:
-        self.guard.device = self.device
+        self.guard.device = self.context.device
         return self.guard.check_inputs(finding, error, training=training)
 
 
-__all__ = ["StepRunner"]
+__all__ = ["StepDeclaration", "StepRunner"]

@@ -10,7 +10,7 @@ A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightni
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -45,8 +45,14 @@ from lightning_mcore_rl.strategy.teacher import HostedTeacher
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
 
-    from lightning_mcore_rl.module import MCoreRLModule
-    from lightning_mcore_rl.train import Microbatching, ParallelGroups, PolicyConfig, StepOutput
+    from lightning_mcore_rl.strategy.step import StepDeclaration
+    from lightning_mcore_rl.train import (
+        Microbatching,
+        ParallelGroups,
+        PolicyConfig,
+        StepContext,
+        StepOutput,
+    )
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
 
@@ -142,11 +148,11 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self.checkpoint_config = checkpoint if checkpoint is not None else CheckpointConfig()
         self._default_precision = MCorePrecision()
         self._groups: ParallelGroups | None = None
+        self._context: StepContext | None = None
         self._backend = contextlib.ExitStack()
         self._wrapped = WrappedChunks()
         self._chunks: list[torch.nn.Module] = []
         self.teacher = HostedTeacher()  # the module's frozen teacher (strategy/teacher.py)
-        self._last_output: StepOutput | None = None
         self.nonfinite_guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
         super().__init__(process_group_backend, cluster_environment, timeout)
 
@@ -179,6 +185,15 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         """``(update_successful, grad_norm, num_zeros)`` of the latest optimizer step."""
         optimizer = self.optimizers[0] if self.optimizers else None
         return optimizer.last_step if isinstance(optimizer, MegatronOptimizerAdapter) else None
+
+    @property
+    def step_context(self) -> StepContext:
+        """The frozen :class:`~lightning_mcore_rl.train.StepContext` every pass runs with
+        (groups, micro-batching, policy settings, fused flag, the module's sampling parameters),
+        built once in ``setup``."""
+        if self._context is None:
+            raise RuntimeError("The step context exists only after the strategy's `setup`.")
+        return self._context
 
     def policy_config(self) -> PolicyConfig:
         """The post-processors' ``PolicyConfig`` (packing, logprob chunk size)."""
@@ -248,9 +263,18 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         """Wrap chunks (no torch DDP, no parameter broadcast: it would overwrite TP shards with
-        rank 0's), build the megatron optimizer when fitting."""
+        rank 0's), build the megatron optimizer when fitting, and the frozen step context (the
+        module's ``sampling_params()`` asked once, here)."""
+        from lightning_mcore_rl.train import StepContext
+
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        module = self.lightning_module
+        sampling = getattr(module, "sampling_params", None)
+        self._context = StepContext(
+            self.groups, self.microbatching, self._policy, self.use_fused_linear_logprobs,
+            sampling_params=sampling() if callable(sampling) else None, device=self.root_device,
+        )  # fmt: skip
         fitting = trainer.state.fn == TrainerFn.FITTING
         expected = self.transformer_config_kwargs()
         raw = checked_chunks(self.lightning_module, self.vp_stages, expected)
@@ -304,47 +328,24 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self.megatron_optimizer.zero_grad()
         self.nonfinite_guard.begin_step(self.root_device)
 
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Any,
-        closure: Callable[[], Any],
-        model: LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Lightning's step (closure = training step, then megatron's ``step()``), then the
-        :class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callbacks log it."""
-        from lightning_mcore_rl.callbacks import TrainingStatistics
-
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        module = self.lightning_module
-        if module is not None:
-            trainer = module.trainer
-            for callback in trainer.callbacks:  # type: ignore[attr-defined]
-                if isinstance(callback, TrainingStatistics):
-                    callback.on_optimizer_step(trainer, module)
-        return result
-
     # ---------------------------------------------------------------- the step
 
     def forward_backward(
-        self, module: MCoreRLModule, batch: Mapping[str, Any], *, forward_only: bool = False
+        self, module: StepDeclaration, batch: Mapping[str, Any], *, forward_only: bool = False
     ) -> StepOutput:
         """One global batch through :func:`~lightning_mcore_rl.train.run_global_batch`
-        (:class:`~.step.StepRunner`): the module's ``loss_post_processor`` hook (``loss_fn`` path)
-        or ``forward_step`` (LM path).
+        (:class:`~.step.StepRunner`), with the post-processor the module's
+        ``loss_post_processor()`` hook returns, asked before the pass (``loss_fn`` path), or its
+        ``forward_step`` (LM path).
 
         Returns:
-            The step's loss and metrics, identical on every rank (also kept for the
-            :class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback).
+            The step's loss and metrics, identical on every rank (the module's
+            ``training_step`` returns them to Lightning; nothing is kept here).
         """
-        out = self._runner(self._chunks).forward_backward(module, batch, forward_only=forward_only)
-        self._last_output = out
-        return out
+        return self._runner(self._chunks).forward_backward(module, batch, forward_only=forward_only)
 
     def forward_only(
         self,
-        module: MCoreRLModule,
         batch: Mapping[str, Any],
         post_processor: PostProcessingFunction,
         *,
@@ -354,12 +355,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         :func:`~lightning_mcore_rl.train.run_forward_only` on the policy's chunks (``teacher``:
         the module's hosted teacher's): per-sample outputs in the batch's order, on every rank."""
         chunks = self.teacher.select(teacher, self._chunks)
-        return self._runner(chunks).forward_only(module, batch, post_processor)
-
-    def take_step_output(self) -> StepOutput | None:
-        """The latest :meth:`forward_backward` result, cleared (read once per step)."""
-        out, self._last_output = self._last_output, None
-        return out
+        return self._runner(chunks).forward_only(batch, post_processor)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -421,8 +417,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     # ---------------------------------------------------------------- helpers
 
     def _runner(self, chunks: list[torch.nn.Module]) -> StepRunner:
-        return StepRunner(chunks, self.groups, self.microbatching, self.nonfinite_guard,
-                          self.root_device, self.use_fused_linear_logprobs)  # fmt: skip
+        return StepRunner(chunks, self.step_context, self.nonfinite_guard)
 
     def _checkpoints(self) -> ckpt.StrategyCheckpoints:
         optimizer = self.megatron_optimizer if self.optimizers else None

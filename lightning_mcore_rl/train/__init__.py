@@ -3,20 +3,23 @@
 A global batch becomes processed microbatches (:func:`process_global_batch`, global valid counts
 over DP once); :func:`megatron_forward_backward` runs Megatron's schedule with
 :func:`forward_with_post_processing_fn` as the forward step, which runs :func:`model_forward`,
-applies the temperature in place and binds a post-processor: :class:`LossPostProcessor`
+applies the temperature in place and binds a post-processor (with the pass's groups and ``M``): :class:`LossPostProcessor`
 (training loss, scaled by ``M / CP^2`` to cancel Megatron's averaging, see
 ``LossPostProcessor.scale_loss``), :class:`LogprobsPostProcessor`,
 :class:`TopkLogitsPostProcessor` or :class:`TeacherFullPayloadPostProcessor` (forward-only).
 :func:`aggregate_training_statistics` reduces the losses over DP.
 
 :func:`run_global_batch` / :func:`run_forward_only` (:mod:`.step`) are the one trainer-free
-entry the strategy calls for a whole global batch: split, schedule, statistics.
+entry the strategy calls for a whole global batch: split, schedule, statistics, with ONE frozen
+:class:`StepContext` (groups, micro-batching, policy settings, fused flag, sampling parameters)
+passed down explicitly.
 
 Shapes: ``B`` sequences, ``S`` width, ``T`` packed tokens, ``V_l = V/TP``, ``CP`` context-parallel
 size; model output ``[B, S/CP, V_l]`` (padded) or ``[1, T/CP, V_l]`` (packed).
 """
 
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.context import Microbatching, StepContext
 from lightning_mcore_rl.train.forward import (
     _prepare_padding_mask_for_model,
     apply_temperature_scaling,
@@ -26,10 +29,8 @@ from lightning_mcore_rl.train.forward import (
 from lightning_mcore_rl.train.groups import (
     CP_NEEDS_PACKING,
     ParallelGroups,
-    current_parallel_groups,
     should_reduce_loss_across_context_parallel,
     strip_context_parallel_local_loss_metric,
-    use_parallel_groups,
 )
 from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
 from lightning_mcore_rl.train.microbatch import (
@@ -52,6 +53,7 @@ from lightning_mcore_rl.train.schedule import (
     suspend_activation_offload_for_forward_only,
 )
 from lightning_mcore_rl.train.statistics import (
+    STEP_OUTPUT_KEY,
     StepOutput,
     aggregate_training_statistics,
     batch_counts,
@@ -59,7 +61,6 @@ from lightning_mcore_rl.train.statistics import (
 )
 from lightning_mcore_rl.train.step import (
     ForwardStepFunc,
-    Microbatching,
     lm_forward_step,
     run_forward_only,
     run_global_batch,
@@ -69,9 +70,11 @@ from lightning_mcore_rl.train.step import (
 
 __all__ = [
     "CP_NEEDS_PACKING",
+    "STEP_OUTPUT_KEY",
     "ForwardStepFunc",
     "Microbatching",
     "ParallelGroups",
+    "StepContext",
     "StepOutput",
     "GlobalBatch",
     "LogprobsPostProcessor",
@@ -85,7 +88,6 @@ __all__ = [
     "aggregate_training_statistics",
     "batch_counts",
     "check_microbatching",
-    "current_parallel_groups",
     "lm_forward_step",
     "reduce_step_statistics",
     "run_forward_only",
@@ -93,7 +95,6 @@ __all__ = [
     "run_schedule",
     "split_global_batch",
     "split_lm_batch",
-    "use_parallel_groups",
     "apply_temperature_scaling",
     "causal_attention_mask",
     "forward_with_post_processing_fn",

@@ -28,7 +28,7 @@ from lightning_mcore_rl.train.fused import (
     output_weight,
     reject_filtering,
 )
-from lightning_mcore_rl.train.groups import current_parallel_groups
+from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import (
     KNOWN_POST_PROCESSORS,
@@ -99,6 +99,7 @@ def _prepare_padding_mask_for_model(
     model: torch.nn.Module,
     padding_mask: Tensor | None,
     model_slices_context_parallel_inputs: bool = False,
+    groups: ParallelGroups | None = None,
 ) -> Tensor | None:
     """Match a CP-local padding mask ``[B, S/CP]`` to the model's sequence-parallel layout.
 
@@ -110,6 +111,8 @@ def _prepare_padding_mask_for_model(
         model: The model chunk (possibly wrapped).
         padding_mask: ``[B, S/CP]`` (``[B, S]`` if the model slices CP itself) or ``None``.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        groups: This rank's groups (their CP rank/size slice the mask); needed only with
+            ``model_slices_context_parallel_inputs``.
 
     Returns:
         The mask in the layout the model's layers see (``[B, S/CP/TP]`` under SP), or ``None``.
@@ -121,7 +124,11 @@ def _prepare_padding_mask_for_model(
     from megatron.core.utils import get_model_config
 
     if model_slices_context_parallel_inputs:
-        groups = current_parallel_groups()
+        if groups is None:
+            raise ValueError(
+                "`model_slices_context_parallel_inputs=True` needs `groups` (the pass's "
+                "ParallelGroups) to CP-slice the padding mask; got groups=None"
+            )
         if groups.cp_size > 1:
             padding_mask = get_tokens_on_this_cp_rank(
                 padding_mask, groups.cp_rank, groups.cp_size, seq_dim=1
@@ -153,6 +160,7 @@ def model_forward(
     loss_mask_cp_sharded: Tensor | None = None,
     media_token_validity_mask: Tensor | None = None,
     model_slices_context_parallel_inputs: bool = False,
+    groups: ParallelGroups | None = None,
 ) -> Tensor:
     """One forward pass of a Megatron GPT chunk.
 
@@ -176,6 +184,7 @@ def model_forward(
         loss_mask_cp_sharded: Loss mask passed with ``labels_cp_sharded``.
         media_token_validity_mask: Not supported (multimodal).
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        groups: This rank's groups (see :func:`_prepare_padding_mask_for_model`).
 
     Returns:
         Logits ``[B, S/CP, V_l]`` / ``[1, T/CP, V_l]`` on the last stage (fused: its final
@@ -198,7 +207,7 @@ def model_forward(
         kwargs["loss_mask"] = mtp_loss_mask
     if padding_mask is not None:
         kwargs["padding_mask"] = _prepare_padding_mask_for_model(
-            model, padding_mask, model_slices_context_parallel_inputs
+            model, padding_mask, model_slices_context_parallel_inputs, groups
         )
     if labels_cp_sharded is not None:
         kwargs["labels"] = labels_cp_sharded
@@ -238,7 +247,9 @@ def apply_temperature_scaling(
 
 
 @contextlib.contextmanager
-def _capture_lm_head_input(model: torch.nn.Module, enabled: bool) -> Iterator[dict[str, Tensor]]:
+def _capture_lm_head_input(
+    model: torch.nn.Module, enabled: bool, tp_group: Any
+) -> Iterator[dict[str, Tensor]]:
     """Record the input of the model's ``output_layer`` (pre-LM-head states ``[S/CP, B, H]``).
 
     Under sequence parallelism that input is this TP rank's sequence slice ``[S/CP/TP, B, H]``
@@ -254,7 +265,6 @@ def _capture_lm_head_input(model: torch.nn.Module, enabled: bool) -> Iterator[di
     def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         hidden = args[0].detach()
         if getattr(module, "sequence_parallel", False):  # False at TP=1 (megatron resets it)
-            tp_group = current_parallel_groups().tp_group
             parts = [torch.empty_like(hidden) for _ in range(tp_group.size())]
             torch.distributed.all_gather(parts, hidden.contiguous(), group=tp_group)
             hidden = torch.cat(parts, dim=0)  # [S/CP/TP, B, H] x TP -> [S/CP, B, H]
@@ -283,6 +293,9 @@ def forward_with_post_processing_fn(
     use_router_replay: bool = False,
     router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
+    *,
+    groups: ParallelGroups,
+    num_microbatches: int | None = None,
 ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, dict[str, Any]]]]:
     """Megatron's ``forward_step_func``: forward one processed microbatch, bind its post-processor.
 
@@ -304,6 +317,9 @@ def forward_with_post_processing_fn(
         use_router_replay: MoE router replay; not supported (raises).
         router_replay_train: MoE router replay in training; requires ``use_router_replay``.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        groups: This rank's groups, handed to the post-processor (and the CP/TP helpers).
+        num_microbatches: ``M`` of the pass, handed to a :class:`LossPostProcessor` (its
+            loss scale); ``None``: the one it was built with.
 
     Returns:
         ``(output_tensor, fn)``; Megatron calls ``fn(output_tensor) -> (loss, metrics)``.
@@ -327,13 +343,14 @@ def forward_with_post_processing_fn(
     if draft_model is not None or enable_hidden_capture:
         raise NotImplementedError("EAGLE draft-model training is not supported by this project")
     mb = next(data_iterator)
-    with _capture_lm_head_input(model, enable_opd_full_capture) as captured:
+    with _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured:
         output = model_forward(
             model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
             mb.packed_seq_params, defer_fp32_logits, mtp_loss_mask=mb.mtp_loss_mask,
             padding_mask=mb.padding_mask, straggler_timer=straggler_timer,
             use_fused_linear_logprobs=use_fused_linear_logprobs,
             model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
+            groups=groups,
         )  # fmt: skip
     head: FusedLMHead | None = None
     if _is_last_stage(model):  # earlier stages output hidden states, not logits
@@ -345,19 +362,21 @@ def forward_with_post_processing_fn(
     if isinstance(post_processing_fn, LossPostProcessor):
         fn = post_processing_fn(
             mb.data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks,
-            lm_head=head,
+            lm_head=head, groups=groups, num_microbatches=num_microbatches,
         )  # fmt: skip
     elif isinstance(post_processing_fn, LogprobsPostProcessor):
         fn = post_processing_fn(
             mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length,
-            lm_head=head,
+            lm_head=head, groups=groups,
         )  # fmt: skip
     elif isinstance(post_processing_fn, TopkLogitsPostProcessor):
-        fn = post_processing_fn(mb.data_dict, mb.cu_seqlens_padded, mb.original_seq_length)
+        fn = post_processing_fn(
+            mb.data_dict, mb.cu_seqlens_padded, mb.original_seq_length, groups=groups
+        )
     else:
         assert isinstance(post_processing_fn, TeacherFullPayloadPostProcessor)
         fn = post_processing_fn(
             mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length,
-            hidden_states=captured.get("hidden_states"),
+            hidden_states=captured.get("hidden_states"), groups=groups,
         )  # fmt: skip
     return output, fn

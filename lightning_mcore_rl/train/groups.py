@@ -1,10 +1,9 @@
-"""Process groups (read from megatron once, passed down) and CP/packing layout helpers."""
+"""Process groups (read from megatron once, by the strategy, and passed down) and CP/packing
+layout helpers."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +22,9 @@ CP_NEEDS_PACKING = "Context Parallelism (CP>1) requires sequence packing to be e
 @dataclass(frozen=True)
 class ParallelGroups:
     """This rank's megatron process groups, ranks and sizes, read ONCE (by the strategy in
-    ``setup_environment``, :meth:`from_megatron`) and passed down; nothing below reads
-    megatron's ``parallel_state`` per microbatch.
+    ``setup_environment``, :func:`~lightning_mcore_rl.strategy.parallel.megatron_groups`) and
+    passed down explicitly (:class:`~lightning_mcore_rl.train.StepContext`); nothing in
+    ``train/`` reads megatron's ``parallel_state``.
 
     Attributes:
         tp_group: tensor-parallel group (``tp_rank``/``tp_size``).
@@ -33,6 +33,8 @@ class ParallelGroups:
         dp_group: data-parallel group WITHOUT CP (CP ranks hold the same samples).
         cp_group: context-parallel group (``cp_rank``/``cp_size``).
         vpp_size: model chunks per pipeline rank (``None`` without virtual pipelining).
+        mp_group: the model-parallel group (TP x PP) of this rank's replica (``None``: not
+            given; the strategy's groups always carry it).
     """
 
     tp_group: Any
@@ -49,57 +51,12 @@ class ParallelGroups:
     cp_rank: int
     cp_size: int
     vpp_size: int | None = None
+    mp_group: Any = None
 
     @property
     def is_pipeline_last_stage(self) -> bool:
         """Whether this rank holds the last pipeline stage (the loss and the outputs)."""
         return self.pp_rank == self.pp_size - 1
-
-    @classmethod
-    def from_megatron(cls) -> ParallelGroups:
-        """Read megatron's initialised ``parallel_state`` (the one place that does)."""
-        from megatron.core import parallel_state as ps
-
-        return cls(
-            tp_group=ps.get_tensor_model_parallel_group(),
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_group=ps.get_pipeline_model_parallel_group(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            pp_size=ps.get_pipeline_model_parallel_world_size(),
-            pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
-            dp_group=ps.get_data_parallel_group(),
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            cp_group=ps.get_context_parallel_group(),
-            cp_rank=ps.get_context_parallel_rank(),
-            cp_size=ps.get_context_parallel_world_size(),
-            vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
-        )
-
-
-_CURRENT: contextvars.ContextVar[ParallelGroups | None] = contextvars.ContextVar(
-    "lightning_mcore_rl_parallel_groups", default=None
-)
-
-
-@contextlib.contextmanager
-def use_parallel_groups(groups: ParallelGroups) -> Iterator[ParallelGroups]:
-    """Make ``groups`` what :func:`current_parallel_groups` returns inside the block: the step
-    entry (:func:`~lightning_mcore_rl.train.step.run_global_batch`) wraps megatron's schedule in
-    it, so the per-microbatch callbacks use the strategy's groups."""
-    token = _CURRENT.set(groups)
-    try:
-        yield groups
-    finally:
-        _CURRENT.reset(token)
-
-
-def current_parallel_groups() -> ParallelGroups:
-    """The groups of the enclosing :func:`use_parallel_groups` block; outside one (a seed
-    function called directly) they are read from megatron's ``parallel_state``."""
-    groups = _CURRENT.get()
-    return groups if groups is not None else ParallelGroups.from_megatron()
 
 
 def vocab_range(output: Tensor, tp_rank: int) -> tuple[int, int]:

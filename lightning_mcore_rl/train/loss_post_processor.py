@@ -42,7 +42,9 @@ class LossPostProcessor:
     Args:
         loss_fn: Loss function to wrap.
         cfg: :class:`PolicyConfig` or NeMo RL's policy mapping (packing, chunk size, draft).
-        num_microbatches: ``M``, used to counteract Megatron's per-microbatch loss averaging.
+        num_microbatches: ``M``, used to counteract Megatron's per-microbatch loss averaging;
+            ``None`` (the hooks' default): the pass's ``M``, bound per microbatch by the forward
+            step (:func:`~lightning_mcore_rl.train.forward_with_post_processing_fn`).
         cp_normalize: Divide the loss by the context-parallel size (see :meth:`scale_loss`).
         sampling_params: Top-k/top-p for logprob losses (temperature is applied upstream).
         draft_model: EAGLE draft model; only its ``eagle_module.d2t`` vocab map is read here.
@@ -58,14 +60,15 @@ class LossPostProcessor:
 
     Raises:
         ValueError: ``use_fused_linear_logprobs`` with a loss that needs logits (not
-            ``LossInputType.LOGPROB``), a custom ``prepare_fn``, a draft model or top-k/top-p.
+            ``LossInputType.LOGPROB``), a custom ``prepare_fn``, a draft model or top-k/top-p;
+            ``num_microbatches`` < 1.
     """
 
     def __init__(
         self,
         loss_fn: LossFunction,
         cfg: PolicyConfig | Mapping[str, Any] | None,
-        num_microbatches: int = 1,
+        num_microbatches: int | None = None,
         cp_normalize: bool = True,
         sampling_params: TrainingSamplingParams | None = None,
         draft_model: Any = None,
@@ -76,7 +79,7 @@ class LossPostProcessor:
     ) -> None:
         if use_fused_linear_logprobs:
             _check_fused_loss(loss_fn, prepare_fn, draft_model, sampling_params)
-        if num_microbatches < 1:
+        if num_microbatches is not None and num_microbatches < 1:
             raise ValueError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
         if defer_draft_normalization:
             raise NotImplementedError(
@@ -93,7 +96,7 @@ class LossPostProcessor:
         self.teacher_output_layer_weight_by_index = teacher_output_layer_weight_by_index
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
 
-    def scale_loss(self, loss: Tensor, cp_size: int) -> Tensor:
+    def scale_loss(self, loss: Tensor, cp_size: int, num_microbatches: int | None = None) -> Tensor:
         """``R = L * M / CP^2`` (``cp_normalize``) or ``L * M / CP``: the ONE place of this scaling.
 
         Derivation (docs/behaviour-reference.md §2.5, trap 5). Megatron's schedule multiplies a 2-tuple loss by ``CP``
@@ -109,13 +112,34 @@ class LossPostProcessor:
         Args:
             loss: ``L``, the loss function's scalar for this microbatch.
             cp_size: ``CP``.
+            num_microbatches: the pass's ``M`` (``None``: the one this was built with).
 
         Returns:
             The scaled loss handed to Megatron (a new tensor: the schedule divides it in place).
+
+        Raises:
+            ValueError: no ``M`` (neither built with one nor given), or two different ones.
         """
+        m = self._microbatches(num_microbatches)
         if self.cp_normalize:
             loss = loss / cp_size
-        return loss * self.num_microbatches / cp_size
+        return loss * m / cp_size
+
+    def _microbatches(self, num_microbatches: int | None) -> int:
+        own = self.num_microbatches
+        if own is not None and num_microbatches is not None and own != num_microbatches:
+            raise ValueError(
+                f"LossPostProcessor was built with num_microbatches={own} but the pass runs "
+                f"{num_microbatches} microbatches; build it without `num_microbatches` (the "
+                "step binds its own) or with the pass's."
+            )
+        m = own if own is not None else num_microbatches
+        if m is None:
+            raise ValueError(
+                "LossPostProcessor needs the pass's `num_microbatches`: build it with one or "
+                "run it through megatron_forward_backward, which binds it per microbatch."
+            )
+        return m
 
     def _bound_prepare_fn(self, lm_head: FusedLMHead | None) -> Callable[..., Any]:
         if lm_head is not None:
@@ -202,6 +226,9 @@ class LossPostProcessor:
         global_valid_toks: Tensor | None = None,
         prepacked_loss_mask: Tensor | None = None,
         lm_head: FusedLMHead | None = None,
+        *,
+        groups: pg.ParallelGroups,
+        num_microbatches: int | None = None,
     ) -> OutputProcessor:
         """Bind one microbatch: returns ``f(output) -> (scaled_loss, metrics)``.
 
@@ -213,12 +240,17 @@ class LossPostProcessor:
             prepacked_loss_mask: ``[1, T/CP]`` mask when the model returned per-token losses
                 (direct prepacked SFT); the loss is then CP-local.
             lm_head: Output weight and temperature (fused path, last stage), else ``None``.
+            groups: This rank's groups.
+            num_microbatches: the pass's ``M`` (see :meth:`scale_loss`).
 
         Returns:
             The callable Megatron applies to the model output; metrics are the loss
             function's, unscaled.
+
+        Raises:
+            ValueError: see :meth:`scale_loss` (raised here, before the forward's output).
         """
-        groups = pg.current_parallel_groups()
+        m = self._microbatches(num_microbatches)
         if prepacked_loss_mask is not None:
             wrapper = self._direct_packed_sft(prepacked_loss_mask)
         else:
@@ -232,7 +264,7 @@ class LossPostProcessor:
                     "forward_with_post_processing_fn(use_fused_linear_logprobs=True) binds"
                 )
             loss, metrics = wrapper(output_tensor, data_dict, global_valid_seqs, global_valid_toks)
-            return self.scale_loss(loss, groups.cp_size), metrics
+            return self.scale_loss(loss, groups.cp_size, m), metrics
 
         return loss_and_metrics
 

@@ -1,9 +1,9 @@
 """Post-processors: turn one microbatch's model output into ``(loss, metrics)`` for Megatron.
 
 Each post-processor is called per microbatch with the microbatch's metadata and returns the
-callable Megatron's schedule applies to the last pipeline stage's output. Process groups are read
-from Megatron's ``parallel_state`` here, at the boundary, and passed explicitly into the losses
-and ops.
+callable Megatron's schedule applies to the last pipeline stage's output. The pass's process
+groups arrive with each microbatch (``groups=``, from the step's
+:class:`~lightning_mcore_rl.train.StepContext`) and are passed explicitly into the losses and ops.
 
 Shapes: ``B`` sequences, ``S`` width of the unpacked batch, ``T`` packed tokens, ``V_l = V/TP``,
 ``k`` top-k entries, ``D`` teacher payload width. Model output: ``[B, S/CP, V_l]`` (padded) or
@@ -110,6 +110,8 @@ class LogprobsPostProcessor:
         cu_seqlens_padded: Tensor | Sequence[int] | None,
         original_seq_length: int,
         lm_head: FusedLMHead | None = None,
+        *,
+        groups: pg.ParallelGroups,
     ) -> OutputProcessor:
         """Bind one microbatch: returns ``f(output) -> (0, {"logprobs": [B, S]})``.
 
@@ -119,6 +121,7 @@ class LogprobsPostProcessor:
             cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
             original_seq_length: Width before dense padding; the output is cut to it.
             lm_head: Output weight and temperature (fused path, last stage), else ``None``.
+            groups: This rank's groups.
 
         Returns:
             The callable; ``logprobs[:, 0] = 0`` and ``logprobs[:, t] = log p(x_t | x_<t)``.
@@ -126,10 +129,9 @@ class LogprobsPostProcessor:
         """
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            g = pg.current_parallel_groups()
             with torch.no_grad():
                 lp = self._next_token(
-                    output_tensor, data_dict, input_ids, cu_seqlens_padded, g, lm_head
+                    output_tensor, data_dict, input_ids, cu_seqlens_padded, groups, lm_head
                 )
                 lp = F.pad(lp, (1, 0))  # stored convention: [B, S] with a leading 0
                 if self.sampling_params is not None and self.sampling_params.filters:
@@ -161,6 +163,8 @@ class TopkLogitsPostProcessor:
         data_dict: BatchedDataDict,
         cu_seqlens_padded: Tensor | Sequence[int] | None,
         original_seq_length: int,
+        *,
+        groups: pg.ParallelGroups,
     ) -> OutputProcessor:
         """Bind one microbatch: ``f(output) -> (0, {"topk_logits", "topk_indices": [B, S, k]})``.
 
@@ -168,13 +172,14 @@ class TopkLogitsPostProcessor:
             data_dict: The microbatch (``input_lengths [B]`` when packed).
             cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
             original_seq_length: Width before dense padding.
+            groups: This rank's groups.
 
         Returns:
             The callable; entries are position-aligned with the inputs (no shift).
         """
+        g = groups
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            g = pg.current_parallel_groups()
             start, end = pg.vocab_range(output_tensor, g.tp_rank)
             values, indices = distributed_vocab_topk(
                 output_tensor, self.k, g.tp_group, start, end, self.cfg.logprob_chunk_size
@@ -259,6 +264,8 @@ class TeacherFullPayloadPostProcessor:
         cu_seqlens_padded: Tensor | Sequence[int] | None,
         original_seq_length: int,
         hidden_states: Tensor | None = None,
+        *,
+        groups: pg.ParallelGroups,
     ) -> OutputProcessor:
         """Bind one microbatch: ``f(output) -> (0, {"logprobs": [B, S], "teacher_full_payload":
         [B, S, D]})``.
@@ -269,15 +276,18 @@ class TeacherFullPayloadPostProcessor:
             cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
             original_seq_length: Width before dense padding.
             hidden_states: Captured pre-LM-head states ``[S/CP, B, H]`` (hidden-state payload).
+            groups: This rank's groups.
 
         Returns:
             The callable.
         """
-        logprobs = self.logprobs(data_dict, input_ids, cu_seqlens_padded, original_seq_length)
+        logprobs = self.logprobs(
+            data_dict, input_ids, cu_seqlens_padded, original_seq_length, groups=groups
+        )
+        g = groups
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
             loss, result = logprobs(output_tensor)
-            g = pg.current_parallel_groups()
             with torch.no_grad():
                 local = self._local_payload(output_tensor, hidden_states, g)
                 if g.cp_size > 1 and not self.cfg.sequence_packing:

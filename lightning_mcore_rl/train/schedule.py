@@ -16,6 +16,7 @@ from lightning_mcore_rl.train.forward import (
     check_fused_linear_logprobs,
     forward_with_post_processing_fn,
 )
+from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
@@ -92,6 +93,8 @@ def megatron_forward_backward(
     use_router_replay: bool = False,
     router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
+    *,
+    groups: ParallelGroups,
 ) -> list[dict[str, Any]]:
     """Run Megatron's forward-backward schedule (no pipelining, 1F1B or interleaved).
 
@@ -121,6 +124,8 @@ def megatron_forward_backward(
         use_router_replay: See :func:`forward_with_post_processing_fn`.
         router_replay_train: See :func:`forward_with_post_processing_fn`.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        groups: This rank's groups, passed to the forward step and every post-processor
+            (with ``num_microbatches``, which a :class:`LossPostProcessor` scales by).
 
     Returns:
         Per-microbatch metric dicts on the last pipeline stage, ``[]`` elsewhere.
@@ -140,6 +145,8 @@ def megatron_forward_backward(
         use_router_replay=use_router_replay,
         router_replay_train=router_replay_train,
         model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
+        groups=groups,
+        num_microbatches=num_microbatches,
     )
     chunks = model if isinstance(model, list) else [model]
     check_fused_linear_logprobs(

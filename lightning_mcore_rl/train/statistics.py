@@ -101,6 +101,16 @@ class StepOutput:
     response_length_mean: float = float("nan")
     response_length_max: float = float("nan")
 
+    def as_step_result(self) -> dict[str, Any]:
+        """``{"loss": loss, STEP_OUTPUT_KEY: self}``: what a Lightning ``training_step`` /
+        ``validation_step`` returns, so the statistics reach the callbacks'
+        ``on_train_batch_end`` / ``on_validation_batch_end`` as data."""
+        return {"loss": self.loss, STEP_OUTPUT_KEY: self}
+
+
+STEP_OUTPUT_KEY = "step_output"
+"""The key of the :class:`StepOutput` in a step's Lightning result (:meth:`StepOutput.as_step_result`)."""
+
 
 def batch_counts(batch: Mapping[str, Any]) -> dict[str, float]:
     """This DP rank's sample/token/response-length counts, on the host (no collective).

@@ -1,27 +1,27 @@
 """The ONE trainer-free entry that runs a global batch: split, megatron's schedule, statistics.
 
 ``MCoreRLStrategy`` is its only caller in the package; the Lightning layer adds nothing to the
-step's numerics. Two kinds of pass share the splitter (:func:`split_global_batch`) and the schedule
-runner (:func:`~lightning_mcore_rl.train.schedule.run_schedule`):
+step's numerics. Everything a pass reads besides the batch and the chunks comes in ONE frozen
+:class:`~lightning_mcore_rl.train.StepContext` (groups, micro-batching, policy settings, fused
+flag, sampling parameters), and what it computes comes fully built (a post-processor or a
+``forward_step_func``): nothing here calls back into the module or reads megatron's
+``parallel_state``. Two kinds of pass share the splitter (:func:`split_global_batch`) and the
+schedule runner (:func:`~lightning_mcore_rl.train.schedule.run_schedule`):
 
 * :func:`run_global_batch` — training (forward + backward) or validation (forward-only), returning
-  the step's :class:`~lightning_mcore_rl.train.statistics.StepOutput`. With a
-  ``post_processor_factory`` (the ``loss_fn`` path) each microbatch goes through
-  :func:`~lightning_mcore_rl.train.forward_with_post_processing_fn` and the factory's
-  :class:`~lightning_mcore_rl.train.LossPostProcessor`; with a ``forward_step_func`` (the LM path)
-  megatron's own ``forward_step_func`` contract applies.
+  the step's :class:`~lightning_mcore_rl.train.statistics.StepOutput`. With a ``loss``
+  post-processor (the ``loss_fn`` path) each microbatch goes through
+  :func:`~lightning_mcore_rl.train.forward_with_post_processing_fn`, which binds the context's
+  groups and the pass's ``M``; with a ``forward_step_func`` (the LM path) megatron's own
+  ``forward_step_func`` contract applies.
 * :func:`run_forward_only` — a forward-only post-processor pass (logprobs, top-k logits, teacher
   payloads), returning its per-sample outputs in the batch's order on every rank.
-
-Both run inside :func:`~lightning_mcore_rl.train.groups.use_parallel_groups`, so every
-per-microbatch callback uses the strategy's :class:`ParallelGroups` (no ``parallel_state`` reads).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -32,11 +32,11 @@ from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.data.packed_attention import check_packed_core_attention
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.train.context import Microbatching, StepContext
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
-from lightning_mcore_rl.train.groups import ParallelGroups, use_parallel_groups
+from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,
-    check_microbatching,
     layout_padding,
     process_global_batch,
 )
@@ -60,37 +60,6 @@ ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[Tensor, Callable[..., A
 InputCheck = Callable[[NonFinite | None, BaseException | None], bool]
 """``check(first_nonfinite, validation_error) -> skip``: the caller's agreement over ranks (the
 strategy's non-finite policy: one all-reduce; re-raises the error, True skips the step)."""
-
-
-@dataclass(frozen=True)
-class Microbatching:
-    """How a global batch is split into microbatches (validated once, at construction).
-
-    Attributes:
-        micro_batch_size: samples per fixed-size microbatch (must stay 1 with a token budget).
-        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed size); THD
-            tokens when packing, else rows x longest row. Needs per-sample ``input_lengths``.
-        sequence_packing: pack each microbatch into one THD row.
-        equal_shapes: every microbatch gets the same shape (pipeline parallelism: megatron's
-            p2p sends one shape); padded token-budget microbatches cannot, so that raises.
-        sequence_parallel: the model runs megatron sequence parallelism: packed spans are padded
-            to a multiple of ``2*CP*TP`` (``TP`` without CP), padded rows to a multiple of ``TP``
-            (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`).
-    """
-
-    micro_batch_size: int = 1
-    max_tokens_per_microbatch: int | None = None
-    sequence_packing: bool = False
-    equal_shapes: bool = False
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        check_microbatching(
-            self.micro_batch_size,
-            self.max_tokens_per_microbatch,
-            sequence_packing=self.sequence_packing,
-            equal_shapes=self.equal_shapes,
-        )
 
 
 def split_global_batch(
@@ -141,17 +110,14 @@ def split_lm_batch(batch: Mapping[str, Any], microbatching: Microbatching) -> li
 def run_global_batch(
     chunks: Sequence[torch.nn.Module],
     batch: Mapping[str, Any],
-    groups: ParallelGroups,
-    microbatching: Microbatching,
+    context: StepContext,
     *,
-    post_processor_factory: Callable[[int], LossPostProcessor] | None = None,
+    loss: LossPostProcessor | None = None,
     normalizations: Mapping[str, MetricNormalizer] | None = None,
     forward_step_func: ForwardStepFunc | None = None,
-    sampling_params: TrainingSamplingParams | None = None,
     forward_only: bool = False,
-    use_fused_linear_logprobs: bool = False,
-    device: torch.device | str = "cpu",
     required_keys: Sequence[str] = (),
+    required_by: str | None = None,
     input_check: InputCheck | None = None,
 ) -> StepOutput:
     """Forward(-backward) of one global batch; gradients land in the DDP buffers, finalised.
@@ -159,21 +125,17 @@ def run_global_batch(
     Args:
         chunks: this rank's (wrapped) model chunks, one per virtual pipeline stage.
         batch: this DP rank's share of the global batch ``[B, ...]``.
-        groups: this rank's groups.
-        microbatching: how the batch is split.
-        post_processor_factory: ``loss_fn`` path: ``M -> LossPostProcessor`` (the module's
-            ``loss_post_processor`` hook).
+        context: the run's groups, micro-batching, policy settings, fused flag and sampling
+            parameters (``sampling_params``: applied to the last stage's logits exactly once,
+            temperature in place, top-k/top-p by the post-processors; ``loss_fn`` path only).
+        loss: ``loss_fn`` path: the loss post-processor (built without ``num_microbatches``:
+            the forward step binds the pass's ``M``).
         normalizations: the loss's ``metric_normalizations`` (``loss_fn`` path).
         forward_step_func: LM path: megatron's ``forward_step_func`` over dict microbatches.
-        sampling_params: applied to the last stage's logits exactly once (temperature in place,
-            top-k/top-p by the post-processors); ``loss_fn`` path only.
         forward_only: no backward (validation).
-        use_fused_linear_logprobs: the last stage returns hidden states and the loss
-            post-processor computes logprobs from hidden x output weight
-            (:mod:`lightning_mcore_rl.train.fused`); ``loss_fn`` path only.
-        device: where statistics' collectives run.
         required_keys: batch keys the loss reads
             (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), checked up front.
+        required_by: the loss class, named when a ``required_keys`` key is missing.
         input_check: see :data:`InputCheck`; ``None``: a validation error raises at once and
             non-finite inputs are not looked at.
 
@@ -186,62 +148,59 @@ def run_global_batch(
             ``use_fused_linear_logprobs`` cannot serve (the LM path, top-k/top-p, non-GPT
             chunks), before any collective of the step.
     """
-    if (post_processor_factory is None) == (forward_step_func is None):
-        raise TypeError("pass exactly one of `post_processor_factory` and `forward_step_func`")
-    if use_fused_linear_logprobs and forward_step_func is not None:
+    if (loss is None) == (forward_step_func is None):
+        raise TypeError("pass exactly one of `loss` and `forward_step_func`")
+    fused = context.use_fused_linear_logprobs
+    if fused and forward_step_func is not None:
         raise ValueError(
             "`use_fused_linear_logprobs=True` needs the `MCoreRLModule(loss_fn=...)` path; the "
             "`forward_step` path computes megatron's own loss from logits"
         )
-    check_fused_linear_logprobs(chunks, None, sampling_params, use_fused_linear_logprobs)
+    sampling = context.sampling_params if loss is not None else None
+    check_fused_linear_logprobs(chunks, loss, sampling, fused)
+    microbatching, groups = context.microbatching, context.groups
     spec = BatchSpec(
         lm=forward_step_func is not None,
         vocab_size=model_vocab_size(chunks),
         required=tuple(required_keys),
+        required_by=required_by,
         needs_lengths=microbatching.sequence_packing
         or microbatching.max_tokens_per_microbatch is not None,
     )
     if _checked_inputs_skip(batch, spec, input_check):
         return StepOutput(loss=torch.tensor(float("nan")))
     counts = batch_counts(batch)
-    with use_parallel_groups(groups):
-        if forward_step_func is not None:
-            microbatches = split_lm_batch(batch, microbatching)
-            first = cast(Tensor, next(iter(microbatches[0].values())))  # [b, S]
-            outputs = run_schedule(
-                forward_step_func,
-                chunks,
-                [iter(microbatches) for _ in chunks],
-                num_microbatches=len(microbatches),
-                seq_length=first.shape[1],
-                micro_batch_size=first.shape[0],
-                forward_only=forward_only,
-            )
-            source = "forward_step"
-        else:
-            assert post_processor_factory is not None  # exactly one of the two, checked above
-            _check_per_token_loss(chunks)
-            global_batch = split_global_batch(batch, groups, microbatching)
-            post = post_processor_factory(global_batch.num_microbatches)
-            outputs = _megatron_pass(
-                chunks, global_batch, post, sampling_params, forward_only,
-                use_fused_linear_logprobs,
-            )  # fmt: skip
-            source = type(post.loss_fn).__name__
-        return reduce_step_statistics(
-            outputs, counts, groups, normalizations=normalizations, source=source, device=device
+    if forward_step_func is not None:
+        microbatches = split_lm_batch(batch, microbatching)
+        first = cast(Tensor, next(iter(microbatches[0].values())))  # [b, S]
+        outputs = run_schedule(
+            forward_step_func,
+            chunks,
+            [iter(microbatches) for _ in chunks],
+            num_microbatches=len(microbatches),
+            seq_length=first.shape[1],
+            micro_batch_size=first.shape[0],
+            forward_only=forward_only,
         )
+        source = "forward_step"
+    else:
+        assert loss is not None  # exactly one of the two, checked above
+        _check_per_token_loss(chunks)
+        global_batch = split_global_batch(batch, groups, microbatching)
+        outputs = _megatron_pass(chunks, global_batch, loss, context, forward_only)
+        source = type(loss.loss_fn).__name__
+    return reduce_step_statistics(
+        outputs, counts, groups, normalizations=normalizations, source=source,
+        device=context.device,
+    )  # fmt: skip
 
 
 def run_forward_only(
     chunks: Sequence[torch.nn.Module],
     batch: Mapping[str, Any],
-    groups: ParallelGroups,
-    microbatching: Microbatching,
+    context: StepContext,
     post_processor: PostProcessingFunction,
     *,
-    sampling_params: TrainingSamplingParams | None = None,
-    use_fused_linear_logprobs: bool = False,
     input_check: InputCheck | None = None,
 ) -> dict[str, Tensor]:
     """A forward-only pass with ``post_processor`` (dropout off, train mode restored after).
@@ -257,19 +216,19 @@ def run_forward_only(
             ``use_fused_linear_logprobs`` cannot serve (top-k logits, teacher payloads,
             top-k/top-p), before any collective.
     """
-    check_fused_linear_logprobs(chunks, post_processor, sampling_params, use_fused_linear_logprobs)
+    check_fused_linear_logprobs(
+        chunks, post_processor, context.sampling_params, context.use_fused_linear_logprobs
+    )
+    microbatching, groups = context.microbatching, context.groups
     spec = BatchSpec(
         vocab_size=model_vocab_size(chunks),
         needs_lengths=microbatching.sequence_packing
         or microbatching.max_tokens_per_microbatch is not None,
     )
     _checked_inputs_skip(batch, spec, input_check)
-    with use_parallel_groups(groups), _eval_mode(chunks), torch.no_grad():
+    with _eval_mode(chunks), torch.no_grad():
         global_batch = split_global_batch(batch, groups, microbatching)
-        outputs = _megatron_pass(
-            chunks, global_batch, post_processor, sampling_params, True,
-            use_fused_linear_logprobs,
-        )  # fmt: skip
+        outputs = _megatron_pass(chunks, global_batch, post_processor, context, True)
     result: dict[str, Tensor] | None = None
     if groups.is_pipeline_last_stage:
         keys = [k for k in outputs[0] if isinstance(outputs[0][k], Tensor) and outputs[0][k].dim()]
@@ -300,11 +259,10 @@ def _megatron_pass(
     chunks: Sequence[torch.nn.Module],
     global_batch: GlobalBatch,
     post: PostProcessingFunction,
-    sampling_params: TrainingSamplingParams | None,
+    context: StepContext,
     forward_only: bool,
-    use_fused_linear_logprobs: bool,
 ) -> list[dict[str, Any]]:
-    _check_temperature(post, sampling_params)
+    _check_temperature(post, context.sampling_params)
     if global_batch.microbatches[0].packed_seq_params is not None:
         for chunk in chunks:
             check_packed_core_attention(chunk)  # before megatron's schedule runs
@@ -320,9 +278,10 @@ def _megatron_pass(
         forward_only=forward_only,
         global_valid_seqs=global_batch.global_valid_seqs,
         global_valid_toks=global_batch.global_valid_toks,
-        sampling_params=sampling_params,
+        sampling_params=context.sampling_params,
         enable_opd_full_capture=capture,
-        use_fused_linear_logprobs=use_fused_linear_logprobs,
+        use_fused_linear_logprobs=context.use_fused_linear_logprobs,
+        groups=context.groups,
     )
 
 

@@ -80,10 +80,11 @@ class PromptLM(MCoreRLModule):
 
         return OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0)
 
-    def training_step(self, batch: PromptBatch, batch_idx: int = 0) -> torch.Tensor:  # type: ignore[override]
+    def training_step(self, batch: PromptBatch, batch_idx: int = 0) -> dict[str, Any]:  # type: ignore[override]
         self.seen.append(batch.indices.tolist())
         tokens = batch.input_ids
-        return self.forward_backward({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}).loss
+        out = self.forward_backward({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+        return out.as_step_result()
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class ProbeModule(MCoreRLModule):
     def probe(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def training_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
+    def training_step(self, batch: Any, batch_idx: int = 0) -> dict[str, Any]:
         if batch_idx == 0:
             self.probes = self.probe()
         scope = (
@@ -129,15 +129,20 @@ class ProbeModule(MCoreRLModule):
             else contextlib.nullcontext()
         )
         with scope:
-            return self.forward_backward(self.batch).loss
+            return self.forward_backward(self.batch).as_step_result()
 
 
 # ---------------------------------------------------------------- one-hook subclasses
 
 
 class SamplingOverride(ProbeModule):
+    """Its own fit: the strategy asks ``sampling_params()`` once, in ``setup``."""
+
     def sampling_params(self) -> TrainingSamplingParams | None:
         return TrainingSamplingParams(temperature=OVERRIDE_TEMPERATURE)
+
+    def probe(self) -> dict[str, Any]:
+        return {"sampling_override": self.compute_logprobs(self.batch)}
 
 
 class LogprobsOverride(ProbeModule):
@@ -181,12 +186,11 @@ class ScaledLossPostProcessor(LossPostProcessor):
 
 
 class ScaledLoss(ProbeModule):
-    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+    def loss_post_processor(self) -> LossPostProcessor:
         assert self.loss_fn is not None
         return ScaledLossPostProcessor(
             self.loss_fn,
             self.mcore_strategy.policy_config(),
-            num_microbatches,
             sampling_params=self.sampling_params(),
         )
 
@@ -205,8 +209,6 @@ class TPProbe(ProbeModule):
             "payload_logits": self.compute_teacher_payload(b, "logits", torch.float32),
             "payload_hidden": self.compute_teacher_payload(b, "hidden_states", torch.float32),
         }
-        with _as_class(self, SamplingOverride):
-            out["sampling_override"] = self.compute_logprobs(b)
         with _as_class(self, LogprobsOverride), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "valid prev_logprobs entries are -inf" (filtered)
             out["logprobs_override"] = self.compute_logprobs(b)
@@ -270,10 +272,15 @@ def tp_hooks_rank(rank: int) -> HookRun:
     )
     module = TPProbe()
     trainer.fit(module, DataLoader(RolloutRows(2 * BATCH), batch_size=BATCH))
+    override = SamplingOverride()  # the same initial weights, probed at its first step
+    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2)
+    Trainer(**_trainer_options(2, strategy=strategy, max_steps=1)).fit(
+        override, DataLoader(RolloutRows(BATCH), batch_size=BATCH)
+    )
     ids = module.ids
     return HookRun(
         ids=ids,
-        probes=module.probes,
+        probes={**module.probes, **override.probes},
         rows=recorder.rows,
         reference=reference_forward(ids),
         global_step=trainer.global_step,

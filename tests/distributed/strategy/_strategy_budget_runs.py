@@ -37,12 +37,12 @@ class BudgetGRPOModule(PackedGRPOModule):
         super().__init__()
         self.num_microbatches: list[int] = []
 
-    def training_step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int = 0) -> dict[str, Any]:
         out = self.forward_backward(batch)
         self.num_microbatches.append(len(out.microbatch_losses))
         metrics = {f"train_{k}": v for k, v in out.metrics.items()}
         self.log_dict({"train_loss": out.loss, **metrics}, batch_size=1, prog_bar=False)
-        return out.loss
+        return out.as_step_result()
 
 
 @dataclass(frozen=True)

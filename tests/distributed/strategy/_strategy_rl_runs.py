@@ -17,6 +17,7 @@ from lightning_mcore_rl import MCoreRLModule
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 from lightning_mcore_rl.testing.training import build_training, optimizer_step
 
@@ -71,11 +72,11 @@ class GRPOModule(MCoreRLModule):
 
         return OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=1e-4, weight_decay=0.0)
 
-    def training_step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int = 0) -> dict[str, Any]:
         out = self.forward_backward(batch)
         self.microbatch_losses.append(out.microbatch_losses)
         self.log("train_loss", out.loss, batch_size=1)
-        return out.loss
+        return out.as_step_result()
 
 
 class _Logprobs(Callback):
@@ -145,6 +146,7 @@ def _bare_grpo(spec: RunSpec) -> BareRun:
         run = megatron_forward_backward(
             setup.chunks[0], batch.iterator(), batch.num_microbatches, batch.seq_length,
             batch.micro_batch_size, LogprobsPostProcessor(None), forward_only=True,
+            groups=megatron_groups(),
         )  # fmt: skip
         out.logprobs.append(torch.cat([r["logprobs"] for r in run]) if run else None)
         for chunk in setup.chunks:
@@ -154,7 +156,7 @@ def _bare_grpo(spec: RunSpec) -> BareRun:
         metrics = megatron_forward_backward(
             setup.chunks[0], batch.iterator(), batch.num_microbatches, batch.seq_length,
             batch.micro_batch_size, post, global_valid_seqs=batch.global_valid_seqs,
-            global_valid_toks=batch.global_valid_toks,
+            global_valid_toks=batch.global_valid_toks, groups=megatron_groups(),
         )  # fmt: skip
         out.losses.append(tuple(float(m["loss"]) for m in metrics))
         out.grad_norms.append(optimizer_step(setup))

@@ -73,11 +73,11 @@ class TinyGPTModule(MCoreRLModule):
 
         return MegatronOptimizerSpec(config=config, lr_scheduler=scheduler)
 
-    def training_step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int = 0) -> dict[str, Any]:
         out = self.forward_backward(batch)
         self.step_outputs.append(out)
         self.log_dict({"train_loss": out.loss}, batch_size=1)
-        return out.loss
+        return out.as_step_result()
 
 
 class Recorder(Callback):

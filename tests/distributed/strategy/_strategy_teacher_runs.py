@@ -105,14 +105,13 @@ class TeacherModule(MCoreRLModule):
 
         return OptimizerConfig(optimizer="adam", lr=self.lr, adam_eps=1e-4, weight_decay=0.0)
 
-    def loss_post_processor(self, num_microbatches: int) -> LossPostProcessor:
+    def loss_post_processor(self) -> LossPostProcessor:
         """The default one, plus the teacher's LM-head shard for hidden-state payloads."""
         assert self.loss_fn is not None
         weight = self.teacher_output_weight() if self.hidden_payload else None
         return LossPostProcessor(
             self.loss_fn,
             self.mcore_strategy.policy_config(),
-            num_microbatches,
             sampling_params=self.sampling_params(),
             teacher_output_layer_weight_by_index=None if weight is None else {0: weight},
         )
@@ -148,7 +147,7 @@ class TeacherModule(MCoreRLModule):
             ),
         }
 
-    def training_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
+    def training_step(self, batch: Any, batch_idx: int = 0) -> dict[str, Any]:
         self.student_logprobs.append(self.compute_logprobs(self.batch))
         batches = self.distillation_batch()
         if batch_idx == 0 and not self.losses:
@@ -161,7 +160,7 @@ class TeacherModule(MCoreRLModule):
             for name in LOSSES:
                 with self._loss(name):
                     self.losses[name] = float(self.forward_backward(batches[name], True).loss)
-        return self.forward_backward(batches["logits"]).loss
+        return self.forward_backward(batches["logits"]).as_step_result()
 
 
 def _values(chunks: Any) -> list[Tensor]:

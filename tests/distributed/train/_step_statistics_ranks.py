@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.losses import MetricNormalizer
+from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state
 from lightning_mcore_rl.train import ParallelGroups
 from lightning_mcore_rl.train.statistics import StepOutput, reduce_step_statistics
@@ -86,7 +87,7 @@ def _reduce(
 def statistics_run(rank: int) -> dict[str, Recorded]:
     """DP=2 (the 2-rank world): a clean step, then one with an undeclared metric on rank 1."""
     init_megatron_state()
-    groups = ParallelGroups.from_megatron()
+    groups = megatron_groups()
     assert groups.dp_size == 2
     return {"clean": _reduce(rank, groups, None), "undeclared": _reduce(rank, groups, 1)}
 
@@ -99,7 +100,7 @@ def pipeline_run(rank: int) -> dict[str, Recorded]:
     """PP=2 (DP=1): the last stage (rank 1) reduces, the first one receives the broadcast; a
     step with the usual metrics, then one with :data:`MANY` metrics."""
     init_megatron_state(pipeline_model_parallel_size=2)
-    groups = ParallelGroups.from_megatron()
+    groups = megatron_groups()
     last = groups.is_pipeline_last_stage
     many_norms = {"loss": MetricNormalizer.TOKENS}
     many_norms.update({f"metric_{i:04d}": MetricNormalizer.NONE for i in range(MANY)})

@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 from lightning_mcore_rl.data import BatchedDataDict, cp_local_indices, pack_sequences
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.ops import get_tokens_on_this_cp_rank
+from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state
 from lightning_mcore_rl.train import (
     LogprobsPostProcessor,
@@ -96,7 +97,8 @@ def _run_loss(logits_local: torch.Tensor, post: LossPostProcessor, data: Batched
               packed_seq_params: Any) -> LossCheck:  # fmt: skip
     leaf = logits_local.clone().requires_grad_(True)
     gvs, gvt = counts(data)
-    result, metrics = post(BatchedDataDict(data), packed_seq_params, gvs, gvt)(leaf)
+    bound = post(BatchedDataDict(data), packed_seq_params, gvs, gvt, groups=megatron_groups())
+    result, metrics = bound(leaf)
     # Megatron's schedule back-propagates result * CP / M (forward_step_calc_loss, 2-tuple path)
     (result * CP / M).backward()
     return LossCheck(result.detach(), metrics["loss"], leaf.grad)
@@ -127,10 +129,12 @@ def cp_run(rank: int) -> dict[str, Any]:
         out[f"packed_fuse={fuse}"] = _run_loss(packed_local, post, data, params)
     packing = {"sequence_packing": {"enabled": True}}
     ids, cu = layout["packed"].packed_full, layout["packed"].cu_seqlens_padded
-    out["logprobs_packed"] = LogprobsPostProcessor(packing)(data, ids, cu, S)(packed_local)[1]
-    out["topk_packed"] = TopkLogitsPostProcessor(packing, 3)(data, cu, S)(packed_local)[1]
+    g = megatron_groups()
+    logprobs = LogprobsPostProcessor(packing)(data, ids, cu, S, groups=g)
+    out["logprobs_packed"] = logprobs(packed_local)[1]
+    out["topk_packed"] = TopkLogitsPostProcessor(packing, 3)(data, cu, S, groups=g)(packed_local)[1]
     payload = TeacherFullPayloadPostProcessor(packing, "logits", torch.float64)
-    out["payload_packed"] = payload(data, ids, cu, S)(packed_local)[1]
+    out["payload_packed"] = payload(data, ids, cu, S, groups=g)(packed_local)[1]
     out["errors"] = _cp_without_packing_errors(data, dense_local)
     out["stats"] = _stats_check(rank)
     return out
@@ -138,12 +142,13 @@ def cp_run(rank: int) -> dict[str, Any]:
 
 def _cp_without_packing_errors(data: BatchedDataDict, dense_local: torch.Tensor) -> list[str]:
     messages = []
+    g = megatron_groups()
+    payload = TeacherFullPayloadPostProcessor(None, "logits", torch.float32)
     for fn in (
-        LogprobsPostProcessor(None)(data, data["input_ids"], None, S),
-        TopkLogitsPostProcessor(None, 2)(data, None, S),
-        TeacherFullPayloadPostProcessor(None, "logits", torch.float32)(data, data["input_ids"],
-                                                                       None, S),
-    ):  # fmt: skip
+        LogprobsPostProcessor(None)(data, data["input_ids"], None, S, groups=g),
+        TopkLogitsPostProcessor(None, 2)(data, None, S, groups=g),
+        payload(data, data["input_ids"], None, S, groups=g),
+    ):
         try:
             fn(dense_local)
         except RuntimeError as error:

@@ -19,6 +19,7 @@ from lightning_mcore_rl.data import BatchedDataDict, get_packed_local_layer_spec
 from lightning_mcore_rl.losses import ClippedPGLossFn, DPOLossFn
 from lightning_mcore_rl.models.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state
 from lightning_mcore_rl.testing.training import TrainingSetup, gather_full_tensors
 from lightning_mcore_rl.train import (
@@ -128,7 +129,7 @@ def train_step(setup: TrainingSetup, loss: str, mbs: int, packed: bool = False,
     metrics = megatron_forward_backward(
         setup.chunks[0], batch.iterator(), batch.num_microbatches, batch.seq_length,
         batch.micro_batch_size, post, global_valid_seqs=batch.global_valid_seqs,
-        global_valid_toks=batch.global_valid_toks,
+        global_valid_toks=batch.global_valid_toks, groups=megatron_groups(),
     )  # fmt: skip
     local = sum(float(m["loss"]) for m in metrics)
     _, global_loss = aggregate_training_statistics(metrics, [local], dp_group)
@@ -148,7 +149,7 @@ def _forward_only(setup: TrainingSetup, post: Any, packed: bool, temperature: fl
     return megatron_forward_backward(
         setup.chunks[0], batch.iterator(), batch.num_microbatches, batch.seq_length,
         batch.micro_batch_size, post, forward_only=True,
-        sampling_params=TrainingSamplingParams(temperature=temperature),
+        sampling_params=TrainingSamplingParams(temperature=temperature), groups=megatron_groups(),
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from lightning_mcore_rl.losses import (
     prepare_loss_input,
     wrap_loss_fn_with_input_preparation,
 )
-from lightning_mcore_rl.train import LossPostProcessor, ParallelGroups, use_parallel_groups
+from lightning_mcore_rl.train import LossPostProcessor, ParallelGroups
 
 LN = math.log
 G1 = FakeGroup()  # size 1: the TP path on one process, no collective is ever issued
@@ -246,8 +246,10 @@ def test_loss_post_processor_wraps_draft_batches_with_the_reference_arguments() 
         dp_group=g, dp_rank=0, dp_size=1, cp_group=g, cp_rank=0, cp_size=1,
     )  # fmt: skip
     post = LossPostProcessor(NLLLossFn(), {"draft": {"loss_weight": 0.5}})
-    with use_parallel_groups(groups):
-        loss, metrics = post(data, None, torch.tensor(1.0), torch.tensor(1.0))(policy_logits)
+    bound = post(
+        data, None, torch.tensor(1.0), torch.tensor(1.0), groups=groups, num_microbatches=1
+    )
+    loss, metrics = bound(policy_logits)
     assert metrics["draft_loss"].item() == pytest.approx(DRAFT_CE, rel=1e-6)
     assert loss.item() == pytest.approx(-LN(0.75) + 0.5 * DRAFT_CE, rel=1e-6)
 

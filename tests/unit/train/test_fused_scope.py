@@ -193,10 +193,8 @@ def test_run_global_batch_rejects_fused_lm_path_before_any_collective() -> None:
         tp_group=g, tp_rank=0, tp_size=1, pp_group=g, pp_rank=0, pp_size=1, pp_last_rank=0,
         dp_group=g, dp_rank=0, dp_size=1, cp_group=g, cp_rank=0, cp_size=1,
     )  # fmt: skip
-    from lightning_mcore_rl.train import Microbatching
+    from lightning_mcore_rl.train import StepContext
 
+    context = StepContext(groups, use_fused_linear_logprobs=True)
     with pytest.raises(ValueError, match="needs the `MCoreRLModule\\(loss_fn=...\\)` path"):
-        run_global_batch(
-            [torch.nn.Linear(2, 2)], {}, groups, Microbatching(),
-            forward_step_func=lambda *a: None, use_fused_linear_logprobs=True,
-        )  # fmt: skip
+        run_global_batch([torch.nn.Linear(2, 2)], {}, context, forward_step_func=lambda *a: None)

@@ -1,12 +1,10 @@
 """Single-process checks of the training-step layer: contracts, scaling, errors.
 
-Post-processors get size-1 fake groups through ``use_parallel_groups`` (the scope the step
-entry opens); model calls use small stand-in modules.
+Post-processors get size-1 fake groups explicitly (``groups=``, as the forward step passes the
+step context's); model calls use small stand-in modules.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,15 +33,15 @@ from lightning_mcore_rl.train import (
 from lightning_mcore_rl.train import groups as groups_module
 
 
-@pytest.fixture
-def fake_groups() -> Iterator[None]:
+def _groups() -> groups_module.ParallelGroups:
     g = FakeGroup()
-    groups = groups_module.ParallelGroups(
+    return groups_module.ParallelGroups(
         tp_group=g, tp_rank=0, tp_size=1, pp_group=g, pp_rank=0, pp_size=1, pp_last_rank=0,
         dp_group=g, dp_rank=0, dp_size=1, cp_group=g, cp_rank=0, cp_size=1,
     )  # fmt: skip
-    with groups_module.use_parallel_groups(groups):
-        yield
+
+
+G = _groups()
 
 
 def _data() -> BatchedDataDict:
@@ -93,12 +91,11 @@ def test_policy_config_from_nemo_mapping() -> None:
         load_policy_config(3)
 
 
-@pytest.mark.usefixtures("fake_groups")
 def test_loss_post_processor_scales_by_microbatches_over_cp_squared() -> None:
     data = _data()
     logits = torch.randn(2, 5, 8)
     post = LossPostProcessor(NLLLossFn(), None, num_microbatches=4)
-    loss, metrics = post(data, None, torch.tensor(2.0), torch.tensor(5.0))(logits)
+    loss, metrics = post(data, None, torch.tensor(2.0), torch.tensor(5.0), groups=G)(logits)
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
     expected = -(lp * data["token_mask"][:, 1:]).sum() / 5.0
     assert float(metrics["loss"]) == pytest.approx(float(expected), abs=1e-6)
@@ -107,20 +104,46 @@ def test_loss_post_processor_scales_by_microbatches_over_cp_squared() -> None:
     assert float(metrics["loss"]) == pytest.approx(float(expected), abs=1e-6)
 
 
-@pytest.mark.usefixtures("fake_groups")
 def test_direct_prepacked_sft_loss() -> None:
     data = _data()
     per_token = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
     post = LossPostProcessor(NLLLossFn(), None, num_microbatches=2)
-    loss, metrics = post(data, None, None, torch.tensor(4.0), prepacked_loss_mask=mask)(per_token)
+    loss, metrics = post(data, None, None, torch.tensor(4.0), prepacked_loss_mask=mask, groups=G)(
+        per_token
+    )
     assert float(metrics["loss"]) == pytest.approx(8.0 / 4.0)  # (1 + 3 + 4) / N_t
     assert float(loss) == pytest.approx(2 * 2.0)
     assert float(metrics["num_valid_samples"]) == 2
     with pytest.raises(ValueError, match="loss and loss mask shapes must match"):
-        post(data, None, None, torch.tensor(4.0), prepacked_loss_mask=mask[:, :3])(per_token)
+        post(data, None, None, torch.tensor(4.0), prepacked_loss_mask=mask[:, :3], groups=G)(
+            per_token
+        )
     with pytest.raises(TypeError, match="requires the loss function to be NLLLossFn"):
-        LossPostProcessor(ClippedPGLossFn(), None)(data, prepacked_loss_mask=mask)
+        LossPostProcessor(ClippedPGLossFn(), None, 1)(data, prepacked_loss_mask=mask, groups=G)
+
+
+def test_loss_post_processor_takes_the_pass_microbatch_count() -> None:
+    """Built without ``M`` (the module hooks), the pass's ``M`` scales the loss; one built with
+    another ``M`` than the pass's, or no ``M`` at all, is refused before any forward output."""
+    data = _data()
+    logits = torch.randn(2, 5, 8)
+    counts = (None, torch.tensor(5.0))
+    hook = LossPostProcessor(NLLLossFn(), None)
+    loss, metrics = hook(data, None, *counts, groups=G, num_microbatches=3)(logits)
+    assert float(loss) == pytest.approx(3 * float(metrics["loss"]), abs=1e-6)  # M=3, CP=1
+    with pytest.raises(ValueError, match="needs the pass's `num_microbatches`"):
+        hook(data, None, *counts, groups=G)
+    with pytest.raises(ValueError, match="built with num_microbatches=2 but the pass runs 3"):
+        LossPostProcessor(NLLLossFn(), None, 2)(data, None, *counts, groups=G, num_microbatches=3)
+
+
+def test_padding_mask_cp_slicing_needs_the_groups() -> None:
+    from lightning_mcore_rl.train import _prepare_padding_mask_for_model
+
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="needs `groups`.*got groups=None"):
+        _prepare_padding_mask_for_model(_Model(), mask, model_slices_context_parallel_inputs=True)
 
 
 def test_loss_post_processor_argument_errors() -> None:
@@ -130,7 +153,6 @@ def test_loss_post_processor_argument_errors() -> None:
         LossPostProcessor(NLLLossFn(), None, defer_draft_normalization=True)
 
 
-@pytest.mark.usefixtures("fake_groups")
 def test_fused_packed_loss_rejects_a_custom_prepare_fn() -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -139,10 +161,9 @@ def test_fused_packed_loss_rejects_a_custom_prepare_fn() -> None:
     cfg = {"sequence_packing": {"enabled": True, "fuse_loss": True}}
     post = LossPostProcessor(NLLLossFn(), cfg, prepare_fn=lambda *a: None)
     with pytest.raises(ValueError, match="custom `prepare_fn`"):
-        post(_data(), params)
+        post(_data(), params, groups=G, num_microbatches=1)
 
 
-@pytest.mark.usefixtures("fake_groups")
 def test_pairwise_losses_refuse_the_per_sequence_packed_wrapper() -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -154,16 +175,17 @@ def test_pairwise_losses_refuse_the_per_sequence_packed_wrapper() -> None:
     packed = {"sequence_packing": {"enabled": True}}
     for loss_fn in (DPOLossFn(), PreferenceLossFn()):
         with pytest.raises(ValueError, match="scores chosen/rejected pairs.*fuse_loss=True"):
-            LossPostProcessor(loss_fn, packed)(_data(), params)
+            LossPostProcessor(loss_fn, packed)(_data(), params, groups=G, num_microbatches=1)
     assert loss_input_keys(DPOLossFn()) == ("token_mask", "reference_policy_logprobs")
 
 
-@pytest.mark.usefixtures("fake_groups")
 def test_logprobs_post_processor_prepends_zero_and_truncates() -> None:
     data = _data()
     logits = torch.randn(2, 7, 8)  # dense padding to 7 (pipeline parallelism)
     data_padded = BatchedDataDict(data)
-    loss, out = LogprobsPostProcessor(None)(data_padded, data["input_ids"], None, 5)(logits)
+    loss, out = LogprobsPostProcessor(None)(data_padded, data["input_ids"], None, 5, groups=G)(
+        logits
+    )
     lp = torch.log_softmax(logits[:, :4], -1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
     assert float(loss) == 0.0
     assert out["logprobs"].shape == (2, 5)
@@ -178,17 +200,18 @@ def test_post_processor_argument_errors() -> None:
         TeacherFullPayloadPostProcessor(None, "probs", torch.float32)
 
 
-@pytest.mark.usefixtures("fake_groups")
 def test_teacher_payload_errors() -> None:
     data = _data()
     post = TeacherFullPayloadPostProcessor(None, "hidden_states", torch.float32)
     with pytest.raises(ValueError, match="enable_opd_full_capture"):
-        post(data, data["input_ids"], None, 5)(torch.randn(2, 5, 8))
+        post(data, data["input_ids"], None, 5, groups=G)(torch.randn(2, 5, 8))
     split = torch.randn(2, 2, 3)  # [S/TP, B, H] under sequence parallelism
     with pytest.raises(ValueError, match="sequence-parallel"):
-        post(data, data["input_ids"], None, 5, hidden_states=split)(torch.randn(2, 5, 8))
+        post(data, data["input_ids"], None, 5, hidden_states=split, groups=G)(torch.randn(2, 5, 8))
     hidden = torch.randn(5, 2, 3)
-    _, out = post(data, data["input_ids"], None, 5, hidden_states=hidden)(torch.randn(2, 5, 8))
+    _, out = post(data, data["input_ids"], None, 5, hidden_states=hidden, groups=G)(
+        torch.randn(2, 5, 8)
+    )
     assert torch.equal(out["teacher_full_payload"], hidden.transpose(0, 1))
 
 
@@ -237,12 +260,12 @@ def test_model_forward_rejects_unsupported_features() -> None:
 def test_forward_step_rejects_unknown_post_processors_and_missing_components() -> None:
     never = iter(())  # nothing is consumed before the checks
     with pytest.raises(TypeError, match="Unknown post-processing function type"):
-        forward_with_post_processing_fn(never, _Model(), lambda *a: None)
+        forward_with_post_processing_fn(never, _Model(), lambda *a: None, groups=G)
     post = LogprobsPostProcessor(None)
     with pytest.raises(NotImplementedError, match="router replay"):
-        forward_with_post_processing_fn(never, _Model(), post, use_router_replay=True)
+        forward_with_post_processing_fn(never, _Model(), post, use_router_replay=True, groups=G)
     with pytest.raises(NotImplementedError, match="draft-model"):
-        forward_with_post_processing_fn(never, _Model(), post, draft_model=object())
+        forward_with_post_processing_fn(never, _Model(), post, draft_model=object(), groups=G)
 
 
 class _Chunk(nn.Module):

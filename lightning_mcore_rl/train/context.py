@@ -1,0 +1,75 @@
+"""The step's frozen context: everything a pass reads besides the batch and the chunks.
+
+The strategy builds ONE :class:`StepContext` in ``setup`` (its groups, micro-batching, policy
+settings, the fused-logprobs flag and the module's sampling parameters, asked once) and passes
+it down explicitly: :func:`~lightning_mcore_rl.train.run_global_batch` hands its groups to the
+forward step and to every post-processor; nothing below reads megatron's ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.train.config import PolicyConfig
+from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.train.microbatch import check_microbatching
+
+
+@dataclass(frozen=True)
+class Microbatching:
+    """How a global batch is split into microbatches (validated once, at construction).
+
+    Attributes:
+        micro_batch_size: samples per fixed-size microbatch (must stay 1 with a token budget).
+        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed size); THD
+            tokens when packing, else rows x longest row. Needs per-sample ``input_lengths``.
+        sequence_packing: pack each microbatch into one THD row.
+        equal_shapes: every microbatch gets the same shape (pipeline parallelism: megatron's
+            p2p sends one shape); padded token-budget microbatches cannot, so that raises.
+        sequence_parallel: the model runs megatron sequence parallelism: packed spans are padded
+            to a multiple of ``2*CP*TP`` (``TP`` without CP), padded rows to a multiple of ``TP``
+            (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`).
+    """
+
+    micro_batch_size: int = 1
+    max_tokens_per_microbatch: int | None = None
+    sequence_packing: bool = False
+    equal_shapes: bool = False
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        check_microbatching(
+            self.micro_batch_size,
+            self.max_tokens_per_microbatch,
+            sequence_packing=self.sequence_packing,
+            equal_shapes=self.equal_shapes,
+        )
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every pass of a run reads, frozen (built once by the strategy's ``setup``).
+
+    Attributes:
+        groups: this rank's process groups, ranks and sizes.
+        microbatching: how a global batch is split.
+        policy: the post-processors' settings (packing, logprob chunk size).
+        use_fused_linear_logprobs: the last stage returns hidden states and the loss / logprobs
+            post-processors compute logprobs from hidden x output weight.
+        sampling_params: the module's sampling parameters (temperature applied once to the
+            last stage's logits; top-k/top-p by the post-processors), ``None``: plain softmax.
+        device: where the step's collectives' tensors live (the CUDA device under NCCL).
+    """
+
+    groups: ParallelGroups
+    microbatching: Microbatching = field(default_factory=Microbatching)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    use_fused_linear_logprobs: bool = False
+    sampling_params: TrainingSamplingParams | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+__all__ = ["Microbatching", "StepContext"]
