@@ -209,13 +209,33 @@ CPU_EXPECTED_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
 )
 
 
+LIGHTNING_EXPECTED_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    # EvaluationLoop.setup_data: the recipes' DataModules return `[]` from `val_dataloader`
+    # for "no validation set" (the default); an empty `DataLoader` still warns
+    (
+        r"Total length of `list` across ranks is zero\. Please make sure this was your "
+        r"intention\.",
+        UserWarning,
+        r"lightning\.pytorch\.utilities\.data",
+    ),
+    # lightning 2.6's pytree helper builds a `LeafSpec`, deprecated by torch 2.13 (same tree)
+    (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        FutureWarning,
+        r"lightning\.pytorch\.utilities\._pytree",
+    ),
+)
+
+
 def filter_expected_warnings(cpu: bool = False) -> None:
     """Ignore the warnings megatron-core issues in every run without Transformer Engine / Apex
-    (:data:`EXPECTED_WARNINGS`); ``cpu=True`` also ignores its CUDA-only hints
+    (:data:`EXPECTED_WARNINGS`) and the two Lightning warnings every recipe run printed
+    (:data:`LIGHTNING_EXPECTED_WARNINGS`); ``cpu=True`` also ignores megatron's CUDA-only hints
     (:data:`CPU_EXPECTED_WARNINGS`). Every other warning, megatron's included, still shows.
 
     Process-wide and idempotent (``warnings.filterwarnings`` drops duplicate filters); call it
     before megatron-core is imported, as its Transformer Engine / Apex warnings fire at import.
     """
-    for message, category, module in EXPECTED_WARNINGS + (CPU_EXPECTED_WARNINGS if cpu else ()):
+    expected = EXPECTED_WARNINGS + LIGHTNING_EXPECTED_WARNINGS
+    for message, category, module in expected + (CPU_EXPECTED_WARNINGS if cpu else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
