@@ -21,8 +21,10 @@ the keys of its span at global positions ``<=`` its own. Per rank the cost is ``
 Supported with packing: learned absolute position embeddings with per-document ``position_ids``
 (:func:`~lightning_mcore_rl.data.packing.packed_position_ids`, laid out like the CP shard) and RoPE
 (megatron's attention applies it per span from ``cu_seqlens_q_padded`` with CP-aware positions,
-``rope_utils._apply_rotary_pos_emb_thd``). Not supported: CP on padded input (CP needs packing),
-sliding windows and non-vanilla softmax; these raise.
+``rope_utils._apply_rotary_pos_emb_thd``) and causal sliding windows (``config.window_size =
+(left, 0)`` on the layers ``window_attn_skip_freq`` selects: query ``i`` attends keys
+``i - left <= j <= i`` of its span). Not supported: CP on padded input (CP needs packing),
+windows looking ahead (``right != 0``) and non-vanilla softmax; these raise.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from lightning_mcore_rl.data.packing import cp_local_indices
 from lightning_mcore_rl.ops.context_parallel import (
@@ -58,8 +61,8 @@ class PackedDotProductAttention(MegatronModule):
     * packed (thd): ``query [T, np, hn]``, ``key/value [T, ng, hn]`` -> ``[T, np*hn]``
 
     Output ``o_t = sum_{s <= t, s in span(t)} softmax_s(scale * q_t . k_s) v_s``: tokens attend
-    causally within their own span only. Padding is part of each span, so real tokens (which
-    precede their span's padding) never see it. Under CP, ``T`` above is this rank's ``T/CP``
+    causally within their own span only (and ``s >= t - window_size[0]`` on a windowed layer).
+    Padding is part of each span, so real tokens (which precede their span's padding) never see it. Under CP, ``T`` above is this rank's ``T/CP``
     tokens (its zigzag shard of every span) and ``t``, ``s`` are positions in the full span.
 
     Args:
@@ -87,8 +90,11 @@ class PackedDotProductAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.window_size is not None:
-            raise ValueError(f"sliding-window attention is unsupported, got {config.window_size}")
+        window = config.window_size
+        if window is not None and window[1] != 0:
+            raise ValueError(f"only causal windows `window_size = (left, 0)` work, got {window}")
+        windowed = is_layer_window_attention(window, config.window_attn_skip_freq, layer_number)
+        self.window_left = window[0] if windowed and window is not None and window[0] >= 0 else None
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type must be 'vanilla', got {config.softmax_type!r}")
         if pg_collection is None:
@@ -195,7 +201,11 @@ class PackedDotProductAttention(MegatronModule):
                 continue
             # [L, h, d] -> [1, h, L, d]: one span, attended causally on its own
             q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            pieces.append(self._attend(q, k, v, attn_mask=None, is_causal=True)[0])
+            if self.window_left is None:
+                pieces.append(self._attend(q, k, v, attn_mask=None, is_causal=True)[0])
+                continue
+            span = torch.arange(end - start, device=query.device)
+            pieces.append(self._attend(q, k, v, self._allowed(span, span), is_causal=False)[0])
         # [np, T, hn] -> [T, np*hn]
         return torch.cat(pieces, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
 
@@ -225,12 +235,21 @@ class PackedDotProductAttention(MegatronModule):
             # this rank's query positions inside the span (chunks r and 2CP-1-r of 2CP)
             span = torch.arange(end - start, device=query.device)
             q_pos = get_tokens_on_this_cp_rank(span, cp_rank, cp_size, seq_dim=0)  # [L/CP]
-            allowed = q_pos[:, None] >= span[None, :]  # [L/CP, L], True = attends (causal)
+            allowed = self._allowed(q_pos, span)  # [L/CP, L]
             q = query[start // cp_size : end // cp_size].transpose(0, 1).unsqueeze(0)
             k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (full_key, full_value))
             pieces.append(self._attend(q, k, v, attn_mask=allowed, is_causal=False)[0])
         # [np, T/CP, hn] -> [T/CP, np*hn]
         return torch.cat(pieces, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """``[len(q_pos), len(k_pos)]``, True where the query attends the key: causal, and
+        ``q - k <= window_size[0]`` on a windowed layer."""
+        offset = q_pos[:, None] - k_pos[None, :]
+        allowed = offset >= 0
+        if self.window_left is not None:
+            allowed &= offset <= self.window_left
+        return allowed
 
     def _attend(
         self,

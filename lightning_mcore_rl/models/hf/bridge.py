@@ -87,7 +87,7 @@ class HFBridge:
     """A Hugging Face checkpoint directory seen as megatron-core ``GPTModel`` chunks.
 
     Supported ``model_type``: ``llama`` (incl. llama3 RoPE scaling), ``qwen2``, ``qwen3``,
-    ``mistral`` (no active sliding window). Build with :meth:`from_pretrained`.
+    ``mistral`` (sliding windows included). Build with :meth:`from_pretrained`.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -181,24 +181,16 @@ class HFBridge:
             transformer_layer_spec: default :func:`default_layer_spec`.
 
         Raises:
-            ValueError: ``vocab_size``, heads, query groups or MLP width not divisible by TP
+            ValueError: the layers do not split evenly over ``config``'s PP (and VPP) stages, or
+                ``vocab_size``, key/value heads or MLP width are not divisible by its TP size
                 (the vocab is never padded), or a loaded shard of the wrong shape.
         """
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
+        check_parallel_layout(self.arch, config)
         tp = ps.get_tensor_model_parallel_world_size()
         arch = self.arch
-        for field, size in (
-            ("vocab_size", arch.vocab_size),
-            ("num_key_value_heads", arch.num_query_groups),
-            ("intermediate_size", arch.ffn_hidden_size),
-        ):
-            if size % tp != 0:
-                raise ValueError(
-                    f"`{field}` ({size}) must be divisible by the tensor-parallel size ({tp}); "
-                    "the vocabulary is not padded (see docs/models.md)."
-                )
         model = GPTModel(
             config=config,
             transformer_layer_spec=transformer_layer_spec or default_layer_spec(arch),
@@ -326,6 +318,57 @@ class HFBridge:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.directory))
+
+
+_TP_REMEDY = {
+    "vocab_size": "the vocabulary is not padded (see docs/models.md)",
+    "num_key_value_heads": "the bridge gives each TP rank whole key/value heads (no replication)",
+    "intermediate_size": "each TP rank holds an equal slice of the MLP",
+}
+
+
+def check_parallel_layout(arch: Architecture, config: TransformerConfig) -> None:
+    """Refuse a layout megatron would stop with a bare ``AssertionError`` or that would need
+    padding: layers not split evenly over PP (x VPP), unless ``config`` asks megatron for an
+    uneven split (``num_layers_in_first/last_pipeline_stage``, ``account_for_*``), or TP not
+    dividing the vocab, key/value heads or MLP width. Reads only ``config``'s sizes, so it runs
+    before any collective.
+
+    Raises:
+        ValueError: naming the HF field, the sizes and the remedy.
+    """
+    uneven = (
+        config.num_layers_in_first_pipeline_stage is not None
+        or config.num_layers_in_last_pipeline_stage is not None
+        or config.account_for_embedding_in_pipeline_split
+        or config.account_for_loss_in_pipeline_split
+    )
+    layers, pp = config.num_layers, config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    if not uneven and layers % pp != 0:
+        raise ValueError(
+            f"`num_hidden_layers` ({layers}) must be divisible by the pipeline-parallel size "
+            f"({pp}): every stage builds the same number of layers. Use a PP size that divides "
+            f"{layers}."
+        )
+    if not uneven and vpp is not None and pp > 1 and (layers // pp) % vpp != 0:
+        raise ValueError(
+            f"`num_hidden_layers` ({layers}) over the pipeline-parallel size ({pp}) gives "
+            f"{layers // pp} layers per stage, which the virtual pipeline size ({vpp}) does not "
+            f"divide. Use sizes with num_hidden_layers divisible by PP x VPP ({pp * vpp}), "
+            "or no virtual pipeline."
+        )
+    tp = config.tensor_model_parallel_size
+    for field, size in (
+        ("vocab_size", arch.vocab_size),
+        ("num_key_value_heads", arch.num_query_groups),
+        ("intermediate_size", arch.ffn_hidden_size),
+    ):
+        if size % tp != 0:
+            raise ValueError(
+                f"`{field}` ({size}) must be divisible by the tensor-parallel size ({tp}): "
+                f"{_TP_REMEDY[field]}. Use a TP size that divides {size}."
+            )
 
 
 def _group_names(key: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:

@@ -52,6 +52,23 @@ def hf_configs() -> dict[str, Any]:
     }
 
 
+def window_configs() -> dict[str, Any]:
+    """Sliding-window architectures shorter than ``SEQ`` (and ``PACKED_LENGTHS[0]``): Mistral
+    windowed on every layer, one whose window equals ``max_position_embeddings`` (run past it),
+    and Qwen2 windowed from layer ``max_window_layers = 1`` on (the PP=2 stage 1 layer)."""
+    import transformers as t
+
+    return {
+        "mistral_window": t.MistralConfig(**_COMMON, sliding_window=4),
+        "mistral_window_at_max": t.MistralConfig(
+            **_COMMON, sliding_window=8, max_position_embeddings=8
+        ),
+        "qwen2_window": t.Qwen2Config(
+            **_COMMON, use_sliding_window=True, sliding_window=3, max_window_layers=1
+        ),
+    }
+
+
 def tiny_tokenizer() -> Any:
     """A WordLevel tokenizer (``PreTrainedTokenizerFast``) with a simple chat template."""
     words = ["<unk>", "<pad>", "<s>", "</s>", "<user>", "<assistant>", "hello", "world", "hi"]
@@ -203,3 +220,35 @@ def vocab_error_ranks(rank: int, directory: str) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+@torch.no_grad()
+def cp_window_ranks(rank: int, dirs: dict[str, str]) -> dict[str, torch.Tensor]:
+    """CP=2 import of each model; packed ``PACKED_LENGTHS`` input (spans padded to 2*CP) run on
+    each rank's zigzag shard, gathered over CP and unpacked to ``[2, SEQ, V]`` logits."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from lightning_mcore_rl.data import pack_sequences, packed_position_ids, unpack_sequences
+    from lightning_mcore_rl.data.packing import restore_packed_from_cp_shards
+    from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.testing import init_megatron_state
+
+    init_megatron_state(context_parallel_size=2)
+    cp_rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    packed = pack_sequences(
+        input_ids(), torch.tensor(PACKED_LENGTHS), pad_individual=4, cp_rank=cp_rank, cp_size=2
+    )
+    positions = packed_position_ids(packed.cu_seqlens_padded, cp_rank, 2)
+    results = {}
+    for name, directory in dirs.items():
+        bridge = HFBridge.from_pretrained(directory)
+        chunk = bridge.build_chunk(bridge.transformer_config()).eval()
+        local = chunk(
+            packed.packed_local, positions, None, packed_seq_params=packed.packed_seq_params
+        ).contiguous()  # [1, T/CP, V]
+        shards = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(shards, local, group=group)
+        full = restore_packed_from_cp_shards(shards, packed.cu_seqlens_padded)
+        results[name] = unpack_sequences(full, packed.cu_seqlens, packed.cu_seqlens_padded, SEQ)
+    return results

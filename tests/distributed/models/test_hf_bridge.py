@@ -1,10 +1,13 @@
 """HFBridge on gloo CPU ranks: tiny random Llama (plain and llama3 RoPE scaling), Qwen2 (tied
 embeddings, qkv bias), Qwen3 (q/k norm, explicit head_dim) and Mistral imported at TP=1, TP=2,
 PP=2 (+ a 4-layer PP=2 x VPP=2 Llama) and TP=2 x PP=2 give the ``transformers`` logits on padded
-and packed (THD) input; the export and ``save_pretrained`` reproduce the source bitwise."""
+and packed (THD) input; the export and ``save_pretrained`` reproduce the source bitwise. Sliding
+windows (Mistral, Qwen2 ``layer_types``) shorter than the sequence, and one equal to
+``max_position_embeddings`` run past it, match too at TP=2, PP=2 and (packed) CP=2."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -12,11 +15,13 @@ import torch
 from _hf_ranks import (
     PACKED_LENGTHS,
     build_hf_model,
+    cp_window_ranks,
     hf_configs,
     hf_logits,
     input_ids,
     layout_ranks,
     vocab_error_ranks,
+    window_configs,
 )
 from safetensors.torch import load_file
 
@@ -30,6 +35,15 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     root = tmp_path_factory.mktemp("hf")
     models = {}
     for seed, (name, config) in enumerate(hf_configs().items()):
+        models[name] = (root / name, build_hf_model(config, root / name, seed))
+    return models
+
+
+@pytest.fixture(scope="module")
+def window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    root = tmp_path_factory.mktemp("hf_window")
+    models = {}
+    for seed, (name, config) in enumerate(window_configs().items(), start=20):
         models[name] = (root / name, build_hf_model(config, root / name, seed))
     return models
 
@@ -102,6 +116,30 @@ def test_import_matches_transformers_and_round_trips(hf_models, tmp_path, tp, pp
     results = _run(hf_models, tp * pp, tp, pp, None, tmp_path)
     diffs = _check_layout(results, hf_models, tmp_path)
     print(f"TP={tp} PP={pp} max logit diffs: {diffs}")
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_sliding_window_matches_transformers_past_the_window(window_models, tmp_path, tp, pp):
+    # SEQ = 10 and the packed 7-token sequence exceed every window (4, 8 = max positions, 3)
+    diffs = _check_layout(
+        _run(window_models, tp * pp, tp, pp, None, tmp_path), window_models, tmp_path
+    )
+    print(f"sliding window TP={tp} PP={pp} max logit diffs: {diffs}")
+
+
+def test_sliding_window_packed_context_parallel_matches_transformers(window_models):
+    dirs = {name: str(directory) for name, (directory, _) in window_models.items()}
+    results = run_on_ranks(cp_window_ranks, 2, dirs, timeout=240)
+    ids = input_ids()
+    diffs = {}
+    for name, (_, hf_model) in window_models.items():
+        worst = 0.0
+        for result, (row, length) in itertools.product(results, enumerate(PACKED_LENGTHS)):
+            alone = hf_logits(hf_model, ids[row : row + 1, :length])[0]
+            worst = max(worst, (result[name][row, :length] - alone).abs().max().item())
+        assert worst <= ATOL, f"{name}: max |megatron CP=2 - transformers| logits = {worst:.3g}"
+        diffs[name] = worst
+    print(f"sliding window CP=2 packed max logit diffs: {diffs}")
 
 
 def test_pipeline_2_virtual_2_matches_transformers(vpp_model, tmp_path):

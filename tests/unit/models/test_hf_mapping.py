@@ -1,5 +1,6 @@
-"""HFBridge building blocks without ranks: config mapping and its errors, the weight-name map
-(local and Transformer Engine layouts), the TP slice layouts and bad checkpoint directories."""
+"""HFBridge building blocks without ranks: config mapping (transformers' defaults for missing
+keys, sliding windows) and its errors, the weight-name map (local and Transformer Engine layouts),
+the TP slice layouts, bad checkpoint directories and parallel layouts refused before megatron."""
 
 from __future__ import annotations
 
@@ -61,19 +62,39 @@ def test_config_fields_map_each_family():
     arch = parse_architecture(legacy)
     assert (arch.rotary_base, arch.rope_scaling_factor) == (1e6, 8.0)
     mistral = parse_architecture({**BASE, "model_type": "mistral", "sliding_window": 256})
-    assert mistral.rope_scaling_factor is None  # a window covering every position is inactive
+    # transformers' window w: query i attends keys i-w < j <= i; megatron's (left, right)
+    assert mistral.config_fields()["window_size"] == (255, 0)
+    assert mistral.config_fields()["window_attn_skip_freq"] is None  # every layer
+    assert "window_size" not in parse_architecture(BASE).config_fields()
+    # Qwen2: transformers windows the layers from max_window_layers on (layer_types)
+    qwen2_window = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    fields = parse_architecture({**BASE, "model_type": "qwen2", **qwen2_window}).config_fields()
+    assert (fields["window_size"], fields["window_attn_skip_freq"]) == ((7, 0), [0, 1])
+    no_window = parse_architecture({**BASE, "model_type": "qwen2", "sliding_window": 8})
+    assert no_window.sliding_window is None  # use_sliding_window defaults to false
+    # Qwen2's modeling code never reads attention_bias (its q/k/v always have one, o_proj never)
+    assert parse_architecture({**BASE, "model_type": "qwen2", "attention_bias": True}).qkv_bias
 
 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
         ({"model_type": "gpt2"}, r"Unsupported Hugging Face `model_type` 'gpt2'"),
-        ({"model_type": "mistral", "sliding_window": 16}, r"`sliding_window` = 16"),
+        ({"model_type": "mistral", "sliding_window": 0}, r"`sliding_window` = 0: a window is"),
         (
             {"model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"]},
-            r"`layer_types`",
+            r"`layer_types` = .*'sliding_attention' layers need a `sliding_window`",
         ),
-        ({"model_type": "qwen2", "use_sliding_window": True}, r"`use_sliding_window` = True"),
+        (
+            {"model_type": "qwen3", "layer_types": ["full_attention", "chunked_attention"]},
+            r"`layer_types` = .*: qwen3 layers are 'full_attention' or 'sliding_attention'",
+        ),
+        (
+            {"model_type": "qwen3", "layer_types": ["full_attention"]},
+            r"(?s)Qwen3Config rejects this config.json.*`num_hidden_layers` \(2\)",
+        ),
+        ({"model_type": "qwen3", "attention_bias": True}, r"`attention_bias` = True"),
+        ({"model_type": "llama", "hidden_size": 60}, r"LlamaConfig rejects this config.json"),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
             r"`rope_parameters.rope_type` = 'yarn'",
@@ -207,3 +228,94 @@ def test_transformer_config_overrides_win(tmp_path):
     config = bridge.transformer_config(hidden_dropout=0.1, num_layers=1)
     assert (config.hidden_dropout, config.num_layers, config.kv_channels) == (0.1, 1, 16)
     assert config.num_query_groups == 2 and config.tensor_model_parallel_size == 1
+
+
+def _saved_without(directory: Path, config: object, *keys: str) -> Path:
+    """A tiny random model of ``config`` saved to ``directory``, then ``keys`` deleted from its
+    config.json (transformers itself omits keys equal to its defaults)."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    path = directory / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in saved.items() if k not in keys}))
+    return directory
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_missing_keys_take_the_transformers_defaults(tmp_path, model_type):
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    small = {k: v for k, v in BASE.items() if k not in ("model_type", "rope_parameters")}
+    small.pop("rms_norm_eps")
+    if model_type == "qwen2":
+        small.update(use_sliding_window=True, max_window_layers=1)
+    keys = ("sliding_window", "rms_norm_eps", "rope_parameters", "rope_theta", "head_dim")
+    keys += ("tie_word_embeddings", "attention_bias", "max_window_layers", "layer_types")
+    directory = _saved_without(tmp_path, CONFIG_MAPPING[model_type](**small), *keys)
+    assert not set(keys) & set(json.loads((directory / "config.json").read_text()))
+    hf = AutoConfig.from_pretrained(directory)  # what transformers builds for this directory
+    arch = HFBridge.from_pretrained(directory).arch
+    assert arch.layernorm_epsilon == hf.rms_norm_eps == 1e-6
+    assert arch.rotary_base == hf.rope_parameters["rope_theta"] == 10000.0
+    assert arch.tied_embeddings is hf.tie_word_embeddings is False
+    # Qwen3's default head_dim is 128, not hidden_size / num_attention_heads = 16
+    assert arch.head_dim == (getattr(hf, "head_dim", None) or 64 // 4)
+    assert arch.head_dim == (128 if model_type == "qwen3" else 16)
+    assert arch.max_position_embeddings == hf.max_position_embeddings == 256
+    windowed = [t == "sliding_attention" for t in getattr(hf, "layer_types", ())]
+    if model_type == "mistral":  # no `sliding_window` key: transformers' default window, 4096
+        windowed = [hf.sliding_window is not None] * 2
+        assert hf.sliding_window == 4096
+    if model_type == "qwen2":  # default max_window_layers (28) covers both layers
+        assert windowed == [False, False] and hf.max_window_layers == 28
+    expected_window = hf.sliding_window if any(windowed) else None
+    assert arch.sliding_window == expected_window
+    assert list(arch.window_layers) == (windowed or [False, False])
+    if expected_window is not None:
+        assert arch.config_fields()["window_size"] == (expected_window - 1, 0)
+
+
+def _bridge_config(tmp_path: Path, **changes: object) -> tuple[HFBridge, dict]:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = {k: v for k, v in BASE.items() if k != "model_type"}
+    config.update(changes)
+    AutoModelForCausalLM.from_config(LlamaConfig(**config)).save_pretrained(tmp_path)
+    return HFBridge.from_pretrained(tmp_path), {"pipeline_dtype": torch.float32}
+
+
+@pytest.mark.parametrize(
+    ("changes", "sizes", "match"),
+    [
+        (
+            {"num_hidden_layers": 3},
+            {"pipeline_model_parallel_size": 2},
+            r"`num_hidden_layers` \(3\) must be divisible by the pipeline-parallel size \(2\)"
+            r".*Use a PP size that divides 3",
+        ),
+        (
+            {"num_hidden_layers": 6},
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            r"`num_hidden_layers` \(6\) over the pipeline-parallel size \(2\) gives 3 layers per "
+            r"stage, which the virtual pipeline size \(2\) does not divide.*PP x VPP \(4\)",
+        ),
+        (
+            {"num_key_value_heads": 1},
+            {"tensor_model_parallel_size": 2},
+            r"`num_key_value_heads` \(1\) must be divisible by the tensor-parallel size \(2\): "
+            r"the bridge gives each TP rank whole key/value heads \(no replication\)\. "
+            r"Use a TP size that divides 1\.$",
+        ),
+        (
+            {"intermediate_size": 97},
+            {"tensor_model_parallel_size": 2},
+            r"`intermediate_size` \(97\) .*equal slice of the MLP\. Use a TP size that divides 97",
+        ),
+    ],
+)
+def test_parallel_layout_refused_before_megatron(tmp_path, changes, sizes, match):
+    bridge, extra = _bridge_config(tmp_path, **changes)
+    config = bridge.transformer_config(**sizes, **extra)  # megatron's config accepts these
+    with pytest.raises(ValueError, match=match):
+        bridge.build_chunk(config)  # before megatron's bare AssertionError / any collective
