@@ -319,3 +319,18 @@ def test_parallel_layout_refused_before_megatron(tmp_path, changes, sizes, match
     config = bridge.transformer_config(**sizes, **extra)  # megatron's config accepts these
     with pytest.raises(ValueError, match=match):
         bridge.build_chunk(config)  # before megatron's bare AssertionError / any collective
+
+
+def test_packed_attention_refuses_a_window_that_looks_ahead():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from lightning_mcore_rl.data import PackedDotProductAttention
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, window_size=(3, 2)
+    )  # transformers' windows are causal: (w - 1, 0)
+    with pytest.raises(
+        ValueError, match=r"only causal windows `window_size = \(left, 0\)`.*\(3, 2\)"
+    ):
+        PackedDotProductAttention(config, 1, AttnMaskType.causal, "self")
