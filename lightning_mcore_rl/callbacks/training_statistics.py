@@ -99,7 +99,7 @@ class TrainingStatistics(Callback):
         if output is None:
             return
         elapsed = time.perf_counter() - (self._start or time.perf_counter())
-        elapsed = _slowest(elapsed, strategy.root_device)
+        elapsed = _slowest(elapsed, strategy.root_device, strategy.world_group)
         raw = self.step_metrics(trainer, pl_module, output, elapsed)
         values = {k: _float64(v) if k in TIMING_METRICS else v for k, v in raw.items()}
         shown = {k: v for k, v in values.items() if k in self.prog_bar}
@@ -235,12 +235,13 @@ def _strategy(trainer: Trainer) -> MCoreRLStrategy:
     return strategy
 
 
-def _slowest(seconds: float, device: torch.device) -> float:
-    """The max of ``seconds`` over all ranks (one small all-reduce), so every rank logs it."""
+def _slowest(seconds: float, device: torch.device, group: Any) -> float:
+    """The max of ``seconds`` over all ranks (one small all-reduce on the strategy's world
+    group, bounded by its timeout), so every rank logs it."""
     if not (dist.is_available() and dist.is_initialized()):
         return seconds
     value = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value.cpu())
 
 

@@ -36,7 +36,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     Args:
         process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
         cluster_environment: Lightning cluster environment (default: detected).
-        timeout: timeout of the world process group.
+        timeout: timeout of the world process group and of :attr:`world_group`.
     """
 
     def __init__(
@@ -47,8 +47,16 @@ class ProcessGroupStrategy(ParallelStrategy):
     ) -> None:
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._world_group: Any = None
         self.num_nodes = 1
         super().__init__(cluster_environment=cluster_environment)
+
+    @property
+    def world_group(self) -> Any:
+        """A group of all ranks the strategy created with ITS timeout (``None`` before
+        ``setup_environment``): the strategy's own collectives run on it, so a world group
+        created before the Trainer (with another timeout) never bounds them."""
+        return self._world_group
 
     @property
     @override
@@ -90,18 +98,20 @@ class ProcessGroupStrategy(ParallelStrategy):
             self.root_device
         )
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if self._world_group is None:  # collective: every rank creates it once
+            self._world_group = dist.new_group(backend=backend, timeout=self._timeout)
 
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            dist.barrier(group=self._world_group)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src)
+        dist.broadcast_object_list(holder, src, group=self._world_group)
         return holder[0]
 
     @override
@@ -109,6 +119,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Any:
         if isinstance(tensor, torch.Tensor):
+            group = group if group is not None else self._world_group
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 

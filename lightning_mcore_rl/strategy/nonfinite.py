@@ -79,13 +79,16 @@ class NonFiniteGuard:
         self.consecutive_skips = 0
         self.step_skipped = False
         self.device: torch.device | str = "cpu"
+        self.group: Any = None  # the strategy's world group (None: the default group)
         self._loss: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- per step
 
-    def begin_step(self, device: torch.device | str) -> None:
-        """A new training step (collectives of :meth:`check_inputs` on ``device``)."""
+    def begin_step(self, device: torch.device | str, group: Any = None) -> None:
+        """A new training step (collectives of :meth:`check_inputs` on ``device``, over
+        ``group``: the strategy's world group, bounded by its timeout)."""
         self.device = device
+        self.group = group
         self.step_skipped = False
         self._loss = None
 
@@ -110,7 +113,7 @@ class NonFiniteGuard:
             rejected its batch; :class:`NonFiniteError` under ``"raise"`` or past the limit.
         """
         local = INVALID if error is not None else (NONFINITE if finding and training else OK)
-        verdict = _all_reduce_max(local, self.device)
+        verdict = _all_reduce_max(local, self.device, self.group)
         if error is not None:
             raise error
         if verdict == INVALID:
@@ -181,10 +184,10 @@ class NonFiniteGuard:
         )
 
 
-def _all_reduce_max(value: int, device: torch.device | str) -> int:
+def _all_reduce_max(value: int, device: torch.device | str, group: Any) -> int:
     flag = torch.tensor([value], dtype=torch.int32, device=device)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag[0])
 
 

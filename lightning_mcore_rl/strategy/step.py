@@ -93,6 +93,7 @@ class StepRunner:
 
     def _check_inputs(self, finding: Any, error: BaseException | None, training: bool) -> bool:
         self.guard.device = self.context.device
+        self.guard.group = self.context.world_group
         return self.guard.check_inputs(finding, error, training=training)
 
 

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
+from lightning_mcore_rl.strategy.backend import enter_run_backends
 from lightning_mcore_rl.strategy.base import ProcessGroupStrategy
 from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
 from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks
@@ -78,8 +79,10 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         checkpoint: checkpoint format options.
         process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
         cluster_environment: Lightning cluster environment (default: detected).
-        timeout: process-group timeout of the world group AND of every megatron group (TP, PP,
-            DP, CP, model-parallel): a rank left waiting for a failed peer raises after it.
+        timeout: process-group timeout of the world group, of the all-ranks group the strategy
+            creates for its own collectives (also when the world group was created before the
+            Trainer with another timeout) AND of every megatron group (TP, PP, DP, CP,
+            model-parallel): a rank left waiting for a failed peer raises after it.
         nonfinite: ``"skip"`` (default) a step whose inputs, loss or gradients are not finite
             on every rank (no parameter or optimizer-state change; counted and logged as
             ``skipped_steps``), or ``"raise"`` at the first one (``docs/reliability.md``).
@@ -247,15 +250,13 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Device, process group, the CPU backend (CPU runs; left in ``teardown``), megatron's
+        """Device, process group, the run's backends (left in ``teardown``: megatron's no-TE
+        fixes on any device without Transformer Engine, the CPU emulation on CPU), megatron's
         groups (once per process) and the :class:`ParallelGroups` passed down from here."""
         filter_expected_warnings(cpu=self.root_device.type == "cpu")
         self.parallel.check_world_size(self.num_nodes * self.num_processes)
         super().setup_environment()
-        if self.root_device.type == "cpu":
-            from lightning_mcore_rl.cpu import cpu_emulation
-
-            self._backend.enter_context(cpu_emulation())
+        enter_run_backends(self._backend, self.root_device.type)
         self._groups = init_model_parallel(self.parallel, self._timeout)
 
     # ---------------------------------------------------------------- model, optimizer
@@ -274,6 +275,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._context = StepContext(
             self.groups, self.microbatching, self._policy, self.use_fused_linear_logprobs,
             sampling_params=sampling() if callable(sampling) else None, device=self.root_device,
+            world_group=self.world_group,
         )  # fmt: skip
         fitting = trainer.state.fn == TrainerFn.FITTING
         expected = self.transformer_config_kwargs()
@@ -326,7 +328,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         for chunk in self._chunks:  # fitting: setup() wrapped every chunk in megatron DDP
             cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
-        self.nonfinite_guard.begin_step(self.root_device)
+        self.nonfinite_guard.begin_step(self.root_device, self.world_group)
 
     # ---------------------------------------------------------------- the step
 

@@ -9,6 +9,7 @@ forward step and to every post-processor; nothing below reads megatron's ``paral
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +63,8 @@ class StepContext:
         sampling_params: the module's sampling parameters (temperature applied once to the
             last stage's logits; top-k/top-p by the post-processors), ``None``: plain softmax.
         device: where the step's collectives' tensors live (the CUDA device under NCCL).
+        world_group: a group of all ranks with the strategy's timeout (its agreement
+            all-reduces; ``None``: the default group).
     """
 
     groups: ParallelGroups
@@ -70,6 +73,7 @@ class StepContext:
     use_fused_linear_logprobs: bool = False
     sampling_params: TrainingSamplingParams | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    world_group: Any = None
 
 
 __all__ = ["Microbatching", "StepContext"]
