@@ -65,6 +65,7 @@ class DistillationLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.DISTILLATION
+    input_keys = ("token_mask", "teacher_topk_logits", "teacher_topk_indices")
 
     def __init__(self, cfg: DistillationLossConfig | Mapping[str, Any] | None = None) -> None:
         self.cfg = load_config(DistillationLossConfig, cfg)
@@ -192,6 +193,16 @@ class OPDFullLossFn:
             "opd_full_decomposition_error": MetricNormalizer.MAX,
             "num_valid_samples": MetricNormalizer.NONE,
         }
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """``token_mask``, the teacher's ``teacher_full_payload`` and, with a reference KL,
+        ``reference_policy_logprobs`` (a hidden-state payload's ``teacher_index`` is checked
+        by its preparation)."""
+        keys: tuple[str, ...] = ("token_mask", "teacher_full_payload")
+        if self.cfg.reference_policy_kl_penalty != 0:
+            keys = (*keys, "reference_policy_logprobs")
+        return keys
 
     def __call__(
         self,

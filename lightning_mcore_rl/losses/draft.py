@@ -28,12 +28,14 @@ class DraftCrossEntropyLossFn:
     teacher logits and the token mask left by one so that position t of both models scores the
     same token.
 
-    Inputs (``data``): ``sample_mask [B]``. Loss inputs: ``teacher_logits [B, S, V]``,
+    Inputs (``data``): ``sample_mask [B]``, ``token_mask [B, S]`` and the draft model's
+    ``student_logits [B, S, V]``. Loss inputs: ``teacher_logits [B, S, V]``,
     ``student_logits [B, S, V]``, ``token_mask [B, S]`` (already rolled).
     """
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.DRAFT
+    input_keys = ("token_mask", "student_logits")
 
     def __init__(self) -> None:
         self.metric_normalizations = {

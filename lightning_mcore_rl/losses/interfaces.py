@@ -77,11 +77,22 @@ class LossFunction(Protocol):
         input_type: Which loss inputs ``prepare_loss_input`` must compute.
         metric_normalizations: For every key of the returned metrics, how it combines across
             microbatches. The keys equal the keys of the metrics dict.
+        input_keys: The batch keys the loss (and the preparation of its ``input_type``) reads
+            beyond the data contract's ``input_ids`` and ``sample_mask``; the step checks them
+            on the host before its first collective
+            (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), and a missing one
+            raises naming the key and the loss class. A loss without the attribute declares
+            none (its missing keys then fail inside the step).
     """
 
     loss_type: LossType
     input_type: LossInputType
     metric_normalizations: dict[str, MetricNormalizer]
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """The batch keys the loss reads (see the class docstring)."""
+        ...
 
     def __call__(
         self,

@@ -49,6 +49,7 @@ class NLLLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGPROB
+    input_keys = ("token_mask",)
 
     def __init__(self, use_fused_linear_logprobs: bool = False) -> None:
         self.use_fused_linear_logprobs = use_fused_linear_logprobs

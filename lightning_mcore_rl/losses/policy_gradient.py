@@ -138,6 +138,19 @@ class ClippedPGLossFn:
         self.loss_type = LossType.TOKEN_LEVEL if token_level else LossType.SEQUENCE_LEVEL
         self.metric_normalizations = self._normalizations()
 
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """The ``data`` keys of the class docstring this configuration reads."""
+        cfg = self.cfg
+        keys = ["token_mask", "advantages", "generation_logprobs"]
+        if not cfg.force_on_policy_ratio:
+            keys.append("prev_logprobs")
+        if self.reference_policy_kl_penalty != 0:
+            keys.append("reference_policy_logprobs")
+        if cfg.positive_example_nll_weight > 0:
+            keys.append("rewards")
+        return tuple(keys)
+
     def _normalizations(self) -> dict[str, MetricNormalizer]:
         cfg = self.cfg
         grad = (

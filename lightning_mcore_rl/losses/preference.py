@@ -98,6 +98,7 @@ class PreferenceLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGIT
+    input_keys = ()
     split_output_tensor = staticmethod(split_output_tensor)
     """``(chosen, rejected)`` rows of an interleaved ``[B, ...]`` tensor (the reference's method)."""
 
@@ -151,6 +152,7 @@ class DPOLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGPROB
+    input_keys = ("token_mask", "reference_policy_logprobs")
     split_output_tensor = staticmethod(split_output_tensor)
     """As :attr:`PreferenceLossFn.split_output_tensor` (the reference's DPO inherits it)."""
 

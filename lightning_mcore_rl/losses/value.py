@@ -61,6 +61,13 @@ class MseValueLossFn:
             num_valid_samples=MetricNormalizer.NONE,
         )
 
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """``token_mask``, ``returns`` and, when clipping, the old ``values``."""
+        return (
+            ("token_mask", "returns", "values") if self.cfg.cliprange else ("token_mask", "returns")
+        )
+
     def __call__(
         self,
         data: Mapping[str, Any],

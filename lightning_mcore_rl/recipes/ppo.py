@@ -192,6 +192,11 @@ class PPOLossFn:
             "value_loss": MetricNormalizer.TOKENS,
         }
 
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """The union of both losses' ``input_keys``."""
+        return tuple(dict.fromkeys((*self.policy_loss.input_keys, *self.value_loss.input_keys)))
+
     def __call__(
         self,
         data: Mapping[str, Any],

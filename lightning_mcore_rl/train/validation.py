@@ -63,12 +63,14 @@ class BatchSpec:
         vocab_size: ``V``: every id (tokens, labels, ``input_ids``, top-k indices) must lie in
             ``[0, V)``; ``None`` skips the check.
         required: further keys the pass needs (the loss's inputs, :func:`loss_input_keys`).
+        required_by: who reads ``required`` (the loss class), named when one is missing.
         needs_lengths: ``input_lengths`` is required (packing or a token budget).
     """
 
     lm: bool = False
     vocab_size: int | None = None
     required: tuple[str, ...] = ()
+    required_by: str | None = None
     needs_lengths: bool = False
 
 
@@ -98,11 +100,10 @@ def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
     required: tuple[str, ...] = LM_KEYS if spec.lm else ("input_ids", "sample_mask")
     if spec.needs_lengths and not spec.lm:
         required = (*required, "input_lengths")
-    for key in (*required, *spec.required):
-        if key not in batch:
-            raise ValueError(f"The batch is missing the key `{key}` (present: {sorted(batch)}).")
-        if not isinstance(batch[key], Tensor):
-            raise TypeError(f"`{key}` must be a torch.Tensor, got {type(batch[key]).__name__}.")
+    for key in required:
+        _check_present(batch, key, None)
+    for key in spec.required:
+        _check_present(batch, key, spec.required_by)
     ids = batch[ids_key]
     _check_ids(ids_key, ids, spec.vocab_size)
     size, width = ids.shape
@@ -123,6 +124,16 @@ def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
     else:
         _check_loss_batch(batch, size, width, spec.vocab_size)
     return first_nonfinite(batch)
+
+
+def _check_present(batch: Mapping[str, Any], key: str, required_by: str | None) -> None:
+    if key not in batch:
+        reader = "" if required_by is None else f" that {required_by} reads (its `input_keys`)"
+        raise ValueError(
+            f"The batch is missing the key `{key}`{reader} (present: {sorted(batch)})."
+        )
+    if not isinstance(batch[key], Tensor):
+        raise TypeError(f"`{key}` must be a torch.Tensor, got {type(batch[key]).__name__}.")
 
 
 def _samples(value: Tensor) -> str:
@@ -234,29 +245,26 @@ def first_nonfinite(batch: Mapping[str, Any]) -> NonFinite | None:
     return None
 
 
-def loss_input_keys(loss_fn: Any) -> tuple[str, ...]:
-    """The batch keys ``loss_fn`` reads (checked up front instead of inside the loss, after the
-    step's first collectives). A loss may declare them as ``input_keys``; the package's losses
-    are known here. Unknown losses: ``()``."""
-    declared = getattr(loss_fn, "input_keys", None)
-    if isinstance(declared, Sequence) and not isinstance(declared, str):
-        return tuple(str(k) for k in declared)
-    name = type(loss_fn).__name__
-    cfg = getattr(loss_fn, "cfg", None)
-    if name == "ClippedPGLossFn":
-        keys = ["token_mask", "advantages", "generation_logprobs"]
-        if not getattr(cfg, "force_on_policy_ratio", False):
-            keys.append("prev_logprobs")
-        if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
-            keys.append("reference_policy_logprobs")
-        return tuple(keys)
-    if name == "NLLLossFn":
-        return ("token_mask",)
-    if name == "MseValueLossFn":
-        return ("token_mask", "returns")
-    if name == "DPOLossFn":
-        return ("token_mask", "reference_policy_logprobs")
-    return ()
+def loss_input_keys(loss_fn: object) -> tuple[str, ...]:
+    """The batch keys ``loss_fn`` reads beyond ``input_ids`` and ``sample_mask``: its
+    ``input_keys`` (:class:`~lightning_mcore_rl.losses.LossFunction`), checked up front instead
+    of inside the loss, after the step's first collectives. A loss without ``input_keys``
+    declares none: only the data contract's keys are checked before the step.
+
+    Raises:
+        TypeError: ``input_keys`` is not a sequence of key names.
+    """
+    declared = getattr(loss_fn, "input_keys", ())
+    if (
+        isinstance(declared, str)
+        or not isinstance(declared, Sequence)
+        or not all(isinstance(key, str) for key in declared)
+    ):
+        raise TypeError(
+            f"`{type(loss_fn).__name__}.input_keys` must be a tuple of batch key names (str), "
+            f'got {declared!r}; declare e.g. `input_keys = ("token_mask",)`.'
+        )
+    return tuple(declared)
 
 
 def model_vocab_size(chunks: Sequence[torch.nn.Module]) -> int | None:
