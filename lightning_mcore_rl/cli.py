@@ -2,7 +2,7 @@
 
 Subcommands: Lightning's ``fit``/``validate``/``test``/``predict``, and ``export``, which converts
 a training checkpoint into a Hugging Face directory (``lmrl export --ckpt DIR --hf-source HF_DIR
---out OUT``, see :mod:`lightning_mcore_rl.models.hf.export`; ``lmrl export --help``).
+--out OUT``, see :mod:`lightning_mcore_rl.strategy.export`; ``lmrl export --help``).
 
 Choosing the strategy (importing :mod:`lightning_mcore_rl` registers the name ``"mcore_rl"``):
 
@@ -55,7 +55,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
 def main(args: ArgsType = None) -> int | None:
     """Console entry point ``lmrl``: ``lmrl export ...`` runs
-    :func:`lightning_mcore_rl.models.hf.export.main`, anything else goes to LightningCLI.
+    :func:`lightning_mcore_rl.strategy.export.main`, anything else goes to LightningCLI.
 
     Returns the export's exit status (``None`` after a LightningCLI run). An uncaught error
     prints its traceback on rank 0 only (:func:`~.rank_errors.install_rank_excepthook`).
@@ -64,7 +64,7 @@ def main(args: ArgsType = None) -> int | None:
     install_rank_excepthook()
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, Sequence) and not isinstance(argv, str) and argv and argv[0] == "export":
-        from lightning_mcore_rl.models.hf.export import main as export_main
+        from lightning_mcore_rl.strategy.export import main as export_main
 
         return export_main(list(argv[1:]))
     build_cli(args)

@@ -10,7 +10,7 @@ from _hf_export_ranks import fit_and_checkpoint
 from _hf_ranks import build_hf_model, hf_configs, hf_logits, input_ids
 from safetensors.torch import load_file
 
-from lightning_mcore_rl.models.hf.export import main
+from lightning_mcore_rl.strategy.export import main
 from lightning_mcore_rl.testing import run_on_ranks
 
 ATOL = 1e-5

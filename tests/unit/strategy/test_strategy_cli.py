@@ -103,7 +103,7 @@ def test_lmrl_export_dispatches_before_lightning_cli(capsys, monkeypatch):
 
 
 def test_lmrl_export_passes_its_arguments_to_export_main(monkeypatch):
-    import lightning_mcore_rl.models.hf.export as export
+    import lightning_mcore_rl.strategy.export as export
 
     calls = []
     monkeypatch.setattr(export, "main", lambda argv: calls.append(argv) or 0)

@@ -1,0 +1,135 @@
+"""The package's import graph (ast, counting imports inside functions): no cycle, and the
+layering rule — the step's layers (``train/``, ``losses/``, ``ops/``, ``data/``, ``models/``)
+never import the Lightning layer (``strategy/``, ``callbacks/``, ``recipes/``, ``module.py``).
+
+An edge ``a -> b`` is every ``import`` / ``from ... import`` statement of ``a`` (module level or
+inside a function, relative ones resolved; ``from pkg import name`` is an edge to ``pkg.name``
+when that is a submodule, else to ``pkg``), except those under ``if TYPE_CHECKING:``, which
+never run. Importing ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``; those implicit
+parent edges are not counted (every module would then reach ``lightning_mcore_rl/__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import lightning_mcore_rl
+
+PACKAGE = "lightning_mcore_rl"
+ROOT = Path(lightning_mcore_rl.__file__).parent
+STEP_LAYERS = ("train", "losses", "ops", "data", "models")
+LIGHTNING_LAYER = ("strategy", "callbacks", "recipes", "module")
+
+
+def _module_name(path: Path) -> str:
+    parts = [PACKAGE, *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``tree``, at any depth, outside ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    base = node.module or ""
+    if node.level:
+        package = module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+        for _ in range(node.level - 1):
+            package = package.rsplit(".", 1)[0]
+        base = f"{package}.{base}" if base else package
+    submodules = {f"{base}.{alias.name}" for alias in node.names} & MODULES.keys()
+    plain = [alias for alias in node.names if f"{base}.{alias.name}" not in MODULES]
+    return submodules | ({base} if plain else set())
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module -> the package modules it imports``."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = set().union(*(_targets(module, node) for node in _imports(tree)))
+        graph[module] = {e for e in edges if e in MODULES and e != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (``[a, b, ..., a]``), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the DFS stack, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_the_walker_sees_function_level_relative_and_submodule_imports() -> None:
+    """The graph is the one the checks below read: known edges of each kind are in it."""
+    graph = import_graph()
+    # a function-level import (module.py imports the statistics inside configure_callbacks)
+    assert f"{PACKAGE}.callbacks.training_statistics" in graph[f"{PACKAGE}.module"]
+    # `from lightning_mcore_rl.train import groups as pg`: the submodule, not the package
+    assert f"{PACKAGE}.train.groups" in graph[f"{PACKAGE}.train.post_processors"]
+    # a cycle is found when there is one
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_imports_another_in_a_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("layer", STEP_LAYERS)
+def test_the_step_layers_never_import_the_lightning_layer(layer: str) -> None:
+    bad = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if _layer(module) == layer
+        for target in targets
+        if _layer(target) in LIGHTNING_LAYER
+    )
+    assert not bad, bad
