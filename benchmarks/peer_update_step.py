@@ -248,13 +248,14 @@ def _bridge_module(
 
             return OptimizerConfig(optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.0)
 
-        def loss_post_processor(self) -> LossPostProcessor:
+        def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
             if chunk_size is None:
-                return super().loss_post_processor()
+                return super().loss_post_processor(num_microbatches)
             assert self.loss_fn is not None
             return LossPostProcessor(
                 self.loss_fn,
                 PolicyConfig(sequence_packing=False, logprob_chunk_size=chunk_size),
+                num_microbatches,
                 sampling_params=self.sampling_params(),
             )
 

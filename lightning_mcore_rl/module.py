@@ -178,9 +178,16 @@ class MCoreRLModule(LightningModule):
         different temperature raises ``ValueError``."""
         return self._sampling_params
 
-    def loss_post_processor(self) -> LossPostProcessor:
+    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
         """The per-microbatch training-loss callback, asked by the strategy before every
-        ``loss_fn`` step (built without ``num_microbatches``: the step binds its ``M``)."""
+        ``loss_fn`` step as ``loss_post_processor(None)`` (positionally, so an override
+        ``def loss_post_processor(self, num_microbatches)`` works).
+
+        Args:
+            num_microbatches: ``None``: the pass binds its own ``M``; an int: a post-processor
+                for exactly that ``M``, which the pass checks equals its own (``ValueError``
+                otherwise).
+        """
         from lightning_mcore_rl.train import LossPostProcessor
 
         if self.loss_fn is None:
@@ -192,6 +199,7 @@ class MCoreRLModule(LightningModule):
         return LossPostProcessor(
             self.loss_fn,
             context.policy,
+            num_microbatches,
             sampling_params=context.sampling_params,
             use_fused_linear_logprobs=context.use_fused_linear_logprobs,
         )

@@ -216,7 +216,7 @@ class DPOModule(RecipeModule):
         if stage == "fit":
             check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
-    def loss_post_processor(self) -> LossPostProcessor:
+    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
         """The base hook's loss callback, with packed microbatches scored in one loss call
         (``fuse_loss``): the per-sequence wrapper would call the loss on single rows."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -227,6 +227,7 @@ class DPOModule(RecipeModule):
         return LossPostProcessor(
             loss_fn,
             replace(cfg, fuse_loss=cfg.sequence_packing),
+            num_microbatches,
             sampling_params=self.sampling_params(),
             use_fused_linear_logprobs=strategy.use_fused_linear_logprobs,
         )

@@ -319,7 +319,7 @@ class PPOModule(GRPOModule):
             )
         return PolicyValueChunk(policy, self.policy.build_chunk(self, vp_stage))
 
-    def loss_post_processor(self) -> Any:
+    def loss_post_processor(self, num_microbatches: int | None = None) -> Any:
         """The loss callback with :func:`prepare_policy_value_input` (its layout limits are
         checked by :meth:`build_chunk`)."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -331,7 +331,7 @@ class PPOModule(GRPOModule):
             chunk_size=cfg.logprob_chunk_size,
         )
         return LossPostProcessor(
-            cast(Any, self.loss_fn), cfg,
+            cast(Any, self.loss_fn), cfg, num_microbatches,
             sampling_params=self.sampling_params(), prepare_fn=prepare,
         )  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 :class:`StepRunner` is what :meth:`MCoreRLStrategy.forward_backward` and
 :meth:`~MCoreRLStrategy.forward_only` delegate to: it asks the module's hooks BEFORE the pass
-(``loss_post_processor()`` on the ``loss_fn`` path, or the declared ``forward_step`` on the LM
+(``loss_post_processor(None)`` on the ``loss_fn`` path, or the declared ``forward_step`` on the LM
 path) and runs :func:`~lightning_mcore_rl.train.run_global_batch` /
 :func:`~lightning_mcore_rl.train.run_forward_only` on the given chunks with the strategy's frozen
 :class:`~lightning_mcore_rl.train.StepContext`, the non-finite policy's input agreement as the
@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 
 class StepDeclaration(Protocol):
     """What a module declares for a step (``MCoreRLModule`` satisfies it): its ``loss_fn``
-    (``None``: the LM path), the ``loss_post_processor()`` hook and the LM path's
+    (``None``: the LM path), the ``loss_post_processor(num_microbatches)`` hook (called as
+    ``loss_post_processor(None)``, positionally: the pass binds its ``M``) and the LM path's
     ``forward_step``."""
 
     loss_fn: Any
 
-    def loss_post_processor(self) -> LossPostProcessor: ...
+    def loss_post_processor(self, num_microbatches: int | None, /) -> LossPostProcessor: ...
 
     def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> Any: ...
 
@@ -54,7 +55,7 @@ class StepRunner:
         self, module: StepDeclaration, batch: Mapping[str, Any], *, forward_only: bool
     ) -> StepOutput:
         """One global batch: the ``loss_fn`` path through the post-processor the module's
-        ``loss_post_processor()`` hook returns (asked here, before the pass), or the LM path
+        ``loss_post_processor(None)`` hook returns (asked here, before the pass), or the LM path
         through its declared ``forward_step``; the training loss is noted for the non-finite
         policy."""
         from lightning_mcore_rl.train import run_global_batch
@@ -63,7 +64,7 @@ class StepRunner:
         kwargs: dict[str, Any] = {}
         if module.loss_fn is not None:
             kwargs.update(
-                loss=module.loss_post_processor(),
+                loss=module.loss_post_processor(None),
                 normalizations=module.loss_fn.metric_normalizations,
                 required_keys=loss_input_keys(module.loss_fn),
                 required_by=type(module.loss_fn).__name__,

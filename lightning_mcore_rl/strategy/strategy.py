@@ -337,7 +337,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     ) -> StepOutput:
         """One global batch through :func:`~lightning_mcore_rl.train.run_global_batch`
         (:class:`~.step.StepRunner`), with the post-processor the module's
-        ``loss_post_processor()`` hook returns, asked before the pass (``loss_fn`` path), or its
+        ``loss_post_processor(None)`` hook returns, asked before the pass (``loss_fn`` path), or its
         ``forward_step`` (LM path).
 
         Returns:

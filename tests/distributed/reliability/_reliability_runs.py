@@ -78,10 +78,10 @@ class GRPO(MCoreRLModule):
 
         return OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=1e-4, weight_decay=0.0)
 
-    def loss_post_processor(self) -> Any:
+    def loss_post_processor(self, num_microbatches: int | None = None) -> Any:
         if self.fail_rank == dist.get_rank():
             raise RuntimeError("injected failure on this rank")
-        return super().loss_post_processor()
+        return super().loss_post_processor(num_microbatches)
 
 
 class Snapshots(Callback):

@@ -186,11 +186,15 @@ class ScaledLossPostProcessor(LossPostProcessor):
 
 
 class ScaledLoss(ProbeModule):
-    def loss_post_processor(self) -> LossPostProcessor:
+    """An override in the fixed signature's old style: ``num_microbatches`` required,
+    positional (the strategy asks ``loss_post_processor(None)``)."""
+
+    def loss_post_processor(self, num_microbatches):
         assert self.loss_fn is not None
         return ScaledLossPostProcessor(
             self.loss_fn,
             self.mcore_strategy.policy_config(),
+            num_microbatches,
             sampling_params=self.sampling_params(),
         )
 
@@ -217,6 +221,12 @@ class TPProbe(ProbeModule):
         with _as_class(self, PayloadOverride), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out["payload_override"] = self.compute_teacher_payload(b, "logits", torch.float32)
+        out["loss_m"] = {
+            "default": self.loss_post_processor().num_microbatches,
+            "default_4": self.loss_post_processor(4).num_microbatches,
+        }
+        with _as_class(self, ScaledLoss):
+            out["loss_m"]["override_4"] = self.loss_post_processor(4).num_microbatches
         return out
 
 

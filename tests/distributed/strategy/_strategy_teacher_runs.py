@@ -105,13 +105,14 @@ class TeacherModule(MCoreRLModule):
 
         return OptimizerConfig(optimizer="adam", lr=self.lr, adam_eps=1e-4, weight_decay=0.0)
 
-    def loss_post_processor(self) -> LossPostProcessor:
+    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
         """The default one, plus the teacher's LM-head shard for hidden-state payloads."""
         assert self.loss_fn is not None
         weight = self.teacher_output_weight() if self.hidden_payload else None
         return LossPostProcessor(
             self.loss_fn,
             self.mcore_strategy.policy_config(),
+            num_microbatches,
             sampling_params=self.sampling_params(),
             teacher_output_layer_weight_by_index=None if weight is None else {0: weight},
         )

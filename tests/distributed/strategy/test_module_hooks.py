@@ -8,6 +8,7 @@ recipe); the tests below read its results.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from _hook_runs import (
     TEMPERATURE,
     TOP_K,
     K,
+    ScaledLoss,
     grpo_scope_rank,
     pp_dropout_rank,
     tp_hooks_rank,
@@ -128,6 +130,17 @@ def test_loss_post_processor_override_scales_loss_and_grad_norm(tp_runs):
     for step in range(2):  # identical on both TP ranks
         for key in ("train_loss", "grad_norm"):
             assert tp_runs[0].rows[step][key] == tp_runs[1].rows[step][key]
+
+
+def test_loss_post_processor_old_style_override_trains_and_takes_m(tp_runs):
+    # ScaledLoss overrides `loss_post_processor(self, num_microbatches)` with the argument
+    # required: the strategy's positional `(None)` call trains step 1 with it (the x3 ratio
+    # above), and an int builds a post-processor for exactly that M.
+    required = inspect.signature(ScaledLoss.loss_post_processor).parameters["num_microbatches"]
+    assert required.default is inspect.Parameter.empty
+    for run in tp_runs:
+        assert run.rows[1]["train_loss"] == pytest.approx(LOSS_SCALE * run.rows[0]["train_loss"])
+        assert run.probes["loss_m"] == {"default": None, "default_4": 4, "override_4": 4}
 
 
 def test_logprobs_post_processor_override_filters_top_k(tp_runs):
