@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 class HFExport(Callback):
-    """At the end of ``fit``, write the policy of a recipe module built from an
-    :class:`~lightning_mcore_rl.recipes.HFModelSpec` to ``out_dir`` with
+    """At the end of ``fit``, write the policy of a module whose ``policy.hf_bridge()`` gives its
+    :class:`~lightning_mcore_rl.models.HFBridge` (a recipe module built from an
+    :class:`~lightning_mcore_rl.recipes.HFModelSpec`) to ``out_dir`` with
     :meth:`HFBridge.save_pretrained <lightning_mcore_rl.models.HFBridge.save_pretrained>`: the
     source directory's ``config.json`` and tokenizer files, and the weights gathered over
     TP/PP/VPP (global rank 0 writes; every rank takes part).
@@ -28,9 +29,12 @@ class HFExport(Callback):
         out_dir: a new or empty directory.
         dtype: the weights' dtype (default: each tensor's dtype in the source checkpoint).
 
+    A module whose model is not a causal LM (its LM head replaced, e.g. a reward model's score
+    head) declares ``causal_lm = False`` and is refused.
+
     Raises:
         TypeError: (at ``setup``) the module has no Hugging Face bridge (``policy.hf_bridge()``
-            of an ``HFModelSpec`` recipe).
+            of an ``HFModelSpec`` recipe) or declares ``causal_lm = False``.
         FileExistsError: (at the end of training) ``out_dir`` already holds weights.
     """
 
@@ -44,28 +48,30 @@ class HFExport(Callback):
 
         Raises:
             TypeError: the module has no ``policy.hf_bridge()``, its model is not an HF one, or
-                it is a reward model (its score head has no causal-LM counterpart).
+                it declares ``causal_lm = False`` (e.g. a reward model: its score head has no
+                causal-LM counterpart).
         """
-        from lightning_mcore_rl.recipes import RecipeModel, RewardModelModule
-
-        if isinstance(pl_module, RewardModelModule):
+        name = type(pl_module).__name__
+        if not getattr(pl_module, "causal_lm", True):
             raise TypeError(
-                "HFExport writes causal LMs; a RewardModelModule's LM head is its score head "
-                "(`ScalarHead`, [1, H]), which the Hugging Face checkpoint has no place for."
+                f"HFExport writes causal LMs; a {name}'s LM head is replaced (`causal_lm = "
+                "False`, e.g. a reward model's score head), which the Hugging Face checkpoint "
+                "has no place for."
             )
-        policy = getattr(pl_module, "policy", None)
-        if not isinstance(policy, RecipeModel):
+        hf_bridge = getattr(getattr(pl_module, "policy", None), "hf_bridge", None)
+        if not callable(hf_bridge):
             raise TypeError(
                 f"HFExport needs a recipe module with a `policy` (RecipeModel) built from an "
-                f"HFModelSpec; {type(pl_module).__name__} has none."
+                f"HFModelSpec; {name} has none."
             )
         try:
-            return policy.hf_bridge()
+            bridge = hf_bridge()
         except TypeError as err:
             raise TypeError(
-                f"HFExport: {type(pl_module).__name__}'s model has no Hugging Face bridge ({err}); "
+                f"HFExport: {name}'s model has no Hugging Face bridge ({err}); "
                 "build it from an HFModelSpec to export it."
             ) from err
+        return cast("HFBridge", bridge)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Check the module has an HF bridge before training starts (every rank raises alike)."""

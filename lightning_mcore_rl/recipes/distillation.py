@@ -4,8 +4,8 @@ Lightning batch of prompts.
 
 Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and:
 
-1. samples ``G`` completions per prompt with the student (the embedded sampler
-   :func:`~lightning_mcore_rl.rollout.generate`, seeded per step and DP rank as
+1. samples ``G`` completions per prompt with the student (from the ``RolloutSpec.backend``
+   source, the embedded sampler by default, seeded per step and DP rank as
    :class:`~lightning_mcore_rl.recipes.GRPOModule` does) and scores them with the task (the reward
    is logged, not trained on);
 2. runs the hosted teacher forward-only on the samples (``teacher=True``): its exact top-``K``
@@ -55,7 +55,8 @@ from lightning_mcore_rl.recipes.grpo import (
     sample_groups,
     validation_seed,
 )
-from lightning_mcore_rl.rollout import MegatronRolloutSource, ModularCountingTask, Rollout
+from lightning_mcore_rl.recipes.rollout_choice import recipe_rollout, rollout_generate, spec_hparams
+from lightning_mcore_rl.rollout import ModularCountingTask, Rollout, RolloutChoice
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.train import LossPostProcessor
@@ -87,11 +88,15 @@ class TeacherSpec:
             ``P + N`` positions as this run). ``None``: the built weights.
         checkpoint_prefix: the weights' key prefix in ``checkpoint``: ``""`` for a run's policy,
             ``"teacher."`` for a teacher saved with ``save_teacher_in_checkpoint``.
+        backend: how the teacher samples for ``val_teacher_reward``, as ``RolloutSpec.backend``
+            (a name, a :class:`~lightning_mcore_rl.rollout.RolloutSource` or a factory); a
+            refit source is refit once from the hosted teacher's weights.
     """
 
     model: TinyGPTSpec | HFModelSpec = field(default_factory=TinyGPTSpec)
     checkpoint: str | None = None
     checkpoint_prefix: str = ""
+    backend: RolloutChoice = "megatron"
 
 
 DEFAULT_STUDENT = TinyGPTSpec(seed=1)
@@ -120,8 +125,9 @@ class DistillationModule(RecipeModule):
         model: the student (:class:`TinyGPTSpec` or :class:`HFModelSpec`).
         teacher: the teacher (:class:`TeacherSpec`). Student and teacher share one vocabulary
             ``V``: the task's, or the HF model's when either is one (two HF models must agree).
-        rollout: the student's sampling settings; its temperature is also applied to the
-            student's and the teacher's logits in the loss (``sampling_params``).
+        rollout: the student's sampling settings and source (``backend``); its temperature is
+            also applied to the student's and the teacher's logits in the loss
+            (``sampling_params``).
         vocabulary: ``"topk"``: :class:`~lightning_mcore_rl.losses.DistillationLossFn` over the
             teacher's top-``topk`` ids; ``"full"``:
             :class:`~lightning_mcore_rl.losses.OPDFullLossFn` over the whole vocabulary.
@@ -180,6 +186,10 @@ class DistillationModule(RecipeModule):
         name = "prompt_length + max_new_tokens"
         self.policy = RecipeModel(self.model_spec, vocab, length, name)
         self.teacher_model = RecipeModel(self.teacher_spec.model, vocab, length, name)
+        self.rollout_source = recipe_rollout(rollout.backend, self.policy)
+        self.teacher_rollout = recipe_rollout(
+            self.teacher_spec.backend, self.teacher_model, frozen=True
+        )
         self.lr = lr
         self.pass_at_k = tuple(pass_at_k)
         self.evaluation: RolloutEvaluation | None = None
@@ -189,8 +199,8 @@ class DistillationModule(RecipeModule):
             {
                 "task": asdict(self.task),
                 "model": asdict(self.model_spec),
-                "teacher": asdict(self.teacher_spec),
-                "rollout": asdict(self.rollout),
+                "teacher": spec_hparams(self.teacher_spec),
+                "rollout": spec_hparams(self.rollout),
                 "vocabulary": vocabulary,
                 "topk": topk,
                 "payload": payload,
@@ -232,7 +242,7 @@ class DistillationModule(RecipeModule):
             load_dist_checkpoint(chunk, spec.checkpoint, prefix=spec.checkpoint_prefix)
         return chunk
 
-    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
+    def loss_post_processor(self) -> LossPostProcessor:
         """The default post-processor; with the ``"hidden_states"`` payload it also gets the
         teacher's LM-head shard ``[V/TP, H_t]`` (on the last pipeline stage) to project them."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -242,7 +252,6 @@ class DistillationModule(RecipeModule):
         return LossPostProcessor(
             self.loss_fn,
             self.mcore_strategy.policy_config(),
-            num_microbatches,
             sampling_params=self.sampling_params(),
             teacher_output_layer_weight_by_index=None if weight is None else {0: weight},
             use_fused_linear_logprobs=self.mcore_strategy.use_fused_linear_logprobs,
@@ -311,13 +320,15 @@ class DistillationModule(RecipeModule):
     def _sample(
         self, prompts: torch.Tensor, seed: int, *, teacher: bool = False
     ) -> tuple[Rollout, torch.Tensor]:
-        """``G`` completions per prompt (group-major ``[b*G, P+N]``) sampled by the student (or
-        the teacher) and their rewards ``[b*G]``."""
-        strategy, groups = self.mcore_strategy, self.mcore_strategy.groups
-        chunks = strategy.teacher.chunks if teacher else strategy.model_chunks
-        pp_group = groups.pp_group if groups.pp_size > 1 else None
-        source = MegatronRolloutSource(chunks[0], groups.tp_group, pp_group)
-        return sample_groups(source.generate, prompts, self.rollout, seed, self.task)
+        """``G`` completions per prompt (group-major ``[b*G, P+N]``) sampled by the student's (or
+        the teacher's) source and their rewards ``[b*G]``."""
+        if teacher:
+            generate = rollout_generate(
+                self, self.teacher_rollout, self.teacher_model, teacher=True
+            )
+        else:
+            generate = rollout_generate(self, self.rollout_source, self.policy)
+        return sample_groups(generate, prompts, self.rollout, seed, self.task)
 
     @torch.no_grad()
     def teacher_signal(self, data: BatchedDataDict) -> BatchedDataDict:

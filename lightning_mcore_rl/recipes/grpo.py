@@ -4,8 +4,9 @@ prompts, on the embedded counting task or a text task (:class:`~.text_task.TextR
 Each ``training_step`` receives this data-parallel rank's prompts (``[b, P]`` ids of the counting
 task, or a :class:`~.prompt_data.PromptBatch` of a text task) and:
 
-1. samples ``G`` completions per prompt from the ``RolloutSpec.backend`` rollout source
-   (:class:`~lightning_mcore_rl.rollout.PolicyRollout`: ``generation_logprobs``); a text task's
+1. samples ``G`` completions per prompt from the ``RolloutSpec.backend`` rollout source (a
+   backend name, a :class:`~lightning_mcore_rl.rollout.RolloutSource` or a factory, through
+   :func:`~.rollout_choice.recipe_rollout`: ``generation_logprobs``); a text task's
    completions end at the tokenizer's EOS (``RolloutSpec.stop_at_eos``);
 2. scores them with the task (a text task decodes them and calls its reward function) and turns
    rewards into advantages (``advantage_estimator``: NeMo
@@ -22,8 +23,7 @@ task, or a :class:`~.prompt_data.PromptBatch` of a text task) and:
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -52,12 +52,17 @@ from lightning_mcore_rl.recipes.common import (
 )
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
 from lightning_mcore_rl.recipes.prompt_data import PromptBatch
+from lightning_mcore_rl.recipes.rollout_choice import (
+    Generate,
+    recipe_rollout,
+    rollout_generate,
+    spec_hparams,
+)
 from lightning_mcore_rl.recipes.text_task import TextRewardTask
 from lightning_mcore_rl.rollout import (
     ModularCountingTask,
-    PolicyRollout,
     Rollout,
-    RolloutBackend,
+    RolloutChoice,
     SamplingConfig,
     mismatch_extrema,
 )
@@ -84,7 +89,10 @@ class RolloutSpec:
         seed: base seed; each step and data-parallel rank derives its own stream.
         backend: the rollout source (``docs/rollout.md``): ``"megatron"``, the embedded sampler
             on the training model; ``"hf"``, a ``transformers`` copy of an :class:`HFModelSpec`
-            policy refit after every optimizer step (needed for prompts of different lengths).
+            policy refit after every optimizer step (needed for prompts of different lengths);
+            or a :class:`~lightning_mcore_rl.rollout.RolloutSource` (used as is) or a factory
+            ``(RolloutSetup) -> RolloutSource`` (called at the first rollout), e.g. an
+            inference-engine adapter.
         stop_at_eos: with a text task, a completion ends at the tokenizer's EOS token (then
             padded with its pad id, masked out of the loss); the counting task has no EOS.
     """
@@ -93,7 +101,7 @@ class RolloutSpec:
     max_new_tokens: int = 8
     temperature: float = 1.0
     seed: int = 1234
-    backend: RolloutBackend = "megatron"
+    backend: RolloutChoice = "megatron"
     stop_at_eos: bool = True
 
 
@@ -250,7 +258,7 @@ class GRPOModule(RecipeModule):
         self.rollout = rollout
         self.tokenizer = self._text_tokenizer()
         self.policy = self._recipe_model()
-        self.rollout_source = PolicyRollout(rollout.backend, self.policy)
+        self.rollout_source = recipe_rollout(rollout.backend, self.policy)
         self.lr = lr
         self.pass_at_k = tuple(pass_at_k)
         self.evaluation: RolloutEvaluation | None = None
@@ -263,7 +271,7 @@ class GRPOModule(RecipeModule):
                     else asdict(self.task)
                 ),
                 "model": asdict(self.model_spec),
-                "rollout": asdict(self.rollout),
+                "rollout": spec_hparams(self.rollout),
                 "lr": lr,
                 "advantage_estimator": advantage_estimator,
                 "reference_model": reference_model,
@@ -450,7 +458,7 @@ class GRPOModule(RecipeModule):
         self, prompts: torch.Tensor | PromptBatch, seed: int
     ) -> tuple[Rollout, torch.Tensor]:
         """``G`` completions per prompt (group-major ``[b*G, P+N]``) and their rewards."""
-        generate = functools.partial(self.rollout_source.generate, self)
+        generate = rollout_generate(self, self.rollout_source, self.policy)
         return sample_groups(generate, prompts, self.rollout, seed, self.task, self.tokenizer)
 
     @torch.no_grad()
@@ -486,7 +494,7 @@ def validation_seed(spec: RolloutSpec, batch_idx: int, dp_rank: int) -> int:
 
 
 def sample_groups(
-    generate: Callable[[torch.Tensor, SamplingConfig, torch.Tensor | None], Rollout],
+    generate: Generate,
     prompts: torch.Tensor | PromptBatch,
     spec: RolloutSpec,
     seed: int,

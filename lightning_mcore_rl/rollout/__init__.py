@@ -1,9 +1,21 @@
 """Rollout generation: the :class:`RolloutSource` protocol (``docs/rollout.md``) with the
-embedded megatron sampler and a Hugging Face ``transformers`` backend, the recipes' refit glue
-(:class:`PolicyRollout`), and toy tasks with verifiable rewards."""
+embedded megatron sampler and a Hugging Face ``transformers`` backend, the choice of a source by
+name, instance or factory and the trainer-side refit (:class:`PolicyRollout`), and toy tasks
+with verifiable rewards."""
 
 from lightning_mcore_rl.rollout.hf_source import HFRolloutSource
-from lightning_mcore_rl.rollout.policy import PolicyRollout, RolloutBackend, mismatch_extrema
+from lightning_mcore_rl.rollout.policy import (
+    ROLLOUT_BACKENDS,
+    PolicyRollout,
+    RolloutBackend,
+    RolloutChoice,
+    RolloutSetup,
+    RolloutSourceFactory,
+    hf_rollout_source,
+    megatron_rollout_source,
+    mismatch_extrema,
+    rollout_source_factory,
+)
 from lightning_mcore_rl.rollout.sampler import GenerationOutput, generate
 from lightning_mcore_rl.rollout.source import (
     MegatronRolloutSource,
@@ -14,6 +26,7 @@ from lightning_mcore_rl.rollout.source import (
 from lightning_mcore_rl.rollout.tasks import ModularCountingTask
 
 __all__ = [
+    "ROLLOUT_BACKENDS",
     "GenerationOutput",
     "HFRolloutSource",
     "MegatronRolloutSource",
@@ -21,8 +34,14 @@ __all__ = [
     "PolicyRollout",
     "Rollout",
     "RolloutBackend",
+    "RolloutChoice",
+    "RolloutSetup",
     "RolloutSource",
+    "RolloutSourceFactory",
     "SamplingConfig",
     "generate",
+    "hf_rollout_source",
+    "megatron_rollout_source",
     "mismatch_extrema",
+    "rollout_source_factory",
 ]

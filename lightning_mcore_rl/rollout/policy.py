@@ -1,13 +1,15 @@
-"""The trainer side of a rollout source: :class:`PolicyRollout` builds the recipe's
-:class:`~lightning_mcore_rl.rollout.RolloutSource` once megatron's groups exist, refits it after
-every optimizer step, and logs the train/inference mismatch extrema.
+"""The trainer side of a rollout source: the named backends (:data:`ROLLOUT_BACKENDS`), the
+choice of a source by name, instance or factory (:func:`rollout_source_factory`), and
+:class:`PolicyRollout`, which builds the chosen source once the strategy has set up, refits it
+after every optimizer step and samples; plus the train/inference mismatch extrema.
 
 Shapes: ``B`` sequences, ``S`` tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -23,88 +25,171 @@ from lightning_mcore_rl.rollout.source import (
 )
 
 if TYPE_CHECKING:
-    from lightning_mcore_rl.module import MCoreRLModule
-    from lightning_mcore_rl.recipes.common import RecipeModel
-    from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
+    from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.train.groups import ParallelGroups
 
 RolloutBackend = Literal["megatron", "hf"]
 """``"megatron"``: the embedded sampler on the training chunk (:class:`MegatronRolloutSource`);
 ``"hf"``: a ``transformers`` copy of an HF policy (:class:`HFRolloutSource`)."""
 
 
-class PolicyRollout:
-    """A recipe's rollout: the source of ``backend`` for ``policy``, refit whenever the policy
-    has taken an optimizer step since the last refit (before the next :meth:`generate`, as NeMo
-    RL refits a stale generation backend).
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What a rollout source is built from, known once the strategy has set up.
 
-    The ``"hf"`` source's generator is the first rank of megatron's model-parallel group (TP x
-    PP) of each data-parallel replica; the refit streams
-    :meth:`~lightning_mcore_rl.models.HFBridge.export_hf_weights` (TP all-gather, PP broadcast)
-    on every rank.
-
-    Args:
-        backend: which source.
-        policy: the recipe's model; ``"hf"`` needs an ``HFModelSpec`` one.
-
-    Raises:
-        ValueError: ``backend="hf"`` with a policy that is not a Hugging Face checkpoint, or an
-            unknown backend.
+    Attributes:
+        chunks: this rank's chunks of the model that samples (the policy's, or a hosted
+            teacher's), one per virtual pipeline stage.
+        groups: this rank's process groups (TP/PP/DP/CP groups, ranks and sizes).
+        hf_bridge: the model's :class:`~lightning_mcore_rl.models.HFBridge` (its Hugging Face
+            directory and the weight export a refit streams); ``None`` when the model is not a
+            Hugging Face checkpoint.
     """
 
-    def __init__(self, backend: RolloutBackend, policy: RecipeModel) -> None:
-        from lightning_mcore_rl.recipes.common import HFModelSpec
+    chunks: Sequence[torch.nn.Module]
+    groups: ParallelGroups
+    hf_bridge: HFBridge | None = None
 
-        if backend not in ("megatron", "hf"):
-            raise ValueError(f"`backend` must be 'megatron' or 'hf', got {backend!r}.")
-        if backend == "hf" and not isinstance(policy.spec, HFModelSpec):
+
+RolloutSourceFactory = Callable[[RolloutSetup], RolloutSource]
+"""Builds a source from the :class:`RolloutSetup` (called once, on every rank, at the first
+rollout); a :class:`RolloutSource` class taking the setup is one."""
+
+RolloutChoice = RolloutBackend | RolloutSource | RolloutSourceFactory
+"""A backend name, a built source (used as is) or a factory."""
+
+
+def megatron_rollout_source(setup: RolloutSetup) -> RolloutSource:
+    """``"megatron"``: the embedded sampler on the first chunk with the TP group (and the PP
+    group under pipeline parallelism)."""
+    groups = setup.groups
+    pp_group = groups.pp_group if groups.pp_size > 1 else None
+    return MegatronRolloutSource(setup.chunks[0], groups.tp_group, pp_group)
+
+
+def hf_rollout_source(setup: RolloutSetup) -> RolloutSource:
+    """``"hf"``: a ``transformers`` copy of the model's HF checkpoint on the first rank of each
+    data-parallel replica's model-parallel group (TP x PP).
+
+    Raises:
+        ValueError: the model is not a Hugging Face checkpoint, or CP > 1.
+    """
+    if setup.hf_bridge is None:
+        raise ValueError(
+            "backend='hf' generates with a transformers copy of the model and needs a Hugging "
+            "Face checkpoint (an HFModelSpec model); use backend='megatron'."
+        )
+    groups = setup.groups
+    if groups.cp_size != 1:
+        raise ValueError(
+            f"backend='hf' shares a rollout over the model-parallel group (TP x PP); "
+            f"context_parallel_size must be 1, got {groups.cp_size}."
+        )
+    return HFRolloutSource(setup.hf_bridge.directory, groups.mp_group)
+
+
+ROLLOUT_BACKENDS: dict[str, RolloutSourceFactory] = {
+    "megatron": megatron_rollout_source,
+    "hf": hf_rollout_source,
+}
+"""The factories of the named backends (``RolloutSpec(backend=...)`` in YAML)."""
+
+
+def rollout_source_factory(choice: RolloutChoice) -> RolloutSourceFactory:
+    """The factory of ``choice``: a named backend's, a source instance's (returns it as is) or
+    ``choice`` itself when it is a factory (a function or a class taking the setup).
+
+    Raises:
+        ValueError: an unknown backend name.
+        TypeError: neither a name, a :class:`RolloutSource` nor a callable.
+    """
+    if isinstance(choice, str):
+        if choice not in ROLLOUT_BACKENDS:
             raise ValueError(
-                "`backend='hf'` generates with a transformers copy of the policy and needs an "
-                f"HFModelSpec model, got {type(policy.spec).__name__}; use backend='megatron'."
+                f"`backend` must be one of {sorted(ROLLOUT_BACKENDS)}, a RolloutSource or a "
+                f"factory `(RolloutSetup) -> RolloutSource`, got {choice!r}."
             )
-        self.backend = backend
-        self.policy = policy
+        return ROLLOUT_BACKENDS[choice]
+    if not isinstance(choice, type) and isinstance(choice, RolloutSource):
+        source: RolloutSource = choice
+        return lambda setup: source
+    if callable(choice):
+        return choice
+    raise TypeError(
+        "`backend` must be a backend name, a RolloutSource or a factory `(RolloutSetup) -> "
+        f"RolloutSource`, got {type(choice).__name__}."
+    )
+
+
+class PolicyRollout:
+    """A recipe's rollout: the chosen source, built at the first :meth:`generate` (megatron's
+    groups and the model exist then) and refit whenever the model has taken an optimizer step
+    since the last refit (before the next :meth:`generate`, as NeMo RL refits a stale
+    generation backend).
+
+    A source with ``refit_required`` is refit from the model's
+    :meth:`~lightning_mcore_rl.models.HFBridge.export_hf_weights` (TP all-gather, PP broadcast,
+    on every rank), so it needs a Hugging Face model.
+
+    Args:
+        choice: the source (:data:`RolloutChoice`).
+        frozen: the model never steps (a hosted teacher): one refit, before the first rollout.
+
+    Raises:
+        ValueError, TypeError: as :func:`rollout_source_factory`.
+    """
+
+    def __init__(self, choice: RolloutChoice, *, frozen: bool = False) -> None:
+        self.factory = rollout_source_factory(choice)
+        self.frozen = frozen
         self.source: RolloutSource | None = None
         self.refit_step: int | None = None
 
-    def build(self, strategy: MCoreRLStrategy) -> RolloutSource:
-        """The source, built on first use (megatron's groups exist then)."""
-        if self.source is not None:
-            return self.source
-        groups = strategy.groups
-        if self.backend == "megatron":
-            pp_group = groups.pp_group if groups.pp_size > 1 else None
-            chunk = strategy.model_chunks[0]
-            self.source = MegatronRolloutSource(chunk, groups.tp_group, pp_group)
-            return self.source
-        if groups.cp_size != 1:
-            raise ValueError(
-                f"backend='hf' shares a rollout over the model-parallel group (TP x PP); "
-                f"context_parallel_size must be 1, got {groups.cp_size}."
-            )
-        from megatron.core import parallel_state as ps
+    def build(self, setup: RolloutSetup) -> RolloutSource:
+        """The source, built on first use.
 
-        group = ps.get_model_parallel_group()
-        self.source = HFRolloutSource(self.policy.hf_bridge().directory, group)
+        Raises:
+            TypeError: the factory returned something that is not a :class:`RolloutSource`.
+        """
+        if self.source is None:
+            source = self.factory(setup)
+            if not isinstance(source, RolloutSource):
+                raise TypeError(
+                    f"The rollout source factory {self.factory!r} returned a "
+                    f"{type(source).__name__}, not a RolloutSource (`refit_required`, "
+                    "`generate`, `update_weights`)."
+                )
+            self.source = source
         return self.source
 
     def generate(
         self,
-        module: MCoreRLModule,
+        setup: RolloutSetup,
+        step: int,
         prompts: Tensor,
         sampling: SamplingConfig,
         prompt_lengths: Tensor | None = None,
     ) -> Rollout:
-        """Refit the source if ``module`` has stepped since the last refit, then sample
-        ``prompts [B, P]`` (left-padded to ``prompt_lengths [B]`` real tokens; collective over
-        the training world when refitting, over the source's group otherwise)."""
-        strategy = module.mcore_strategy
-        source = self.build(strategy)
-        if source.refit_required and self.refit_step != module.global_step:
-            bridge = self.policy.hf_bridge()
-            source.update_weights(
-                bridge.export_hf_weights(strategy.model_chunks, dtype=torch.float32)
-            )
-            self.refit_step = module.global_step
+        """Refit the source if the model has stepped since the last refit (``step``: its
+        optimizer steps so far), then sample ``prompts [B, P]`` (left-padded to
+        ``prompt_lengths [B]`` real tokens; collective over the training world when refitting,
+        over the source's group otherwise).
+
+        Raises:
+            ValueError: a source that needs a refit, of a model with no HF bridge (on every
+                rank, before any collective).
+        """
+        source = self.build(setup)
+        stale = self.refit_step is None or (not self.frozen and self.refit_step != step)
+        if source.refit_required and stale:
+            if setup.hf_bridge is None:
+                raise ValueError(
+                    f"{type(source).__name__} has refit_required=True: it is refit from the "
+                    "model's Hugging Face weight export, which needs an HFModelSpec model."
+                )
+            weights = setup.hf_bridge.export_hf_weights(setup.chunks, dtype=torch.float32)
+            source.update_weights(weights)
+            self.refit_step = step
         return source.generate(prompts, sampling, prompt_lengths)
 
 

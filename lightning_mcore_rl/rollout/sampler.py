@@ -94,7 +94,7 @@ def _last_logits(
         ranks = dist.get_process_group_ranks(pp_group)
         stage = ranks.index(dist.get_rank())
     if stage > 0:
-        from lightning_mcore_rl.recipes.common import unwrap
+        from lightning_mcore_rl.train.chunks import unwrap_model as unwrap
 
         core = unwrap(model)
         config: Any = core.config

@@ -1,5 +1,5 @@
-"""Argument checks of the rollout layer that need no process group: ``SamplingConfig``,
-``PolicyRollout``'s backend choice (also through ``GRPOModule``) and the embedded source's
+"""Argument checks of the rollout layer that need no process group: ``SamplingConfig``, a
+recipe's backend choice by name (also through ``GRPOModule``) and the embedded source's
 ``update_weights`` no-op."""
 
 from __future__ import annotations
@@ -9,12 +9,8 @@ import torch
 
 from lightning_mcore_rl.recipes import GRPOModule, HFModelSpec, RolloutSpec
 from lightning_mcore_rl.recipes.common import RecipeModel, TinyGPTSpec
-from lightning_mcore_rl.rollout import (
-    MegatronRolloutSource,
-    PolicyRollout,
-    RolloutSource,
-    SamplingConfig,
-)
+from lightning_mcore_rl.recipes.rollout_choice import recipe_rollout
+from lightning_mcore_rl.rollout import MegatronRolloutSource, RolloutSource, SamplingConfig
 
 
 def test_sampling_config_checks_its_fields():
@@ -24,16 +20,16 @@ def test_sampling_config_checks_its_fields():
         SamplingConfig(max_new_tokens=1, temperature=-1.0)
 
 
-def test_policy_rollout_backend_choice():
+def test_recipe_backend_choice():
     tiny = RecipeModel(TinyGPTSpec(), vocab_size=16, max_sequence_length=16)
-    with pytest.raises(ValueError, match="`backend` must be 'megatron' or 'hf', got 'vllm'"):
-        PolicyRollout("vllm", tiny)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`backend` must be one of \['hf', 'megatron'\], a Rol"):
+        recipe_rollout("vllm", tiny)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs an HFModelSpec model, got TinyGPTSpec"):
-        PolicyRollout("hf", tiny)
+        recipe_rollout("hf", tiny)
     with pytest.raises(ValueError, match="needs an HFModelSpec model, got TinyGPTSpec"):
         GRPOModule(rollout=RolloutSpec(backend="hf"))
     hf = RecipeModel(HFModelSpec(path="unread"), vocab_size=16, max_sequence_length=16)
-    assert PolicyRollout("hf", hf).source is None  # built on first use, nothing read yet
+    assert recipe_rollout("hf", hf).source is None  # built on first use, nothing read yet
 
 
 def test_embedded_source_never_reads_the_weight_stream():
