@@ -242,7 +242,7 @@ class DistillationModule(RecipeModule):
             load_dist_checkpoint(chunk, spec.checkpoint, prefix=spec.checkpoint_prefix)
         return chunk
 
-    def loss_post_processor(self) -> LossPostProcessor:
+    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
         """The default post-processor; with the ``"hidden_states"`` payload it also gets the
         teacher's LM-head shard ``[V/TP, H_t]`` (on the last pipeline stage) to project them."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -252,6 +252,7 @@ class DistillationModule(RecipeModule):
         return LossPostProcessor(
             self.loss_fn,
             self.mcore_strategy.policy_config(),
+            num_microbatches,
             sampling_params=self.sampling_params(),
             teacher_output_layer_weight_by_index=None if weight is None else {0: weight},
             use_fused_linear_logprobs=self.mcore_strategy.use_fused_linear_logprobs,

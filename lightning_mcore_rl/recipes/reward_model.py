@@ -169,7 +169,7 @@ class RewardModelModule(RecipeModule):
         if stage == "fit":
             check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
-    def loss_post_processor(self) -> LossPostProcessor:
+    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
         """The base hook's loss callback with :func:`last_token_scores` as the input
         preparation (the loss reads one score per row)."""
         from lightning_mcore_rl.train import LossPostProcessor
@@ -177,7 +177,7 @@ class RewardModelModule(RecipeModule):
         loss_fn: Any = self.loss_fn  # the PreferenceLossFn of __init__
         strategy = self.mcore_strategy
         return LossPostProcessor(
-            loss_fn, strategy.policy_config(), prepare_fn=last_token_scores
+            loss_fn, strategy.policy_config(), num_microbatches, prepare_fn=last_token_scores
         )
 
     def check_batch(self, batch: Mapping[str, Any]) -> None:
