@@ -6,8 +6,8 @@ examples/configs/grpo_tiny.yaml``.
 
 The policy must continue each prompt by counting modulo 4 (each token one more than the previous):
 the reward starts near 0.25 (a random policy) and passes 0.95 within about 40 steps.
-Writes ``outputs/grpo_tiny/metrics.csv`` and ``metrics.png`` (reward, loss and grad norm per
-optimizer step) next to Lightning's CSV logs.
+Writes ``outputs/grpo_tiny/metrics.csv`` (every logged metric per optimizer step) and
+``metrics.png`` (two panels: reward and grad norm per step) next to Lightning's CSV logs.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
         devices=2,
         strategy=MCoreRLStrategy(tensor_model_parallel_size=args.tp, micro_batch_size=16),
         max_steps=args.steps,
+        max_epochs=1,  # = the data's `num_steps` batches (without it the bar shows "Epoch 0/-2")
         gradient_clip_val=1.0,
         logger=CSVLogger(args.output, name="logs"),
         callbacks=[MetricsHistory(args.output, plot_keys=("reward", "grad_norm"))],

@@ -1,0 +1,36 @@
+"""``scripts/make_tiny_hf.py`` writes the Hugging Face directory ``grpo_hf.yaml`` points at: the
+YAML instantiates with it as written, and the model covers the task (vocabulary, positions)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from lightning_mcore_rl.cli import build_cli
+from lightning_mcore_rl.recipes import GRPOModule, HFModelSpec
+
+ROOT = Path(__file__).parents[3]
+
+
+def test_make_tiny_hf_makes_the_model_grpo_hf_yaml_uses(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the script's and the YAML's relative paths, as run by a user
+    script = runpy.run_path(str(ROOT / "scripts" / "make_tiny_hf.py"))  # not as __main__
+    script["main"]([])  # the defaults: `python scripts/make_tiny_hf.py`
+    out = tmp_path / "outputs" / "tiny_llama"  # the YAML's model.path
+    assert capsys.readouterr().out == "tiny Llama + tokenizer: outputs/tiny_llama\n"
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 24 and config["max_position_embeddings"] == 64
+    assert not config["tie_word_embeddings"]  # GRPO at TP=2 needs no tied-embedding care
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == 20 and tokenizer("0 1 15").input_ids == [2, 4, 5, 11]  # BOS + words
+
+    cli = build_cli(["--config", str(ROOT / "examples/configs/grpo_hf.yaml")], run=False)
+    module = cli.model
+    assert isinstance(module, GRPOModule) and module.model_spec == HFModelSpec("outputs/tiny_llama")
+    bridge = module.hf_bridge()  # raises unless vocabulary and positions cover the task
+    assert (bridge.vocab_size, bridge.arch.max_position_embeddings) == (24, 64)
+    assert cli.trainer.max_steps == cli.datamodule.num_steps == 60 and cli.trainer.max_epochs == 1
+    assert cli.trainer.checkpoint_callback is not None  # `lmrl export` needs the checkpoint
