@@ -256,7 +256,7 @@ def check_step_microbatches(
             local batch; the message names the DataModule argument, the DP size and the factor.
     """
     trainer = module.trainer
-    datamodule = trainer.datamodule
+    datamodule = getattr(trainer, "datamodule", None)  # set by fit(datamodule=...)
     items = getattr(datamodule, per_step, None)
     batching = module.mcore_strategy.microbatching
     if not isinstance(items, int) or batching.max_tokens_per_microbatch is not None:
