@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.callbacks import MetricsHistory
+from lightning_mcore_rl.rank_errors import install_rank_excepthook
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
 
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, choices=(1, 2), default=2, help="TP size (DP = 2/TP)")
     parser.add_argument("--output", default="outputs/grpo_tiny")
     args = parser.parse_args()
+    install_rank_excepthook()  # an error on both ranks: one traceback (rank 0's), as under lmrl
 
     trainer = Trainer(
         accelerator="cpu",
