@@ -1,7 +1,7 @@
 """Arithmetic word problems on two CPU ranks: a tiny Llama is SFT-warmed, then trained with GRPO
 and the numeric verifier, and evaluated with ``transformers`` before and after GRPO.
 
-Launch (about 2.5 minutes on 2 idle CPU cores, 5-8 under load)::
+Launch (2-4 minutes on a 2-core Intel Xeon, load average 1-10 from other jobs)::
 
     .venv/bin/python examples/arithmetic/run.py --seed 0 --out outputs/arithmetic/seed0
 
@@ -12,18 +12,23 @@ The stages, all under ``--out``:
    (SFT) and ``{"prompt", "answer"}`` (GRPO) JSONL; ``init/``: a word-level tokenizer trained on
    them and a random tiny Llama (:func:`~lightning_mcore_rl.recipes.write_tiny_llama`).
 2. ``sft/``: a short SFT warm-up (``SFTModule`` on ``ResponseFileDataModule``, TP=1 DP=2;
-   greedy accuracy 30-60%, so GRPO has room), exported as an HF directory by the ``HFExport``
-   callback.
+   greedy accuracy about 30-65%, so GRPO has room), exported as an HF directory by the
+   ``HFExport`` callback.
 3. the SFT model's greedy accuracy on the validation problems with ``transformers``
    (:func:`~lightning_mcore_rl.recipes.evaluate_hf`).
 4. ``grpo/``: GRPO from the SFT export (``TextRewardTask`` with ``NumericAnswerReward``, the
    ``transformers`` rollout backend refit after every step, completions ending at EOS), exported
    with ``HFExport``.
-5. the GRPO model's accuracy; both accuracies and the stage times go to ``summary.json``
-   (measured: 0.590 -> 0.891 with seed 0, 0.301 -> 0.648 with seed 1).
+5. the GRPO model's accuracy; both accuracies and the stage times go to ``summary.json``.
+   Measured on a 2-core Intel Xeon, seeds 0 / 1: 0.656 -> 0.793 / 0.449 -> 0.699 with torch's
+   AVX-512 kernels, 0.637 -> 0.895 / 0.285 -> 0.660 with its AVX2 kernels
+   (``ATEN_CPU_CAPABILITY=avx2``). A run repeats exactly on the same machine and kernels only;
+   another CPU's rounding gives other numbers in about that range (BENCHMARKS.md).
 
 Each training stage runs in its own ``Trainer(devices=2)`` launch (``--stage sft`` /
-``--stage grpo``, started by the pipeline), so the two stages can use different layouts.
+``--stage grpo``, started by the pipeline), so the two stages can use different layouts. Every
+process runs one intra-op thread (:data:`THREADS`), and each training stage prints a line every
+5% of its steps (:class:`StepLines`).
 """
 
 from __future__ import annotations
