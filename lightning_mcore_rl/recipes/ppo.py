@@ -299,7 +299,8 @@ class PPOModule(GRPOModule):
         cfg = strategy.policy_config()
         if strategy.use_fused_linear_logprobs or cfg.sequence_packing:
             raise ValueError(
-                "PPOModule needs `MCoreRLStrategy(use_fused_linear_logprobs=False)` and "
+                "PPOModule needs `MCoreRLStrategy(logprobs=LogprobKernelConfig("
+                "use_fused_linear_logprobs=False))` and "
                 f"`sequence_packing=False` (got {strategy.use_fused_linear_logprobs} and "
                 f"{cfg.sequence_packing}): the values are a column of the chunk's unpacked output."
             )

@@ -2,7 +2,13 @@
 plumbing, and :class:`ResumableLoader` for exact mid-epoch resume. Megatron is imported lazily
 (inside hooks), so importing this package needs no GPU."""
 
-from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
+from lightning_mcore_rl.strategy.config import (
+    CheckpointConfig,
+    LogprobKernelConfig,
+    MegatronDDPConfig,
+    ParallelSizes,
+    ReliabilityConfig,
+)
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
     MegatronOptimizerSpec,
@@ -16,6 +22,7 @@ from lightning_mcore_rl.strategy.teacher import load_dist_checkpoint
 
 __all__ = [
     "CheckpointConfig",
+    "LogprobKernelConfig",
     "MCorePrecision",
     "MCoreRLStrategy",
     "MegatronDDPConfig",
@@ -23,6 +30,7 @@ __all__ = [
     "MegatronOptimizerSpec",
     "MegatronStepResult",
     "ParallelSizes",
+    "ReliabilityConfig",
     "ResumableLoader",
     "check_trainer_flags",
     "load_dist_checkpoint",

@@ -6,8 +6,15 @@ and ``import lightning_mcore_rl`` stays cheap. Each is validated once, in ``__po
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from datetime import timedelta
+from typing import Any, Literal, TypeVar, cast
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_mcore_rl.strategy.nonfinite import NonFinitePolicy, check_policy
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
@@ -16,9 +23,11 @@ SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 @dataclass(frozen=True)
 class MegatronDDPConfig:
     """The megatron ``DistributedDataParallelConfig`` fields users tune (the rest keep megatron's
-    defaults; ``use_distributed_optimizer`` comes from the strategy).
+    defaults), the strategy's ``ddp`` group.
 
     Attributes:
+        use_distributed_optimizer: shard optimizer state and main params over DP (megatron's
+            distributed optimizer; also its ``OptimizerConfig`` flag).
         grad_reduce_in_fp32: reduce (and accumulate) gradients in fp32. ``None``: True for
             ``"32-true"`` and ``"bf16-mixed"``, False for ``"bf16-true"`` (the only difference
             between the two bf16 flags, see ``docs/strategy.md``).
@@ -29,6 +38,7 @@ class MegatronDDPConfig:
         check_for_nan_in_grad: raise on NaN gradients before the reduction.
     """
 
+    use_distributed_optimizer: bool = False
     grad_reduce_in_fp32: bool | None = None
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -37,10 +47,13 @@ class MegatronDDPConfig:
     check_for_nan_in_grad: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("overlap_grad_reduce", "overlap_param_gather", "average_in_collective",
-                     "check_for_nan_in_grad"):  # fmt: skip
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`MegatronDDPConfig.{name}` must be a bool.")
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+                     "average_in_collective", "check_for_nan_in_grad"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"`MegatronDDPConfig.{name}` must be a bool, got {type(value).__name__}."
+                )
         if self.grad_reduce_in_fp32 is not None and not isinstance(self.grad_reduce_in_fp32, bool):
             raise TypeError("`MegatronDDPConfig.grad_reduce_in_fp32` must be a bool or None.")
         if isinstance(self.bucket_size, bool) or not isinstance(
@@ -52,7 +65,7 @@ class MegatronDDPConfig:
                 f"`MegatronDDPConfig.bucket_size` must be positive or None, got {self.bucket_size}."
             )
 
-    def to_megatron(self, *, precision: str, use_distributed_optimizer: bool) -> Any:
+    def to_megatron(self, *, precision: str) -> Any:
         """The megatron ``DistributedDataParallelConfig`` for ``precision``."""
         from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -66,7 +79,7 @@ class MegatronDDPConfig:
             bucket_size=self.bucket_size,
             average_in_collective=self.average_in_collective,
             check_for_nan_in_grad=self.check_for_nan_in_grad,
-            use_distributed_optimizer=use_distributed_optimizer,
+            use_distributed_optimizer=self.use_distributed_optimizer,
         )
 
 
@@ -96,6 +109,79 @@ class CheckpointConfig:
             raise ValueError(
                 "`CheckpointConfig.optimizer_sharding` must be 'dp_reshardable' or "
                 f"'fully_reshardable', got {self.optimizer_sharding!r}."
+            )
+
+
+@dataclass(frozen=True)
+class ReliabilityConfig:
+    """How the run's processes talk and what stops a step: the strategy's ``reliability`` group
+    (``docs/reliability.md``).
+
+    Attributes:
+        timeout: process-group timeout of the world group, of the all-ranks group the strategy
+            creates for its own collectives (also when the world group was created before the
+            Trainer with another timeout) AND of every megatron group (TP, PP, DP, CP,
+            model-parallel): a rank left waiting for a failed peer raises after it. ``None``:
+            torch's default.
+        nonfinite: ``"skip"`` a step whose inputs, loss or gradients are not finite on every
+            rank (no parameter or optimizer-state change; counted and logged as
+            ``skipped_steps``), or ``"raise"`` at the first one.
+        max_consecutive_skips: under ``"skip"``, stop with an error after this many
+            consecutive skipped steps.
+        process_group_backend: ``"nccl"``/``"gloo"`` (``None``: from the device).
+    """
+
+    timeout: timedelta | None = default_pg_timeout
+    nonfinite: NonFinitePolicy = "skip"
+    max_consecutive_skips: int = 10
+    process_group_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout is not None:
+            if not isinstance(self.timeout, timedelta):
+                raise TypeError(
+                    "`ReliabilityConfig.timeout` must be a datetime.timedelta or None, got "
+                    f"{type(self.timeout).__name__}."
+                )
+            if self.timeout.total_seconds() <= 0:
+                raise ValueError(
+                    f"`ReliabilityConfig.timeout` must be positive, got {self.timeout}."
+                )
+        check_policy(self.nonfinite, self.max_consecutive_skips)
+        backend = self.process_group_backend
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(
+                "`ReliabilityConfig.process_group_backend` must be a str ('nccl', 'gloo') or "
+                f"None, got {type(backend).__name__}."
+            )
+
+
+@dataclass(frozen=True)
+class LogprobKernelConfig:
+    """How the post-processors compute logprobs: the strategy's ``logprobs`` group.
+
+    Attributes:
+        use_fused_linear_logprobs: the last pipeline stage returns its final hidden states and
+            the post-processors compute logprobs from hidden x output weight in sequence chunks
+            (never materialising the ``[tokens, V/TP]`` logits).
+        logprob_chunk_size: sequence chunk of the logprob / top-k kernels (``None``: unchunked).
+    """
+
+    use_fused_linear_logprobs: bool = False
+    logprob_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        fused = self.use_fused_linear_logprobs
+        if not isinstance(fused, bool):
+            raise TypeError(
+                "`LogprobKernelConfig.use_fused_linear_logprobs` must be a bool, got "
+                f"{type(fused).__name__}."
+            )
+        size = self.logprob_chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"`LogprobKernelConfig.logprob_chunk_size` must be a positive int or None, got "
+                f"{size!r}."
             )
 
 
@@ -200,3 +286,36 @@ class ParallelSizes:
                 "change the parallel sizes or `Trainer(devices=..., num_nodes=...)`."
             )
         return world_size // self.model_parallel_size
+
+
+MOVED_ARGUMENTS: dict[str, str] = {
+    "use_distributed_optimizer": "ddp=MegatronDDPConfig(use_distributed_optimizer=...)",
+    "timeout": "reliability=ReliabilityConfig(timeout=...)",
+    "nonfinite": "reliability=ReliabilityConfig(nonfinite=...)",
+    "max_consecutive_skips": "reliability=ReliabilityConfig(max_consecutive_skips=...)",
+    "process_group_backend": "reliability=ReliabilityConfig(process_group_backend=...)",
+    "use_fused_linear_logprobs": "logprobs=LogprobKernelConfig(use_fused_linear_logprobs=...)",
+    "logprob_chunk_size": "logprobs=LogprobKernelConfig(logprob_chunk_size=...)",
+    "cluster_environment": "Trainer(plugins=[<the ClusterEnvironment>])",
+}
+"""The strategy's former flat arguments -> where each setting lives now."""
+
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+def refuse_moved_arguments(init: _F) -> _F:
+    """Wrap ``MCoreRLStrategy.__init__``: a former flat argument (:data:`MOVED_ARGUMENTS`) raises
+    ``TypeError`` naming its new place, instead of Python's bare "unexpected keyword"."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        moved = [name for name in kwargs if name in MOVED_ARGUMENTS]
+        if moved:
+            where = "; ".join(f"`{name}` -> `{MOVED_ARGUMENTS[name]}`" for name in moved)
+            raise TypeError(
+                f"MCoreRLStrategy no longer takes {', '.join(f'`{n}`' for n in moved)}: pass "
+                f"{where} (in YAML the same names nested under `ddp:`, `reliability:`, `logprobs:`)."
+            )
+        init(self, *args, **kwargs)
+
+    return cast(_F, wrapper)

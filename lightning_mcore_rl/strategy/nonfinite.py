@@ -48,7 +48,7 @@ class NonFiniteWarning(UserWarning):
 
 
 def check_policy(nonfinite: Any, max_consecutive_skips: Any) -> None:
-    """Validate the strategy's ``nonfinite`` and ``max_consecutive_skips`` arguments."""
+    """Validate ``ReliabilityConfig``'s ``nonfinite`` and ``max_consecutive_skips``."""
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(
             f"`nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}."
@@ -163,7 +163,8 @@ class NonFiniteGuard:
         if self.policy == "raise":
             raise NonFiniteError(
                 f"Training step stopped by `nonfinite='raise'`: {cause}. Use "
-                "`MCoreRLStrategy(nonfinite='skip')` to skip such steps instead."
+                "`MCoreRLStrategy(reliability=ReliabilityConfig(nonfinite='skip'))` to skip such "
+                "steps instead."
             )
         self.step_skipped = True
         self.skipped_steps += 1
@@ -173,7 +174,7 @@ class NonFiniteGuard:
                 f"{self.consecutive_skips} consecutive training steps skipped by "
                 f"`nonfinite='skip'` (max_consecutive_skips={self.max_consecutive_skips}); the "
                 f"last one: {cause}. Fix the data or the learning rate, or raise "
-                "`MCoreRLStrategy(max_consecutive_skips=...)`."
+                "`MCoreRLStrategy(reliability=ReliabilityConfig(max_consecutive_skips=...))`."
             )
         warnings.warn(
             f"Skipped the training step (no parameter or optimizer-state change): {cause}; "

@@ -222,7 +222,7 @@ def resolve_optimizer_config(
     if config.use_distributed_optimizer and not use_distributed_optimizer:
         raise ValueError(
             "`OptimizerConfig.use_distributed_optimizer=True` conflicts with the strategy; set "
-            "`MCoreRLStrategy(use_distributed_optimizer=True)` instead."
+            "`MCoreRLStrategy(ddp=MegatronDDPConfig(use_distributed_optimizer=True))` instead."
         )
     check_optimizer_values(config)
     return dataclasses.replace(

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_mcore_rl.strategy.config import ParallelSizes
+from lightning_mcore_rl.strategy.config import (
+    CheckpointConfig,
+    LogprobKernelConfig,
+    MegatronDDPConfig,
+    ParallelSizes,
+    ReliabilityConfig,
+)
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.train import ParallelGroups
@@ -87,32 +93,19 @@ def megatron_groups() -> ParallelGroups:
     )
 
 
-def check_strategy_args(
-    *, use_distributed_optimizer: Any, timeout: Any, ddp: Any, checkpoint: Any
-) -> None:
-    """Type checks of the strategy's non-size arguments (sizes: :class:`ParallelSizes`).
+def check_strategy_args(*, ddp: Any, checkpoint: Any, reliability: Any, logprobs: Any) -> None:
+    """Class checks of the strategy's setting groups (each validates its own fields; sizes:
+    :class:`ParallelSizes`).
 
     Raises:
-        TypeError: a flag that is not a bool, a timeout that is not a ``timedelta``/None, a
-            ``ddp``/``checkpoint`` of the wrong class.
-        ValueError: a non-positive timeout.
+        TypeError: a group that is not its config class or None.
     """
-    from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig
-
-    if not isinstance(use_distributed_optimizer, bool):
-        raise TypeError(
-            "`use_distributed_optimizer` must be a bool, got "
-            f"{type(use_distributed_optimizer).__name__}."
-        )
-    if timeout is not None:
-        if not isinstance(timeout, timedelta):
-            raise TypeError(
-                f"`timeout` must be a datetime.timedelta or None, got {type(timeout).__name__}."
-            )
-        if timeout.total_seconds() <= 0:
-            raise ValueError(f"`timeout` must be positive, got {timeout}.")
-    for name, value, cls in (("ddp", ddp, MegatronDDPConfig),
-                             ("checkpoint", checkpoint, CheckpointConfig)):  # fmt: skip
+    for name, value, cls in (
+        ("ddp", ddp, MegatronDDPConfig),
+        ("checkpoint", checkpoint, CheckpointConfig),
+        ("reliability", reliability, ReliabilityConfig),
+        ("logprobs", logprobs, LogprobKernelConfig),
+    ):
         if value is not None and not isinstance(value, cls):
             raise TypeError(
                 f"`{name}` must be a {cls.__name__} or None, got {type(value).__name__}."

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -28,9 +25,16 @@ from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.backend import enter_run_backends
 from lightning_mcore_rl.strategy.base import ProcessGroupStrategy
-from lightning_mcore_rl.strategy.config import CheckpointConfig, MegatronDDPConfig, ParallelSizes
+from lightning_mcore_rl.strategy.config import (
+    CheckpointConfig,
+    LogprobKernelConfig,
+    MegatronDDPConfig,
+    ParallelSizes,
+    ReliabilityConfig,
+    refuse_moved_arguments,
+)
 from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks
-from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard, NonFinitePolicy
+from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
     MegatronStepResult,
@@ -70,34 +74,26 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         context_parallel_size: CP size (needs ``sequence_packing``).
         sequence_parallel: megatron sequence parallelism (needs TP > 1).
         sequence_packing: pack each microbatch into one THD row.
-        use_distributed_optimizer: shard optimizer state and main params over DP.
         micro_batch_size: samples per microbatch for fixed-size microbatching.
         max_tokens_per_microbatch: token budget per microbatch (``None``: fixed-size
             microbatches); ``loss_fn`` path only (needs ``input_lengths``), ``micro_batch_size``
             must stay 1, and pipeline parallelism needs ``sequence_packing`` with a budget.
-        ddp: megatron DDP options.
-        checkpoint: checkpoint format options.
-        process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
-        cluster_environment: Lightning cluster environment (default: detected).
-        timeout: process-group timeout of the world group, of the all-ranks group the strategy
-            creates for its own collectives (also when the world group was created before the
-            Trainer with another timeout) AND of every megatron group (TP, PP, DP, CP,
-            model-parallel): a rank left waiting for a failed peer raises after it.
-        nonfinite: ``"skip"`` (default) a step whose inputs, loss or gradients are not finite
-            on every rank (no parameter or optimizer-state change; counted and logged as
-            ``skipped_steps``), or ``"raise"`` at the first one (``docs/reliability.md``).
-        max_consecutive_skips: under ``"skip"``, stop with an error after this many
-            consecutive skipped steps.
-        use_fused_linear_logprobs: the last pipeline stage returns its final hidden states and
-            the post-processors compute logprobs from hidden x output weight in sequence chunks
-            (never materialising the ``[tokens, V/TP]`` logits).
-        logprob_chunk_size: sequence chunk of the logprob / top-k kernels (``None``: unchunked).
+        ddp: megatron DDP options and the distributed optimizer
+            (:class:`~.config.MegatronDDPConfig`).
+        checkpoint: checkpoint format options (:class:`~.config.CheckpointConfig`).
+        reliability: process-group timeout and backend, the non-finite policy
+            (:class:`~.config.ReliabilityConfig`).
+        logprobs: the logprob kernels: fused linear logprobs, chunk size
+            (:class:`~.config.LogprobKernelConfig`).
 
-    Accelerator, devices and precision come from the ``Trainer``.
+    Accelerator, devices and precision come from the ``Trainer``; a cluster environment from
+    ``Trainer(plugins=[...])``. A former flat argument (``nonfinite=``, ``timeout=``, ...) raises
+    ``TypeError`` naming its group (:data:`~.config.MOVED_ARGUMENTS`).
     """
 
     strategy_name = "mcore_rl"
 
+    @refuse_moved_arguments
     def __init__(
         self,
         tensor_model_parallel_size: int = 1,
@@ -106,26 +102,17 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         context_parallel_size: int = 1,
         sequence_parallel: bool = False,
         sequence_packing: bool = False,
-        use_distributed_optimizer: bool = False,
         micro_batch_size: int = 1,
         max_tokens_per_microbatch: int | None = None,
         ddp: MegatronDDPConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
-        process_group_backend: str | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        nonfinite: NonFinitePolicy = "skip",
-        max_consecutive_skips: int = 10,
-        use_fused_linear_logprobs: bool = False,
-        logprob_chunk_size: int | None = None,
+        reliability: ReliabilityConfig | None = None,
+        logprobs: LogprobKernelConfig | None = None,
     ) -> None:
         from lightning_mcore_rl.train import Microbatching, PolicyConfig
 
         check_strategy_args(
-            use_distributed_optimizer=use_distributed_optimizer,
-            timeout=timeout,
-            ddp=ddp,
-            checkpoint=checkpoint,
+            ddp=ddp, checkpoint=checkpoint, reliability=reliability, logprobs=logprobs
         )
         self.parallel = ParallelSizes(
             tp=tensor_model_parallel_size,
@@ -142,13 +129,16 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             equal_shapes=pipeline_model_parallel_size > 1,
             sequence_parallel=sequence_parallel,
         )
-        self.use_distributed_optimizer = use_distributed_optimizer
-        self.use_fused_linear_logprobs = use_fused_linear_logprobs
-        self._policy = PolicyConfig(
-            sequence_packing=sequence_packing, logprob_chunk_size=logprob_chunk_size
-        )
         self.ddp_config = ddp if ddp is not None else MegatronDDPConfig()
         self.checkpoint_config = checkpoint if checkpoint is not None else CheckpointConfig()
+        self.reliability = reliability if reliability is not None else ReliabilityConfig()
+        self.logprobs = logprobs if logprobs is not None else LogprobKernelConfig()
+        self.use_distributed_optimizer = self.ddp_config.use_distributed_optimizer
+        self.use_fused_linear_logprobs = self.logprobs.use_fused_linear_logprobs
+        self._policy = PolicyConfig(
+            sequence_packing=sequence_packing,
+            logprob_chunk_size=self.logprobs.logprob_chunk_size,
+        )
         self._default_precision = MCorePrecision()
         self._groups: ParallelGroups | None = None
         self._context: StepContext | None = None
@@ -156,8 +146,9 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._wrapped = WrappedChunks()
         self._chunks: list[torch.nn.Module] = []
         self.teacher = HostedTeacher()  # the module's frozen teacher (strategy/teacher.py)
-        self.nonfinite_guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
-        super().__init__(process_group_backend, cluster_environment, timeout)
+        rel = self.reliability
+        self.nonfinite_guard = NonFiniteGuard(rel.nonfinite, rel.max_consecutive_skips)
+        super().__init__(rel.process_group_backend, None, rel.timeout)
 
     # ---------------------------------------------------------------- layout
 
@@ -287,9 +278,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         )  # fmt: skip
         ddp = None
         if fitting:
-            ddp = self.ddp_config.to_megatron(
-                precision=plugin.precision, use_distributed_optimizer=self.use_distributed_optimizer
-            )
+            ddp = self.ddp_config.to_megatron(precision=plugin.precision)
         self._chunks = self._wrapped.update(raw, bf16=plugin.bf16, ddp_config=ddp)
         if fitting:
             self.setup_optimizers(trainer)

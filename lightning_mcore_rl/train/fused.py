@@ -42,7 +42,7 @@ from lightning_mcore_rl.train.chunks import unwrap_model
 
 FUSED_NEEDS_LOGITS = (
     "{what} needs the [tokens, V/TP] logits, which the fused linear logprobs path never builds; "
-    "use `MCoreRLStrategy(use_fused_linear_logprobs=False)`"
+    "use `MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=False))`"
 )
 """Error text for options the fused path cannot serve (format with ``what=``)."""
 
@@ -86,7 +86,7 @@ def check_fused_chunks(chunks: Sequence[torch.nn.Module]) -> None:
             raise TypeError(
                 f"use_fused_linear_logprobs needs megatron GPTModel chunks (their output layer is "
                 f"bypassed), got chunk {i} of type {type(inner).__name__}; use "
-                "`MCoreRLStrategy(use_fused_linear_logprobs=False)`"
+                "`MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=False))`"
             )
         if inner.config.mtp_num_layers:
             raise ValueError(

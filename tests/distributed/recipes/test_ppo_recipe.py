@@ -15,6 +15,7 @@ from _rl_runs import Recipe, fit, ppo_rejections, resume, whiten_halves
 
 from lightning_mcore_rl.algorithms import masked_whiten
 from lightning_mcore_rl.recipes import HFModelSpec
+from lightning_mcore_rl.strategy import LogprobKernelConfig
 from lightning_mcore_rl.testing import run_on_ranks
 
 KEYS = ("train_loss", "train_policy_loss", "train_value_loss", "train_values_mean")
@@ -85,7 +86,7 @@ def test_ppo_of_an_hf_model_with_a_frozen_reference_copy_tp2_matches_tp1(tmp_pat
 
 def test_ppo_rejects_layouts_it_cannot_run_before_any_step():
     layouts = [
-        {"use_fused_linear_logprobs": True},
+        {"logprobs": LogprobKernelConfig(use_fused_linear_logprobs=True)},
         {"tensor_model_parallel_size": 2, "sequence_parallel": True},
         {"pipeline_model_parallel_size": 2},
     ]

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy import ResumableLoader
+from lightning_mcore_rl.strategy import ReliabilityConfig, ResumableLoader
 
 VOCAB = 64
 S = 12
@@ -155,8 +155,10 @@ def nonfinite_rank(rank: int) -> dict[str, Any]:
 
     snaps = Snapshots()
     snaps.poison_weight_at = 1
-    trainer = _trainer(5, MCoreRLStrategy(micro_batch_size=1, max_consecutive_skips=2),
-                       callbacks=[snaps])  # fmt: skip
+    strategy = MCoreRLStrategy(
+        micro_batch_size=1, reliability=ReliabilityConfig(max_consecutive_skips=2)
+    )
+    trainer = _trainer(5, strategy, callbacks=[snaps])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -169,7 +171,9 @@ def nonfinite_rank(rank: int) -> dict[str, Any]:
     ]
 
     data = Rollouts(8, poison={(1, "prev_logprobs"): float("-inf")})
-    trainer = _trainer(2, MCoreRLStrategy(micro_batch_size=1, nonfinite="raise"))
+    trainer = _trainer(
+        2, MCoreRLStrategy(micro_batch_size=1, reliability=ReliabilityConfig(nonfinite="raise"))
+    )
     try:
         trainer.fit(GRPO(), DataLoader(data, batch_size=2, sampler=_sampler(data)))
         out["raise_error"] = ""
@@ -187,7 +191,9 @@ def timeout_rank(rank: int, seconds: float) -> dict[str, Any]:
     """TP=2: rank 1 raises inside the step (after the input check, before the model) and then
     sleeps; rank 0 waits in megatron's TP all-reduce and must fail after ``seconds``."""
     strategy = MCoreRLStrategy(
-        tensor_model_parallel_size=2, micro_batch_size=1, timeout=timedelta(seconds=seconds)
+        tensor_model_parallel_size=2,
+        micro_batch_size=1,
+        reliability=ReliabilityConfig(timeout=timedelta(seconds=seconds)),
     )
     trainer = _trainer(2, strategy)
     start = time.monotonic()

@@ -12,6 +12,7 @@ from helpers.trainer import cpu_trainer
 from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.strategy import ReliabilityConfig
 
 STRATEGY_TIMEOUT_S = 5.0
 STALL_S = 25.0
@@ -38,7 +39,9 @@ class _Stalling(TinyGPTModule):
 
 def stall_rank(rank: int) -> StallResult:
     module = _Stalling()
-    strategy = MCoreRLStrategy(timeout=timedelta(seconds=STRATEGY_TIMEOUT_S))
+    strategy = MCoreRLStrategy(
+        reliability=ReliabilityConfig(timeout=timedelta(seconds=STRATEGY_TIMEOUT_S))
+    )
     trainer = cpu_trainer(strategy=strategy, max_steps=1)
     try:
         trainer.fit(module, DataLoader(TokenRows(4), batch_size=2))

@@ -1,5 +1,6 @@
-"""Rank functions for ``MCoreRLStrategy(use_fused_linear_logprobs=...)``: the packed ClippedPG
-GRPO run of ``_strategy_packing_runs`` under a Trainer, once on logits and once fused (hidden
+"""Rank functions for
+``MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=...))``: the packed
+ClippedPG GRPO run of ``_strategy_packing_runs`` under a Trainer, once on logits and once fused (hidden
 states out of the last stage, logprobs from hidden x output weight), in one rank process (same
 weights, same sampler order), at temperature 2."""
 
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.strategy import LogprobKernelConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
 TEMPERATURE = 2.0
@@ -63,7 +65,7 @@ def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, li
     module = FusedGRPOModule(case)
     run = fit_recorded(
         case.spec, world_size, module, RolloutRows(case.spec.rows), packing=True,
-        use_fused_linear_logprobs=fused,
+        logprobs=LogprobKernelConfig(use_fused_linear_logprobs=fused),
     )  # fmt: skip
     return run, sorted(module.head_modes)
 
@@ -115,7 +117,9 @@ def fused_error_rank(rank: int, spec: RunSpec) -> dict[str, str]:
     errors = {}
     for name, module in {"top_k": filtered, "topk_logits": _TopkModule(FusedCase(spec))}.items():
         strategy = MCoreRLStrategy(
-            **strategy_kwargs(spec), sequence_packing=True, use_fused_linear_logprobs=True
+            **strategy_kwargs(spec),
+            sequence_packing=True,
+            logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True),
         )
         trainer = make_trainer(spec, world_size, strategy=strategy)
         loader = DataLoader(RolloutRows(spec.rows), batch_size=spec.local_batch(world_size))

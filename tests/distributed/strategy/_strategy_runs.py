@@ -18,7 +18,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy import CheckpointConfig, MegatronOptimizerSpec, ResumableLoader
+from lightning_mcore_rl.strategy import (
+    CheckpointConfig,
+    MegatronDDPConfig,
+    MegatronOptimizerSpec,
+    ResumableLoader,
+)
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 from lightning_mcore_rl.testing.training import build_training, forward_backward, optimizer_step
 
@@ -160,8 +165,8 @@ def strategy_kwargs(spec: RunSpec) -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size": spec.vpp,
         "context_parallel_size": spec.cp,
         "sequence_parallel": spec.sequence_parallel,
-        "use_distributed_optimizer": spec.distributed_optimizer,
         "micro_batch_size": spec.mbs,
+        "ddp": MegatronDDPConfig(use_distributed_optimizer=spec.distributed_optimizer),
         "checkpoint": CheckpointConfig(optimizer_sharding=spec.optimizer_sharding),
     }
 

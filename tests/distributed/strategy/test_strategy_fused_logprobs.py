@@ -1,6 +1,7 @@
-"""``MCoreRLStrategy(use_fused_linear_logprobs=True)`` under a Trainer: the last stage returns its
-final hidden states and the post-processors compute logprobs from hidden x output weight in
-chunks (no ``[tokens, V/TP]`` logits: the output layer ran as the pass-through on every step).
+"""``MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True))`` under a
+Trainer: the last stage returns its final hidden states and the post-processors compute logprobs
+from hidden x output weight in chunks (no ``[tokens, V/TP]`` logits: the output layer ran as the
+pass-through on every step).
 The packed ClippedPG GRPO run at temperature 2 trains exactly like the logits run: the same
 per-step ``train_loss``, every logged metric, megatron's grad norms and ``compute_logprobs`` on
 real tokens (fp32, within 1e-5), untied and tied embeddings (tied under PP: the last stage's own

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from datetime import timedelta
 
 import pytest
 
@@ -12,6 +13,7 @@ import lightning_mcore_rl.cli as cli_module
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.cli import build_cli
+from lightning_mcore_rl.strategy import ReliabilityConfig
 
 BASE = [
     "--model=lightning_mcore_rl.MCoreRLModule",
@@ -36,11 +38,19 @@ trainer:
     class_path: lightning_mcore_rl.MCoreRLStrategy
     init_args:
       micro_batch_size: 2
-      use_distributed_optimizer: true
       ddp:
+        use_distributed_optimizer: true
         overlap_grad_reduce: true
       checkpoint:
         optimizer_sharding: fully_reshardable
+      reliability:
+        timeout: 0:01:30
+        nonfinite: raise
+        max_consecutive_skips: 3
+        process_group_backend: gloo
+      logprobs:
+        use_fused_linear_logprobs: true
+        logprob_chunk_size: 64
 """
     )
     cli = build_cli([*BASE, f"--config={config}"], run=False)
@@ -49,6 +59,10 @@ trainer:
     assert strategy.microbatching.micro_batch_size == 2 and strategy.use_distributed_optimizer
     assert strategy.ddp_config.overlap_grad_reduce is True
     assert strategy.checkpoint_config.optimizer_sharding == "fully_reshardable"
+    assert strategy.reliability == ReliabilityConfig(timedelta(seconds=90), "raise", 3, "gloo")
+    guard = strategy.nonfinite_guard
+    assert (guard.policy, guard.max_consecutive_skips) == ("raise", 3)
+    assert strategy.use_fused_linear_logprobs and strategy.policy_config().logprob_chunk_size == 64
     assert strategy.precision_plugin.precision == "bf16-mixed"
 
 

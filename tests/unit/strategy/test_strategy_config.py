@@ -3,6 +3,10 @@ precision translation and registry (single process, no megatron state)."""
 
 from __future__ import annotations
 
+import inspect
+import re
+from datetime import timedelta
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -12,12 +16,15 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_mcore_rl
 from lightning_mcore_rl.strategy import (
     CheckpointConfig,
+    LogprobKernelConfig,
     MCorePrecision,
     MCoreRLStrategy,
     MegatronDDPConfig,
     ParallelSizes,
+    ReliabilityConfig,
     check_trainer_flags,
 )
+from lightning_mcore_rl.strategy.config import MOVED_ARGUMENTS
 from lightning_mcore_rl.strategy.precision import to_mcore_precision
 from lightning_mcore_rl.train import Microbatching, split_lm_batch
 
@@ -62,11 +69,111 @@ def test_config_dataclasses_validate():
         CheckpointConfig(optimizer_sharding="fully_sharded_model_space")  # type: ignore[arg-type]
 
 
+def test_constructor_takes_at_most_12_grouped_parameters():
+    params = inspect.signature(MCoreRLStrategy).parameters
+    assert len(params) == 12, list(params)
+    assert list(params)[-4:] == ["ddp", "checkpoint", "reliability", "logprobs"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params.values())
+    assert all(p.annotation is not inspect.Parameter.empty for p in params.values())
+
+
+def test_groups_reach_the_strategy():
+    strategy = MCoreRLStrategy(
+        ddp=MegatronDDPConfig(use_distributed_optimizer=True),
+        reliability=ReliabilityConfig(timedelta(seconds=7), "raise", 3, "gloo"),
+        logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True, logprob_chunk_size=16),
+    )
+    assert strategy.use_distributed_optimizer and strategy.use_fused_linear_logprobs
+    assert strategy.policy_config().logprob_chunk_size == 16
+    assert (strategy.nonfinite_guard.policy, strategy.nonfinite_guard.max_consecutive_skips) == (
+        "raise",
+        3,
+    )
+    assert strategy._timeout == timedelta(seconds=7)
+    assert strategy._process_group_backend == "gloo"
+    default = MCoreRLStrategy()
+    assert not default.use_distributed_optimizer and not default.use_fused_linear_logprobs
+    assert default.reliability == ReliabilityConfig() and default._timeout == timedelta(minutes=30)
+    assert default.nonfinite_guard.policy == "skip"
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (
+            lambda: MegatronDDPConfig(use_distributed_optimizer="yes"),
+            TypeError,
+            r"`MegatronDDPConfig.use_distributed_optimizer` must be a bool, got str",
+        ),
+        (
+            lambda: ReliabilityConfig(timeout=30),
+            TypeError,
+            r"`ReliabilityConfig.timeout` must be a datetime.timedelta or None, got int",
+        ),
+        (
+            lambda: ReliabilityConfig(timeout=timedelta(0)),
+            ValueError,
+            r"`ReliabilityConfig.timeout` must be positive, got 0:00:00",
+        ),
+        (
+            lambda: ReliabilityConfig(nonfinite="ignore"),
+            ValueError,
+            r"`nonfinite` must be one of \['skip', 'raise'\], got 'ignore'",
+        ),
+        (
+            lambda: ReliabilityConfig(max_consecutive_skips=0),
+            ValueError,
+            "`max_consecutive_skips` must be >= 1, got 0",
+        ),
+        (
+            lambda: ReliabilityConfig(max_consecutive_skips=True),
+            TypeError,
+            "`max_consecutive_skips` must be an int, got bool",
+        ),
+        (
+            lambda: ReliabilityConfig(process_group_backend=1),
+            TypeError,
+            r"`ReliabilityConfig.process_group_backend` must be a str \('nccl', 'gloo'\) or None",
+        ),
+        (
+            lambda: LogprobKernelConfig(use_fused_linear_logprobs=1),
+            TypeError,
+            "`LogprobKernelConfig.use_fused_linear_logprobs` must be a bool, got int",
+        ),
+        (
+            lambda: LogprobKernelConfig(logprob_chunk_size=0),
+            ValueError,
+            "`LogprobKernelConfig.logprob_chunk_size` must be a positive int or None, got 0",
+        ),
+        (
+            lambda: MCoreRLStrategy(logprobs={}),
+            TypeError,
+            "`logprobs` must be a LogprobKernelConfig or None, got dict",
+        ),
+        (
+            lambda: MCoreRLStrategy(checkpoint="atomic"),
+            TypeError,
+            "`checkpoint` must be a CheckpointConfig or None, got str",
+        ),
+    ],
+)
+def test_each_group_validates_its_fields(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+@pytest.mark.parametrize("name", sorted(MOVED_ARGUMENTS))
+def test_a_former_flat_argument_names_its_group(name):
+    new_place = MOVED_ARGUMENTS[name]
+    with pytest.raises(TypeError, match=rf"no longer takes `{name}`.*{re.escape(new_place)}"):
+        MCoreRLStrategy(micro_batch_size=2, **{name: None})
+
+
 @pytest.mark.parametrize(
     ("precision", "in_fp32"), [("32-true", True), ("bf16-mixed", True), ("bf16-true", False)]
 )
 def test_ddp_config_grad_reduce_dtype_follows_precision(precision, in_fp32):
-    config = MegatronDDPConfig().to_megatron(precision=precision, use_distributed_optimizer=True)
+    config = MegatronDDPConfig(use_distributed_optimizer=True).to_megatron(precision=precision)
     assert config.grad_reduce_in_fp32 is in_fp32
     assert config.use_distributed_optimizer is True
 

@@ -94,7 +94,8 @@ def test_owned_optimizer_fields_are_filled_or_conflicts_raise():
             OptimizerConfig(fp16=True), clip_grad=0.0, bf16=False, use_distributed_optimizer=False
         )
     with pytest.raises(
-        ValueError, match="set `MCoreRLStrategy\\(use_distributed_optimizer=True\\)`"
+        ValueError,
+        match=r"set `MCoreRLStrategy\(ddp=MegatronDDPConfig\(use_distributed_optimizer=True\)\)`",
     ):
         resolve_optimizer_config(
             OptimizerConfig(use_distributed_optimizer=True),

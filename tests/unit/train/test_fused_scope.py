@@ -139,7 +139,7 @@ def test_lm_head_bypass_is_scoped_and_restored(tied: bool) -> None:
 
 PG = {"reference_policy_kl_penalty": 0.0}
 TOP_K = TrainingSamplingParams(temperature=2.0, top_k=4)
-REMEDY = r"use `MCoreRLStrategy\(use_fused_linear_logprobs=False\)`"
+REMEDY = r"use `MCoreRLStrategy\(logprobs=LogprobKernelConfig\(use_fused_linear_logprobs=False\)\)`"
 
 
 def test_loss_post_processor_rejects_what_needs_logits() -> None:
