@@ -269,4 +269,6 @@ class DPOModule(RecipeModule):
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """Held-out DPO loss and metrics (``val_loss``, ``val_accuracy``, ...), forward-only."""
-        return self.forward_backward(self.preference_batch(batch), forward_only=True).as_step_result()
+        return self.forward_backward(
+            self.preference_batch(batch), forward_only=True
+        ).as_step_result()
