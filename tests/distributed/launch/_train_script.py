@@ -5,8 +5,10 @@ Usage: ``python _train_script.py OUT_DIR --devices N --num-nodes M [--tp T]``
 
 Every rank writes ``OUT_DIR/rank{global_rank}.json`` (its ranks as Lightning and megatron see
 them, per-step ``train_loss`` and grad norm, the cluster environment's class); rank 0 alone prints
-``RANK_ZERO_MARKER`` (through ``rank_zero_only``); ``ModelCheckpoint`` writes one ``*.ckpt``
-directory under ``OUT_DIR/ckpt`` and ``CSVLogger`` a ``metrics.csv`` under ``OUT_DIR/logs``.
+``RANK_ZERO_MARKER`` (through ``rank_zero_only``); every rank prints a line once its imports are
+done and one per step (the launch test's progress signal); ``ModelCheckpoint`` writes one
+``*.ckpt`` directory under ``OUT_DIR/ckpt`` and ``CSVLogger`` a ``metrics.csv`` under
+``OUT_DIR/logs``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Recorder(Callback):
         step = cast("MCoreRLStrategy", trainer.strategy).last_optimizer_step
         assert step is not None and step.grad_norm is not None
         self.grad_norms.append(float(step.grad_norm))
+        print(f"rank {trainer.global_rank}: step {trainer.global_step} done", flush=True)
 
 
 @rank_zero_only
@@ -83,6 +86,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--tp", type=int, default=2)
     args = parser.parse_args()
+    print(f"started: {args}", flush=True)  # progress: the imports are done
 
     recorder = Recorder()
     strategy = MCoreRLStrategy(tensor_model_parallel_size=args.tp, micro_batch_size=2)
