@@ -31,7 +31,8 @@ OTHER_TEACHER = TinyGPTSpec(num_layers=1, hidden_size=32, num_attention_heads=4,
 
 @dataclass(frozen=True)
 class Variant:
-    """One distillation fit: the module's signal options and the teacher."""
+    """One distillation fit: the module's signal options, the teacher, and the rollout seed (the
+    student's sampling streams, training and validation)."""
 
     vocabulary: str = "topk"
     payload: str = "logits"
@@ -42,12 +43,13 @@ class Variant:
     student: TinyGPTSpec | HFModelSpec = field(default_factory=lambda: TinyGPTSpec(seed=1))
     checkpoint: str | None = None
     lr: float = 5e-3
+    seed: int = SMALL_ROLLOUT.seed
 
     def module(self) -> DistillationModule:
         return DistillationModule(
             model=self.student,
             teacher=TeacherSpec(model=self.teacher, checkpoint=self.checkpoint),
-            rollout=SMALL_ROLLOUT,
+            rollout=replace(SMALL_ROLLOUT, seed=self.seed),
             vocabulary=self.vocabulary,  # type: ignore[arg-type]
             topk=self.topk,
             topk_loss=DistillationLossConfig(
@@ -105,13 +107,17 @@ def _fit(
     return fit, trainer
 
 
-def converge_rank(rank: int, directory: str, steps: dict[str, int]) -> dict[str, Fit]:
+def converge_rank(
+    rank: int, directory: str, steps: dict[str, int], seed: int = SMALL_ROLLOUT.seed
+) -> dict[str, Fit]:
     """Train the teacher with the GRPO recipe (``steps["grpo"]`` steps, the default tiny GPT,
     seed 0), save its checkpoint, then distil it into a seed-1 student with the full-vocabulary
     hidden-state loss and the top-k (K = 8, mixed KL + tail) loss; each distillation ends with a
-    validation of 64 held-out prompts scoring the student and the teacher on the same seeds."""
-    grpo, trainer = _fit(GRPOModule(), 1, steps["grpo"], 16, mbs=16)
-    path = str(Path(directory) / "grpo_teacher.ckpt")
+    validation of 64 held-out prompts scoring the student and the teacher on the same seeds.
+    ``seed`` is the rollout seed of all three fits (their sampling, hence their trajectories)."""
+    grpo_module = GRPOModule(rollout=RolloutSpec(seed=seed))
+    grpo, trainer = _fit(grpo_module, 1, steps["grpo"], 16, mbs=16)
+    path = str(Path(directory) / f"grpo_teacher_{seed}.ckpt")
     trainer.save_checkpoint(path)
     destroy_megatron_state()
     teacher = TinyGPTSpec(seed=0)
@@ -121,7 +127,7 @@ def converge_rank(rank: int, directory: str, steps: dict[str, int]) -> dict[str,
         "topk": Variant(tail=True, teacher=teacher),
     }
     for name, variant in variants.items():
-        module = replace(variant, checkpoint=path).module()
+        module = replace(variant, checkpoint=path, seed=seed).module()
         runs[name], _ = _fit(module, 1, steps[name], 16, val_prompts=64, mbs=16)
         destroy_megatron_state()
     return runs

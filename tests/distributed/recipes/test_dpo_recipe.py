@@ -34,9 +34,12 @@ def test_dpo_step0_is_ln2_and_accuracy_rises(single: tuple[Fit, dict[str, str]])
     assert fit.rows[0]["train_rewards_chosen_mean"] == pytest.approx(0.0, abs=1e-6)
     assert fit.rows[0]["train_rewards_rejected_mean"] == pytest.approx(0.0, abs=1e-6)
     assert accuracy[0] == 0.0
-    # measured on this seed (8 pairs a step): accuracy 0.75 after one step, 0.96 on average over
-    # steps 9-11; loss 0.598 on average over steps 9-11
-    assert sum(accuracy[-3:]) / 3 >= 0.85 and sum(losses[-3:]) / 3 < 0.65, (losses, accuracy)
+    # the data and the initial weights fix the trajectory: the CPU's rounding moves the losses by
+    # ~1e-7 only (AVX2 kernels: ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    # ONEDNN_MAX_CPU_ISA=AVX2). Measured over seeds 0 (this test's), 1, 2 (weights and data),
+    # default and AVX2 kernels, means over steps 9-11 (8 pairs a step, 24 in all): accuracy
+    # 0.875-1.0, loss 0.576-0.603. The bounds leave 3 of the 24 pairs and 0.047 to spare
+    assert sum(accuracy[-3:]) / 3 >= 0.75 and sum(losses[-3:]) / 3 < 0.65, (losses, accuracy)
 
 
 def test_dpo_rejects_odd_rows_and_pair_splitting_microbatches(single: tuple[Fit, dict[str, str]]):

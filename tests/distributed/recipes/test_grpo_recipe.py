@@ -94,10 +94,17 @@ def test_tp2_rl_loop_matches_tp1(kl: float):
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.timeout(300)  # measured 35-64 s at load 15-21 (2 cores): 120 s is too close
 def test_reward_rises_on_dp2():
-    # 60 optimizer steps of 16 prompts x 4 samples. A random policy scores 1/4; measured on this
-    # seed: mean reward 0.285 over steps 1-10 and 0.995 over steps 51-60.
-    (result, _) = run_on_ranks(_grpo, 2, 1, 60, timeout=300)
+    """60 optimizer steps of 16 prompts x 4 samples on DP=2: the mean reward of the first 10
+    steps is a random policy's 1/4 (within ``0.08``) and that of the last 10 above ``0.8``.
+
+    Where a trajectory ends depends on the sampling and on the CPU's rounding alike; measured
+    over rollout seeds 1234 (this test's), 1 and 2, each with torch's default (AVX-512) kernels
+    and with AVX2 ones (``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    ONEDNN_MAX_CPU_ISA=AVX2``): first 10 steps 0.265-0.285, last 10 steps 0.995-0.998; both
+    bounds hold with >= 0.045 and 0.195 to spare."""
+    (result, _) = run_on_ranks(_grpo, 2, 1, 60, timeout=280)
     rewards = [row["reward"] for row in result.rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")

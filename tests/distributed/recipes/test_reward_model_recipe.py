@@ -27,7 +27,11 @@ def test_reward_model_step0_equals_plain_torch_and_learns(single):
     print(f"step 0: {losses[0]} (plain torch {plain_loss}); losses {losses}; accuracy {accuracy}")
     assert losses[0] == pytest.approx(plain_loss, abs=1e-5)
     assert accuracy[0] == pytest.approx(plain_accuracy, abs=1e-6)
-    # measured on this seed: 0.669 -> 0.218 (mean of the last 4 steps), accuracy 0.81 -> >= 0.94
+    # the data and the initial weights fix the trajectory: the CPU's rounding moves the losses by
+    # ~1e-7 only (AVX2 kernels: ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    # ONEDNN_MAX_CPU_ISA=AVX2). Measured over seeds 0 (this test's), 1, 2 (weights and data),
+    # default and AVX2 kernels: loss 0.669-0.743 -> 0.139-0.243 (mean of the last 4 steps), the
+    # last 4 steps' accuracy >= 0.938 (15 of 16 pairs)
     last = losses[-4:]
     assert sum(last) / 4 < 0.3 < losses[0] and min(accuracy[-4:]) >= 0.9, (losses, accuracy)
 
