@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -35,17 +36,28 @@ def test_ppo_tp2_matches_tp1():
     print("TP=2 vs TP=1 max |diff|:", {k: f"{v:.1e}" for k, v in worst.items()})
 
 
+@pytest.mark.timeout(300)  # measured 16-29 s per run at load 15-20 (2 cores)
 def test_ppo_reward_rises_and_value_loss_falls():
-    # 40 steps of 16 prompts x 4 samples (TP=1). Measured on this seed: reward 0.279 over the
-    # first 5 steps -> 0.995 over the last 5, value loss 0.0224 -> 0.0005
-    (run,) = run_on_ranks(fit, 1, Recipe(ppo=True, steps=40), timeout=300)
+    """40 steps of 16 prompts x 4 samples (TP=1): the mean reward of the first 5 steps is a
+    random policy's (``< 0.35``; 1/4 expected), that of the last 5 at least ``0.3`` higher, and
+    the value loss's median over steps 20-39 under half its mean over the first 5 steps (a
+    median: the value loss jumps with the returns whenever the policy has a bad step).
+
+    Where a trajectory ends depends on the sampling and on the CPU's rounding alike; measured
+    over rollout seeds 1234 (this test's), 1-5, each with torch's default (AVX-512) kernels and
+    with AVX2 ones (``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    ONEDNN_MAX_CPU_ISA=AVX2``): first 5 steps 0.252-0.279; reward rise 0.493-0.727 (seed 1234:
+    0.279 -> 0.995); value-loss ratio 0.026-0.341 (its last-5-steps mean, the old statistic, up
+    to 1.185: seed 5 on AVX2 had a bad step at step 34, reward 0.94 -> 0.31 -> 0.99)."""
+    (run,) = run_on_ranks(fit, 1, Recipe(ppo=True, steps=40), timeout=280)
     rewards = [row["reward"] for row in run.rows]
     losses = [row["train_value_loss"] for row in run.rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    v_first, v_last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    print(f"reward {first:.3f} -> {last:.3f}, value loss {v_first:.4f} -> {v_last:.4f}")
-    assert first < 0.35 and last > 0.9
-    assert v_last < 0.2 * v_first
+    v_first, v_late = sum(losses[:5]) / 5, statistics.median(losses[20:])
+    print(f"reward {first:.3f} -> {last:.3f}, value loss {v_first:.4f} -> median {v_late:.4f}")
+    assert len(rewards) == 40
+    assert first < 0.35 and last >= first + 0.3
+    assert v_late < 0.5 * v_first
 
 
 def test_lmrl_fit_runs_the_ppo_config(tmp_path):
