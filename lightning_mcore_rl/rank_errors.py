@@ -1,8 +1,8 @@
 """One traceback per run: when every rank raises, rank 0 prints the traceback and each other rank
 one line pointing to it (instead of one 100-line traceback per rank, interleaved).
 
-``lmrl`` installs :func:`install_rank_excepthook`; a script launched on several ranks can call it
-too. ``LMRL_ALL_TRACEBACKS=1`` prints every rank's traceback (for an error of one rank only).
+``lmrl`` installs :func:`install_rank_excepthook` at start and ``MCoreRLStrategy`` in its
+``setup_environment`` (any script); a script can call it earlier for errors before ``fit``. ``LMRL_ALL_TRACEBACKS=1`` prints every rank's traceback (for an error of one rank only).
 """
 
 from __future__ import annotations

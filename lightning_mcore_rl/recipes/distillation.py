@@ -45,6 +45,7 @@ from lightning_mcore_rl.recipes.common import (
     RecipeModel,
     RecipeModule,
     TinyGPTSpec,
+    check_step_microbatches,
 )
 from lightning_mcore_rl.recipes.evaluation import RolloutEvaluation
 from lightning_mcore_rl.recipes.grpo import (
@@ -260,7 +261,13 @@ class DistillationModule(RecipeModule):
 
     def setup(self, stage: str) -> None:
         """The reward metrics (torchmetrics over the data-parallel group, known once the strategy
-        has built megatron's groups, which happens before this hook)."""
+        has built megatron's groups, which happens before this hook); when fitting,
+        ``micro_batch_size`` must divide the rank's ``prompts_per_step / DP x group_size``
+        completions (:func:`~.common.check_step_microbatches`, before any rollout)."""
+        if stage == "fit":
+            size = self.rollout.group_size
+            owner = f"{type(self).__name__}(rollout.group_size={size})"
+            check_step_microbatches(self, "prompts_per_step", size, owner)
         group, device = self.mcore_strategy.groups.dp_group, self.mcore_strategy.root_device
         if self.evaluation is None:
             self.evaluation = RolloutEvaluation(self.pass_at_k, self.rollout.group_size, group).to(

@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mcore_rl._compat import filter_expected_warnings
+from lightning_mcore_rl.rank_errors import install_rank_excepthook
 from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.backend import enter_run_backends
 from lightning_mcore_rl.strategy.base import ProcessGroupStrategy
@@ -243,10 +244,13 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     def setup_environment(self) -> None:
         """Device, process group, the run's backends (left in ``teardown``: megatron's no-TE
         fixes on any device without Transformer Engine, the CPU emulation on CPU), megatron's
-        groups (once per process) and the :class:`ParallelGroups` passed down from here."""
+        groups (once per process) and the :class:`ParallelGroups` passed down from here. An
+        error raised on every rank then prints one traceback, rank 0's
+        (:func:`~lightning_mcore_rl.rank_errors.install_rank_excepthook`)."""
         filter_expected_warnings(cpu=self.root_device.type == "cpu")
         self.parallel.check_world_size(self.num_nodes * self.num_processes)
         super().setup_environment()
+        install_rank_excepthook()  # after torch's own hook (set by init_process_group)
         enter_run_backends(self._backend, self.root_device.type)
         self._groups = init_model_parallel(self.parallel, self._timeout)
 

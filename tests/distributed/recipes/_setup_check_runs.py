@@ -11,6 +11,7 @@ from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.recipes import (
+    DistillationModule,
     DPOModule,
     GRPOModule,
     PreferenceDataModule,
@@ -24,6 +25,7 @@ CASES: dict[str, tuple[int, Any, Any]] = {
     # name: (micro_batch_size, module factory, datamodule factory), DP = 2
     "grpo": (8, GRPOModule, lambda: PromptDataModule(prompts_per_step=6, num_steps=1)),
     "grpo_dp": (4, GRPOModule, lambda: PromptDataModule(prompts_per_step=5, num_steps=1)),
+    "distill": (8, DistillationModule, lambda: PromptDataModule(prompts_per_step=6, num_steps=1)),
     "dpo": (4, DPOModule, lambda: PreferenceDataModule(pairs_per_step=6, num_steps=1)),
     "sft": (4, SFTModule, lambda: SFTDataModule(samples_per_step=6, num_steps=1)),
 }

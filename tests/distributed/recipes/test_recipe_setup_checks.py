@@ -15,6 +15,9 @@ EXPECTED = {
     r"of 12 rows = PromptDataModule\(prompts_per_step=6\) / data-parallel size 2 x "
     r"GRPOModule\(rollout.group_size=4\)\. Set `micro_batch_size` to a divisor of 12",
     "grpo_dp": r"^`prompts_per_step` \(5\) must be divisible by the data-parallel size \(2\)\.$",
+    "distill": r"`MCoreRLStrategy\(micro_batch_size=8\)` must divide each data-parallel rank's "
+    r"batch of 12 rows = PromptDataModule\(prompts_per_step=6\) / data-parallel size 2 x "
+    r"DistillationModule\(rollout.group_size=4\)\. Set `micro_batch_size` to a divisor of 12",
     "dpo": r"`MCoreRLStrategy\(micro_batch_size=4\)` must divide each data-parallel rank's batch "
     r"of 6 rows = PreferenceDataModule\(pairs_per_step=6\) / data-parallel size 2 x 2 rows per "
     r"chosen/rejected pair\. Set `micro_batch_size` to a divisor of 6, or change "

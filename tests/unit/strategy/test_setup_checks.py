@@ -72,3 +72,28 @@ def test_learning_rate_of_the_wrong_type_raises():
 def test_valid_optimizer_values_pass():
     check_optimizer_values(OptimizerConfig(lr=0.0, min_lr=0.0, weight_decay=0.0))
     check_optimizer_values(OptimizerConfig(lr=5e-3, min_lr=None, weight_decay=0.01))
+
+
+def test_strategy_installs_the_one_traceback_hook_for_any_script(monkeypatch):
+    """Not only ``lmrl``: a user script's ``Trainer.fit`` gets the rank-0-only traceback hook
+    from ``MCoreRLStrategy.setup_environment`` (after torch.distributed installs its own)."""
+    import sys
+
+    from lightning.pytorch import Callback
+
+    from lightning_mcore_rl.rank_errors import RankExceptHook
+    from lightning_mcore_rl.testing import destroy_megatron_state
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)  # restored after the test
+    seen: list[object] = []
+
+    class Probe(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            seen.append(sys.excepthook)
+
+    trainer = cpu_trainer(strategy=MCoreRLStrategy(), max_steps=1, callbacks=[Probe()])
+    try:
+        trainer.fit(SFTModule(), datamodule=SFTDataModule(num_steps=1))
+    finally:
+        destroy_megatron_state()
+    assert len(seen) == 1 and isinstance(seen[0], RankExceptHook)  # outermost: wraps torch's
