@@ -97,7 +97,7 @@ to 0.13 with the rounding of the CPU's kernels."""
 
 @pytest.mark.skipif(
     not os.environ.get("LMRL_SLOW"),
-    reason="the full example, 2-4 min per seed: LMRL_SLOW=1 .venv/bin/pytest "
+    reason="the full example, 2-6 min per seed: LMRL_SLOW=1 .venv/bin/pytest "
     "tests/distributed/recipes/test_arithmetic_example.py -k accuracy",
 )
 @pytest.mark.timeout(1800)
