@@ -7,6 +7,7 @@ and ``import lightning_mcore_rl`` stays cheap. Each is validated once, in ``__po
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -288,34 +289,61 @@ class ParallelSizes:
         return world_size // self.model_parallel_size
 
 
-MOVED_ARGUMENTS: dict[str, str] = {
-    "use_distributed_optimizer": "ddp=MegatronDDPConfig(use_distributed_optimizer=...)",
-    "timeout": "reliability=ReliabilityConfig(timeout=...)",
-    "nonfinite": "reliability=ReliabilityConfig(nonfinite=...)",
-    "max_consecutive_skips": "reliability=ReliabilityConfig(max_consecutive_skips=...)",
-    "process_group_backend": "reliability=ReliabilityConfig(process_group_backend=...)",
-    "use_fused_linear_logprobs": "logprobs=LogprobKernelConfig(use_fused_linear_logprobs=...)",
-    "logprob_chunk_size": "logprobs=LogprobKernelConfig(logprob_chunk_size=...)",
-    "cluster_environment": "Trainer(plugins=[<the ClusterEnvironment>])",
+FLAT_ARGUMENTS: dict[str, str] = {
+    "use_distributed_optimizer": "ddp",
+    "timeout": "reliability",
+    "nonfinite": "reliability",
+    "max_consecutive_skips": "reliability",
+    "process_group_backend": "reliability",
+    "use_fused_linear_logprobs": "logprobs",
+    "logprob_chunk_size": "logprobs",
 }
-"""The strategy's former flat arguments -> where each setting lives now."""
+"""Flat keyword arguments still accepted in Python -> the group whose field of the same name they
+set (``MCoreRLStrategy(use_fused_linear_logprobs=True)`` is
+``MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True))``)."""
+
+_GROUPS: dict[str, type] = {
+    "ddp": MegatronDDPConfig,
+    "reliability": ReliabilityConfig,
+    "logprobs": LogprobKernelConfig,
+}
 
 _F = TypeVar("_F", bound=Callable[..., None])
 
 
-def refuse_moved_arguments(init: _F) -> _F:
-    """Wrap ``MCoreRLStrategy.__init__``: a former flat argument (:data:`MOVED_ARGUMENTS`) raises
-    ``TypeError`` naming its new place, instead of Python's bare "unexpected keyword"."""
+def accept_flat_arguments(init: _F) -> _F:
+    """Wrap ``MCoreRLStrategy.__init__`` so that the flat names of :data:`FLAT_ARGUMENTS` keep
+    working in Python: each one is folded into its group (built with that group's defaults for
+    the other fields). The signature seen by ``inspect`` and LightningCLI stays the grouped one
+    (YAML nests them: ``reliability: {timeout: ...}``).
+
+    Raises:
+        TypeError: a flat name together with its group passed explicitly (which one wins
+            would be a guess), or ``cluster_environment`` (Lightning takes it as
+            ``Trainer(plugins=[...])``).
+    """
 
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        moved = [name for name in kwargs if name in MOVED_ARGUMENTS]
-        if moved:
-            where = "; ".join(f"`{name}` -> `{MOVED_ARGUMENTS[name]}`" for name in moved)
+        if "cluster_environment" in kwargs:
             raise TypeError(
-                f"MCoreRLStrategy no longer takes {', '.join(f'`{n}`' for n in moved)}: pass "
-                f"{where} (in YAML the same names nested under `ddp:`, `reliability:`, `logprobs:`)."
+                "MCoreRLStrategy takes no `cluster_environment`: pass it to the Trainer as "
+                "`Trainer(plugins=[<the ClusterEnvironment>])`."
             )
-        init(self, *args, **kwargs)
+        flat = {name: kwargs.pop(name) for name in list(kwargs) if name in FLAT_ARGUMENTS}
+        bound = inspect.signature(init).bind_partial(self, *args, **kwargs).arguments
+        for group, config in _GROUPS.items():
+            fields = {n: v for n, v in flat.items() if FLAT_ARGUMENTS[n] == group}
+            if not fields:
+                continue
+            if bound.get(group) is not None:
+                raise TypeError(
+                    f"MCoreRLStrategy got both `{group}=` and "
+                    f"{', '.join(f'`{n}=`' for n in fields)}; set "
+                    f"{', '.join(f'`{n}`' for n in fields)} inside `{group}` "
+                    f"({config.__name__}) instead."
+                )
+            bound[group] = config(**fields)
+        init(**bound)
 
     return cast(_F, wrapper)

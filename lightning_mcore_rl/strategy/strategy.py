@@ -32,7 +32,7 @@ from lightning_mcore_rl.strategy.config import (
     MegatronDDPConfig,
     ParallelSizes,
     ReliabilityConfig,
-    refuse_moved_arguments,
+    accept_flat_arguments,
 )
 from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks
 from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
@@ -88,13 +88,14 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             (:class:`~.config.LogprobKernelConfig`).
 
     Accelerator, devices and precision come from the ``Trainer``; a cluster environment from
-    ``Trainer(plugins=[...])``. A former flat argument (``nonfinite=``, ``timeout=``, ...) raises
-    ``TypeError`` naming its group (:data:`~.config.MOVED_ARGUMENTS`).
+    ``Trainer(plugins=[...])``. The former flat arguments (``use_fused_linear_logprobs=``,
+    ``nonfinite=``, ``timeout=``, ...) still work in Python, folded into their group
+    (:data:`~.config.FLAT_ARGUMENTS`).
     """
 
     strategy_name = "mcore_rl"
 
-    @refuse_moved_arguments
+    @accept_flat_arguments
     def __init__(
         self,
         tensor_model_parallel_size: int = 1,

@@ -4,7 +4,6 @@ precision translation and registry (single process, no megatron state)."""
 from __future__ import annotations
 
 import inspect
-import re
 from datetime import timedelta
 
 import pytest
@@ -24,7 +23,6 @@ from lightning_mcore_rl.strategy import (
     ReliabilityConfig,
     check_trainer_flags,
 )
-from lightning_mcore_rl.strategy.config import MOVED_ARGUMENTS
 from lightning_mcore_rl.strategy.precision import to_mcore_precision
 from lightning_mcore_rl.train import Microbatching, split_lm_batch
 
@@ -162,11 +160,41 @@ def test_each_group_validates_its_fields(build, error, match):
         build()
 
 
-@pytest.mark.parametrize("name", sorted(MOVED_ARGUMENTS))
-def test_a_former_flat_argument_names_its_group(name):
-    new_place = MOVED_ARGUMENTS[name]
-    with pytest.raises(TypeError, match=rf"no longer takes `{name}`.*{re.escape(new_place)}"):
-        MCoreRLStrategy(micro_batch_size=2, **{name: None})
+@pytest.mark.parametrize(
+    ("flat", "group", "expected"),
+    [
+        ({"use_distributed_optimizer": True}, "ddp_config", MegatronDDPConfig(True)),
+        (
+            {"timeout": timedelta(seconds=90), "nonfinite": "raise"},
+            "reliability",
+            ReliabilityConfig(timeout=timedelta(seconds=90), nonfinite="raise"),
+        ),
+        ({"max_consecutive_skips": 3}, "reliability", ReliabilityConfig(max_consecutive_skips=3)),
+        (
+            {"process_group_backend": "gloo"},
+            "reliability",
+            ReliabilityConfig(process_group_backend="gloo"),
+        ),
+        (
+            {"use_fused_linear_logprobs": True, "logprob_chunk_size": 16},
+            "logprobs",
+            LogprobKernelConfig(use_fused_linear_logprobs=True, logprob_chunk_size=16),
+        ),
+    ],
+)
+def test_a_former_flat_argument_is_folded_into_its_group(flat, group, expected):
+    strategy = MCoreRLStrategy(micro_batch_size=2, **flat)
+    assert getattr(strategy, group) == expected
+    assert strategy.microbatching.micro_batch_size == 2
+
+
+def test_a_flat_argument_with_its_group_or_a_cluster_environment_raises():
+    with pytest.raises(TypeError, match=r"both `logprobs=` and `use_fused_linear_logprobs=`"):
+        MCoreRLStrategy(logprobs=LogprobKernelConfig(), use_fused_linear_logprobs=True)
+    with pytest.raises(TypeError, match=r"no `cluster_environment`.*Trainer\(plugins="):
+        MCoreRLStrategy(cluster_environment=None)
+    with pytest.raises(ValueError, match=r"`max_consecutive_skips` must be >= 1"):
+        MCoreRLStrategy(max_consecutive_skips=0)  # the group's own validation applies
 
 
 @pytest.mark.parametrize(
