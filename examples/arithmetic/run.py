@@ -22,7 +22,8 @@ The stages, all under ``--out``:
 5. the GRPO model's accuracy; both accuracies and the stage times go to ``summary.json``.
    Measured on a 2-core Intel Xeon, seeds 0 / 1: 0.656 -> 0.793 / 0.449 -> 0.699 with torch's
    AVX-512 kernels, 0.637 -> 0.895 / 0.285 -> 0.660 with its AVX2 kernels
-   (``ATEN_CPU_CAPABILITY=avx2``). A run repeats exactly on the same machine and kernels only;
+   (``ATEN_CPU_CAPABILITY=avx2``), 0.656 -> 0.906 / 0.355 -> 0.641 with MKL's and oneDNN's AVX2
+   paths as well. A run repeats exactly on the same machine and kernels only;
    another CPU's rounding gives other numbers in about that range (BENCHMARKS.md).
 
 Each training stage runs in its own ``Trainer(devices=2)`` launch (``--stage sft`` /

@@ -91,8 +91,8 @@ def test_pipeline_refuses_a_used_directory_and_helps_in_full_sentences(tmp_path,
 MARGIN = 0.10
 """The acceptance margin: GRPO's held-out greedy accuracy above the SFT model's, per seed. Below
 the smallest gain measured on a 2-core Intel Xeon (+0.137 to +0.375 over seeds 0 and 1 with
-torch's AVX-512 and AVX2 kernels, +0.109 with the earlier thread setting): the gain moves by up
-to 0.13 with the rounding of the CPU's kernels."""
+torch's AVX-512 and AVX2 kernels and MKL's AVX2 path, +0.109 with the earlier thread setting):
+the gain moves by up to 0.13 with the rounding of the CPU's kernels."""
 
 
 @pytest.mark.skipif(
