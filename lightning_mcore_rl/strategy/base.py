@@ -77,11 +77,17 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        """Lightning's script launcher on every process, as ``DDPStrategy`` does: it spawns the
+        other local ranks only where the environment does not create them (torchrun, SLURM and
+        the launched ranks themselves skip that), and on EVERY rank it sets torch's intra-op
+        threads to ``cpus // local processes`` unless ``OMP_NUM_THREADS`` is set. Built on the
+        launching process only, the launched ranks kept torch's default thread count (rank 0: 1,
+        rank 1: 2 on 2 cores): oversubscribed cores and TP ranks whose replicated parameters
+        round differently."""
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+        self._launcher = _SubprocessScriptLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes
+        )
 
     @override
     def setup_environment(self) -> None:

@@ -4,7 +4,8 @@ launcher, ``torchrun`` or SLURM-style environment variables (``test_launch.py``)
 Usage: ``python _train_script.py OUT_DIR --devices N --num-nodes M [--tp T]``
 
 Every rank writes ``OUT_DIR/rank{global_rank}.json`` (its ranks as Lightning and megatron see
-them, per-step ``train_loss`` and grad norm, the cluster environment's class); rank 0 alone prints
+them, per-step ``train_loss`` and grad norm, the cluster environment's class, torch's intra-op
+thread count); rank 0 alone prints
 ``RANK_ZERO_MARKER`` (through ``rank_zero_only``); every rank prints a line once its imports are
 done and one per step (the launch test's progress signal); ``ModelCheckpoint`` writes one
 ``*.ckpt`` directory under ``OUT_DIR/ckpt`` and ``CSVLogger`` a ``metrics.csv`` under
@@ -125,6 +126,7 @@ def main() -> None:
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "global_step": trainer.global_step,
+        "threads": torch.get_num_threads(),
     }
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -98,12 +98,18 @@ _REFERENCES: dict[int, LaunchResult] = {}
 
 def local_reference(tmp_root: Path, tp: int) -> LaunchResult:
     """``Trainer(accelerator="cpu", devices=2)`` started as a script: Lightning's popen launcher
-    re-runs it for rank 1 (computed once per layout)."""
+    re-runs it for rank 1 (computed once per layout). Without ``OMP_NUM_THREADS`` every rank,
+    the launched one too, runs ``cpus // 2`` intra-op threads (rank 1 used to keep torch's
+    default: 2 against rank 0's 1 on 2 cores)."""
     if tp not in _REFERENCES:
         out = tmp_root / f"local_tp{tp}"
         cmd = [sys.executable, *script_args(out, devices=2, num_nodes=1, tp=tp)]
-        _REFERENCES[tp] = launch(out, [(cmd, clean_env())])
-        assert [r["environment"] for r in _REFERENCES[tp].ranks] == ["LightningEnvironment"] * 2
+        env = clean_env()
+        env.pop("OMP_NUM_THREADS", None)
+        _REFERENCES[tp] = launch(out, [(cmd, env)])
+        ranks = _REFERENCES[tp].ranks
+        assert [r["environment"] for r in ranks] == ["LightningEnvironment"] * 2
+        assert [r["threads"] for r in ranks] == [max(1, (os.cpu_count() or 1) // 2)] * 2
     return _REFERENCES[tp]
 
 
