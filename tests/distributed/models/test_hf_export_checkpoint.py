@@ -26,7 +26,9 @@ def test_export_checkpoint_matches_trained_model(tmp_path):
     losses = trained["losses"]
     print(f"export_checkpoint: train_loss per step {[round(x, 4) for x in losses]}")
     assert losses == peer["losses"] and len(losses) == 6  # identical on both TP ranks
-    assert losses[-1] < losses[0] - 0.05  # training on one repeated batch: the loss falls
+    # training on one repeated batch, fixed data and seed: the loss falls. Measured (2-core
+    # Xeon, AVX-512 and MKL/oneDNN AVX2 kernels alike): 4.939 -> 3.779, a drop of 1.16 >> 0.05.
+    assert losses[-1] < losses[0] - 0.05
 
     assert (
         main(["--ckpt", str(ckpt), "--hf-source", str(source), "--out", str(tmp_path / "out")]) == 0

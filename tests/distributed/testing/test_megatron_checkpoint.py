@@ -120,6 +120,8 @@ def _bf16_vs_fp32(rank: int) -> dict[str, list[float]]:
 def test_bf16_float16module_trains_and_tracks_fp32():
     (curves,) = run_on_ranks(_bf16_vs_fp32, 1)
     bf16, fp32 = curves["bf16"], curves["fp32"]
+    # fixed batches and seed: measured 4.860 -> 3.283 in 8 steps (drop 1.58), the same with
+    # AVX-512 and MKL/oneDNN AVX2 kernels (2-core Xeon); the bound leaves 0.58 to spare
     assert bf16[-1] < bf16[0] - 1.0, f"bf16 loss did not fall: {bf16}"
     # bf16 params round at 2^-8 (0.4%) relative, but the optimizer keeps fp32 main params and the
     # loss averages many rounded terms: measured curves agree to 4e-4 relative; allow 5e-3.
