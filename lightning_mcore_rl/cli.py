@@ -12,7 +12,7 @@ Choosing the strategy (importing :mod:`lightning_mcore_rl` registers the name ``
   ``--trainer.strategy=MCoreRLStrategy``, followed by init args such as
   ``--trainer.strategy.tensor_model_parallel_size=2``;
 * in YAML, ``class_path: lightning_mcore_rl.MCoreRLStrategy`` with ``init_args`` (parallel sizes,
-  ``micro_batch_size``, nested ``ddp``/``checkpoint`` configs).
+  nested ``microbatching``/``ddp``/``checkpoint`` configs).
 
 Optimizers come from the module's ``configure_optimizers`` (a megatron ``OptimizerConfig``), so
 LightningCLI's ``--optimizer``/``--lr_scheduler`` arguments are not offered.

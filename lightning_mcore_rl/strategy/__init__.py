@@ -6,6 +6,7 @@ from lightning_mcore_rl.strategy.config import (
     CheckpointConfig,
     LogprobKernelConfig,
     MegatronDDPConfig,
+    MicrobatchConfig,
     ParallelSizes,
     ReliabilityConfig,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "MegatronOptimizerAdapter",
     "MegatronOptimizerSpec",
     "MegatronStepResult",
+    "MicrobatchConfig",
     "ParallelSizes",
     "ReliabilityConfig",
     "ResumableLoader",

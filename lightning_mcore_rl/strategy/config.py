@@ -187,6 +187,52 @@ class LogprobKernelConfig:
 
 
 @dataclass(frozen=True)
+class MicrobatchConfig:
+    """How the strategy splits each global batch: the strategy's ``microbatching`` group
+    (validated further, with the layout, by :class:`~lightning_mcore_rl.train.Microbatching`).
+
+    Attributes:
+        micro_batch_size: samples per microbatch for fixed-size microbatching.
+        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed-size
+            microbatches); ``loss_fn`` path only (needs ``input_lengths``), ``micro_batch_size``
+            must stay 1, and pipeline parallelism needs ``sequence_packing`` with a budget.
+        sequence_packing: pack each microbatch into one THD row (needed for CP > 1).
+    """
+
+    micro_batch_size: int = 1
+    max_tokens_per_microbatch: int | None = None
+    sequence_packing: bool = False
+
+    def __post_init__(self) -> None:
+        size = self.micro_batch_size
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(
+                f"`MicrobatchConfig.micro_batch_size` must be an int, got {type(size).__name__}."
+            )
+        budget = self.max_tokens_per_microbatch
+        if isinstance(budget, bool) or not isinstance(budget, (int, type(None))):
+            raise TypeError(
+                "`MicrobatchConfig.max_tokens_per_microbatch` must be an int or None, got "
+                f"{type(budget).__name__}."
+            )
+        if not isinstance(self.sequence_packing, bool):
+            raise TypeError(
+                "`MicrobatchConfig.sequence_packing` must be a bool, got "
+                f"{type(self.sequence_packing).__name__}."
+            )
+
+
+def _check_size(name: str, size: object) -> None:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(
+            f"`{name}` must be a positive int, got {type(size).__name__} {size!r} "
+            "(a bool is not a size)."
+        )
+    if size < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {size!r}.")
+
+
+@dataclass(frozen=True)
 class ParallelSizes:
     """The parallel layout, validated once (the strategy's constructor builds it).
 
@@ -195,6 +241,8 @@ class ParallelSizes:
         pp: pipeline-parallel size.
         vpp: virtual pipeline stages (model chunks) per pipeline rank, ``None`` without VPP.
         cp: context-parallel size.
+        ep: expert-parallel size (mixture-of-experts layers: experts split over ``ep`` ranks).
+        etp: tensor-parallel size inside each expert (``None``: ``tp``, megatron's default).
         sequence_parallel: megatron sequence parallelism (needs ``tp > 1``).
         sequence_packing: THD packing of each microbatch (needed for ``cp > 1``).
     """
@@ -203,6 +251,8 @@ class ParallelSizes:
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
+    ep: int = 1
+    etp: int | None = None
     sequence_parallel: bool = False
     sequence_packing: bool = False
 
@@ -211,14 +261,11 @@ class ParallelSizes:
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
             ("context_parallel_size", self.cp),
+            ("expert_model_parallel_size", self.ep),
         ):
-            if isinstance(size, bool) or not isinstance(size, int):
-                raise TypeError(
-                    f"`{name}` must be a positive int, got {type(size).__name__} {size!r} "
-                    "(a bool is not a size)."
-                )
-            if size < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {size!r}.")
+            _check_size(name, size)
+        if self.etp is not None:
+            _check_size("expert_tensor_parallel_size", self.etp)
         for name, flag in (("sequence_parallel", self.sequence_parallel),
                            ("sequence_packing", self.sequence_packing)):  # fmt: skip
             if not isinstance(flag, bool):
@@ -248,6 +295,11 @@ class ParallelSizes:
                 "(context parallelism shards packed THD sequences)."
             )
 
+    @property
+    def expert_tp(self) -> int:
+        """The tensor-parallel size inside each expert (``etp``, default ``tp``)."""
+        return self.tp if self.etp is None else self.etp
+
     def transformer_config_kwargs(self, bf16: bool, dtype: Any) -> dict[str, Any]:
         """The ``TransformerConfig`` fields this layout and a precision own."""
         from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
@@ -256,6 +308,7 @@ class ParallelSizes:
         del layout["sequence_packing"]  # a property of the batches, not of the model
         return {
             **layout,
+            "expert_tensor_parallel_size": self.expert_tp,
             "bf16": bf16,
             "params_dtype": dtype,
             "pipeline_dtype": dtype,
@@ -269,6 +322,8 @@ class ParallelSizes:
             "pipeline_model_parallel_size": self.pp,
             "virtual_pipeline_model_parallel_size": self.vpp,
             "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
             "sequence_parallel": self.sequence_parallel,
             "sequence_packing": self.sequence_packing,
         }
@@ -279,17 +334,33 @@ class ParallelSizes:
         return self.tp * self.pp * self.cp
 
     def check_world_size(self, world_size: int) -> int:
-        """The data-parallel size for ``world_size`` ranks; ``ValueError`` if it does not divide."""
+        """The data-parallel size for ``world_size`` ranks.
+
+        Raises:
+            ValueError: ``tp * pp * cp`` (the dense layers' replica) or ``etp * ep * pp`` (the
+                expert layers', megatron's expert layout) does not divide ``world_size``.
+        """
         if world_size % self.model_parallel_size != 0:
             raise ValueError(
                 f"The sizes tp={self.tp}, pp={self.pp}, cp={self.cp} multiplied "
                 f"({self.model_parallel_size}) should divide the world size {world_size}; "
                 "change the parallel sizes or `Trainer(devices=..., num_nodes=...)`."
             )
+        expert = self.expert_tp * self.ep * self.pp
+        if world_size % expert != 0:
+            raise ValueError(
+                f"The expert sizes expert_tensor_parallel_size={self.expert_tp}, "
+                f"expert_model_parallel_size={self.ep}, pp={self.pp} multiplied ({expert}) "
+                f"should divide the world size {world_size}; change them or "
+                "`Trainer(devices=..., num_nodes=...)`."
+            )
         return world_size // self.model_parallel_size
 
 
 FLAT_ARGUMENTS: dict[str, str] = {
+    "micro_batch_size": "microbatching",
+    "max_tokens_per_microbatch": "microbatching",
+    "sequence_packing": "microbatching",
     "use_distributed_optimizer": "ddp",
     "timeout": "reliability",
     "nonfinite": "reliability",
@@ -303,6 +374,7 @@ set (``MCoreRLStrategy(use_fused_linear_logprobs=True)`` is
 ``MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True))``)."""
 
 _GROUPS: dict[str, type] = {
+    "microbatching": MicrobatchConfig,
     "ddp": MegatronDDPConfig,
     "reliability": ReliabilityConfig,
     "logprobs": LogprobKernelConfig,

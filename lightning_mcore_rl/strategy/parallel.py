@@ -14,6 +14,7 @@ from lightning_mcore_rl.strategy.config import (
     CheckpointConfig,
     LogprobKernelConfig,
     MegatronDDPConfig,
+    MicrobatchConfig,
     ParallelSizes,
     ReliabilityConfig,
 )
@@ -45,11 +46,19 @@ def init_model_parallel(
     p = parallel
     if ps.model_parallel_is_initialized():
         groups = megatron_groups()
-        existing = (groups.tp_size, groups.pp_size, groups.vpp_size, groups.cp_size)
-        if existing != (p.tp, p.pp, p.vpp, p.cp):
+        existing = (
+            groups.tp_size,
+            groups.pp_size,
+            groups.vpp_size,
+            groups.cp_size,
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
+        )
+        wanted = (p.tp, p.pp, p.vpp, p.cp, p.ep, p.expert_tp)
+        if existing != wanted:
             raise RuntimeError(
-                f"megatron's parallel state is already initialised with (tp, pp, vpp, cp) = "
-                f"{existing}, but this strategy asks for {(p.tp, p.pp, p.vpp, p.cp)}; call "
+                f"megatron's parallel state is already initialised with (tp, pp, vpp, cp, ep, "
+                f"etp) = {existing}, but this strategy asks for {wanted}; call "
                 "`megatron.core.parallel_state.destroy_model_parallel()` first."
             )
         return groups
@@ -58,6 +67,8 @@ def init_model_parallel(
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp,
         context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.expert_tp,
         **({} if timeout is None else {"distributed_timeout_minutes": timeout_minutes(timeout)}),
     )
     # Under CPU emulation the "CUDA" generator IS torch's CPU generator: keep its state.
@@ -93,7 +104,9 @@ def megatron_groups() -> ParallelGroups:
     )
 
 
-def check_strategy_args(*, ddp: Any, checkpoint: Any, reliability: Any, logprobs: Any) -> None:
+def check_strategy_args(
+    *, microbatching: Any, ddp: Any, checkpoint: Any, reliability: Any, logprobs: Any
+) -> None:
     """Class checks of the strategy's setting groups (each validates its own fields; sizes:
     :class:`ParallelSizes`).
 
@@ -101,6 +114,7 @@ def check_strategy_args(*, ddp: Any, checkpoint: Any, reliability: Any, logprobs
         TypeError: a group that is not its config class or None.
     """
     for name, value, cls in (
+        ("microbatching", microbatching, MicrobatchConfig),
         ("ddp", ddp, MegatronDDPConfig),
         ("checkpoint", checkpoint, CheckpointConfig),
         ("reliability", reliability, ReliabilityConfig),

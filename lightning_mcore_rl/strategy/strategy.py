@@ -30,6 +30,7 @@ from lightning_mcore_rl.strategy.config import (
     CheckpointConfig,
     LogprobKernelConfig,
     MegatronDDPConfig,
+    MicrobatchConfig,
     ParallelSizes,
     ReliabilityConfig,
     accept_flat_arguments,
@@ -72,13 +73,13 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         tensor_model_parallel_size: TP size.
         pipeline_model_parallel_size: PP size.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved 1F1B).
-        context_parallel_size: CP size (needs ``sequence_packing``).
+        context_parallel_size: CP size (needs ``microbatching.sequence_packing``).
+        expert_model_parallel_size: EP size: the experts of mixture-of-experts layers are split
+            over this many ranks (``etp * ep * pp`` must divide the world size).
+        expert_tensor_parallel_size: TP size inside each expert (``None``: TP).
         sequence_parallel: megatron sequence parallelism (needs TP > 1).
-        sequence_packing: pack each microbatch into one THD row.
-        micro_batch_size: samples per microbatch for fixed-size microbatching.
-        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed-size
-            microbatches); ``loss_fn`` path only (needs ``input_lengths``), ``micro_batch_size``
-            must stay 1, and pipeline parallelism needs ``sequence_packing`` with a budget.
+        microbatching: micro-batch size, token budget and sequence packing
+            (:class:`~.config.MicrobatchConfig`).
         ddp: megatron DDP options and the distributed optimizer
             (:class:`~.config.MegatronDDPConfig`).
         checkpoint: checkpoint format options (:class:`~.config.CheckpointConfig`).
@@ -88,8 +89,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             (:class:`~.config.LogprobKernelConfig`).
 
     Accelerator, devices and precision come from the ``Trainer``; a cluster environment from
-    ``Trainer(plugins=[...])``. The former flat arguments (``use_fused_linear_logprobs=``,
-    ``nonfinite=``, ``timeout=``, ...) still work in Python, folded into their group
+    ``Trainer(plugins=[...])``. The former flat arguments (``micro_batch_size=``,
+    ``sequence_packing=``, ``use_fused_linear_logprobs=``, ``nonfinite=``, ``timeout=``, ...) still work in Python, folded into their group
     (:data:`~.config.FLAT_ARGUMENTS`).
     """
 
@@ -102,10 +103,10 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size: int | None = None,
         context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
         sequence_parallel: bool = False,
-        sequence_packing: bool = False,
-        micro_batch_size: int = 1,
-        max_tokens_per_microbatch: int | None = None,
+        microbatching: MicrobatchConfig | None = None,
         ddp: MegatronDDPConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         reliability: ReliabilityConfig | None = None,
@@ -114,19 +115,27 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         from lightning_mcore_rl.train import Microbatching, PolicyConfig
 
         check_strategy_args(
-            ddp=ddp, checkpoint=checkpoint, reliability=reliability, logprobs=logprobs
+            microbatching=microbatching,
+            ddp=ddp,
+            checkpoint=checkpoint,
+            reliability=reliability,
+            logprobs=logprobs,
         )
+        batching = microbatching if microbatching is not None else MicrobatchConfig()
+        sequence_packing = batching.sequence_packing
         self.parallel = ParallelSizes(
             tp=tensor_model_parallel_size,
             pp=pipeline_model_parallel_size,
             vpp=virtual_pipeline_model_parallel_size,
             cp=context_parallel_size,
+            ep=expert_model_parallel_size,
+            etp=expert_tensor_parallel_size,
             sequence_parallel=sequence_parallel,
             sequence_packing=sequence_packing,
         )
         self.microbatching: Microbatching = Microbatching(
-            micro_batch_size=micro_batch_size,
-            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            micro_batch_size=batching.micro_batch_size,
+            max_tokens_per_microbatch=batching.max_tokens_per_microbatch,
             sequence_packing=sequence_packing,
             equal_shapes=pipeline_model_parallel_size > 1,
             sequence_parallel=sequence_parallel,

@@ -37,7 +37,8 @@ trainer:
   strategy:
     class_path: lightning_mcore_rl.MCoreRLStrategy
     init_args:
-      micro_batch_size: 2
+      microbatching:
+        micro_batch_size: 2
       ddp:
         use_distributed_optimizer: true
         overlap_grad_reduce: true
@@ -80,7 +81,7 @@ def test_cli_strategy_class_on_the_command_line_takes_init_args(form):
             *BASE,
             f"--trainer.strategy={form}",
             "--trainer.strategy.tensor_model_parallel_size=2",
-            "--trainer.strategy.micro_batch_size=4",
+            "--trainer.strategy.microbatching.micro_batch_size=4",
         ],
         run=False,
     )

@@ -38,6 +38,8 @@ from lightning_mcore_rl.train import Microbatching, split_lm_batch
         ({"sequence_parallel": True}, "`sequence_parallel=True` needs"),
         ({"context_parallel_size": 2}, "needs `sequence_packing=True`"),
         ({"micro_batch_size": 0}, "`micro_batch_size` must be a positive int"),
+        ({"expert_model_parallel_size": 0}, "`expert_model_parallel_size` must be a positive"),
+        ({"expert_tensor_parallel_size": -2}, "`expert_tensor_parallel_size` must be a positive"),
     ],
 )
 def test_bad_parallel_settings_raise(kwargs, match):
@@ -60,6 +62,18 @@ def test_sizes_must_divide_world_size():
         sizes.check_world_size(2)
 
 
+def test_expert_sizes_must_divide_world_size():
+    sizes = ParallelSizes(tp=2, ep=2)  # the experts' TP defaults to the dense TP
+    assert sizes.expert_tp == 2 and sizes.check_world_size(4) == 2
+    with pytest.raises(
+        ValueError,
+        match=r"expert_tensor_parallel_size=2, expert_model_parallel_size=2, pp=1 multiplied "
+        r"\(4\) should divide the world size 2",
+    ):
+        sizes.check_world_size(2)
+    assert ParallelSizes(tp=2, ep=2, etp=1).check_world_size(2) == 1
+
+
 def test_config_dataclasses_validate():
     with pytest.raises(ValueError, match="`MegatronDDPConfig.bucket_size` must be positive"):
         MegatronDDPConfig(bucket_size=0)
@@ -70,7 +84,7 @@ def test_config_dataclasses_validate():
 def test_constructor_takes_at_most_12_grouped_parameters():
     params = inspect.signature(MCoreRLStrategy).parameters
     assert len(params) == 12, list(params)
-    assert list(params)[-4:] == ["ddp", "checkpoint", "reliability", "logprobs"]
+    assert list(params)[-5:] == ["microbatching", "ddp", "checkpoint", "reliability", "logprobs"]
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params.values())
     assert all(p.annotation is not inspect.Parameter.empty for p in params.values())
 
@@ -165,6 +179,11 @@ def test_each_group_validates_its_fields(build, error, match):
     [
         ({"use_distributed_optimizer": True}, "ddp_config", MegatronDDPConfig(True)),
         (
+            {"sequence_packing": True},
+            "microbatching",
+            Microbatching(micro_batch_size=2, sequence_packing=True),
+        ),
+        (
             {"timeout": timedelta(seconds=90), "nonfinite": "raise"},
             "reliability",
             ReliabilityConfig(timeout=timedelta(seconds=90), nonfinite="raise"),
@@ -250,6 +269,7 @@ def test_transformer_config_kwargs_follow_strategy_and_precision():
     strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
     kwargs = strategy.transformer_config_kwargs()
     assert kwargs["tensor_model_parallel_size"] == 2 and kwargs["bf16"] is True
+    assert (kwargs["expert_model_parallel_size"], kwargs["expert_tensor_parallel_size"]) == (1, 2)
     assert kwargs["params_dtype"] is torch.bfloat16
     assert kwargs["batch_p2p_comm"] is False  # the VPP p2p trap
     assert strategy.vp_stages == [0, 1]
