@@ -8,7 +8,8 @@ starts and never calls back into the module during it. ``training_step`` returns
 :class:`~lightning_mcore_rl.train.StepOutput` as data, which the
 :class:`~lightning_mcore_rl.callbacks.TrainingStatistics` callback logs in
 ``on_train_batch_end``. The module never touches a process group or megatron's
-``parallel_state``.
+``parallel_state``: :attr:`~MCoreRLModule.parallel_groups` (the strategy's groups, read once)
+is what ``build_chunk`` passes to the model builders.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.train import (
         LogprobsPostProcessor,
         LossPostProcessor,
+        ParallelGroups,
         StepOutput,
         TeacherFullPayloadPostProcessor,
         TopkLogitsPostProcessor,
@@ -88,6 +90,13 @@ class MCoreRLModule(LightningModule):
                 f"strategy='mcore_rl', got {type(strategy).__name__}."
             )
         return strategy
+
+    @property
+    def parallel_groups(self) -> ParallelGroups:
+        """This rank's :class:`~lightning_mcore_rl.train.ParallelGroups` (the strategy's, read
+        once in its set-up): what :meth:`build_chunk` passes to the model builders
+        (``tiny_gpt(config, groups=self.parallel_groups, ...)``, ``HFBridge.build_chunk``)."""
+        return self.mcore_strategy.groups
 
     def configure_model(self) -> None:
         """Build one chunk per virtual pipeline stage of this rank, then the teacher's

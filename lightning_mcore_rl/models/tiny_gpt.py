@@ -14,16 +14,24 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lightning_mcore_rl.megatron_defaults import local_spec_settings, pipeline_p2p_settings
+from lightning_mcore_rl.megatron_defaults import local_spec_settings
+from lightning_mcore_rl.models.layout import (
+    check_config_layout,
+    layout_groups,
+    parallel_config_fields,
+)
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import ModuleSpec, TransformerConfig
 
+    from lightning_mcore_rl.train.groups import ParallelGroups
+
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def tiny_gpt_config(
+    groups: ParallelGroups | None = None,
     *,
     num_layers: int = 2,
     hidden_size: int = 64,
@@ -32,12 +40,13 @@ def tiny_gpt_config(
     sequence_parallel: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
-    """``TransformerConfig`` for the tiny GPT, sized from megatron's initialised parallel state.
+    """``TransformerConfig`` for the tiny GPT, with the parallel sizes of ``groups``.
 
     Dropout is off (exact comparisons), weights are created on CPU, and the pipeline p2p settings
     come from :func:`~lightning_mcore_rl.megatron_defaults.pipeline_p2p_settings`.
 
     Args:
+        groups: this rank's layout (TP, PP, VPP, CP sizes); ``None``: one rank, no parallelism.
         num_layers: transformer layers of the FULL model (split over PP x VPP stages).
         hidden_size: ``H``.
         num_attention_heads: heads; must be divisible by TP.
@@ -45,10 +54,8 @@ def tiny_gpt_config(
         sequence_parallel: megatron sequence parallelism (needs TP > 1).
         **overrides: any other ``TransformerConfig`` field.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     dtype = torch.bfloat16 if bf16 else torch.float32
     kwargs: dict[str, Any] = {
         "num_layers": num_layers,
@@ -57,16 +64,12 @@ def tiny_gpt_config(
         "ffn_hidden_size": 4 * hidden_size,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
-        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size": vpp,
-        "context_parallel_size": ps.get_context_parallel_world_size(),
         "sequence_parallel": sequence_parallel,
         "bf16": bf16,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         **local_spec_settings(),
-        **pipeline_p2p_settings(vpp),
+        **parallel_config_fields(layout_groups(groups)),
     }
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -75,6 +78,7 @@ def tiny_gpt_config(
 def tiny_gpt(
     config: TransformerConfig | None = None,
     *,
+    groups: ParallelGroups | None = None,
     vocab_size: int = 128,
     max_sequence_length: int = 64,
     seed: int = 0,
@@ -85,10 +89,13 @@ def tiny_gpt(
 ) -> GPTModel:
     """Build this rank's chunk of the tiny GPT with layout-independent deterministic weights.
 
-    Must run with megatron's parallel state initialised (and on CPU inside ``cpu_emulation()``).
+    Must run with megatron's parallel state initialised for ``groups``' layout (megatron's
+    layers read it), on CPU inside ``cpu_emulation()``.
 
     Args:
-        config: model config; default ``tiny_gpt_config()``.
+        config: model config; default ``tiny_gpt_config(groups)``.
+        groups: this rank's layout (stage flags from its PP rank and ``vp_stage``, TP shards from
+            its TP rank); ``None``: one rank, no parallelism.
         vocab_size: ``V``; must be divisible by TP.
         max_sequence_length: longest sequence (learned position embeddings).
         seed: weight seed; the same seed gives the same full weights under any layout.
@@ -101,28 +108,32 @@ def tiny_gpt(
 
     Returns:
         The ``GPTModel`` chunk (fp32 params, or bf16 if ``config.bf16``; not wrapped).
+
+    Raises:
+        ValueError: ``config``'s TP/PP/VPP/CP sizes are not ``groups``', or ``vocab_size`` is
+            not divisible by TP.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from lightning_mcore_rl.data import get_packed_local_layer_spec
 
-    config = config if config is not None else tiny_gpt_config()
-    tp = ps.get_tensor_model_parallel_world_size()
-    if vocab_size % tp != 0:
-        raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({tp}).")
+    groups = layout_groups(groups)
+    config = config if config is not None else tiny_gpt_config(groups)
+    check_config_layout(config, groups)
+    if vocab_size % groups.tp_size != 0:
+        raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({groups.tp_size}).")
     model = GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec or get_packed_local_layer_spec(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
-        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        pre_process=groups.is_first_stage(vp_stage),
+        post_process=groups.is_last_stage(vp_stage),
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
         vp_stage=vp_stage,
     )
-    load_deterministic_weights(model, seed)
+    load_deterministic_weights(model, seed, groups)
     return model
 
 
@@ -153,33 +164,45 @@ def full_parameter_value(name: str, shape: torch.Size, seed: int) -> torch.Tenso
     return 1.0 + 0.1 * values if is_norm_weight else 0.02 * values
 
 
-def tensor_parallel_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This TP rank's slice of ``full`` for ``param`` (megatron marks sharded params with
-    ``tensor_model_parallel`` and ``partition_dim``; the tiny GPT has only stride-1 shards)."""
-    from megatron.core import parallel_state as ps
-
+def tensor_parallel_shard(
+    full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """TP rank ``tp_rank``'s slice (of ``tp_size``) of ``full`` for ``param`` (megatron marks
+    sharded params with ``tensor_model_parallel`` and ``partition_dim``; the tiny GPT has only
+    stride-1 shards)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
     if getattr(param, "partition_stride", 1) != 1:
         raise ValueError("tensor_parallel_shard supports partition_stride == 1 only")
     dim: int = cast(Any, param).partition_dim  # set on the tensor by megatron
-    tp = ps.get_tensor_model_parallel_world_size()
-    return full.chunk(tp, dim=dim)[ps.get_tensor_model_parallel_rank()]
+    return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """Unsharded shape of a (possibly tensor-parallel) megatron parameter."""
-    from megatron.core import parallel_state as ps
-
+def full_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
+    """Unsharded shape of a (possibly tensor-parallel over ``tp_size`` ranks) megatron
+    parameter."""
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[cast(Any, param).partition_dim] *= ps.get_tensor_model_parallel_world_size()
+        shape[cast(Any, param).partition_dim] *= tp_size
     return torch.Size(shape)
 
 
 @torch.no_grad()
-def load_deterministic_weights(model: torch.nn.Module, seed: int) -> None:
-    """Overwrite every parameter of ``model`` with its layout-independent deterministic value."""
+def load_deterministic_weights(
+    model: torch.nn.Module, seed: int, groups: ParallelGroups | None = None
+) -> None:
+    """Overwrite every parameter of ``model`` (this rank's chunk under ``groups``' layout;
+    ``None``: one rank) with its layout-independent deterministic value.
+
+    Raises:
+        ValueError: ``model``'s megatron config has other TP/PP/VPP/CP sizes than ``groups``.
+    """
+    groups = layout_groups(groups)
+    config = getattr(model, "config", None)
+    if config is not None:
+        check_config_layout(config, groups)
     for name, param in model.named_parameters():
-        full = full_parameter_value(canonical_name(model, name), full_shape(param), seed)
-        param.copy_(tensor_parallel_shard(full, param).to(param.dtype))
+        shape = full_shape(param, groups.tp_size)
+        full = full_parameter_value(canonical_name(model, name), shape, seed)
+        shard = tensor_parallel_shard(full, param, groups.tp_rank, groups.tp_size)
+        param.copy_(shard.to(param.dtype))

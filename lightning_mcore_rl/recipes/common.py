@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.train.groups import ParallelGroups
 
 
 DEFAULT_TASK = ModularCountingTask()
@@ -116,10 +117,11 @@ class RecipeModel:
         (layout-invariant deterministic weights, dropout off) or the HF checkpoint's shards."""
         from lightning_mcore_rl.models.tiny_gpt import tiny_gpt
 
-        spec = self.spec
+        spec, groups = self.spec, module.parallel_groups
         if isinstance(spec, HFModelSpec):
             bridge = self.hf_bridge()
-            return bridge.build_chunk(module.transformer_config(**bridge.config_fields()), vp_stage)
+            config = module.transformer_config(**bridge.config_fields())
+            return bridge.build_chunk(config, vp_stage, groups=groups)
         config = module.transformer_config(
             num_layers=spec.num_layers,
             hidden_size=spec.hidden_size,
@@ -131,6 +133,7 @@ class RecipeModel:
         )
         return tiny_gpt(
             config,
+            groups=groups,
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_sequence_length,
             seed=spec.seed,
@@ -138,8 +141,11 @@ class RecipeModel:
         )
 
     @contextlib.contextmanager
-    def initial_weights(self, chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
-        """Temporarily give ``chunks`` their initial weights (a frozen reference model).
+    def initial_weights(
+        self, chunks: Sequence[torch.nn.Module], groups: ParallelGroups
+    ) -> Iterator[None]:
+        """Temporarily give ``chunks`` (this rank's, of ``groups``' layout) their initial weights
+        (a frozen reference model).
 
         The initial weights are regenerated instead of kept as a second copy (the tiny GPT's are
         a pure function of the seed whatever the layout; an HF model's shards are re-read from
@@ -154,9 +160,9 @@ class RecipeModel:
         try:
             for chunk in chunks:
                 if isinstance(spec, HFModelSpec):
-                    self.hf_bridge().load_weights(chunk)
+                    self.hf_bridge().load_weights(chunk, groups)
                 else:
-                    load_deterministic_weights(unwrap(chunk), spec.seed)
+                    load_deterministic_weights(unwrap(chunk), spec.seed, groups)
             yield
         finally:
             with torch.no_grad():

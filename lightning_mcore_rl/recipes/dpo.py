@@ -236,7 +236,7 @@ class DPOModule(RecipeModule):
     def reference_weights(self) -> Iterator[None]:
         """Temporarily give the model its initial weights (the frozen reference; see
         :meth:`~lightning_mcore_rl.recipes.common.RecipeModel.initial_weights`)."""
-        with self.policy.initial_weights(self.mcore_strategy.model_chunks):
+        with self.policy.initial_weights(self.mcore_strategy.model_chunks, self.parallel_groups):
             yield
 
     def preference_batch(self, batch: Mapping[str, Any]) -> BatchedDataDict:

@@ -416,7 +416,7 @@ class GRPOModule(RecipeModule):
         from the seed or re-read from the checkpoint, see
         :meth:`~lightning_mcore_rl.recipes.common.RecipeModel.initial_weights`); the current
         weights are restored on exit, also on error."""
-        with self.policy.initial_weights(self.mcore_strategy.model_chunks):
+        with self.policy.initial_weights(self.mcore_strategy.model_chunks, self.parallel_groups):
             yield
 
     def setup(self, stage: str) -> None:

@@ -342,7 +342,8 @@ class PPOModule(GRPOModule):
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
         """The initial weights in the policy trunk (the value model keeps its own)."""
-        with self.policy.initial_weights([chunk.policy for chunk in self._chunks()]):
+        trunks = [chunk.policy for chunk in self._chunks()]
+        with self.policy.initial_weights(trunks, self.parallel_groups):
             yield
 
     @contextlib.contextmanager

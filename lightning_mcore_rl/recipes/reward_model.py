@@ -146,7 +146,7 @@ class RewardModelModule(RecipeModule):
         if gpt.post_process:
             gpt.output_layer = ScalarHead(gpt.config.hidden_size, gpt.config.params_dtype)
             if isinstance(self.model_spec, TinyGPTSpec):
-                load_deterministic_weights(gpt, self.model_spec.seed)
+                load_deterministic_weights(gpt, self.model_spec.seed, self.parallel_groups)
         return chunk
 
     def setup(self, stage: str) -> None:

@@ -187,7 +187,9 @@ class PolicyRollout:
                     f"{type(source).__name__} has refit_required=True: it is refit from the "
                     "model's Hugging Face weight export, which needs an HFModelSpec model."
                 )
-            weights = setup.hf_bridge.export_hf_weights(setup.chunks, dtype=torch.float32)
+            weights = setup.hf_bridge.export_hf_weights(
+                setup.chunks, groups=setup.groups, dtype=torch.float32
+            )
             source.update_weights(weights)
             self.refit_step = step
         return source.generate(prompts, sampling, prompt_lengths)

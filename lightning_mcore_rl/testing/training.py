@@ -56,7 +56,6 @@ def build_training(
         max_sequence_length: longest row (learned position embeddings).
         **config_kwargs: forwarded to :func:`tiny_gpt_config`.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -65,16 +64,18 @@ def build_training(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    config = tiny_gpt_config(bf16=bf16, **config_kwargs)
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    stages = list(range(vpp)) if vpp else [None]
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
+
+    groups = megatron_groups()
+    config = tiny_gpt_config(groups, bf16=bf16, **config_kwargs)
+    stages = list(range(groups.vpp_size)) if groups.vpp_size else [None]
     chunks: list[DistributedDataParallel] = []
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
     )
     for vp_stage in stages:
         chunk: torch.nn.Module = tiny_gpt(
-            config, vocab_size=vocab_size, seed=seed, vp_stage=vp_stage,
+            config, groups=groups, vocab_size=vocab_size, seed=seed, vp_stage=vp_stage,
             max_sequence_length=max_sequence_length,
         )  # fmt: skip
         if bf16:

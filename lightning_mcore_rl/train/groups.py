@@ -53,10 +53,49 @@ class ParallelGroups:
     vpp_size: int | None = None
     mp_group: Any = None
 
+    @classmethod
+    def single(cls) -> ParallelGroups:
+        """One process without parallelism: every rank 0, every size 1, no groups, no VPP."""
+        return cls(
+            tp_group=None, tp_rank=0, tp_size=1,
+            pp_group=None, pp_rank=0, pp_size=1, pp_last_rank=0,
+            dp_group=None, dp_rank=0, dp_size=1,
+            cp_group=None, cp_rank=0, cp_size=1,
+        )  # fmt: skip
+
     @property
     def is_pipeline_last_stage(self) -> bool:
         """Whether this rank holds the last pipeline stage (the loss and the outputs)."""
         return self.pp_rank == self.pp_size - 1
+
+    def is_first_stage(self, vp_stage: int | None) -> bool:
+        """Whether chunk ``vp_stage`` of this rank is the model's first (it embeds the tokens):
+        megatron's ``is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)``.
+
+        Raises:
+            ValueError: ``vp_stage`` is ``None`` under virtual pipelining.
+        """
+        self._check_vp_stage(vp_stage)
+        return self.pp_rank == 0 and (self.vpp_size is None or vp_stage == 0)
+
+    def is_last_stage(self, vp_stage: int | None) -> bool:
+        """Whether chunk ``vp_stage`` of this rank is the model's last (it holds the output
+        layer): megatron's ``is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)``.
+
+        Raises:
+            ValueError: ``vp_stage`` is ``None`` under virtual pipelining.
+        """
+        self._check_vp_stage(vp_stage)
+        last_chunk = self.vpp_size is None or vp_stage == self.vpp_size - 1
+        return self.is_pipeline_last_stage and last_chunk
+
+    def _check_vp_stage(self, vp_stage: int | None) -> None:
+        """Virtual pipelining needs a chunk index (megatron ignores ``vp_stage`` without)."""
+        if self.vpp_size is not None and vp_stage is None:
+            raise ValueError(
+                f"`vp_stage` must be a chunk index in [0, {self.vpp_size}) under virtual "
+                "pipelining, got None."
+            )
 
 
 def vocab_range(output: Tensor, tp_rank: int) -> tuple[int, int]:

@@ -133,3 +133,50 @@ def test_the_step_layers_never_import_the_lightning_layer(layer: str) -> None:
         if _layer(target) in LIGHTNING_LAYER
     )
     assert not bad, bad
+
+
+# Where megatron's parallel_state may be imported: the strategy's one read (``parallel.py``),
+# the single-process export (builds its own TP=PP=1 state), the test infrastructure and the CPU
+# backend. Everything else (the model builders included) takes ``ParallelGroups`` arguments.
+PARALLEL_STATE_READERS = ("strategy.parallel", "strategy.export", "testing", "cpu")
+_STATE_MODULES = {"megatron.core.parallel_state", "megatron.core.mpu"}
+
+
+def imports_parallel_state(tree: ast.AST) -> bool:
+    """Whether ``tree`` imports megatron's ``parallel_state`` (or its alias ``mpu``) in any form,
+    at any depth (``TYPE_CHECKING`` blocks included)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        else:
+            continue
+        if any(n in _STATE_MODULES or n.startswith("megatron.core.parallel_state.") for n in names):
+            return True
+    return False
+
+
+def test_the_parallel_state_detector_sees_every_import_form() -> None:
+    for source in (
+        "from megatron.core import parallel_state as ps",
+        "def f():\n    from megatron.core import mpu",
+        "import megatron.core.parallel_state",
+        "from megatron.core.parallel_state import get_tensor_model_parallel_rank",
+    ):
+        assert imports_parallel_state(ast.parse(source)), source
+    for source in ("from megatron.core import tensor_parallel", "x = 'parallel_state'"):
+        assert not imports_parallel_state(ast.parse(source)), source
+
+
+def test_only_the_strategy_set_up_export_testing_and_cpu_import_parallel_state() -> None:
+    def allowed(module: str) -> bool:
+        inner = module.removeprefix(f"{PACKAGE}.")
+        return any(inner == p or inner.startswith(f"{p}.") for p in PARALLEL_STATE_READERS)
+
+    readers = sorted(
+        module
+        for module, path in MODULES.items()
+        if not allowed(module) and imports_parallel_state(ast.parse(path.read_text()))
+    )
+    assert not readers, f"modules reading megatron's parallel_state: {readers}"

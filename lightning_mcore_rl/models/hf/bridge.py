@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 from lightning_mcore_rl.models.hf.config import Architecture, parse_architecture
 from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
 from lightning_mcore_rl.models.hf.weights import (
@@ -24,12 +23,19 @@ from lightning_mcore_rl.models.hf.weights import (
     param_map,
     read_shard,
 )
+from lightning_mcore_rl.models.layout import (
+    check_config_layout,
+    layout_groups,
+    parallel_config_fields,
+)
 from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import ModuleSpec, TransformerConfig
     from transformers import PreTrainedTokenizerBase
+
+    from lightning_mcore_rl.train.groups import ParallelGroups
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -144,25 +150,20 @@ class HFBridge:
         LightningModule's ``transformer_config(**fields)`` can add the strategy's)."""
         return self.arch.config_fields()
 
-    def transformer_config(self, **overrides: Any) -> TransformerConfig:
-        """``TransformerConfig`` of the architecture with the parallel sizes of megatron's
-        initialised parallel state (if any, with ``pipeline_dtype = params_dtype``, fp32 by
+    def transformer_config(
+        self, groups: ParallelGroups | None = None, **overrides: Any
+    ) -> TransformerConfig:
+        """``TransformerConfig`` of the architecture with the parallel sizes of ``groups``
+        (``None``: one rank, no parallelism) and ``pipeline_dtype = params_dtype`` (fp32 by
         default); ``overrides`` win over both."""
-        from megatron.core import parallel_state as ps
         from megatron.core.transformer import TransformerConfig
 
-        fields = self.config_fields()
-        if ps.model_parallel_is_initialized():
-            vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-            fields.update(
-                tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                virtual_pipeline_model_parallel_size=vpp,
-                context_parallel_size=ps.get_context_parallel_world_size(),
-                pipeline_dtype=overrides.get("params_dtype", torch.float32),
-                **pipeline_p2p_settings(vpp),
-            )
-        fields.update(overrides)
+        fields = {
+            **self.config_fields(),
+            **parallel_config_fields(layout_groups(groups)),
+            "pipeline_dtype": overrides.get("params_dtype", torch.float32),
+            **overrides,
+        }
         return TransformerConfig(**fields)
 
     def build_chunk(
@@ -170,49 +171,55 @@ class HFBridge:
         config: TransformerConfig,
         vp_stage: int | None = None,
         *,
+        groups: ParallelGroups | None = None,
         transformer_layer_spec: ModuleSpec | None = None,
     ) -> GPTModel:
         """This rank's ``GPTModel`` chunk for virtual stage ``vp_stage``, its TP shards of the HF
         weights loaded (each rank reads only its slices).
 
         Args:
-            config: e.g. :meth:`transformer_config`; its parallel sizes must match megatron's state.
+            config: e.g. :meth:`transformer_config`; its parallel sizes must be ``groups``'.
             vp_stage: virtual pipeline stage (``None`` without VPP).
+            groups: this rank's layout (stage flags from its PP rank and ``vp_stage``, TP shards
+                from its TP rank); ``None``: one rank, no parallelism. Megatron's parallel state
+                must be initialised for the same layout (megatron's layers read it).
             transformer_layer_spec: default :func:`default_layer_spec`.
 
         Raises:
             ValueError: the layers do not split evenly over ``config``'s PP (and VPP) stages, or
                 ``vocab_size``, key/value heads or MLP width are not divisible by its TP size
-                (the vocab is never padded), or a loaded shard of the wrong shape.
+                (the vocab is never padded), or its TP/PP/VPP/CP sizes are not ``groups``', or a
+                loaded shard of the wrong shape.
         """
-        from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
         check_parallel_layout(self.arch, config)
-        tp = ps.get_tensor_model_parallel_world_size()
-        arch = self.arch
+        groups = layout_groups(groups)
+        check_config_layout(config, groups)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=transformer_layer_spec or default_layer_spec(arch),
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            transformer_layer_spec=transformer_layer_spec or default_layer_spec(self.arch),
+            pre_process=groups.is_first_stage(vp_stage),
+            post_process=groups.is_last_stage(vp_stage),
             vp_stage=vp_stage,
-            **arch.gpt_model_kwargs(),
+            **self.arch.gpt_model_kwargs(),
         )
         _mark_tensor_parallel(model, self.arch.tied_embeddings)
-        self._load(model, ps.get_tensor_model_parallel_rank(), tp)
+        self._load(model, groups.tp_rank, groups.tp_size)
         return model
 
-    def load_weights(self, chunk: torch.nn.Module) -> None:
-        """Overwrite a built chunk (possibly wrapped in megatron DDP / ``Float16Module``) with
-        this directory's weights again, e.g. to run the initial model as a reference policy."""
-        from megatron.core import parallel_state as ps
+    def load_weights(self, chunk: torch.nn.Module, groups: ParallelGroups | None = None) -> None:
+        """Overwrite a built chunk (possibly wrapped in megatron DDP / ``Float16Module``) of
+        ``groups``' layout (``None``: one rank) with this directory's weights again, e.g. to run
+        the initial model as a reference policy.
 
-        self._load(
-            _unwrap(chunk),
-            ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_world_size(),
-        )
+        Raises:
+            ValueError: the chunk's config has other TP/PP/VPP/CP sizes than ``groups``.
+        """
+        groups = layout_groups(groups)
+        model = _unwrap(chunk)
+        check_config_layout(model.config, groups)
+        self._load(model, groups.tp_rank, groups.tp_size)
 
     @torch.no_grad()
     def _load(self, model: torch.nn.Module, rank: int, world: int) -> None:
@@ -227,34 +234,39 @@ class HFBridge:
             param.copy_(shard)
 
     def export_hf_weights(
-        self, chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None
+        self,
+        chunks: Sequence[torch.nn.Module],
+        groups: ParallelGroups | None = None,
+        dtype: torch.dtype | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective over all ranks: yield ``(hf_name, full CPU tensor)`` one at a time, gathered
-        over TP and broadcast over PP (every rank yields every tensor, in HF module order).
+        """Collective over ``groups``' TP and PP groups: yield ``(hf_name, full CPU tensor)`` one
+        at a time, gathered over TP and broadcast over PP (every rank yields every tensor, in HF
+        module order).
 
         Args:
             chunks: this rank's model chunks (megatron DDP / ``Float16Module`` wrappers allowed).
+            groups: this rank's layout; ``None``: one rank (no collectives).
             dtype: output dtype; default each tensor's dtype in the source checkpoint.
-        """
-        from megatron.core import parallel_state as ps
 
+        Raises:
+            ValueError: a chunk's config has other TP/PP/VPP/CP sizes than ``groups`` (before
+                any collective).
+        """
+        groups = layout_groups(groups)
+        models = [_unwrap(chunk) for chunk in chunks]
+        for model in models:
+            check_config_layout(model.config, groups)
         shapes = hf_shapes(self.arch)
         local: dict[str, tuple[ParamMap, torch.Tensor]] = {}
-        for chunk in chunks:
-            model = _unwrap(chunk)
+        for model in models:
             for name, param in model.named_parameters():
                 if name == "output_layer.weight" and self.arch.tied_embeddings:
                     continue  # the last stage's copy of the embedding
                 pm = param_map(name, _global_layer(model, name), self.arch.tied_embeddings)
                 local[pm.hf_names[0]] = (pm, param)
-        pp_group = ps.get_pipeline_model_parallel_group()
-        pp_ranks = dist.get_process_group_ranks(pp_group)
-        owned: list[list[str]] = [[] for _ in pp_ranks]
-        dist.all_gather_object(owned, sorted(local), group=pp_group)
-        owner = {key: pp_ranks[stage] for stage, keys in enumerate(owned) for key in keys}
+        owner = _owners(sorted(local), groups)
         device = next(iter(local.values()))[1].device
-        tp_group = ps.get_tensor_model_parallel_group()
-        tp_size = dist.get_world_size(tp_group)
+        tp_group, tp_size = groups.tp_group, groups.tp_size
         for key in shapes:
             if key not in owner:
                 continue  # k/v/up: produced together with the group's first name
@@ -271,8 +283,8 @@ class HFBridge:
                 tensors = [torch.empty(shapes[n], device=device) for n in names]
             for name, tensor in zip(names, tensors, strict=True):
                 out = tensor.to(dtype or self.reader.dtype(name)).contiguous()
-                if len(pp_ranks) > 1:
-                    dist.broadcast(out, src=owner[key], group=pp_group)
+                if groups.pp_size > 1:
+                    dist.broadcast(out, src=owner[key], group=groups.pp_group)
                 yield name, out.cpu()
                 if name == "model.embed_tokens.weight" and self._head_copy:
                     yield "lm_head.weight", out.cpu()
@@ -282,12 +294,15 @@ class HFBridge:
         chunks: Sequence[torch.nn.Module],
         out_dir: str | os.PathLike[str],
         *,
+        groups: ParallelGroups | None = None,
         dtype: torch.dtype | None = None,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> None:
-        """Collective: write an HF directory (global rank 0 writes): the source ``config.json``
-        (its ``dtype`` set to ``dtype`` when given), tokenizer and other non-weight files copied, weights as safetensors shards of at most
-        ``max_shard_bytes`` (plus ``model.safetensors.index.json`` when there are several).
+        """Collective over the world: write an HF directory (global rank 0 writes): the source
+        ``config.json`` (its ``dtype`` set to ``dtype`` when given), tokenizer and other
+        non-weight files copied, weights (:meth:`export_hf_weights` over ``groups``' layout;
+        ``None``: one rank) as safetensors shards of at most ``max_shard_bytes`` (plus
+        ``model.safetensors.index.json`` when there are several).
 
         Raises:
             FileExistsError: ``out_dir`` already holds weights.
@@ -306,7 +321,7 @@ class HFBridge:
             if dtype is not None:
                 config = {**self.hf_config, "dtype": str(dtype).removeprefix("torch.")}
                 (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name, tensor in self.export_hf_weights(chunks, dtype):
+        for name, tensor in self.export_hf_weights(chunks, groups, dtype):
             if writer is not None:
                 writer.add(name, tensor)
         if writer is not None:
@@ -369,6 +384,18 @@ def check_parallel_layout(arch: Architecture, config: TransformerConfig) -> None
                 f"`{field}` ({size}) must be divisible by the tensor-parallel size ({tp}): "
                 f"{_TP_REMEDY[field]}. Use a TP size that divides {size}."
             )
+
+
+def _owners(keys: list[str], groups: ParallelGroups) -> dict[str, int]:
+    """``HF name -> global rank of the pipeline stage holding it`` for every name of the
+    pipeline (one ``all_gather_object`` over ``groups``' PP group; PP = 1: this rank's
+    ``keys``, owned by this rank)."""
+    if groups.pp_size == 1:
+        return dict.fromkeys(keys, dist.get_rank() if dist.is_initialized() else 0)
+    pp_ranks = dist.get_process_group_ranks(groups.pp_group)
+    owned: list[list[str]] = [[] for _ in pp_ranks]
+    dist.all_gather_object(owned, keys, group=groups.pp_group)
+    return {key: pp_ranks[stage] for stage, names in enumerate(owned) for key in names}
 
 
 def _group_names(key: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:

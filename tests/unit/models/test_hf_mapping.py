@@ -4,6 +4,7 @@ the TP slice layouts, bad checkpoint directories and parallel layouts refused be
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from lightning_mcore_rl.models import HFBridge
 from lightning_mcore_rl.models.hf.config import parse_architecture
 from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
 from lightning_mcore_rl.models.hf.weights import merge_shards, param_map, read_shard
+from lightning_mcore_rl.train import ParallelGroups
 
 BASE = {
     "model_type": "llama",
@@ -228,6 +230,25 @@ def test_transformer_config_overrides_win(tmp_path):
     config = bridge.transformer_config(hidden_dropout=0.1, num_layers=1)
     assert (config.hidden_dropout, config.num_layers, config.kv_channels) == (0.1, 1, 16)
     assert config.num_query_groups == 2 and config.tensor_model_parallel_size == 1
+
+
+def test_the_layout_comes_from_groups_and_another_layout_is_refused(tmp_path):
+    """``transformer_config(groups)`` takes TP/CP from ``groups``; a chunk or config of another
+    layout than the ``groups`` given (here omitted: one rank) raises before any collective."""
+    bridge = HFBridge.from_pretrained(_tiny_llama_dir(tmp_path / "llama"))
+    tp2 = dataclasses.replace(ParallelGroups.single(), tp_size=2, cp_size=2)
+    config = bridge.transformer_config(tp2)
+    assert (config.tensor_model_parallel_size, config.context_parallel_size) == (2, 2)
+    assert config.pipeline_dtype == torch.float32
+    message = r"tensor_model_parallel_size=2 but `groups` has tp_size=1"
+    with pytest.raises(ValueError, match=message):
+        bridge.build_chunk(config)
+    chunk = torch.nn.Linear(2, 2)
+    chunk.config = config  # type: ignore[assignment]  # what a megatron chunk carries
+    with pytest.raises(ValueError, match=message):
+        bridge.load_weights(chunk)
+    with pytest.raises(ValueError, match=message):
+        next(iter(bridge.export_hf_weights([chunk])))
 
 
 def _saved_without(directory: Path, config: object, *keys: str) -> Path:

@@ -66,11 +66,18 @@ class RefitSource(CountingSource):
 
 
 class FakeBridge:
-    """Stands for an ``HFBridge``'s export (the real one gathers over TP/PP)."""
+    """Stands for an ``HFBridge``'s export (the real one gathers over TP/PP); records the groups
+    and dtype of each export."""
 
     directory = "unused"
 
-    def export_hf_weights(self, chunks: Any, dtype: torch.dtype) -> Iterable[tuple[str, Tensor]]:
+    def __init__(self) -> None:
+        self.exports: list[tuple[ParallelGroups, torch.dtype]] = []
+
+    def export_hf_weights(
+        self, chunks: Any, groups: ParallelGroups, dtype: torch.dtype
+    ) -> Iterable[tuple[str, Tensor]]:
+        self.exports.append((groups, dtype))
         return iter([("weight", torch.zeros(1)), ("bias", torch.zeros(1))])
 
 
@@ -103,7 +110,8 @@ def test_an_instance_is_used_as_is_and_a_factory_gets_the_setup_once() -> None:
 
 
 def test_a_refit_source_is_refit_once_per_step_or_once_when_frozen() -> None:
-    setup = RolloutSetup([CHUNK], GROUPS, FakeBridge())  # type: ignore[arg-type]
+    bridge = FakeBridge()
+    setup = RolloutSetup([CHUNK], GROUPS, bridge)  # type: ignore[arg-type]
     policy, teacher = RefitSource(), RefitSource()
     stepping, frozen = PolicyRollout(policy), PolicyRollout(teacher, frozen=True)
     for step in (0, 0, 1, 2, 2):
@@ -111,6 +119,7 @@ def test_a_refit_source_is_refit_once_per_step_or_once_when_frozen() -> None:
         _sample(frozen, setup, step)
     assert policy.refits == [["weight", "bias"]] * 3  # steps 0, 1, 2
     assert teacher.refits == [["weight", "bias"]]
+    assert bridge.exports == [(GROUPS, torch.float32)] * 4  # the setup's groups, every refit
 
 
 def test_misused_choices_raise_before_sampling() -> None:
