@@ -30,14 +30,16 @@ def _status_mib(field: str) -> float:
 
 def _load_rank(rank: int, directory: str, tp: int) -> dict[str, float]:
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(tensor_model_parallel_size=tp)
+    groups = megatron_groups()
     bridge = HFBridge.from_pretrained(directory)
-    config = bridge.transformer_config()
+    config = bridge.transformer_config(groups)
     baseline = _status_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    chunk = bridge.build_chunk(config)
+    chunk = bridge.build_chunk(config, groups=groups)
     peak = _status_mib("VmHWM")
     param_mib = sum(p.numel() * p.element_size() for p in chunk.parameters()) / 2**20
     return {"baseline": baseline, "peak": peak, "increment": peak - baseline, "params": param_mib}

@@ -241,7 +241,8 @@ def _bridge_module(
         def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
             bridge = HFBridge.from_pretrained(args.hf_dir)
             fields = {**bridge.config_fields(), **(MEGATRON_RECOMPUTE if recompute else {})}
-            return bridge.build_chunk(self.transformer_config(**fields), vp_stage)
+            config = self.transformer_config(**fields)
+            return bridge.build_chunk(config, vp_stage, groups=self.parallel_groups)
 
         def configure_optimizers(self) -> Any:
             from megatron.core.optimizer import OptimizerConfig

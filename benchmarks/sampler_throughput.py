@@ -56,19 +56,20 @@ def _sampler_rank(rank: int, layout: str, directory: str, prompts: torch.Tensor,
                   repeats: int) -> dict[bool, tuple[float, Any]]:  # fmt: skip
     """``{kv_cache: (best seconds, GenerationOutput)}`` of the embedded sampler on the HF Llama at
     ``layout`` on this rank (tokens and logprobs ``[B, P+N]``), without and with the KV cache."""
-    from megatron.core import parallel_state as ps
-
     from lightning_mcore_rl.models import HFBridge
     from lightning_mcore_rl.rollout import generate
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     tp, pp = LAYOUTS[layout]
     init_megatron_state(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    layout_groups = megatron_groups()
     bridge = HFBridge.from_pretrained(directory)
-    chunk = bridge.build_chunk(bridge.transformer_config()).eval()
+    config = bridge.transformer_config(layout_groups)
+    chunk = bridge.build_chunk(config, groups=layout_groups).eval()
     groups: dict[str, Any] = {
-        "tp_group": ps.get_tensor_model_parallel_group() if tp > 1 else None,
-        "pp_group": ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+        "tp_group": layout_groups.tp_group if tp > 1 else None,
+        "pp_group": layout_groups.pp_group if pp > 1 else None,
     }
 
     def sampler(kv_cache: bool) -> Callable[[], Any]:

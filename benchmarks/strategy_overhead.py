@@ -108,8 +108,8 @@ class _Module(MCoreRLModule):
         self.run = run
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        config = tiny_gpt_config(**self.run.model)
-        return tiny_gpt(config, vocab_size=VOCAB, vp_stage=vp_stage,
+        config = tiny_gpt_config(self.parallel_groups, **self.run.model)
+        return tiny_gpt(config, groups=self.parallel_groups, vocab_size=VOCAB, vp_stage=vp_stage,
                         max_sequence_length=self.run.seq_length)  # fmt: skip
 
     def configure_optimizers(self) -> Any:

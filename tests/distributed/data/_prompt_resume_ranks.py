@@ -73,7 +73,9 @@ class PromptLM(MCoreRLModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 
-        return tiny_gpt(tiny_gpt_config(), vocab_size=len(WORDS), seed=0, vp_stage=vp_stage)
+        groups = self.parallel_groups
+        return tiny_gpt(tiny_gpt_config(groups), groups=groups, vocab_size=len(WORDS), seed=0,
+                        vp_stage=vp_stage)  # fmt: skip
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

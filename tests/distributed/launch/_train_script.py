@@ -54,7 +54,10 @@ class TokenRows(Dataset):
 
 class TinyGPT(MCoreRLModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        return tiny_gpt(tiny_gpt_config(num_layers=2), vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        config = tiny_gpt_config(self.parallel_groups, num_layers=2)
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

@@ -42,7 +42,7 @@ class HFModule(MCoreRLModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         bridge = HFBridge.from_pretrained(self.hf_dir)
         config = self.transformer_config(**bridge.config_fields())
-        return bridge.build_chunk(config, vp_stage)
+        return bridge.build_chunk(config, vp_stage, groups=self.parallel_groups)
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

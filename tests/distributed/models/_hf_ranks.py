@@ -133,7 +133,7 @@ def _pipeline_forward(chunks: list[torch.nn.Module], tokens: torch.Tensor, **kw:
 
 
 @torch.no_grad()
-def _logits_and_exports(bridge: Any, chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def _logits_and_exports(bridge: Any, chunks: list[torch.nn.Module], groups: Any) -> dict[str, Any]:
     from lightning_mcore_rl.data import pack_sequences, packed_position_ids, unpack_sequences
 
     ids = input_ids()
@@ -150,7 +150,7 @@ def _logits_and_exports(bridge: Any, chunks: list[torch.nn.Module]) -> dict[str,
     rows = None
     if packed_out is not None:
         rows = unpack_sequences(packed_out, packed.cu_seqlens, packed.cu_seqlens_padded, SEQ)
-    exported = dict(bridge.export_hf_weights(chunks))
+    exported = dict(bridge.export_hf_weights(chunks, groups))
     return {"padded": padded, "packed": rows, "exported": exported}
 
 
@@ -162,6 +162,7 @@ def layout_ranks(
     from megatron.core import parallel_state as ps
 
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(
@@ -169,15 +170,17 @@ def layout_ranks(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
     )
+    groups = megatron_groups()
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     results: dict[str, Any] = {}
     for name, directory in dirs.items():
         bridge = HFBridge.from_pretrained(directory)
-        config = bridge.transformer_config()
+        config = bridge.transformer_config(groups)
         stages = [None] if vpp is None else list(range(vpp))
-        chunks = [bridge.build_chunk(config, vp_stage=s).eval() for s in stages]
-        out = _logits_and_exports(bridge, chunks)
-        bridge.save_pretrained(chunks, Path(out_root) / name, max_shard_bytes=40_000)
+        chunks = [bridge.build_chunk(config, vp_stage=s, groups=groups).eval() for s in stages]
+        out = _logits_and_exports(bridge, chunks, groups)
+        out_dir = Path(out_root) / name
+        bridge.save_pretrained(chunks, out_dir, groups=groups, max_shard_bytes=40_000)
         results[name] = {
             "padded": out["padded"] if reporter else None,
             "packed": out["packed"] if reporter else None,
@@ -211,12 +214,14 @@ def megatron_norm(chunks: list[torch.nn.Module]) -> float:
 def vocab_error_ranks(rank: int, directory: str) -> str:
     """TP=2 import of a model whose vocab is odd: the error message."""
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(tensor_model_parallel_size=2)
+    groups = megatron_groups()
     bridge = HFBridge.from_pretrained(directory)
     try:
-        bridge.build_chunk(bridge.transformer_config())
+        bridge.build_chunk(bridge.transformer_config(groups), groups=groups)
     except ValueError as err:
         return str(err)
     return "no error"
@@ -227,15 +232,16 @@ def cp_window_ranks(rank: int, dirs: dict[str, str]) -> dict[str, torch.Tensor]:
     """CP=2 import of each model; packed ``PACKED_LENGTHS`` input (spans padded to 2*CP) run on
     each rank's zigzag shard, gathered over CP and unpacked to ``[2, SEQ, V]`` logits."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from lightning_mcore_rl.data import pack_sequences, packed_position_ids, unpack_sequences
     from lightning_mcore_rl.data.packing import restore_packed_from_cp_shards
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(context_parallel_size=2)
-    cp_rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    groups = megatron_groups()
+    cp_rank, group = groups.cp_rank, groups.cp_group
     packed = pack_sequences(
         input_ids(), torch.tensor(PACKED_LENGTHS), pad_individual=4, cp_rank=cp_rank, cp_size=2
     )
@@ -243,7 +249,7 @@ def cp_window_ranks(rank: int, dirs: dict[str, str]) -> dict[str, torch.Tensor]:
     results = {}
     for name, directory in dirs.items():
         bridge = HFBridge.from_pretrained(directory)
-        chunk = bridge.build_chunk(bridge.transformer_config()).eval()
+        chunk = bridge.build_chunk(bridge.transformer_config(groups), groups=groups).eval()
         local = chunk(
             packed.packed_local, positions, None, packed_seq_params=packed.packed_seq_params
         ).contiguous()  # [1, T/CP, V]

@@ -70,8 +70,10 @@ class GRPO(MCoreRLModule):
         self.fail_rank = fail_rank
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        config = tiny_gpt_config(calculate_per_token_loss=True)
-        return tiny_gpt(config, vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        config = tiny_gpt_config(self.parallel_groups, calculate_per_token_loss=True)
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig
@@ -226,7 +228,9 @@ class LMRows(Dataset):
 
 class TinyLM(MCoreRLModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        return tiny_gpt(tiny_gpt_config(), vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        groups = self.parallel_groups
+        return tiny_gpt(tiny_gpt_config(groups), groups=groups, vocab_size=VOCAB, seed=0,
+                        vp_stage=vp_stage)  # fmt: skip
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

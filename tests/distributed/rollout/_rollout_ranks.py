@@ -24,7 +24,8 @@ from lightning_mcore_rl.rollout import (
     generate,
     mismatch_extrema,
 )
-from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
 
 PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(0))
 SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.7, seed=7)
@@ -68,8 +69,9 @@ def _cached(model: torch.nn.Module, tp_group: Any, kv_cache: bool = True) -> Any
 def pipelined(rank: int, pp: int) -> dict[str, Any]:
     """The embedded sampler on the tiny GPT at PP=``pp``, without and with the KV cache."""
     init_megatron_state(pipeline_model_parallel_size=pp)
-    model = tiny_gpt(tiny_gpt_config(pipeline_model_parallel_size=pp))
-    pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+    groups = megatron_groups()
+    model = tiny_gpt(groups=groups)
+    pp_group = groups.pp_group if pp > 1 else None
     return {
         cache: generate(
             model,
@@ -88,8 +90,9 @@ def sources(rank: int, hf_dir: str) -> dict[str, Any]:
     """TP=2: the embedded source vs ``generate``; the HF source before/after a refit vs the
     megatron chunk; the errors."""
     init_megatron_state(tensor_model_parallel_size=2)
-    tp_group = ps.get_tensor_model_parallel_group()
-    model = tiny_gpt()
+    groups = megatron_groups()
+    tp_group = groups.tp_group
+    model = tiny_gpt(groups=groups)
     embedded = MegatronRolloutSource(model, tp_group)
     direct = generate(
         model,
@@ -103,15 +106,15 @@ def sources(rank: int, hf_dir: str) -> dict[str, Any]:
     cached = {"tiny_gpt": (direct, _cached(model, tp_group))}
 
     bridge = HFBridge.from_pretrained(hf_dir)
-    chunk = bridge.build_chunk(bridge.transformer_config())
+    chunk = bridge.build_chunk(bridge.transformer_config(groups), groups=groups)
     cached["llama"] = (_cached(chunk, tp_group, kv_cache=False), _cached(chunk, tp_group))
-    hf = HFRolloutSource(hf_dir, ps.get_model_parallel_group())
+    hf = HFRolloutSource(hf_dir, groups.mp_group)
     initial = hf.generate(PROMPTS, SAMPLING)
     initial_ref = _megatron_logprobs(chunk, initial.tokens, SAMPLING.temperature)
     _perturb(chunk, seed=11)
     stale = hf.generate(PROMPTS, SAMPLING)
     stale_ref = _megatron_logprobs(chunk, stale.tokens, SAMPLING.temperature)
-    hf.update_weights(bridge.export_hf_weights([chunk]))
+    hf.update_weights(bridge.export_hf_weights([chunk], groups))
     refit = hf.generate(PROMPTS, SAMPLING)
     refit_ref = _megatron_logprobs(chunk, refit.tokens, SAMPLING.temperature)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core import parallel_state as ps
 
 from lightning_mcore_rl.rollout import generate
+from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state, run_on_ranks, tiny_gpt, tiny_gpt_config
 
 PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(0))
@@ -14,14 +14,15 @@ PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(
 
 def _sample(rank: int, tp: int) -> dict[str, torch.Tensor]:
     init_megatron_state(tensor_model_parallel_size=tp)
-    model = tiny_gpt()
+    groups = megatron_groups()
+    model = tiny_gpt(groups=groups)
     out = generate(
         model,
         PROMPTS,
         max_new_tokens=6,
         generator=torch.Generator().manual_seed(7),
         temperature=0.7,
-        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_group=groups.tp_group,
     )
     # independent reference on the final sequence, only meaningful at TP=1 (full-vocab logits)
     with torch.no_grad():

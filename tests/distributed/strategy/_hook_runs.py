@@ -105,11 +105,14 @@ class ProbeModule(MCoreRLModule):
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         config = tiny_gpt_config(
+            self.parallel_groups,
             calculate_per_token_loss=True,
             hidden_dropout=self.dropout,
             attention_dropout=self.dropout,
         )
-        return tiny_gpt(config, vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

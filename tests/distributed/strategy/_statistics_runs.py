@@ -36,8 +36,10 @@ class PGModule(MCoreRLModule):
         super().__init__(loss_fn=ClippedPGLossFn(PG_CFG))
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        config = tiny_gpt_config(calculate_per_token_loss=True)
-        return tiny_gpt(config, vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        config = tiny_gpt_config(self.parallel_groups, calculate_per_token_loss=True)
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

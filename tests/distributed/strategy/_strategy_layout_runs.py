@@ -73,7 +73,8 @@ class LocalSpecModule(PackedGRPOModule):
 
         from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 
-        config = tiny_gpt_config(calculate_per_token_loss=True)
+        groups = self.parallel_groups
+        config = tiny_gpt_config(groups, calculate_per_token_loss=True)
         spec = get_gpt_layer_local_spec()
-        return tiny_gpt(config, vocab_size=128, seed=0, vp_stage=vp_stage,
+        return tiny_gpt(config, groups=groups, vocab_size=128, seed=0, vp_stage=vp_stage,
                         transformer_layer_spec=spec)  # fmt: skip

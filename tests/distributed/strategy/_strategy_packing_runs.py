@@ -37,12 +37,14 @@ class PackedGRPOModule(MCoreRLModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         strategy = self.mcore_strategy
         config = tiny_gpt_config(
+            self.parallel_groups,
             calculate_per_token_loss=True,
             sequence_parallel=strategy.parallel.sequence_parallel,
             bf16=strategy.precision_plugin.bf16,
         )
         chunk = tiny_gpt(
             config,
+            groups=self.parallel_groups,
             vocab_size=VOCAB,
             seed=0,
             vp_stage=vp_stage,

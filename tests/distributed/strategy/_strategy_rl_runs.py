@@ -64,8 +64,12 @@ class GRPOModule(MCoreRLModule):
         self.microbatch_losses: list[tuple[float, ...]] = []
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        config = tiny_gpt_config(num_layers=self.num_layers, calculate_per_token_loss=True)
-        return tiny_gpt(config, vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        config = tiny_gpt_config(
+            self.parallel_groups, num_layers=self.num_layers, calculate_per_token_loss=True
+        )
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

@@ -57,11 +57,14 @@ class TinyGPTModule(MCoreRLModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         strategy = self.mcore_strategy
         config = tiny_gpt_config(
+            self.parallel_groups,
             num_layers=self.hparams.num_layers,
             bf16=strategy.precision_plugin.bf16,
             sequence_parallel=strategy.parallel.sequence_parallel,
         )
-        return tiny_gpt(config, vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig

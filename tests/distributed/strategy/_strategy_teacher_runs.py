@@ -92,13 +92,19 @@ class TeacherModule(MCoreRLModule):
     def _config(self) -> Any:
         strategy = self.mcore_strategy
         sp, bf16 = strategy.parallel.sequence_parallel, strategy.precision_plugin.bf16
-        return tiny_gpt_config(calculate_per_token_loss=True, sequence_parallel=sp, bf16=bf16)
+        return tiny_gpt_config(
+            self.parallel_groups, calculate_per_token_loss=True, sequence_parallel=sp, bf16=bf16
+        )
+
+    def _chunk(self, seed: int, vp_stage: int | None) -> torch.nn.Module:
+        return tiny_gpt(self._config(), groups=self.parallel_groups, vocab_size=VOCAB, seed=seed,
+                        vp_stage=vp_stage)  # fmt: skip
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        return tiny_gpt(self._config(), vocab_size=VOCAB, seed=0, vp_stage=vp_stage)
+        return self._chunk(0, vp_stage)
 
     def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module | None:
-        return tiny_gpt(self._config(), vocab_size=VOCAB, seed=self.teacher_seed, vp_stage=vp_stage)
+        return self._chunk(self.teacher_seed, vp_stage)
 
     def configure_optimizers(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig
@@ -260,11 +266,16 @@ class LoadedTeacher(MCoreRLModule):
         self.prefix = prefix
         self.loaded: list[Tensor] = []
 
+    def _chunk(self, seed: int, vp_stage: int | None) -> torch.nn.Module:
+        groups = self.parallel_groups
+        return tiny_gpt(tiny_gpt_config(groups), groups=groups, vocab_size=VOCAB, seed=seed,
+                        vp_stage=vp_stage)  # fmt: skip
+
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        return tiny_gpt(tiny_gpt_config(), vocab_size=VOCAB, seed=3, vp_stage=vp_stage)
+        return self._chunk(3, vp_stage)
 
     def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module | None:
-        chunk = tiny_gpt(tiny_gpt_config(), vocab_size=VOCAB, seed=2, vp_stage=vp_stage)
+        chunk = self._chunk(2, vp_stage)
         load_dist_checkpoint(chunk, self.path, prefix=self.prefix)
         return chunk
 

@@ -6,6 +6,7 @@ import torch
 from megatron.core import num_microbatches_calculator, parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
 
+from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state, tiny_gpt
 
 
@@ -13,7 +14,7 @@ def _init_destroy_reinit(rank: int) -> dict[str, object]:
     init_megatron_state(tensor_model_parallel_size=2, seed=5)
     num_microbatches_calculator.init_num_microbatches_calculator(rank, None, 4, 1, 2)
     parallel_state.get_global_memory_buffer()
-    first = tiny_gpt().output_layer.weight.detach().clone()
+    first = tiny_gpt(groups=megatron_groups()).output_layer.weight.detach().clone()
     destroy_megatron_state()
     cleaned = {
         "initialized": parallel_state.model_parallel_is_initialized(),
@@ -24,7 +25,7 @@ def _init_destroy_reinit(rank: int) -> dict[str, object]:
     init_megatron_state(
         tensor_model_parallel_size=1, seed=5
     )  # a different layout in the same process
-    second = tiny_gpt().output_layer.weight.detach()
+    second = tiny_gpt(groups=megatron_groups()).output_layer.weight.detach()
     return {
         **cleaned,
         "tp_after": parallel_state.get_tensor_model_parallel_world_size(),

@@ -96,8 +96,9 @@ def build_setup(seed: int = 0) -> TrainingSetup:
         finalize_model_grads,
     )
 
-    config = tiny_gpt_config(calculate_per_token_loss=True)
-    model = tiny_gpt(config, vocab_size=V, seed=seed, transformer_layer_spec=spec())
+    groups = megatron_groups()
+    config = tiny_gpt_config(groups, calculate_per_token_loss=True)
+    model = tiny_gpt(config, groups=groups, vocab_size=V, seed=seed, transformer_layer_spec=spec())
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
     )
