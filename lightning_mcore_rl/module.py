@@ -116,9 +116,10 @@ class MCoreRLModule(LightningModule):
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         """Build this rank's megatron model chunk for virtual pipeline stage ``vp_stage``.
 
-        Megatron's parallel state is initialised; build stage-aware (``pre_process`` =
-        ``is_pipeline_first_stage(vp_stage=...)``, ``post_process`` likewise) with a config
-        from :meth:`transformer_config`.
+        Build stage-aware with this rank's layout, :attr:`parallel_groups` (``pre_process`` =
+        ``parallel_groups.is_first_stage(vp_stage)``, ``post_process`` likewise; the model
+        builders take ``groups=self.parallel_groups``), with a config from
+        :meth:`transformer_config`.
         """
         raise NotImplementedError(
             f"{type(self).__name__} must implement `build_chunk(vp_stage)` returning a megatron "

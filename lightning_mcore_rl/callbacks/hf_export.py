@@ -83,4 +83,6 @@ class HFExport(Callback):
 
         assert isinstance(pl_module, MCoreRLModule)  # RecipeModel modules are MCoreRLModules
         chunks = pl_module.mcore_strategy.model_chunks
-        self.bridge(pl_module).save_pretrained(chunks, self.out_dir, dtype=self.dtype)
+        self.bridge(pl_module).save_pretrained(
+            chunks, self.out_dir, groups=pl_module.parallel_groups, dtype=self.dtype
+        )

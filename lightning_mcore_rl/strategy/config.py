@@ -204,17 +204,6 @@ class MicrobatchConfig:
     sequence_packing: bool = False
 
     def __post_init__(self) -> None:
-        size = self.micro_batch_size
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(
-                f"`MicrobatchConfig.micro_batch_size` must be an int, got {type(size).__name__}."
-            )
-        budget = self.max_tokens_per_microbatch
-        if isinstance(budget, bool) or not isinstance(budget, (int, type(None))):
-            raise TypeError(
-                "`MicrobatchConfig.max_tokens_per_microbatch` must be an int or None, got "
-                f"{type(budget).__name__}."
-            )
         if not isinstance(self.sequence_packing, bool):
             raise TypeError(
                 "`MicrobatchConfig.sequence_packing` must be a bool, got "
