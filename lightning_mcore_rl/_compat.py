@@ -18,10 +18,13 @@ from typing import Any
 
 import torch
 
+ABSENT = object()
+"""The :attr:`Patch.original` of an attribute ``owner`` did not have (removed again on exit)."""
+
 
 @dataclasses.dataclass
 class Patch:
-    """Replace ``owner.name`` with ``replacement`` while installed."""
+    """Replace (or add) ``owner.name`` with ``replacement`` while installed."""
 
     owner: Any
     name: str
@@ -51,7 +54,7 @@ class ScopedPatches:
                 return False
             self.patches = self.make_patches()
             for patch in self.patches:
-                patch.original = patch.owner.__dict__[patch.name]
+                patch.original = patch.owner.__dict__.get(patch.name, ABSENT)
                 setattr(patch.owner, patch.name, patch.replacement)
             return True
 
@@ -64,7 +67,10 @@ class ScopedPatches:
             if self.depth > 0:
                 return False
             for patch in reversed(self.patches):
-                setattr(patch.owner, patch.name, patch.original)
+                if patch.original is ABSENT:
+                    delattr(patch.owner, patch.name)
+                else:
+                    setattr(patch.owner, patch.name, patch.original)
             self.patches = []
             return True
 
@@ -123,9 +129,10 @@ def _wrap_torch_norm_new(original: Callable[..., Any]) -> Callable[..., Any]:
 def compat_patches() -> list[Patch]:
     """The no-TE/no-Apex patches, each with the megatron-core call site that needs it."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    return [
+    patches = [
         # `DistributedOptimizer.load_state_dict` paths for dp_/fully_reshardable checkpoints.
         Patch(
             DistributedOptimizer,
@@ -141,6 +148,12 @@ def compat_patches() -> list[Patch]:
             staticmethod(_wrap_torch_norm_new(WrappedTorchNorm.__dict__["__new__"].__func__)),
         ),
     ]
+    if "te_general_gemm" not in moe_utils.__dict__:
+        # `RouterGatingLinearFunction.forward/backward` (the MoE router's gating GEMM) test
+        # `te_general_gemm is not None`, a name bound only when TE imports: NameError without
+        # it. Bound to None, the router takes its `torch.mm` path.
+        patches.append(Patch(moe_utils, "te_general_gemm", None))
+    return patches
 
 
 _COMPAT = ScopedPatches(compat_patches)

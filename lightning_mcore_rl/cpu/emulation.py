@@ -113,6 +113,45 @@ def _no_op(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+class _CpuStream:
+    """The one "CUDA stream" of a CPU process (every construction returns it): work is
+    synchronous, so waiting is a no-op."""
+
+    _instance: _CpuStream | None = None
+
+    def __new__(cls, *_args: Any, **_kwargs: Any) -> _CpuStream:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def wait_stream(self, _other: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self) -> _CpuStream:
+        """An event that is already complete (it has the same ``synchronize``)."""
+        return self
+
+
+def _current_stream(*_args: Any, **_kwargs: Any) -> _CpuStream:
+    return _CpuStream()
+
+
+def _stream_context(_stream: Any) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for host tensors: the original converts only CUDA
+    tensors, so on CPU the all-to-all split sizes stayed tensors, which ``all_to_all_single``
+    rejects; here ``as_numpy`` applies to host tensors too, as it does to copied ones on GPU."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _local_results_queue() -> queue.Queue:
     """Replaces ``filesystem_async._get_write_results_queue``: for a *synchronous* save the queue
     only lives inside this process, while the original spawns a multiprocessing Manager (1.9 s per
@@ -124,6 +163,7 @@ def _cpu_patches() -> list[Patch]:
     """The CPU attribute patches, each with the megatron-core call site that needs it."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     patches = [
         # Device placement: `torch.cuda.current_device()` feeds `device=` in DDP param buffers,
@@ -140,6 +180,14 @@ def _cpu_patches() -> list[Patch]:
         # `CudaRNGStatesTracker.add/fork` and activation checkpointing use these two directly.
         Patch(mcore_random, "_get_cuda_rng_state", _get_cpu_rng_state),
         Patch(mcore_random, "_set_cuda_rng_state", _set_cpu_rng_state),
+        # `MoEAlltoAllTokenDispatcher.__init__` creates a device-to-host side stream and
+        # `_maybe_dtoh_and_synchronize` compares it with the current stream and enters it: one
+        # CPU stream object for both, so the splits move to the host on the calling thread.
+        Patch(torch.cuda, "Stream", _CpuStream),
+        Patch(torch.cuda, "current_stream", _current_stream),
+        Patch(torch.cuda, "stream", _stream_context),
+        # `_maybe_dtoh_and_synchronize`: the split sizes as host numbers (see _host_copy).
+        Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
         # `FileSystemWriterAsync.__init__` (sync `dist_checkpointing.save`): see _local_results_queue.
         Patch(filesystem_async, "_get_write_results_queue", _local_results_queue),
     ]

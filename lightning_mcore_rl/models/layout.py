@@ -16,6 +16,8 @@ _SIZES = (
     ("pipeline_model_parallel_size", "pp_size"),
     ("virtual_pipeline_model_parallel_size", "vpp_size"),
     ("context_parallel_size", "cp_size"),
+    ("expert_model_parallel_size", "ep_size"),
+    ("expert_tensor_parallel_size", "etp_size"),
 )
 
 
@@ -27,7 +29,7 @@ def layout_groups(groups: ParallelGroups | None) -> ParallelGroups:
 
 
 def parallel_config_fields(groups: ParallelGroups) -> dict[str, Any]:
-    """``TransformerConfig`` fields of ``groups``' layout: TP, PP, VPP and CP sizes and the
+    """``TransformerConfig`` fields of ``groups``' layout: TP, PP, VPP, CP, EP and ETP sizes and the
     pipeline p2p settings (:func:`~lightning_mcore_rl.megatron_defaults.pipeline_p2p_settings`)."""
     fields: dict[str, Any] = {field: getattr(groups, size) for field, size in _SIZES}
     return {**fields, **pipeline_p2p_settings(groups.vpp_size)}

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.train.groups import ParallelGroups
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def tiny_gpt_config(
@@ -51,8 +52,10 @@ def tiny_gpt_config(
         hidden_size: ``H``.
         num_attention_heads: heads; must be divisible by TP.
         bf16: bf16 params and pipeline dtype (use with ``Float16Module``).
-        sequence_parallel: megatron sequence parallelism (needs TP > 1).
-        **overrides: any other ``TransformerConfig`` field.
+        sequence_parallel: megatron sequence parallelism (needs TP > 1; megatron requires it
+            for MoE layers under TP > 1).
+        **overrides: any other ``TransformerConfig`` field, e.g. ``num_moe_experts=4,
+            moe_router_topk=2`` for MoE layers (experts split over ``groups``' EP ranks).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -102,7 +105,8 @@ def tiny_gpt(
         vp_stage: virtual-pipeline chunk index (``None`` without VPP).
         transformer_layer_spec: layer spec; default megatron's local (non-TE) GPT spec with the
             packed- and CP-capable core attention
-            (:func:`~lightning_mcore_rl.data.get_packed_local_layer_spec`).
+            (:func:`~lightning_mcore_rl.data.get_packed_local_layer_spec`), with
+            ``config.num_moe_experts`` experts per layer (``SequentialMLP``) when it is set.
         share_embeddings_and_output_weights: tie the output layer to the word embedding.
         position_embedding_type: ``"learned_absolute"`` or ``"rope"``.
 
@@ -122,9 +126,13 @@ def tiny_gpt(
     check_config_layout(config, groups)
     if vocab_size % groups.tp_size != 0:
         raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({groups.tp_size}).")
+    if transformer_layer_spec is None:
+        transformer_layer_spec = get_packed_local_layer_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False
+        )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec or get_packed_local_layer_spec(),
+        transformer_layer_spec=transformer_layer_spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=groups.is_first_stage(vp_stage),
@@ -137,9 +145,10 @@ def tiny_gpt(
     return model
 
 
-def canonical_name(model: torch.nn.Module, name: str) -> str:
-    """Name of parameter ``name`` of ``model`` in the single-rank, single-chunk model
-    (local decoder layer index -> global layer index)."""
+def canonical_name(model: torch.nn.Module, name: str, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """Name of parameter ``name`` of ``model`` in the single-rank, single-chunk model (local
+    decoder layer index -> global layer index; local expert ``k`` of EP rank ``ep_rank`` ->
+    global expert ``ep_rank * E/EP + k``)."""
     if name == "output_layer.weight" and getattr(
         model, "share_embeddings_and_output_weights", False
     ):
@@ -149,7 +158,22 @@ def canonical_name(model: torch.nn.Module, name: str) -> str:
         return name
     gpt: GPTModel = model  # names of the form decoder.layers.N.* come from a GPTModel
     layer = gpt.decoder.layers[int(match.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
+    name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
+    expert = _LOCAL_EXPERT.search(name)
+    if expert is None:
+        return name
+    local_experts = cast(Any, gpt.config).num_moe_experts // ep_size
+    global_index = ep_rank * local_experts + int(expert.group(1))
+    return (
+        f"{name[: expert.start()]}.mlp.experts.local_experts.{global_index}.{name[expert.end() :]}"
+    )
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a routed MoE expert (``SequentialMLP``), which is
+    sharded over the expert TP group, not the TP group. (megatron's ``allreduce=False`` tag is
+    set only under EP > 1, so the name decides; shared experts are dense layers.)"""
+    return ".mlp.experts." in name
 
 
 def full_parameter_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -192,7 +216,8 @@ def load_deterministic_weights(
     model: torch.nn.Module, seed: int, groups: ParallelGroups | None = None
 ) -> None:
     """Overwrite every parameter of ``model`` (this rank's chunk under ``groups``' layout;
-    ``None``: one rank) with its layout-independent deterministic value.
+    ``None``: one rank) with its layout-independent deterministic value (experts: their global
+    index's value, sharded over the expert TP group).
 
     Raises:
         ValueError: ``model``'s megatron config has other TP/PP/VPP/CP sizes than ``groups``.
@@ -202,7 +227,10 @@ def load_deterministic_weights(
     if config is not None:
         check_config_layout(config, groups)
     for name, param in model.named_parameters():
-        shape = full_shape(param, groups.tp_size)
-        full = full_parameter_value(canonical_name(model, name), shape, seed)
-        shard = tensor_parallel_shard(full, param, groups.tp_rank, groups.tp_size)
-        param.copy_(shard.to(param.dtype))
+        expert = is_expert_parameter(name)
+        tp_rank, tp_size = (
+            (groups.etp_rank, groups.etp_size) if expert else (groups.tp_rank, groups.tp_size)
+        )
+        canonical = canonical_name(model, name, groups.ep_rank, groups.ep_size)
+        full = full_parameter_value(canonical, full_shape(param, tp_size), seed)
+        param.copy_(tensor_parallel_shard(full, param, tp_rank, tp_size).to(param.dtype))

@@ -283,6 +283,16 @@ class ParallelSizes:
                 f"`context_parallel_size={self.cp}` needs `sequence_packing=True` "
                 "(context parallelism shards packed THD sequences)."
             )
+        if self.ep == 1 and self.expert_tp != self.tp:
+            # megatron-core 0.16 reduces expert gradients over the expert data-parallel group
+            # only for EP > 1; at EP=1 they take the dense DP group, which misses the ranks
+            # the expert TP split adds (measured: expert grads 5.6e-3 off at TP=2, ETP=1).
+            raise ValueError(
+                f"`expert_tensor_parallel_size={self.etp}` differs from "
+                f"`tensor_model_parallel_size={self.tp}`, which needs "
+                "`expert_model_parallel_size` > 1, got 1; leave `expert_tensor_parallel_size` "
+                "unset or raise the expert-parallel size."
+            )
 
     @property
     def expert_tp(self) -> int:

@@ -51,8 +51,8 @@ def init_model_parallel(
             groups.pp_size,
             groups.vpp_size,
             groups.cp_size,
-            ps.get_expert_model_parallel_world_size(),
-            ps.get_expert_tensor_parallel_world_size(),
+            groups.ep_size,
+            groups.etp_size,
         )
         wanted = (p.tp, p.pp, p.vpp, p.cp, p.ep, p.expert_tp)
         if existing != wanted:
@@ -101,6 +101,12 @@ def megatron_groups() -> ParallelGroups:
         cp_size=ps.get_context_parallel_world_size(),
         vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         mp_group=ps.get_model_parallel_group(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
 
 

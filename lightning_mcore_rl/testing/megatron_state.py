@@ -11,10 +11,13 @@ def init_megatron_state(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     seed: int = 1234,
 ) -> None:
     """Build megatron's parallel groups over the already-initialised default process group and
     seed its RNG tracker (``model_parallel_cuda_manual_seed``), as Megatron-LM's ``initialize`` does.
+    ``expert_tensor_parallel_size=None`` is megatron's default (the TP size).
 
     Must run inside :func:`~lightning_mcore_rl.testing.cpu_emulation` on CPU (the RNG tracker
     reads CUDA RNG state).
@@ -28,6 +31,8 @@ def init_megatron_state(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

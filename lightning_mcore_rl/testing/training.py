@@ -174,25 +174,37 @@ def train_step(
 
 
 def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch.Tensor]:
-    """This pipeline stage's parameters (or their ``main_grad``) with TP shards all-gathered,
-    keyed by canonical (single-rank) name, as fp32 CPU tensors."""
+    """This pipeline stage's parameters (or their ``main_grad``) with TP shards all-gathered
+    (expert weights over the expert TP group, then every EP rank's experts), keyed by canonical
+    (single-rank) name, as fp32 CPU tensors."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
+    from lightning_mcore_rl.models.tiny_gpt import is_expert_parameter
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
+
+    groups = megatron_groups()
     result: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}
     for chunk in setup.chunks:
         gpt = _unwrap(chunk)
         for name, param in gpt.named_parameters():
             # main_grad: megatron DDP's gradient buffer view, set on the parameter
             value = (cast(Any, param).main_grad if grads else param).detach().float().clone()
-            if getattr(param, "tensor_model_parallel", False) and tp > 1:
-                parts = [torch.empty_like(value) for _ in range(tp)]
+            expert = is_expert_parameter(name)
+            group, size = (
+                (groups.etp_group, groups.etp_size) if expert else (groups.tp_group, groups.tp_size)
+            )
+            if getattr(param, "tensor_model_parallel", False) and size > 1:
+                parts = [torch.empty_like(value) for _ in range(size)]
                 dist.all_gather(parts, value, group=group)
                 value = torch.cat(parts, dim=cast(Any, param).partition_dim)
-            result[canonical_name(gpt, name)] = value
-    return result
+            canonical = canonical_name(gpt, name, groups.ep_rank, groups.ep_size)
+            (experts if expert else result)[canonical] = value
+    if groups.ep_size > 1:
+        every_rank: list[Any] = [None] * groups.ep_size
+        dist.all_gather_object(every_rank, experts, group=groups.ep_group)
+        experts = {key: value for part in every_rank for key, value in part.items()}
+    return {**result, **experts}
 
 
 def model_sharded_state_dict(setup: TrainingSetup) -> dict[str, Any]:

@@ -35,6 +35,12 @@ class ParallelGroups:
         vpp_size: model chunks per pipeline rank (``None`` without virtual pipelining).
         mp_group: the model-parallel group (TP x PP) of this rank's replica (``None``: not
             given; the strategy's groups always carry it).
+        ep_group: expert-parallel group (``ep_rank``/``ep_size``): the ranks whose experts
+            together make each MoE layer's ``E`` experts; rank ``ep_rank`` holds experts
+            ``[ep_rank * E/EP, (ep_rank + 1) * E/EP)``.
+        etp_group: expert tensor-parallel group (``etp_rank``/``etp_size``): the ranks that
+            shard one expert's weights. Defaults: EP = 1, and ``etp_size=-1`` makes the expert
+            TP group the TP group (megatron's default).
     """
 
     tp_group: Any
@@ -52,6 +58,18 @@ class ParallelGroups:
     cp_size: int
     vpp_size: int | None = None
     mp_group: Any = None
+    ep_group: Any = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_group: Any = None
+    etp_rank: int = -1
+    etp_size: int = -1
+
+    def __post_init__(self) -> None:
+        if self.etp_size == -1:  # megatron's default: experts sharded like the dense layers
+            object.__setattr__(self, "etp_group", self.tp_group)
+            object.__setattr__(self, "etp_rank", self.tp_rank)
+            object.__setattr__(self, "etp_size", self.tp_size)
 
     @classmethod
     def single(cls) -> ParallelGroups:

@@ -24,12 +24,23 @@ def _stage(rank: int, vpp: int | None) -> ParallelGroups:
 def test_single_is_one_rank_without_parallelism() -> None:
     fields = dataclasses.asdict(SINGLE)
     assert {k: v for k, v in fields.items() if k.endswith("_rank")} == dict.fromkeys(
-        ("tp_rank", "pp_rank", "pp_last_rank", "dp_rank", "cp_rank"), 0
+        ("tp_rank", "pp_rank", "pp_last_rank", "dp_rank", "cp_rank", "ep_rank", "etp_rank"), 0
     )
     assert {k: v for k, v in fields.items() if k.endswith("_size")} == {
         "tp_size": 1, "pp_size": 1, "dp_size": 1, "cp_size": 1, "vpp_size": None,
+        "ep_size": 1, "etp_size": 1,
     }  # fmt: skip
-    assert [v for k, v in fields.items() if k.endswith("_group")] == [None] * 5
+    assert [v for k, v in fields.items() if k.endswith("_group")] == [None] * 7
+
+
+def test_expert_tp_defaults_to_the_tp_group() -> None:
+    groups = ParallelGroups(
+        tp_group="tp", tp_rank=1, tp_size=2, pp_group=None, pp_rank=0, pp_size=1,
+        pp_last_rank=0, dp_group=None, dp_rank=0, dp_size=1, cp_group=None, cp_rank=0,
+        cp_size=1,
+    )  # fmt: skip
+    assert (groups.etp_group, groups.etp_rank, groups.etp_size) == ("tp", 1, 2)
+    assert (groups.ep_group, groups.ep_rank, groups.ep_size) == (None, 0, 1)
     assert SINGLE.is_first_stage(None) and SINGLE.is_last_stage(None)
     assert SINGLE.is_pipeline_last_stage
 

@@ -40,6 +40,11 @@ from lightning_mcore_rl.train import Microbatching, split_lm_batch
         ({"micro_batch_size": 0}, "`micro_batch_size` must be a positive int"),
         ({"expert_model_parallel_size": 0}, "`expert_model_parallel_size` must be a positive"),
         ({"expert_tensor_parallel_size": -2}, "`expert_tensor_parallel_size` must be a positive"),
+        (
+            {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+            r"`expert_tensor_parallel_size=1` differs from `tensor_model_parallel_size=2`, which "
+            r"needs `expert_model_parallel_size` > 1, got 1",
+        ),
     ],
 )
 def test_bad_parallel_settings_raise(kwargs, match):

@@ -7,11 +7,14 @@ import queue
 import pytest
 import torch
 
+from lightning_mcore_rl._compat import ABSENT
 from lightning_mcore_rl.testing import cpu_emulation, patched_attributes
 
 
 def _originals() -> dict[tuple[int, str], object]:
-    return {(id(owner), name): owner.__dict__[name] for owner, name in patched_attributes()}
+    return {
+        (id(owner), name): owner.__dict__.get(name, ABSENT) for owner, name in patched_attributes()
+    }
 
 
 def test_outside_the_scope_cuda_requests_fail_and_every_attribute_is_original():
@@ -124,3 +127,19 @@ def test_torch_norm_builds_under_sequence_parallel_and_is_tagged():
         norm = WrappedTorchNorm(config, 8)
     assert isinstance(norm, torch.nn.LayerNorm)
     assert all(p.sequence_parallel for p in norm.parameters())
+
+
+def test_moe_dispatcher_streams_and_split_sizes_are_host_side():
+    import numpy as np
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    with cpu_emulation():
+        stream = torch.cuda.Stream()
+        assert stream is torch.cuda.current_stream()  # no side stream: splits move in place
+        with torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.current_stream())
+        stream.record_event().synchronize()
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+        assert isinstance(splits, np.ndarray) and splits.tolist() == [3, 1]
+        assert moe_utils.te_general_gemm is None  # the router's torch.mm path, without TE
+    assert "te_general_gemm" not in moe_utils.__dict__
