@@ -1,12 +1,16 @@
-"""Write a tiny random-init Hugging Face Llama + tokenizer for ``examples/configs/grpo_hf.yaml``.
+"""Write a tiny random-init Hugging Face model + tokenizer for ``examples/configs/grpo_hf.yaml``
+(a Llama) or ``examples/configs/grpo_moe_tiny.yaml`` (a Qwen3-MoE, ``--arch qwen3_moe``).
 
-    .venv/bin/python scripts/make_tiny_hf.py            # -> outputs/tiny_llama (the YAML's path)
+    .venv/bin/python scripts/make_tiny_hf.py                    # -> outputs/tiny_llama
     .venv/bin/lmrl fit --config examples/configs/grpo_hf.yaml
+    .venv/bin/python scripts/make_tiny_hf.py --arch qwen3_moe   # -> outputs/tiny_qwen3_moe
+    .venv/bin/lmrl fit --config examples/configs/grpo_moe_tiny.yaml
 
 The tokenizer is a word-level one over the counting task's 16 token words (``"0"`` ... ``"15"``)
 after 4 special tokens, so the model's vocabulary (24: 20 rounded up to a multiple of 8, even for
 TP=2) covers the task's ids 0-15; 2 layers, hidden size 64, 4 heads (2 KV heads), 64 positions,
-fp32 safetensors (about 0.3 MB). Needs the ``hf`` extra (``transformers``, ``tokenizers``).
+fp32 safetensors (about 0.3 MB). The Qwen3-MoE has 4 experts per layer, top-2, expert width 64.
+Needs the ``hf`` extra (``transformers``, ``tokenizers``).
 """
 
 from __future__ import annotations
@@ -14,20 +18,31 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_mcore_rl.recipes.arithmetic import train_tokenizer, write_tiny_llama
+from lightning_mcore_rl.recipes.arithmetic import (
+    train_tokenizer,
+    write_tiny_llama,
+    write_tiny_qwen3_moe,
+)
 
 TASK_VOCAB = 16
-"""Token ids of the YAML's counting task (``task.vocab_size``)."""
+"""Token ids of the YAMLs' counting task (``task.vocab_size``)."""
+
+ARCHS = {
+    "llama": ("Llama", write_tiny_llama, "outputs/tiny_llama"),
+    "qwen3_moe": ("Qwen3-MoE", write_tiny_qwen3_moe, "outputs/tiny_qwen3_moe"),
+}
 
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="outputs/tiny_llama", help="directory to write")
+    parser.add_argument("--arch", default="llama", choices=sorted(ARCHS), help="model type")
+    parser.add_argument("--out", default=None, help="directory to write (default: per arch)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed")
     args = parser.parse_args(argv)
+    name, write, default_out = ARCHS[args.arch]
     tokenizer = train_tokenizer([" ".join(str(i) for i in range(TASK_VOCAB))])
-    out = write_tiny_llama(args.out, tokenizer, seed=args.seed)
-    print(f"tiny Llama + tokenizer: {out}")
+    out = write(args.out or default_out, tokenizer, seed=args.seed)
+    print(f"tiny {name} + tokenizer: {out}")
     return out
 
 

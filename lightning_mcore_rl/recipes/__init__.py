@@ -11,6 +11,7 @@ from lightning_mcore_rl.recipes.arithmetic import (
     write_rl_rows,
     write_sft_rows,
     write_tiny_llama,
+    write_tiny_qwen3_moe,
 )
 from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
 from lightning_mcore_rl.recipes.distillation import DistillationModule, TeacherSpec
@@ -72,4 +73,5 @@ __all__ = [
     "write_rl_rows",
     "write_sft_rows",
     "write_tiny_llama",
+    "write_tiny_qwen3_moe",
 ]

@@ -16,7 +16,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -194,29 +194,89 @@ def write_tiny_llama(
     Raises:
         ValueError: heads or query groups not divisible as Llama requires.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
-        raise ValueError(
-            f"`hidden_size` ({hidden_size}) must be divisible by `num_attention_heads` "
-            f"({num_attention_heads}), and that by `num_key_value_heads` ({num_key_value_heads})."
-        )
-    vocab = -(-len(tokenizer) // vocab_multiple) * vocab_multiple
+    _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
     config = LlamaConfig(
-        vocab_size=vocab,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_token_fields(tokenizer, vocab_multiple),
     )
+    return _save_random_causal_lm(config, out_dir, tokenizer, seed)
+
+
+def write_tiny_qwen3_moe(
+    out_dir: str | os.PathLike[str],
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    max_position_embeddings: int = 64,
+    vocab_multiple: int = 8,
+    seed: int = 0,
+) -> Path:
+    """Save a random-init fp32 ``Qwen3MoeForCausalLM`` (every layer MoE, top-k probabilities
+    renormalised, no router aux-loss output) and ``tokenizer`` in ``out_dir``; the vocabulary
+    as in :func:`write_tiny_llama`.
+
+    Raises:
+        ValueError: heads or query groups not divisible.
+    """
+    from transformers import Qwen3MoeConfig
+
+    _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
+    config = Qwen3MoeConfig(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=hidden_size // num_attention_heads,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=True,
+        max_position_embeddings=max_position_embeddings,
+        **_token_fields(tokenizer, vocab_multiple),
+    )
+    return _save_random_causal_lm(config, out_dir, tokenizer, seed)
+
+
+def _check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads: int) -> None:
+    if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"`hidden_size` ({hidden_size}) must be divisible by `num_attention_heads` "
+            f"({num_attention_heads}), and that by `num_key_value_heads` ({num_key_value_heads})."
+        )
+
+
+def _token_fields(tokenizer: PreTrainedTokenizerFast, vocab_multiple: int) -> dict[str, Any]:
+    """``vocab_size`` (``len(tokenizer)`` rounded up to ``vocab_multiple``) and the special ids."""
+    return {
+        "vocab_size": -(-len(tokenizer) // vocab_multiple) * vocab_multiple,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _save_random_causal_lm(
+    config: Any, out_dir: str | os.PathLike[str], tokenizer: PreTrainedTokenizerFast, seed: int
+) -> Path:
+    """Random-init the causal LM of ``config`` (seeded), save it and ``tokenizer`` to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
