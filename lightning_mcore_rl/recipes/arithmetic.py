@@ -239,7 +239,6 @@ def write_tiny_qwen3_moe(
         num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
-        head_dim=hidden_size // num_attention_heads,
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         moe_intermediate_size=moe_intermediate_size,
