@@ -98,7 +98,8 @@ def export_checkpoint(
         raise FileExistsError(message)
     with cpu_emulation(), _single_process_megatron():
         config = bridge.transformer_config()
-        chunk = bridge.build_chunk(config, transformer_layer_spec=local_layer_spec(bridge.arch))
+        spec = local_layer_spec(bridge.arch, config)
+        chunk = bridge.build_chunk(config, transformer_layer_spec=spec)
         sharded = ckpt.sharded_model_state_dict([chunk])
         # megatron keys the local spec's norms like TE's fused ones, so checkpoints of either
         # spec load; their `_extra_state` entries differ by spec and hold no weights.

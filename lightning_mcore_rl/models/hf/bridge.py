@@ -1,5 +1,6 @@
 """:class:`HFBridge`: build megatron-core ``GPTModel`` chunks from a Hugging Face directory and
-write them back (gathered over TP/PP/VPP) as a directory ``transformers`` loads."""
+write them back (gathered over TP/PP/VPP, experts over EP and expert TP) as a directory
+``transformers`` loads."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.models.hf.config import Architecture, parse_architecture
+from lightning_mcore_rl.models.hf.moe import check_moe_layout, expert_owners, moe_block_spec
 from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
 from lightning_mcore_rl.models.hf.weights import (
     ParamMap,
+    hf_name_groups,
     hf_shapes,
     merge_shards,
+    moe_param_map,
     param_map,
     read_shard,
 )
@@ -28,11 +32,13 @@ from lightning_mcore_rl.models.layout import (
     layout_groups,
     parallel_config_fields,
 )
+from lightning_mcore_rl.models.tiny_gpt import is_expert_parameter
 from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import ModuleSpec, TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from transformers import PreTrainedTokenizerBase
 
     from lightning_mcore_rl.train.groups import ParallelGroups
@@ -42,9 +48,10 @@ _WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
-def _mark_tensor_parallel(model: torch.nn.Module, tied: bool) -> None:
-    """Give every TP-split parameter megatron's ``tensor_model_parallel`` attributes, by its
-    layout in the weight map (``dim0``/``qkv``/``fc1``: rows, ``dim1``: columns).
+def _mark_tensor_parallel(model: torch.nn.Module, maps: dict[str, ParamMap]) -> None:
+    """Give every TP-split (experts: expert-TP-split) parameter megatron's
+    ``tensor_model_parallel`` attributes, by its layout in the weight map ``maps``
+    (``dim0``/``qkv``/``fc1``: rows, ``dim1``: columns).
 
     megatron-core 0.16 sets them only inside its random initialisers, which
     ``perform_initialization=False`` skips; without them megatron's gradient norm (and so
@@ -53,7 +60,7 @@ def _mark_tensor_parallel(model: torch.nn.Module, tied: bool) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     for name, param in model.named_parameters():
-        layout = param_map(name, _global_layer(model, name), tied).layout
+        layout = maps[name].layout
         if layout != "replicated" and not hasattr(param, "tensor_model_parallel"):
             dim = 1 if layout == "dim1" else 0
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
@@ -69,23 +76,44 @@ def _global_layer(model: torch.nn.Module, name: str) -> int | None:
     return int(layer.layer_number) - 1
 
 
-def default_layer_spec(arch: Architecture) -> ModuleSpec:
+def default_layer_spec(
+    arch: Architecture,
+    config: TransformerConfig,
+    *,
+    pp_rank: int = 0,
+    vp_stage: int | None = None,
+) -> ModuleSpec | TransformerBlockSubmodules:
     """Transformer Engine's GPT layer spec when TE is importable and CUDA is available, else the
     packed-capable local spec (:func:`local_layer_spec`: padded ``[b, s]`` and packed THD input,
-    no fused kernels)."""
+    no fused kernels). MoE models get the decoder block spec of stage ``pp_rank`` (``vp_stage``)
+    instead (:func:`~lightning_mcore_rl.models.hf.moe.moe_block_spec`)."""
     if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None:
+        if arch.moe is not None:
+            return moe_block_spec(
+                config, pp_rank=pp_rank, vp_stage=vp_stage, transformer_engine=True
+            )
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    return local_layer_spec(arch)
+    return local_layer_spec(arch, config, pp_rank=pp_rank, vp_stage=vp_stage)
 
 
-def local_layer_spec(arch: Architecture) -> ModuleSpec:
-    """megatron's local GPT layer spec with the project's packed-capable core attention."""
+def local_layer_spec(
+    arch: Architecture,
+    config: TransformerConfig,
+    *,
+    pp_rank: int = 0,
+    vp_stage: int | None = None,
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """megatron's local GPT layer spec with the project's packed-capable core attention; for a
+    MoE model the local decoder block spec of stage ``pp_rank`` (``vp_stage``), dense and MoE
+    layers as ``config.moe_layer_freq`` says."""
     from lightning_mcore_rl.data import get_packed_local_layer_spec
 
+    if arch.moe is not None:
+        return moe_block_spec(config, pp_rank=pp_rank, vp_stage=vp_stage, transformer_engine=False)
     return get_packed_local_layer_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
 
 
@@ -93,7 +121,9 @@ class HFBridge:
     """A Hugging Face checkpoint directory seen as megatron-core ``GPTModel`` chunks.
 
     Supported ``model_type``: ``llama`` (incl. llama3 RoPE scaling), ``qwen2``, ``qwen3``,
-    ``mistral`` (sliding windows included). Build with :meth:`from_pretrained`.
+    ``mistral`` (sliding windows included), and the routed-expert ``qwen3_moe`` (dense layers
+    from ``decoder_sparse_step``/``mlp_only_layers`` included) and ``mixtral``, whose experts
+    split over expert parallelism (EP) and expert TP. Build with :meth:`from_pretrained`.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -172,40 +202,48 @@ class HFBridge:
         vp_stage: int | None = None,
         *,
         groups: ParallelGroups | None = None,
-        transformer_layer_spec: ModuleSpec | None = None,
+        transformer_layer_spec: ModuleSpec | TransformerBlockSubmodules | None = None,
     ) -> GPTModel:
         """This rank's ``GPTModel`` chunk for virtual stage ``vp_stage``, its TP shards of the HF
-        weights loaded (each rank reads only its slices).
+        weights loaded (each rank reads only its slices: under EP only its experts, each
+        expert's expert-TP shard).
 
         Args:
             config: e.g. :meth:`transformer_config`; its parallel sizes must be ``groups``'.
             vp_stage: virtual pipeline stage (``None`` without VPP).
             groups: this rank's layout (stage flags from its PP rank and ``vp_stage``, TP shards
-                from its TP rank); ``None``: one rank, no parallelism. Megatron's parallel state
-                must be initialised for the same layout (megatron's layers read it).
-            transformer_layer_spec: default :func:`default_layer_spec`.
+                from its TP rank, experts from its EP and expert-TP ranks); ``None``: one rank,
+                no parallelism. Megatron's parallel state must be initialised for the same layout
+                (megatron's layers read it).
+            transformer_layer_spec: default :func:`default_layer_spec` (a MoE model needs a
+                decoder block spec of this stage's layers).
 
         Raises:
             ValueError: the layers do not split evenly over ``config``'s PP (and VPP) stages, or
                 ``vocab_size``, key/value heads or MLP width are not divisible by its TP size
-                (the vocab is never padded), or its TP/PP/VPP/CP sizes are not ``groups``', or a
-                loaded shard of the wrong shape.
+                (the vocab is never padded), or the experts not by EP / their width not by the
+                expert TP size, or TP > 1 with MoE layers but no ``sequence_parallel``, or its
+                TP/PP/VPP/CP/EP/ETP sizes are not ``groups``', or a loaded shard of the wrong
+                shape.
         """
         from megatron.core.models.gpt import GPTModel
 
         check_parallel_layout(self.arch, config)
         groups = layout_groups(groups)
         check_config_layout(config, groups)
+        spec = transformer_layer_spec or default_layer_spec(
+            self.arch, config, pp_rank=groups.pp_rank, vp_stage=vp_stage
+        )
         model = GPTModel(
             config=config,
-            transformer_layer_spec=transformer_layer_spec or default_layer_spec(self.arch),
+            transformer_layer_spec=spec,
             pre_process=groups.is_first_stage(vp_stage),
             post_process=groups.is_last_stage(vp_stage),
             vp_stage=vp_stage,
             **self.arch.gpt_model_kwargs(),
         )
-        _mark_tensor_parallel(model, self.arch.tied_embeddings)
-        self._load(model, groups.tp_rank, groups.tp_size)
+        _mark_tensor_parallel(model, self._param_maps(model, groups))
+        self._load(model, groups)
         return model
 
     def load_weights(self, chunk: torch.nn.Module, groups: ParallelGroups | None = None) -> None:
@@ -219,17 +257,35 @@ class HFBridge:
         groups = layout_groups(groups)
         model = _unwrap(chunk)
         check_config_layout(model.config, groups)
-        self._load(model, groups.tp_rank, groups.tp_size)
+        self._load(model, groups)
+
+    def _param_maps(self, model: torch.nn.Module, groups: ParallelGroups) -> dict[str, ParamMap]:
+        """``megatron parameter name -> ParamMap`` of a chunk of ``groups``' layout (its local
+        experts named by their global index)."""
+        moe = self.arch.moe
+        first_expert = 0 if moe is None else groups.ep_rank * moe.num_experts // groups.ep_size
+        maps = {}
+        for name, _ in model.named_parameters():
+            layer = _global_layer(model, name)
+            pm = None if moe is None else moe_param_map(name, layer, moe, first_expert)
+            maps[name] = pm or param_map(name, layer, self.arch.tied_embeddings)
+        return maps
 
     @torch.no_grad()
-    def _load(self, model: torch.nn.Module, rank: int, world: int) -> None:
+    def _load(self, model: torch.nn.Module, groups: ParallelGroups) -> None:
+        maps = self._param_maps(model, groups)
         for name, param in model.named_parameters():
-            pm = param_map(name, _global_layer(model, name), self.arch.tied_embeddings)
+            pm = maps[name]
+            expert = is_expert_parameter(name)
+            rank, world = (
+                (groups.etp_rank, groups.etp_size) if expert else (groups.tp_rank, groups.tp_size)
+            )
             shard = read_shard(self.reader, pm, self.arch, rank, world)
             if shard.shape != param.shape:
                 raise ValueError(
-                    f"megatron parameter {name!r} has shape {tuple(param.shape)} on TP rank "
-                    f"{rank}/{world}, but {pm.hf_names} give {tuple(shard.shape)}."
+                    f"megatron parameter {name!r} has shape {tuple(param.shape)} on "
+                    f"{'expert ' if expert else ''}TP rank {rank}/{world}, but {pm.hf_names} "
+                    f"give {tuple(shard.shape)}."
                 )
             param.copy_(shard)
 
@@ -239,9 +295,10 @@ class HFBridge:
         groups: ParallelGroups | None = None,
         dtype: torch.dtype | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective over ``groups``' TP and PP groups: yield ``(hf_name, full CPU tensor)`` one
-        at a time, gathered over TP and broadcast over PP (every rank yields every tensor, in HF
-        module order).
+        """Collective over ``groups``' TP, PP (and for MoE models EP and expert-TP) groups:
+        yield ``(hf_name, full CPU tensor)`` one at a time, gathered over TP (experts over
+        expert TP, then broadcast over EP from the rank holding them) and broadcast over PP
+        (every rank yields every tensor, in HF module order).
 
         Args:
             chunks: this rank's model chunks (megatron DDP / ``Float16Module`` wrappers allowed).
@@ -249,40 +306,53 @@ class HFBridge:
             dtype: output dtype; default each tensor's dtype in the source checkpoint.
 
         Raises:
-            ValueError: a chunk's config has other TP/PP/VPP/CP sizes than ``groups`` (before
-                any collective).
+            ValueError: a chunk's config has other TP/PP/VPP/CP/EP/ETP sizes than ``groups``
+                (before any collective).
         """
         groups = layout_groups(groups)
         models = [_unwrap(chunk) for chunk in chunks]
         for model in models:
             check_config_layout(model.config, groups)
         shapes = hf_shapes(self.arch)
-        local: dict[str, tuple[ParamMap, torch.Tensor]] = {}
+        local: dict[str, tuple[ParamMap, str, torch.Tensor]] = {}
+        moe_layers: set[int] = set()
         for model in models:
-            for name, param in model.named_parameters():
+            for name, pm in self._param_maps(model, groups).items():
                 if name == "output_layer.weight" and self.arch.tied_embeddings:
                     continue  # the last stage's copy of the embedding
-                pm = param_map(name, _global_layer(model, name), self.arch.tied_embeddings)
-                local[pm.hf_names[0]] = (pm, param)
-        owner = _owners(sorted(local), groups)
-        device = next(iter(local.values()))[1].device
-        tp_group, tp_size = groups.tp_group, groups.tp_size
-        for key in shapes:
-            if key not in owner:
-                continue  # k/v/up: produced together with the group's first name
+                local[pm.hf_names[0]] = (pm, name, model.get_parameter(name))
+                layer = _global_layer(model, name)
+                if name.endswith(".mlp.router.weight") and layer is not None:
+                    moe_layers.add(layer)
+        # every expert of this stage's MoE layers reaches all its ranks (EP broadcast)
+        stage_experts = (
+            {}
+            if self.arch.moe is None
+            else expert_owners(self.arch.moe, moe_layers, groups.ep_size)
+        )
+        owner = _owners(sorted(set(local) | set(stage_experts)), groups)
+        device = next(iter(local.values()))[2].device
+        for key, names in hf_name_groups(self.arch).items():
             if key in local:
-                pm, mine = local[key]
+                pm, name, mine = local[key]
+                expert = is_expert_parameter(name)
+                group, size = (
+                    (groups.etp_group, groups.etp_size)
+                    if expert
+                    else (groups.tp_group, groups.tp_size)
+                )
                 shards = [mine.detach().clone()]  # never yield a view of a live parameter
-                if tp_size > 1:
-                    shards = [torch.empty_like(mine) for _ in range(tp_size)]
-                    dist.all_gather(shards, mine.detach().contiguous(), group=tp_group)
+                if size > 1:
+                    shards = [torch.empty_like(mine) for _ in range(size)]
+                    dist.all_gather(shards, mine.detach().contiguous(), group=group)
                 tensors = merge_shards(pm, shards, self.arch)
-                names = pm.hf_names
             else:
-                names = _group_names(key, shapes)
                 tensors = [torch.empty(shapes[n], device=device) for n in names]
             for name, tensor in zip(names, tensors, strict=True):
                 out = tensor.to(dtype or self.reader.dtype(name)).contiguous()
+                if key in stage_experts and groups.ep_size > 1:
+                    ep_ranks = dist.get_process_group_ranks(groups.ep_group)
+                    dist.broadcast(out, src=ep_ranks[stage_experts[key][1]], group=groups.ep_group)
                 if groups.pp_size > 1:
                     dist.broadcast(out, src=owner[key], group=groups.pp_group)
                 yield name, out.cpu()
@@ -346,8 +416,9 @@ def check_parallel_layout(arch: Architecture, config: TransformerConfig) -> None
     """Refuse a layout megatron would stop with a bare ``AssertionError`` or that would need
     padding: layers not split evenly over PP (x VPP), unless ``config`` asks megatron for an
     uneven split (``num_layers_in_first/last_pipeline_stage``, ``account_for_*``), or TP not
-    dividing the vocab, key/value heads or MLP width. Reads only ``config``'s sizes, so it runs
-    before any collective.
+    dividing the vocab, key/value heads or dense MLP width, or an expert layout
+    :func:`~lightning_mcore_rl.models.hf.moe.check_moe_layout` refuses. Reads only ``config``'s
+    sizes, so it runs before any collective.
 
     Raises:
         ValueError: naming the HF field, the sizes and the remedy.
@@ -374,16 +445,16 @@ def check_parallel_layout(arch: Architecture, config: TransformerConfig) -> None
             "or no virtual pipeline."
         )
     tp = config.tensor_model_parallel_size
-    for field, size in (
-        ("vocab_size", arch.vocab_size),
-        ("num_key_value_heads", arch.num_query_groups),
-        ("intermediate_size", arch.ffn_hidden_size),
-    ):
+    sizes = [("vocab_size", arch.vocab_size), ("num_key_value_heads", arch.num_query_groups)]
+    if any(arch.dense_layers):  # Mixtral's `intermediate_size` is its experts' width
+        sizes.append(("intermediate_size", arch.ffn_hidden_size))
+    for field, size in sizes:
         if size % tp != 0:
             raise ValueError(
                 f"`{field}` ({size}) must be divisible by the tensor-parallel size ({tp}): "
                 f"{_TP_REMEDY[field]}. Use a TP size that divides {size}."
             )
+    check_moe_layout(arch, config)
 
 
 def _owners(keys: list[str], groups: ParallelGroups) -> dict[str, int]:
@@ -396,17 +467,6 @@ def _owners(keys: list[str], groups: ParallelGroups) -> dict[str, int]:
     owned: list[list[str]] = [[] for _ in pp_ranks]
     dist.all_gather_object(owned, keys, group=groups.pp_group)
     return {key: pp_ranks[stage] for stage, names in enumerate(owned) for key in names}
-
-
-def _group_names(key: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
-    """The HF names one megatron parameter produces, given the first (``q_proj`` -> q, k, v)."""
-    for first, others in (
-        ("self_attn.q_proj.", ("self_attn.k_proj.", "self_attn.v_proj.")),
-        ("mlp.gate_proj.", ("mlp.up_proj.",)),
-    ):
-        if first in key:
-            return (key, *(key.replace(first, o) for o in others))
-    return (key,)
 
 
 def _is_weight_file(name: str) -> bool:

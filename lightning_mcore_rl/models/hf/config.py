@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` -> megatron-core ``TransformerConfig`` fields and ``GPTModel``
-arguments, for the dense decoder families megatron's GPT layer spec expresses exactly.
+arguments, for the dense decoder families and the routed-expert ones (Qwen3-MoE, Mixtral) that
+megatron's GPT layer spec and MoE layer express exactly.
 
 ``config.json`` is read as ``transformers`` reads it (:func:`resolve_config`: the config class of
 its ``model_type``, so a missing key takes that class's default). Every field that would change the
@@ -15,10 +16,26 @@ from typing import Any
 
 from lightning_mcore_rl.megatron_defaults import local_spec_settings
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 # the families whose transformers modeling code reads the field (the others hard-code no bias)
-_BIAS_FIELDS = {"attention_bias": ("llama", "qwen3"), "mlp_bias": ("llama",)}
+_BIAS_FIELDS = {"attention_bias": ("llama", "qwen3", "qwen3_moe"), "mlp_bias": ("llama",)}
+# every layer windowed when `sliding_window` is set (their modeling code has no layer types)
+_WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+# HF field holding the expert count (transformers' to_dict() writes `num_local_experts` for both)
+_EXPERT_COUNT_FIELD = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+# HF module and projection names of the routed experts on disk (transformers 5 fuses them in
+# memory, `mlp.experts.gate_up_proj`, but saves and loads one tensor per expert)
+_EXPERT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+_REFUSED_MODEL_TYPES = {
+    "olmoe": (
+        "its q_norm/k_norm normalise the whole q/k projection (all heads at once) where "
+        "megatron's qk_layernorm normalises each head, and it can clamp q/k/v (`clip_qkv`)"
+    ),
+}
 
 # megatron-core 0.16 ``RotaryEmbedding._apply_scaling`` hard-codes these llama3 parameters.
 _LLAMA3_FIXED = {
@@ -26,6 +43,63 @@ _LLAMA3_FIXED = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEArchitecture:
+    """The routed experts of a Qwen3-MoE or Mixtral checkpoint.
+
+    Attributes:
+        num_experts: ``E`` experts per MoE layer.
+        top_k: ``k`` experts per token (``num_experts_per_tok``).
+        ffn_hidden_size: ``F_e``, each expert's width (each of gate and up).
+        moe_layers: per layer (length ``L``), whether its MLP is the routed experts (else the
+            dense ``intermediate_size`` MLP).
+        normalize_top_k: the ``k`` routing weights are renormalised to sum to 1 (Qwen3-MoE
+            ``norm_topk_prob``; Mixtral always).
+        hf_module: the MoE block's module name on disk (``mlp`` / ``block_sparse_moe``).
+        hf_projections: the experts' ``(gate, up, down)`` projection names on disk.
+    """
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    moe_layers: tuple[bool, ...]
+    normalize_top_k: bool
+    hf_module: str
+    hf_projections: tuple[str, str, str]
+
+    def config_fields(self) -> dict[str, Any]:
+        """megatron's MoE fields reproducing transformers' forward: softmax over all ``E``
+        router logits, top-``k``, renormalised exactly when ``normalize_top_k`` (megatron's
+        top-``k`` of the logits then softmax over those ``k`` equals the renormalised top-``k``
+        of the full softmax; ``moe_router_pre_softmax=True`` keeps the full softmax's values),
+        no capacity limit (transformers never drops a token), no load-balancing loss (HF adds
+        its aux loss only with ``output_router_logits``, which is refused), ``SequentialMLP``
+        experts, the alltoall dispatcher."""
+        return {
+            "num_moe_experts": self.num_experts,
+            "moe_router_topk": self.top_k,
+            "moe_ffn_hidden_size": self.ffn_hidden_size,
+            "moe_layer_freq": [int(moe) for moe in self.moe_layers],
+            "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": not self.normalize_top_k,
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+            "moe_expert_capacity_factor": None,
+            "moe_grouped_gemm": False,
+            "moe_token_dispatcher_type": "alltoall",
+        }
+
+    def router_name(self, layer: int) -> str:
+        """HF name of layer ``layer``'s router weight ``[E, h]``."""
+        return f"model.layers.{layer}.{self.hf_module}.gate.weight"
+
+    def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        """HF names of global expert ``expert``'s ``(gate [F_e, h], up [F_e, h], down
+        [h, F_e])`` weights in layer ``layer``."""
+        prefix = f"model.layers.{layer}.{self.hf_module}.experts.{expert}."
+        return tuple(f"{prefix}{proj}.weight" for proj in self.hf_projections)  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +125,9 @@ class Architecture:
         sliding_window: ``w``: a windowed layer's query ``i`` attends keys ``i - w < j <= i``
             (``w`` tokens, itself included); ``None`` when no layer has a window.
         window_layers: per layer (length ``L``), whether it attends within ``sliding_window``.
+        moe: the routed experts (Qwen3-MoE, Mixtral); ``None`` for a dense model. Its dense
+            layers (Qwen3-MoE ``decoder_sparse_step``/``mlp_only_layers``) use
+            ``ffn_hidden_size``.
     """
 
     model_type: str
@@ -70,6 +147,14 @@ class Architecture:
     rope_scaling_factor: float | None
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
+    moe: MoEArchitecture | None = None
+
+    @property
+    def dense_layers(self) -> tuple[bool, ...]:
+        """Per layer (length ``L``), whether its MLP is the dense ``ffn_hidden_size`` one."""
+        if self.moe is None:
+            return (True,) * self.num_layers
+        return tuple(not moe for moe in self.moe.moe_layers)
 
     def config_fields(self) -> dict[str, Any]:
         """``TransformerConfig`` kwargs of the architecture (CPU-safe: no fused kernels,
@@ -95,6 +180,7 @@ class Architecture:
             "attention_dropout": 0.0,
             "perform_initialization": False,  # build_chunk overwrites every parameter
             **self._window_fields(),
+            **(self.moe.config_fields() if self.moe is not None else {}),
             **local_spec_settings(),
         }
 
@@ -155,12 +241,13 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, float | None]:
 
 
 def _window(config: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[bool, ...]]:
-    """``(w, windowed layers)`` as transformers' modeling code applies them: Mistral windows every
-    layer when ``sliding_window`` is set (it ignores ``layer_types``), Qwen2/Qwen3 the
-    ``layer_types`` entries ``sliding_attention``, Llama none."""
+    """``(w, windowed layers)`` as transformers' modeling code applies them: Mistral, Mixtral and
+    Qwen3-MoE window every layer when ``sliding_window`` is set (Mistral ignores ``layer_types``;
+    Qwen3-MoE's is null unless ``use_sliding_window``), Qwen2/Qwen3 the ``layer_types`` entries
+    ``sliding_attention``, Llama none."""
     model_type = config["model_type"]
     window = config.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in _WINDOW_EVERY_LAYER:
         layers = (window is not None,) * num_layers
     elif model_type in ("qwen2", "qwen3"):
         types = list(config["layer_types"])
@@ -196,6 +283,11 @@ def resolve_config(config: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: unknown ``model_type``, or a config the transformers class rejects.
     """
     model_type = config.get("model_type")
+    if model_type in _REFUSED_MODEL_TYPES:
+        raise ValueError(
+            f"Unsupported Hugging Face `model_type` {model_type!r}: "
+            f"{_REFUSED_MODEL_TYPES[model_type]}."
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"Unsupported Hugging Face `model_type` {model_type!r}; supported: "
@@ -246,10 +338,69 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
         max_position_embeddings=int(config["max_position_embeddings"]),
         layernorm_epsilon=float(config["rms_norm_eps"]),
         qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         tied_embeddings=bool(config["tie_word_embeddings"]),
         rotary_base=theta,
         rope_scaling_factor=factor,
         sliding_window=window,
         window_layers=window_layers,
+        moe=_moe(config, num_layers) if model_type in _EXPERT_NAMES else None,
+    )
+
+
+def _moe(config: Mapping[str, Any], num_layers: int) -> MoEArchitecture | None:
+    """The routed experts as transformers builds them (``None`` when every layer is dense:
+    Qwen3-MoE with no experts or every layer in ``mlp_only_layers``); refuses the router
+    settings megatron's MoE layer cannot reproduce, naming the HF field."""
+    model_type = config["model_type"]
+    if config.get("output_router_logits"):
+        raise _unsupported(
+            "output_router_logits",
+            config["output_router_logits"],
+            "transformers then adds one aux loss pooled over all layers' router logits, "
+            "megatron's load-balancing loss is per layer; set it false (megatron's own "
+            "`moe_aux_loss_coeff` can be enabled through the TransformerConfig overrides)",
+        )
+    jitter = config.get("router_jitter_noise", 0.0)
+    if jitter:
+        raise _unsupported(
+            "router_jitter_noise", jitter, "megatron's router has no multiplicative input noise"
+        )
+    num_experts = int(config["num_local_experts"])  # to_dict() name of `num_experts` too
+    if model_type == "qwen3_moe":
+        step = config["decoder_sparse_step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise _unsupported("decoder_sparse_step", step, "a positive layer interval")
+        dense = set(config["mlp_only_layers"])
+        layers = tuple(
+            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        )
+        normalize, ffn = bool(config["norm_topk_prob"]), int(config["moe_intermediate_size"])
+    else:  # mixtral: every layer routed, top-k always renormalised
+        layers, normalize, ffn = (True,) * num_layers, True, int(config["intermediate_size"])
+    if not any(layers):
+        return None
+    count_field = _EXPERT_COUNT_FIELD[model_type]
+    top_k = config["num_experts_per_tok"]
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise _unsupported(
+            "num_experts_per_tok", top_k, f"must be in [1, `{count_field}` = {num_experts}]"
+        )
+    if top_k == 1 and normalize:
+        field = "norm_topk_prob" if model_type == "qwen3_moe" else "num_experts_per_tok"
+        raise _unsupported(
+            field,
+            config[field],
+            "one expert renormalised to weight 1 needs megatron's softmax after top-k, which "
+            "megatron 0.16 refuses at top-k 1 (`moe_router_pre_softmax` required)",
+        )
+    module, projections = _EXPERT_NAMES[model_type]
+    return MoEArchitecture(
+        num_experts=num_experts,
+        top_k=top_k,
+        ffn_hidden_size=ffn,
+        moe_layers=layers,
+        normalize_top_k=normalize,
+        hf_module=module,
+        hf_projections=projections,
     )

@@ -1,7 +1,8 @@
 """The megatron-core GPT <-> Hugging Face weight map and its tensor-parallel layouts.
 
 Notation: ``h`` hidden, ``H`` query heads, ``G`` key/value groups, ``d`` head dim, ``F`` MLP width,
-``V`` vocab, ``r``/``tp`` this rank / TP size. Megatron names are a chunk's ``state_dict`` names
+``V`` vocab, ``r``/``tp`` this rank / TP size; MoE: ``E`` experts of width ``F_e``, split over the
+expert TP group (``etp``) instead of TP. Megatron names are a chunk's ``state_dict`` names
 with the chunk-local layer index replaced by the caller (see :func:`param_map`).
 """
 
@@ -14,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from lightning_mcore_rl.models.hf.config import Architecture
+from lightning_mcore_rl.models.hf.config import Architecture, MoEArchitecture
 from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
 
 Layout = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
@@ -29,6 +30,7 @@ Layout = Literal["replicated", "dim0", "dim1", "qkv", "fc1"]
 """
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 # layer-local megatron suffix -> (layout, HF suffixes under ``model.layers.{i}.``); the
 # ``layer_norm_weight`` names are Transformer Engine's fused norm + linear layers.
@@ -85,33 +87,94 @@ def param_map(name: str, global_layer: int | None, tied: bool) -> ParamMap:
     return ParamMap(layout, tuple(f"model.layers.{global_layer}.{s}" for s in suffixes))
 
 
-def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of ``arch`` and its full shape, in HF module order."""
-    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+def moe_param_map(
+    name: str, global_layer: int | None, moe: MoEArchitecture, first_expert: int
+) -> ParamMap | None:
+    """Map a router or routed-expert parameter (``None`` for any other name).
+
+    Args:
+        name: e.g. ``decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight``.
+        global_layer: 0-based index of that layer in the whole model.
+        moe: the checkpoint's experts (their HF names).
+        first_expert: global index of this rank's local expert 0 (``ep_rank * E / EP``).
+    """
+    match = _LAYER.match(name)
+    if match is None or global_layer is None:
+        return None
+    suffix = match.group(2)
+    if suffix == "mlp.router.weight":
+        return ParamMap("replicated", (moe.router_name(global_layer),))
+    expert = _EXPERT.match(suffix)
+    if expert is None:
+        return None
+    gate, up, down = moe.expert_names(global_layer, first_expert + int(expert.group(1)))
+    return ParamMap("fc1", (gate, up)) if expert.group(2) == "1" else ParamMap("dim1", (down,))
+
+
+def _mlp_groups(arch: Architecture, layer: int) -> list[dict[str, tuple[int, ...]]]:
+    """The HF tensors of layer ``layer``'s MLP, grouped as in :func:`_hf_groups`."""
+    h, p = arch.hidden_size, f"model.layers.{layer}."
+    if arch.dense_layers[layer]:
+        f = arch.ffn_hidden_size
+        return [
+            {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h)},
+            {p + "mlp.down_proj.weight": (h, f)},
+        ]
+    moe = arch.moe
+    assert moe is not None  # dense_layers is all True without experts
+    f = moe.ffn_hidden_size
+    groups: list[dict[str, tuple[int, ...]]] = [{moe.router_name(layer): (moe.num_experts, h)}]
+    for expert in range(moe.num_experts):
+        gate, up, down = moe.expert_names(layer, expert)
+        groups += [{gate: (f, h), up: (f, h)}, {down: (h, f)}]
+    return groups
+
+
+def _hf_groups(arch: Architecture) -> list[dict[str, tuple[int, ...]]]:
+    """Every HF tensor of ``arch`` with its full shape, in HF module order, grouped by the
+    megatron parameter built from them (q/k/v together, gate/up together, others alone)."""
+    h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_heads * d, arch.num_query_groups * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    groups: list[dict[str, tuple[int, ...]]] = [{"model.embed_tokens.weight": (arch.vocab_size, h)}]
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        groups.append({p + "input_layernorm.weight": (h,)})
+        groups.append(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+            }
+        )
         if arch.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+            groups.append(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
         if arch.qk_layernorm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (f, h)
-        shapes[p + "mlp.up_proj.weight"] = (f, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, f)
-    shapes["model.norm.weight"] = (h,)
+            groups.append({p + "self_attn.q_norm.weight": (d,)})
+            groups.append({p + "self_attn.k_norm.weight": (d,)})
+        groups.append({p + "self_attn.o_proj.weight": (h, q)})
+        groups.append({p + "post_attention_layernorm.weight": (h,)})
+        groups += _mlp_groups(arch, i)
+    groups.append({"model.norm.weight": (h,)})
     if not arch.tied_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    return shapes
+        groups.append({"lm_head.weight": (arch.vocab_size, h)})
+    return groups
+
+
+def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of ``arch`` and its full shape, in HF module order."""
+    return {name: shape for group in _hf_groups(arch) for name, shape in group.items()}
+
+
+def hf_name_groups(arch: Architecture) -> dict[str, tuple[str, ...]]:
+    """First HF name -> the HF names one megatron parameter gives (``q_proj`` -> q, k, v;
+    ``gate`` -> gate, up; others themselves), every group of ``arch`` in HF module order."""
+    return {next(iter(group)): tuple(group) for group in _hf_groups(arch)}
 
 
 def _part(size: int, rank: int, world: int) -> slice:
@@ -131,8 +194,8 @@ def read_shard(
     if pm.layout == "dim1":
         cols = _part(reader.shape(pm.hf_names[0])[1], rank, world)
         return reader.read(pm.hf_names[0], cols=cols)
-    if pm.layout == "fc1":
-        rows = _part(arch.ffn_hidden_size, rank, world)
+    if pm.layout == "fc1":  # dense MLP (F) or expert (F_e) width
+        rows = _part(reader.shape(pm.hf_names[0])[0], rank, world)
         return torch.cat([reader.read(n, rows=rows) for n in pm.hf_names])
     # qkv: this rank's groups [g0, g0 + groups), each [q rows of the group; k rows; v rows]
     d, groups = arch.head_dim, arch.num_query_groups // world
