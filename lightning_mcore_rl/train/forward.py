@@ -38,11 +38,19 @@ from lightning_mcore_rl.train.post_processors import (
     TeacherFullPayloadPostProcessor,
     TopkLogitsPostProcessor,
 )
+from lightning_mcore_rl.train.router_replay import after_replay_forward, arm_replay_forward
 
 
 def _is_last_stage(model: torch.nn.Module) -> bool:
     """Whether this chunk computes the LM head (Megatron's ``post_process``)."""
     return bool(getattr(_unwrap(model), "post_process", True))
+
+
+def _has_moe_layers(model: torch.nn.Module) -> bool:
+    """Whether the chunk's config has MoE layers (``num_moe_experts``)."""
+    from megatron.core.utils import get_model_config
+
+    return bool(getattr(get_model_config(model), "num_moe_experts", None))
 
 
 def _in_float16_module(model: torch.nn.Module) -> bool:
@@ -314,8 +322,12 @@ def forward_with_post_processing_fn(
         enable_opd_full_capture: Capture pre-LM-head hidden states for the teacher payload.
         use_fused_linear_logprobs: See :func:`model_forward`; the loss / logprobs post-processor
             then gets ``lm_head=FusedLMHead(...)`` on the last stage.
-        use_router_replay: MoE router replay; not supported (raises).
-        router_replay_train: MoE router replay in training; requires ``use_router_replay``.
+        use_router_replay: Route with the microbatch's recorded experts
+            (``ProcessedMicrobatch.routed_experts_cp_sharded``; megatron's REPLAY_FORWARD).
+        router_replay_train: A training pass: after the replayed forward, arm REPLAY_BACKWARD
+            so activation recompute in the backward routes the same way (NeMo RL passes
+            ``not eval_mode``); ``False`` clears the action after the forward. Requires
+            ``use_router_replay``.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
         groups: This rank's groups, handed to the post-processor (and the CP/TP helpers).
         num_microbatches: ``M`` of the pass, handed to a :class:`LossPostProcessor` (its
@@ -328,7 +340,9 @@ def forward_with_post_processing_fn(
         TypeError: Unknown post-processor type.
         ValueError: Options the fused path cannot serve (:func:`check_fused_linear_logprobs`;
             megatron_forward_backward checks them before the schedule already).
-        NotImplementedError: Router replay or draft models (no MoE replay / EAGLE here).
+        ValueError: ``router_replay_train`` without ``use_router_replay``; replay without
+            ``routed_experts`` in the microbatch.
+        NotImplementedError: Draft models (no EAGLE here).
     """
     if not isinstance(post_processing_fn, KNOWN_POST_PROCESSORS):
         raise TypeError(
@@ -338,20 +352,31 @@ def forward_with_post_processing_fn(
     check_fused_linear_logprobs(
         [model], post_processing_fn, sampling_params, use_fused_linear_logprobs
     )
-    if use_router_replay or router_replay_train:
-        raise NotImplementedError("MoE router replay is not supported by this project")
+    if router_replay_train and not use_router_replay:
+        raise ValueError("`router_replay_train=True` needs `use_router_replay=True`")
     if draft_model is not None or enable_hidden_capture:
         raise NotImplementedError("EAGLE draft-model training is not supported by this project")
     mb = next(data_iterator)
+    if use_router_replay:
+        if mb.routed_experts_cp_sharded is None:
+            raise ValueError(
+                "`use_router_replay=True` but the microbatch has no `routed_experts` "
+                "[B, S, L, K]; the rollout source records it"
+            )
+        arm_replay_forward(model, mb.routed_experts_cp_sharded, groups.tp_rank, groups.tp_size)
+    moe = _has_moe_layers(model)
     with _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured:
         output = model_forward(
             model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
             mb.packed_seq_params, defer_fp32_logits, mtp_loss_mask=mb.mtp_loss_mask,
-            padding_mask=mb.padding_mask, straggler_timer=straggler_timer,
+            padding_mask=mb.padding_mask if moe else None,  # the MoE routers' mask only
+            straggler_timer=straggler_timer,
             use_fused_linear_logprobs=use_fused_linear_logprobs,
             model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
             groups=groups,
         )  # fmt: skip
+    if use_router_replay:
+        after_replay_forward(model, train=router_replay_train)
     head: FusedLMHead | None = None
     if _is_last_stage(model):  # earlier stages output hidden states, not logits
         if use_fused_linear_logprobs:  # the temperature goes into hidden x W^T / T, once

@@ -28,6 +28,12 @@ from lightning_mcore_rl.data import (
     packed_position_ids,
     round_up,
 )
+from lightning_mcore_rl.train.router_replay import (
+    ROUTED_EXPERTS,
+    packable_token_ids,
+    routed_experts_in_model_order,
+    routed_token_index,
+)
 
 
 @dataclass
@@ -44,7 +50,13 @@ class ProcessedMicrobatch:
         cu_seqlens_padded: ``[B+1]`` span boundaries (``None`` when padded).
         original_seq_length: ``S`` before dense padding.
         mtp_loss_mask: MTP loss mask (``None``: no MTP).
-        padding_mask: MoE-routing padding mask (``None``: not used).
+        padding_mask: MoE-routing padding mask in the model's input layout, True at padding:
+            ``[B, S_pad]`` (positions ``>= input_lengths`` and the width padding) or ``[1, T/CP]``
+            (span and bin padding of the packed row); dense models do not get it.
+        routed_experts_cp_sharded: Router replay: ``routed_experts`` in the routers' token order
+            before sequence parallelism, ``[S_pad * B, L, K]`` (sequence-first) or
+            ``[T/CP, L, K]`` (:mod:`~lightning_mcore_rl.train.router_replay`); ``None`` when the
+            batch carries no ``routed_experts``.
     """
 
     data_dict: BatchedDataDict
@@ -57,6 +69,7 @@ class ProcessedMicrobatch:
     original_seq_length: int
     mtp_loss_mask: Tensor | None = None
     padding_mask: Tensor | None = None
+    routed_experts_cp_sharded: Tensor | None = None
 
 
 def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> Tensor:
@@ -108,10 +121,16 @@ def process_microbatch(
                 f"sequence packing needs the real lengths `{seq_length_key}` [B] in the batch; "
                 f"keys: {sorted(data_dict)}"
             )
+        lengths = torch.as_tensor(data_dict[seq_length_key])
         packed = pack_sequences(
-            input_ids, torch.as_tensor(data_dict[seq_length_key]), pad_individual,
-            pad_packed_multiple, pad_packed_to, cp_rank, cp_size,
+            input_ids, lengths, pad_individual, pad_packed_multiple, pad_packed_to, cp_rank,
+            cp_size,
         )  # fmt: skip
+        located = pack_sequences(
+            packable_token_ids(batch, width, input_ids.device), lengths, pad_individual,
+            pad_packed_multiple, pad_packed_to, cp_rank, cp_size,
+        ).packed_local  # fmt: skip
+        token_index = routed_token_index(batch, width, lengths, packed_index=located)  # [T/CP]
         return ProcessedMicrobatch(
             data_dict=data_dict,
             input_ids=packed.packed_full,
@@ -121,6 +140,8 @@ def process_microbatch(
             packed_seq_params=packed.packed_seq_params,
             cu_seqlens_padded=packed.cu_seqlens_padded,
             original_seq_length=width,
+            padding_mask=(token_index < 0)[None, :],
+            routed_experts_cp_sharded=_routed_experts(data_dict, token_index),
         )
     if cp_size > 1:
         raise ValueError("Context Parallelism (CP>1) requires sequence packing to be enabled.")
@@ -137,6 +158,11 @@ def process_microbatch(
         model_ids = torch.nn.functional.pad(input_ids, (0, model_width - width))
     padded_width = model_ids.shape[1]
     position_ids = torch.arange(padded_width, device=input_ids.device).expand(batch, -1)
+    row_lengths = data_dict.get(seq_length_key)
+    token_index = routed_token_index(
+        batch, width, None if row_lengths is None else torch.as_tensor(row_lengths),
+        model_width=padded_width, device=input_ids.device,
+    )  # fmt: skip  # [S_pad * B], sequence-first
     return ProcessedMicrobatch(
         data_dict=data_dict,
         input_ids=model_ids,
@@ -146,7 +172,16 @@ def process_microbatch(
         packed_seq_params=None,
         cu_seqlens_padded=None,
         original_seq_length=width,
+        padding_mask=(token_index < 0).view(padded_width, batch).transpose(0, 1),  # [B, S_pad]
+        routed_experts_cp_sharded=_routed_experts(data_dict, token_index),
     )
+
+
+def _routed_experts(data_dict: BatchedDataDict, token_index: Tensor) -> Tensor | None:
+    """``routed_experts`` in the routers' token order, or ``None`` without the key."""
+    if ROUTED_EXPERTS not in data_dict:
+        return None
+    return routed_experts_in_model_order(cast(Tensor, data_dict[ROUTED_EXPERTS]), token_index)
 
 
 def layout_padding(

@@ -19,6 +19,7 @@ from lightning_mcore_rl.train.forward import (
 from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
+from lightning_mcore_rl.train.router_replay import router_replay_pass
 
 ModelChunks = torch.nn.Module | list[torch.nn.Module]
 
@@ -153,15 +154,16 @@ def megatron_forward_backward(
         chunks, post_processing_fn, sampling_params, use_fused_linear_logprobs
     )
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-    return run_schedule(
-        forward_step,
-        chunks,
-        iterators,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=mbs,
-        forward_only=forward_only,
-    )
+    with router_replay_pass(chunks, use_router_replay):  # no stale replay state either side
+        return run_schedule(
+            forward_step,
+            chunks,
+            iterators,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
 
 
 def run_schedule(

@@ -45,6 +45,7 @@ from lightning_mcore_rl.train.post_processors import (
     PostProcessingFunction,
     TeacherFullPayloadPostProcessor,
 )
+from lightning_mcore_rl.train.router_replay import check_routed_experts, replay_enabled
 from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
 from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
 from lightning_mcore_rl.train.validation import (
@@ -167,7 +168,7 @@ def run_global_batch(
         needs_lengths=microbatching.sequence_packing
         or microbatching.max_tokens_per_microbatch is not None,
     )
-    if _checked_inputs_skip(batch, spec, input_check):
+    if _checked_inputs_skip(batch, spec, input_check, None if spec.lm else chunks):
         return StepOutput(loss=torch.tensor(float("nan")))
     counts = batch_counts(batch)
     if forward_step_func is not None:
@@ -225,7 +226,7 @@ def run_forward_only(
         needs_lengths=microbatching.sequence_packing
         or microbatching.max_tokens_per_microbatch is not None,
     )
-    _checked_inputs_skip(batch, spec, input_check)
+    _checked_inputs_skip(batch, spec, input_check, chunks)
     with _eval_mode(chunks), torch.no_grad():
         global_batch = split_global_batch(batch, groups, microbatching)
         outputs = _megatron_pass(chunks, global_batch, post_processor, context, True)
@@ -242,11 +243,19 @@ def run_forward_only(
 
 
 def _checked_inputs_skip(
-    batch: Mapping[str, Any], spec: BatchSpec, input_check: InputCheck | None
+    batch: Mapping[str, Any],
+    spec: BatchSpec,
+    input_check: InputCheck | None,
+    chunks: Sequence[torch.nn.Module] | None,
 ) -> bool:
-    """ONE validation pass of ``batch`` (host only); the verdict through ``input_check``."""
+    """ONE validation pass of ``batch`` (host only; with ``chunks``, its ``routed_experts``
+    against their MoE config too); the verdict through ``input_check``."""
+    from megatron.core.utils import get_model_config
+
     try:
         finding = validate_batch(batch, spec)
+        if chunks:
+            check_routed_experts(batch, get_model_config(chunks[0]))
     except (ValueError, TypeError) as err:
         if input_check is None:
             raise
@@ -267,6 +276,9 @@ def _megatron_pass(
         for chunk in chunks:
             check_packed_core_attention(chunk)  # before megatron's schedule runs
     capture = isinstance(post, TeacherFullPayloadPostProcessor) and post.payload == "hidden_states"
+    replay = global_batch.microbatches[0].routed_experts_cp_sharded is not None and replay_enabled(
+        chunks
+    )  # checked up front: replaying routers need `routed_experts` (check_routed_experts)
     iterators = [global_batch.iterator() for _ in chunks]
     return megatron_forward_backward(
         list(chunks) if len(chunks) > 1 else chunks[0],
@@ -281,6 +293,8 @@ def _megatron_pass(
         sampling_params=context.sampling_params,
         enable_opd_full_capture=capture,
         use_fused_linear_logprobs=context.use_fused_linear_logprobs,
+        use_router_replay=replay,
+        router_replay_train=replay and not forward_only,  # REPLAY_BACKWARD for recompute
         groups=context.groups,
     )
 

@@ -262,8 +262,8 @@ def test_forward_step_rejects_unknown_post_processors_and_missing_components() -
     with pytest.raises(TypeError, match="Unknown post-processing function type"):
         forward_with_post_processing_fn(never, _Model(), lambda *a: None, groups=G)
     post = LogprobsPostProcessor(None)
-    with pytest.raises(NotImplementedError, match="router replay"):
-        forward_with_post_processing_fn(never, _Model(), post, use_router_replay=True, groups=G)
+    with pytest.raises(ValueError, match="`router_replay_train=True` needs `use_router_replay"):
+        forward_with_post_processing_fn(never, _Model(), post, router_replay_train=True, groups=G)
     with pytest.raises(NotImplementedError, match="draft-model"):
         forward_with_post_processing_fn(never, _Model(), post, draft_model=object(), groups=G)
 

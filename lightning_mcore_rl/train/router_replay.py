@@ -1,0 +1,291 @@
+"""MoE router replay: route the training forward with the experts a rollout recorded.
+
+Data contract: a batch may carry ``routed_experts [B, S, L, K]`` (integer): token ``(b, s)``'s
+top-``K`` expert ids at MoE layer ``l`` of the WHOLE model (``L`` MoE layers counted in layer
+order over every pipeline stage, ``K = moe_router_topk``), as the rollout source routed it.
+
+megatron's router (``TopKRouter``, ``TransformerConfig.moe_enable_routing_replay=True``) replays
+per router a ``[N, K]`` int64 tensor in the token order IT sees: the layer input ``[s, b, H]``
+flattened sequence-first (``n = s * b_size + b``). This module builds that order:
+
+* :func:`routed_token_index` (host, per microbatch): for every token the model's input holds,
+  the flat index ``b * S + s`` of its source token in the microbatch, ``-1`` at padding — padded
+  rows ``[S_pad, B]`` sequence-first, or the packed THD row of this CP rank (zigzag shards of
+  every span, span and bin padding included), by the same packer the input ids go through.
+* :func:`routed_experts_in_model_order`: ``routed_experts`` gathered in that order ``[N, L, K]``
+  (padding tokens get experts ``0..K-1``; the padding mask keeps them out of the aux loss).
+* :func:`arm_replay_forward` (per forward): this TP rank's sequence-parallel slice, and for each
+  router of the chunk (this pipeline stage's / virtual chunk's layers only) its layer's ``[N, K]``.
+
+Actions follow NeMo RL's ``use_router_replay`` / ``router_replay_train``: every forward of a
+replayed pass runs REPLAY_FORWARD; a training pass (``router_replay_train``) then arms
+REPLAY_BACKWARD, so activation recompute in the backward pops the same microbatch's indices
+(megatron keeps one FIFO per router), while a forward-only pass clears the action after each
+forward. :func:`router_replay_pass` clears every router's state before and after a pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from lightning_mcore_rl.train.chunks import unwrap_model
+
+ROUTED_EXPERTS = "routed_experts"
+"""Batch key of the recorded routing ``[B, S, L, K]``."""
+
+
+def moe_layer_numbers(config: Any) -> list[int]:
+    """The global (1-based) layer numbers of the MoE layers of the whole model, in order
+    (megatron's ``moe_layer_freq``: an int ``f`` makes every ``f``-th layer MoE, a list is the
+    0/1 pattern itself); ``[]`` for a dense model."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    else:
+        pattern = list(freq)
+    return [i + 1 for i, moe in enumerate(pattern) if moe]
+
+
+def chunk_routers(model: torch.nn.Module) -> list[tuple[int, Any]]:
+    """``(MoE layer index l, router)`` for every router of this chunk, in layer order.
+
+    Raises:
+        ValueError: A router without megatron's replay state (the config lacks
+            ``moe_enable_routing_replay=True``).
+    """
+    from megatron.core.transformer.moe.router import Router
+
+    inner = unwrap_model(model)
+    numbers = moe_layer_numbers(cast(Any, inner).config)
+    found = []
+    for module in inner.modules():
+        if not isinstance(module, Router):
+            continue
+        if getattr(module, "router_replay", None) is None:
+            raise ValueError(
+                "router replay needs routers built with `moe_enable_routing_replay=True` in the "
+                "TransformerConfig (MCoreRLModule.transformer_config(moe_enable_routing_replay="
+                "True)); this chunk's routers have no replay state"
+            )
+        found.append((numbers.index(cast(int, module.layer_number)), module))
+    return found
+
+
+def replay_enabled(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether the chunks' MoE routers were built for replay (``moe_enable_routing_replay``)."""
+    from megatron.core.utils import get_model_config
+
+    return any(
+        bool(getattr(get_model_config(chunk), "moe_enable_routing_replay", False))
+        for chunk in chunks
+    )
+
+
+def check_routed_experts(batch: Mapping[str, Any], config: Any) -> bool:
+    """Validate ``batch[ROUTED_EXPERTS]`` against the model (host only, before any collective).
+
+    Args:
+        batch: The batch (``input_ids [B, S]``).
+        config: The model's ``TransformerConfig``.
+
+    Returns:
+        Whether the pass replays: the config enables routing replay (then the key is required).
+
+    Raises:
+        ValueError: The key missing while the routers replay; a shape other than
+            ``[B, S, L, K]``; expert ids outside ``[0, E)``.
+        TypeError: A non-integer tensor.
+    """
+    enabled = bool(getattr(config, "moe_enable_routing_replay", False))
+    if ROUTED_EXPERTS not in batch:
+        if enabled:
+            raise ValueError(
+                f"the model's routers replay (`moe_enable_routing_replay=True`) but the batch "
+                f"has no `{ROUTED_EXPERTS}` [B, S, L, K]; keys: {sorted(batch)}. Record it in "
+                "the rollout (the rollout sources return it) or build the model without replay"
+            )
+        return False
+    experts = batch[ROUTED_EXPERTS]
+    if not isinstance(experts, Tensor) or experts.is_floating_point() or experts.is_complex():
+        raise TypeError(
+            f"`{ROUTED_EXPERTS}` must be an integer tensor [B, S, L, K], got "
+            f"{getattr(experts, 'dtype', type(experts).__name__)}"
+        )
+    ids = cast(Tensor, batch["input_ids"])
+    expected = (*ids.shape, len(moe_layer_numbers(config)), config.moe_router_topk)
+    if tuple(experts.shape) != expected:
+        raise ValueError(
+            f"`{ROUTED_EXPERTS}` must be [B, S, L, K] = {list(expected)} (L = MoE layers of the "
+            f"model, K = moe_router_topk), got {list(experts.shape)}"
+        )
+    if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= config.num_moe_experts):
+        raise ValueError(
+            f"`{ROUTED_EXPERTS}` ids must lie in [0, {config.num_moe_experts}), got min "
+            f"{int(experts.min())}, max {int(experts.max())}"
+        )
+    return enabled
+
+
+def routed_token_index(
+    batch: int,
+    width: int,
+    lengths: Tensor | None,
+    *,
+    model_width: int | None = None,
+    packed_index: Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """Source token of every token the model's routers see, ``-1`` at padding.
+
+    Args:
+        batch: ``B``.
+        width: ``S``, the microbatch's width.
+        lengths: ``[B]`` real lengths (``None``: every position of the ``S`` columns is real).
+        model_width: Padded layout: the model's input width ``S_pad >= S``.
+        packed_index: Packed layout: ``[1, T/CP]``, the packer's output for ids
+            ``b * S + s + 1`` (0 = padding): see :func:`packable_token_ids`.
+        device: Where the padded layout's index is built.
+
+    Returns:
+        ``[S_pad * B]`` (sequence-first, ``n = s * B + b``) or ``[T/CP]`` int64.
+    """
+    if packed_index is not None:
+        return packed_index[0].long() - 1
+    source = torch.arange(batch * width, device=device).view(batch, width)  # [B, S]: b*S + s
+    if lengths is not None:
+        real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
+        source = torch.where(real, source, -1)
+    pad = (model_width or width) - width
+    source = torch.nn.functional.pad(source, (0, pad), value=-1)  # [B, S_pad]
+    return source.transpose(0, 1).reshape(-1)  # [S_pad, B] flattened sequence-first
+
+
+def packable_token_ids(batch: int, width: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[B, S]`` ids ``b * S + s + 1``: packed like the input ids, they locate every token of
+    the THD row (0 = padding)."""
+    return torch.arange(1, batch * width + 1, device=device).view(batch, width)
+
+
+def routed_experts_in_model_order(routed_experts: Tensor, token_index: Tensor) -> Tensor:
+    """Gather ``routed_experts [B, S, L, K]`` into the routers' token order ``[N, L, K]`` int64
+    (padding tokens, ``token_index == -1``, get experts ``0..K-1``)."""
+    flat = routed_experts.reshape(-1, *routed_experts.shape[2:]).long()  # [B*S, L, K]
+    topk = routed_experts.shape[-1]
+    filler = torch.arange(topk, device=flat.device).expand(flat.shape[1], topk)  # [L, K]
+    token_index = token_index.to(flat.device)
+    gathered = flat[token_index.clamp(min=0)]  # [N, L, K]
+    return torch.where((token_index < 0)[:, None, None], filler, gathered)
+
+
+def sequence_parallel_slice(tokens: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    """This TP rank's contiguous share of the token dim (megatron's SP split of ``[s, b, H]``
+    along ``s``, which is a contiguous block of the sequence-first flattening)."""
+    if tp_size == 1:
+        return tokens
+    if tokens.shape[0] % tp_size != 0:
+        raise ValueError(
+            f"{tokens.shape[0]} routed tokens do not split over TP={tp_size} "
+            "(sequence parallelism); the layout padding must make the width a multiple of TP"
+        )
+    return tokens.chunk(tp_size, dim=0)[tp_rank]
+
+
+def arm_replay_forward(
+    model: torch.nn.Module, routed_experts: Tensor, tp_rank: int, tp_size: int
+) -> None:
+    """Give every router of ``model`` its layer's ``[N, K]`` and arm REPLAY_FORWARD.
+
+    Args:
+        model: The model chunk.
+        routed_experts: ``[N, L, K]`` in the model's token order before sequence parallelism
+            (:func:`routed_experts_in_model_order`).
+        tp_rank: This rank's TP rank (the SP slice).
+        tp_size: ``TP``.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from megatron.core.utils import get_model_config
+
+    sp = bool(get_model_config(model).sequence_parallel)
+    local = sequence_parallel_slice(routed_experts, tp_rank, tp_size if sp else 1)
+    for layer, router in chunk_routers(model):
+        router.router_replay.set_target_indices(local[:, layer, :].contiguous())
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def after_replay_forward(model: torch.nn.Module, train: bool) -> None:
+    """After a replayed forward: arm REPLAY_BACKWARD (training: recompute replays) or clear the
+    action (forward-only)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for _, router in chunk_routers(model):
+        if train:
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        else:
+            router.router_replay.clear_router_replay_action()
+
+
+def clear_replay(chunks: Sequence[torch.nn.Module]) -> None:
+    """Drop every router's replay indices and action (those of ``chunks`` only)."""
+    for chunk in chunks:
+        for _, router in chunk_routers(chunk):
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+
+@contextlib.contextmanager
+def router_replay_pass(chunks: Sequence[torch.nn.Module], enabled: bool) -> Iterator[None]:
+    """Clear the chunks' replay state before and after a replayed pass (also on error), so no
+    stale indices or action leak into the next pass or into generation."""
+    if not enabled:
+        yield
+        return
+    clear_replay(chunks)
+    try:
+        yield
+    finally:
+        clear_replay(chunks)
+
+
+def record_routing(chunks: Sequence[torch.nn.Module]) -> None:
+    """Arm RECORD on every router of ``chunks`` (:func:`recorded_routing` reads the result)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for chunk in chunks:
+        for _, router in chunk_routers(chunk):
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+
+def recorded_routing(model: torch.nn.Module, batch: int) -> Tensor:
+    """The last forward's routing of this chunk's routers as ``[B, s, L_chunk, K]`` (layer
+    order), from megatron's per-router ``[s * B, K]`` (sequence-first)."""
+    per_layer = []
+    for _, router in chunk_routers(model):
+        recorded = router.router_replay.get_recorded_indices()  # [s*B, K]
+        per_layer.append(recorded.view(-1, batch, recorded.shape[-1]).transpose(0, 1))
+    return torch.stack(per_layer, dim=2)
+
+
+__all__ = [
+    "ROUTED_EXPERTS",
+    "after_replay_forward",
+    "arm_replay_forward",
+    "check_routed_experts",
+    "chunk_routers",
+    "clear_replay",
+    "moe_layer_numbers",
+    "packable_token_ids",
+    "record_routing",
+    "recorded_routing",
+    "replay_enabled",
+    "routed_experts_in_model_order",
+    "routed_token_index",
+    "router_replay_pass",
+    "sequence_parallel_slice",
+]
