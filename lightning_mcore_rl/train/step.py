@@ -21,6 +21,7 @@ schedule runner (:func:`~lightning_mcore_rl.train.schedule.run_schedule`):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -46,6 +47,7 @@ from lightning_mcore_rl.train.post_processors import (
     TeacherFullPayloadPostProcessor,
 )
 from lightning_mcore_rl.train.router_replay import check_routed_experts, replay_enabled
+from lightning_mcore_rl.train.router_stats import moe_pass
 from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
 from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
 from lightning_mcore_rl.train.validation import (
@@ -171,6 +173,7 @@ def run_global_batch(
     if _checked_inputs_skip(batch, spec, input_check, None if spec.lm else chunks):
         return StepOutput(loss=torch.tensor(float("nan")))
     counts = batch_counts(batch)
+    router = None  # the MoE router statistics (``loss_fn`` path of a MoE model)
     if forward_step_func is not None:
         microbatches = split_lm_batch(batch, microbatching)
         first = cast(Tensor, next(iter(microbatches[0].values())))  # [b, S]
@@ -188,12 +191,20 @@ def run_global_batch(
         assert loss is not None  # exactly one of the two, checked above
         _check_per_token_loss(chunks)
         global_batch = split_global_batch(batch, groups, microbatching)
-        outputs = _megatron_pass(chunks, global_batch, loss, context, forward_only)
+        with moe_pass(
+            chunks, global_batch.microbatches, groups, training=not forward_only,
+            device=context.device,
+        ) as router:  # fmt: skip
+            outputs = _megatron_pass(chunks, global_batch, loss, context, forward_only)
         source = type(loss.loss_fn).__name__
-    return reduce_step_statistics(
+    out = reduce_step_statistics(
         outputs, counts, groups, normalizations=normalizations, source=source,
         device=context.device,
     )  # fmt: skip
+    if router is None:
+        return out
+    routed = router.reduce(groups, context.world_group)
+    return dataclasses.replace(out, metrics={**out.metrics, **routed})
 
 
 def run_forward_only(
