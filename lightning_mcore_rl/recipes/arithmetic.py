@@ -270,12 +270,25 @@ def _token_fields(tokenizer: PreTrainedTokenizerFast, vocab_multiple: int) -> di
 def _save_random_causal_lm(
     config: Any, out_dir: str | os.PathLike[str], tokenizer: PreTrainedTokenizerFast, seed: int
 ) -> Path:
-    """Random-init the causal LM of ``config`` (seeded), save it and ``tokenizer`` to ``out_dir``."""
+    """Random-init the causal LM of ``config`` (seeded), save it and ``tokenizer`` to ``out_dir``.
+
+    transformers initialises the pad token's embedding row to zeros (``padding_idx``). The toy
+    tasks use every id as content, pad included, and a zero row through RMSNorm has a gradient
+    of ``1/sqrt(eps)`` (measured: 3.3e4 for that row in a tiny Qwen3-MoE vs <= 30 for every
+    other), which a real checkpoint's trained pad row does not; so the row is drawn like the
+    others (``N(0, initializer_range)``, its own generator: no other weight changes).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if config.pad_token_id is not None:
+        generator = torch.Generator().manual_seed(seed)
+        embedding = model.get_input_embeddings().weight
+        row = torch.randn(embedding.shape[1], generator=generator) * config.initializer_range
+        with torch.no_grad():
+            embedding[config.pad_token_id] = row
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))

@@ -1,5 +1,6 @@
-"""Rank function of the HF GRPO test: ``lmrl fit`` with the shipped ``grpo_hf.yaml`` on a tiny
-random Hugging Face model (TP=2, reference KL on), a few steps."""
+"""Rank function of the HF GRPO tests: ``lmrl fit`` with a shipped GRPO YAML (``grpo_hf.yaml``:
+TP=2, reference KL on; ``grpo_moe_tiny.yaml``: EP=2) on a tiny random Hugging Face model, a few
+steps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-CONFIG = Path(__file__).parents[3] / "examples" / "configs" / "grpo_hf.yaml"
+CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
 
 
 class Rows(Callback):
@@ -21,13 +22,20 @@ class Rows(Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def lmrl_fit(rank: int, hf_dir: str, root: str, steps: int) -> list[dict[str, float]]:
-    """``lmrl fit --config examples/configs/grpo_hf.yaml --model.init_args.model.path=...``."""
+def lmrl_fit(
+    rank: int,
+    hf_dir: str,
+    root: str,
+    steps: int,
+    config: str = "grpo_hf.yaml",
+    overrides: tuple[str, ...] = (),
+) -> list[dict[str, float]]:
+    """``lmrl fit --config examples/configs/<config> --model.init_args.model.path=... <overrides>``."""
     from lightning_mcore_rl.cli import build_cli
 
     cli = build_cli(
         [
-            "--config", str(CONFIG),
+            "--config", str(CONFIGS / config),
             f"--model.init_args.model.path={hf_dir}",
             f"--trainer.max_steps={steps}",
             f"--data.init_args.num_steps={steps}",
@@ -35,6 +43,7 @@ def lmrl_fit(rank: int, hf_dir: str, root: str, steps: int) -> list[dict[str, fl
             "--trainer.logger=false",
             "--trainer.enable_progress_bar=false",
             f"--trainer.default_root_dir={root}",
+            *overrides,
         ],
         run=False,
     )  # fmt: skip
