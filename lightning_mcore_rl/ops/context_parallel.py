@@ -156,7 +156,7 @@ class _AllGatherToPositions(torch.autograd.Function):
     def forward(ctx: Any, local: torch.Tensor, positions: torch.Tensor, cp_group: Any) -> Any:
         local = local.contiguous()
         gathered = local.new_empty(cp_group.size() * local.shape[0], *local.shape[1:])
-        dist.all_gather_into_tensor(gathered, local, group=cp_group)
+        dist.all_gather_single(gathered, local, group=cp_group)
         ctx.save_for_backward(positions)
         ctx.cp_group = cp_group
         return torch.empty_like(gathered).index_copy_(0, positions, gathered)
