@@ -5,13 +5,17 @@ losses (plain autograd, the aux loss computed here from the router weights)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _strategy_rl_runs import PG_CFG, RolloutRows, S
+from _strategy_rl_runs import PG_CFG, GRPOModule, RolloutRows, S
 from _strategy_runs import VOCAB
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader
 
+from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
@@ -179,3 +183,60 @@ def _capacity_kept(logits: torch.Tensor, factor: float) -> torch.Tensor:
     capacity = math.ceil(logits.shape[0] * TOPK / E * factor)
     keep = torch.zeros_like(logits).scatter(0, weights.topk(capacity, dim=0).indices, 1.0)
     return (weights > 0) & (keep > 0)
+
+
+class MoEGRPOModule(GRPOModule):
+    """:class:`~_strategy_rl_runs.GRPOModule` (ClippedPG) on the tiny MoE GPT of ``spec``."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        sp = self.mcore_strategy.parallel.sequence_parallel
+        config = tiny_gpt_config(self.parallel_groups, **self.spec.moe_fields(sp))
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
+
+
+class StepRecorder(Callback):
+    """Per step: the logged metrics (floats) and megatron's grad norm."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.grad_norms.append(float(trainer.strategy.optimizers[0].last_step.grad_norm))
+
+
+def moe_trainer(spec: MoESpec, steps: int, **kwargs: Any) -> tuple[Trainer, StepRecorder]:
+    world_size = int(os.environ["WORLD_SIZE"])
+    recorder = StepRecorder()
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=spec.tp, sequence_parallel=spec.tp > 1,
+        expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1, micro_batch_size=1,
+    )  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, max_steps=steps, strategy=strategy,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[recorder, *kwargs.pop("callbacks", [])],
+        enable_checkpointing=kwargs.pop("enable_checkpointing", False), **kwargs,
+    )  # fmt: skip
+    return trainer, recorder
+
+
+def moe_loader(spec: MoESpec) -> DataLoader:
+    """ROWS samples per step, split over the DP ranks in a fixed order."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    return DataLoader(RolloutRows(4 * ROWS), batch_size=ROWS * spec.tp // world_size)
+
+
+def fit_moe_rank(_rank: int, spec: MoESpec, steps: int) -> dict[str, Any]:
+    """``steps`` ClippedPG steps of the tiny MoE GPT under a Trainer: per-step metrics and grad
+    norms."""
+    trainer, recorder = moe_trainer(spec, steps)
+    trainer.fit(MoEGRPOModule(spec), moe_loader(spec))
+    return {"metrics": recorder.metrics, "grad_norms": recorder.grad_norms}
