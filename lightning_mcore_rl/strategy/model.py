@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 
 _MEGATRON_CP_ASSERT = "Context parallelism is only supported by TEDotProductAttention"
+_MEGATRON_MOE_ASSERT = "when instantiating MoELayer"
 
 
 def build_stage_chunks(
@@ -21,11 +22,19 @@ def build_stage_chunks(
 
     Raises:
         ValueError: instead of megatron's bare ``AssertionError`` when a chunk's local-spec
-            attention cannot run context parallelism, naming the CP-capable spec.
+            attention cannot run context parallelism, naming the CP-capable spec, or when its
+            MoE layer cannot split the experts over the expert-parallel ranks.
     """
     try:
         return [build(vp_stage) for vp_stage in vp_stages]
     except AssertionError as err:
+        if _MEGATRON_MOE_ASSERT in str(err):
+            raise ValueError(
+                f"`{hook}`: megatron's MoELayer refused the config ({err}); "
+                "`TransformerConfig.num_moe_experts` must be divisible by "
+                "`MCoreRLStrategy(expert_model_parallel_size=...)` (each EP rank holds E/EP "
+                "experts)."
+            ) from err
         if _MEGATRON_CP_ASSERT not in str(err):
             raise
         raise ValueError(
@@ -137,6 +146,7 @@ def check_chunk_layout(
         config = getattr(chunk, "config", None)
         if config is None:
             raise TypeError(f"{name} {index} ({type(chunk).__name__}) has no megatron config.")
+        _check_moe_layout(config, f"{name} {index}")
         for key, value in expected.items():
             actual = getattr(config, key)
             if actual != value:
@@ -145,3 +155,29 @@ def check_chunk_layout(
                     f"and Trainer set {value!r}; build the config with "
                     "`strategy.transformer_config_kwargs()` (see `MCoreRLModule.transformer_config`)."
                 )
+
+
+def _check_moe_layout(config: Any, what: str) -> None:
+    """What megatron's MoE layers need of the layout, checked at setup (before any step):
+    experts divisible by EP, and sequence parallelism under TP > 1 (megatron only warns at
+    build time and raises in the first training forward, mid-step).
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    experts = getattr(config, "num_moe_experts", None)
+    if not experts:
+        return
+    ep = config.expert_model_parallel_size
+    if experts % ep:
+        raise ValueError(
+            f"{what}: `TransformerConfig.num_moe_experts={experts}` is not divisible by "
+            f"`expert_model_parallel_size={ep}`; each EP rank holds E/EP experts."
+        )
+    if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+        raise ValueError(
+            f"{what}: MoE layers with `tensor_model_parallel_size="
+            f"{config.tensor_model_parallel_size}` need `sequence_parallel=True` (megatron's "
+            "MoELayer refuses to train without it); set "
+            "`MCoreRLStrategy(sequence_parallel=True)`."
+        )

@@ -34,10 +34,13 @@ class MoESpec:
     z: float | None = None
     capacity: float | None = None
     load_balancing: str = "aux_loss"
+    experts: int = E
+    sequence_parallel: bool | None = None  # None: TP > 1
 
     def moe_fields(self, sequence_parallel: bool) -> dict[str, Any]:
         fields: dict[str, Any] = {
             **MOE,
+            "num_moe_experts": self.experts,
             "moe_aux_loss_coeff": self.aux,
             "moe_z_loss_coeff": self.z,
             "moe_router_load_balancing_type": self.load_balancing,
@@ -216,7 +219,8 @@ def moe_trainer(spec: MoESpec, steps: int, **kwargs: Any) -> tuple[Trainer, Step
     world_size = int(os.environ["WORLD_SIZE"])
     recorder = StepRecorder()
     strategy = MCoreRLStrategy(
-        tensor_model_parallel_size=spec.tp, sequence_parallel=spec.tp > 1,
+        tensor_model_parallel_size=spec.tp,
+        sequence_parallel=spec.tp > 1 if spec.sequence_parallel is None else spec.sequence_parallel,
         expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1, micro_batch_size=1,
     )  # fmt: skip
     trainer = Trainer(
@@ -240,3 +244,13 @@ def fit_moe_rank(_rank: int, spec: MoESpec, steps: int) -> dict[str, Any]:
     trainer, recorder = moe_trainer(spec, steps)
     trainer.fit(MoEGRPOModule(spec), moe_loader(spec))
     return {"metrics": recorder.metrics, "grad_norms": recorder.grad_norms}
+
+
+def fit_error_rank(_rank: int, spec: MoESpec) -> str:
+    """``"Type: message"`` of the error ``Trainer.fit`` raises for ``spec`` (``""``: none)."""
+    trainer, _ = moe_trainer(spec, 1)
+    try:
+        trainer.fit(MoEGRPOModule(spec), moe_loader(spec))
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from _strategy_moe_runs import MoESpec, fit_moe_rank, reference_rank, step_rank
+from _strategy_moe_runs import MoESpec, fit_error_rank, fit_moe_rank, reference_rank, step_rank
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -73,3 +73,19 @@ def test_trainer_grpo_ep2_equals_ep1_and_one_rank(aux):
     _assert_same_run(ep2[0], ep2[1], 0.0)  # identical on every rank
     _assert_same_run(ep2[0], ep1[0], 1e-5)
     _assert_same_run(ep2[0], one, 1e-5)
+
+
+def test_bad_moe_layouts_raise_at_setup():
+    """Refused before any step, on every rank, naming the field: 3 experts over EP=2 (megatron's
+    bare MoELayer assertion, re-raised as ValueError) and MoE under TP=2 without sequence
+    parallelism (megatron only warns at build time and raises in the first training forward)."""
+    experts = run_on_ranks(fit_error_rank, 2, MoESpec(ep=2, experts=3), timeout=120)
+    no_sp = run_on_ranks(
+        fit_error_rank, 2, MoESpec(tp=2, ep=2, sequence_parallel=False), timeout=120
+    )
+    for err in experts:
+        assert err.startswith("ValueError: `build_chunk`: megatron's MoELayer refused")
+        assert "`TransformerConfig.num_moe_experts` must be divisible by" in err
+    for err in no_sp:
+        assert err.startswith("ValueError: Model chunk 0: MoE layers with")
+        assert "need `sequence_parallel=True`" in err
