@@ -9,7 +9,8 @@
 The tokenizer is a word-level one over the counting task's 16 token words (``"0"`` ... ``"15"``)
 after 4 special tokens, so the model's vocabulary (24: 20 rounded up to a multiple of 8, even for
 TP=2) covers the task's ids 0-15; 2 layers, hidden size 64, 4 heads (2 KV heads), 64 positions,
-fp32 safetensors (about 0.3 MB). The Qwen3-MoE has 4 experts per layer, top-2, expert width 64.
+fp32 safetensors (about 0.3 MB); the pad token's embedding is random like the others (the task
+feeds id 0 as content). The Qwen3-MoE has 4 experts per layer, top-2, expert width 64.
 Needs the ``hf`` extra (``transformers``, ``tokenizers``).
 """
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     name, write, default_out = ARCHS[args.arch]
     tokenizer = train_tokenizer([" ".join(str(i) for i in range(TASK_VOCAB))])
-    out = write(args.out or default_out, tokenizer, seed=args.seed)
+    # the task feeds every id 0-15 as content, the pad id 0 included: give it a real embedding
+    out = write(args.out or default_out, tokenizer, seed=args.seed, random_pad_embedding=True)
     print(f"tiny {name} + tokenizer: {out}")
     return out
 

@@ -184,12 +184,14 @@ def write_tiny_llama(
     max_position_embeddings: int = 64,
     vocab_multiple: int = 8,
     seed: int = 0,
+    random_pad_embedding: bool = False,
 ) -> Path:
     """Save a random-init fp32 ``LlamaForCausalLM`` and ``tokenizer`` in ``out_dir``
     (safetensors), its BOS/EOS/pad ids the tokenizer's.
 
     ``vocab_size`` is ``len(tokenizer)`` rounded up to ``vocab_multiple`` (megatron splits the
     vocabulary over TP without padding it), so TP = 2 needs an even multiple.
+    ``random_pad_embedding``: see :func:`write_tiny_qwen3_moe`.
 
     Raises:
         ValueError: heads or query groups not divisible as Llama requires.
@@ -206,7 +208,7 @@ def write_tiny_llama(
         max_position_embeddings=max_position_embeddings,
         **_token_fields(tokenizer, vocab_multiple),
     )
-    return _save_random_causal_lm(config, out_dir, tokenizer, seed)
+    return _save_random_causal_lm(config, out_dir, tokenizer, seed, random_pad_embedding)
 
 
 def write_tiny_qwen3_moe(
@@ -223,10 +225,18 @@ def write_tiny_qwen3_moe(
     max_position_embeddings: int = 64,
     vocab_multiple: int = 8,
     seed: int = 0,
+    random_pad_embedding: bool = False,
 ) -> Path:
     """Save a random-init fp32 ``Qwen3MoeForCausalLM`` (every layer MoE, top-k probabilities
     renormalised, no router aux-loss output) and ``tokenizer`` in ``out_dir``; the vocabulary
     as in :func:`write_tiny_llama`.
+
+    transformers initialises the pad token's embedding row to zeros (``padding_idx``).
+    ``random_pad_embedding=True`` draws it like every other row (``N(0, initializer_range)``,
+    its own generator: no other weight changes), for tasks that feed the pad id as content, as
+    the toy counting tasks do (ids 0-15): a zero row through RMSNorm has a gradient of
+    ``1/sqrt(eps)`` (measured 3.3e4 for that row in a tiny Qwen3-MoE vs <= 30 for every other;
+    grad norm 353 at the first GRPO step instead of 0.6), which no trained checkpoint has.
 
     Raises:
         ValueError: heads or query groups not divisible.
@@ -246,7 +256,7 @@ def write_tiny_qwen3_moe(
         max_position_embeddings=max_position_embeddings,
         **_token_fields(tokenizer, vocab_multiple),
     )
-    return _save_random_causal_lm(config, out_dir, tokenizer, seed)
+    return _save_random_causal_lm(config, out_dir, tokenizer, seed, random_pad_embedding)
 
 
 def _check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads: int) -> None:
@@ -268,22 +278,20 @@ def _token_fields(tokenizer: PreTrainedTokenizerFast, vocab_multiple: int) -> di
 
 
 def _save_random_causal_lm(
-    config: Any, out_dir: str | os.PathLike[str], tokenizer: PreTrainedTokenizerFast, seed: int
+    config: Any,
+    out_dir: str | os.PathLike[str],
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    random_pad_embedding: bool,
 ) -> Path:
-    """Random-init the causal LM of ``config`` (seeded), save it and ``tokenizer`` to ``out_dir``.
-
-    transformers initialises the pad token's embedding row to zeros (``padding_idx``). The toy
-    tasks use every id as content, pad included, and a zero row through RMSNorm has a gradient
-    of ``1/sqrt(eps)`` (measured: 3.3e4 for that row in a tiny Qwen3-MoE vs <= 30 for every
-    other), which a real checkpoint's trained pad row does not; so the row is drawn like the
-    others (``N(0, initializer_range)``, its own generator: no other weight changes).
-    """
+    """Random-init the causal LM of ``config`` (seeded; the pad row redrawn with
+    ``random_pad_embedding``), save it and ``tokenizer`` to ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    if config.pad_token_id is not None:
+    if random_pad_embedding and config.pad_token_id is not None:
         generator = torch.Generator().manual_seed(seed)
         embedding = model.get_input_embeddings().weight
         row = torch.randn(embedding.shape[1], generator=generator) * config.initializer_range

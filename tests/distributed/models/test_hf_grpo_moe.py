@@ -24,7 +24,8 @@ EP1 = (*MBS, "--trainer.strategy.init_args.expert_model_parallel_size=1")
 
 def test_lmrl_fit_grpo_moe_at_ep2_equals_ep1(tmp_path):
     source = tmp_path / "qwen3_moe"
-    write_tiny_qwen3_moe(source, train_tokenizer([" ".join(str(i) for i in range(16))]), seed=1)
+    tokenizer = train_tokenizer([" ".join(str(i) for i in range(16))])
+    write_tiny_qwen3_moe(source, tokenizer, seed=1, random_pad_embedding=True)  # as make_tiny_hf
     runs = {
         ep: run_on_ranks(
             lmrl_fit,
