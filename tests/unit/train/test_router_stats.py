@@ -1,0 +1,60 @@
+"""``train.router_stats`` host-side pieces: which router losses a config enables, the derived
+metrics of the built-in statistics on hand-made tables, and the collector's errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_mcore_rl.train.router_stats import (
+    DROPPED_TOKENS,
+    TOKENS_PER_EXPERT,
+    RouterStatistics,
+    StatsLayout,
+    enabled_router_losses,
+    router_loss_statistic,
+)
+
+
+def _config(types="aux_loss", coeffs=0.0, z=None):
+    return SimpleNamespace(
+        moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=z
+    )
+
+
+def test_enabled_router_losses_follow_megatron_types_and_coefficients():
+    assert enabled_router_losses(_config()) == ()
+    assert enabled_router_losses(_config(coeffs=0.1)) == ("load_balancing_loss",)
+    assert enabled_router_losses(_config(z=1e-3)) == ("z_loss",)
+    both = _config(["seq_aux_loss", "global_aux_loss"], [0.0, 0.2], z=1e-3)
+    assert enabled_router_losses(both) == ("global_load_balancing_loss", "z_loss")
+
+
+def test_statistic_metrics_on_hand_made_tables():
+    layout = StatsLayout(tp_cp=2, topk=2)
+    tokens = torch.tensor([[3.0, 5.0], [4.0, 4.0]], dtype=torch.float64)  # [layers, E]
+    assert TOKENS_PER_EXPERT.metrics(tokens, layout) == {
+        "moe/tokens_per_expert_max": 5.0,
+        "moe/tokens_per_expert_mean": 4.0,
+    }
+    assert DROPPED_TOKENS.metrics(torch.tensor([[2.0], [1.0]]), layout) == {
+        "moe/dropped_tokens": 3.0
+    }
+    # load balancing: per layer TP*CP * sum(n_mb * aux_r) / sum(n_mb): 2 * 3/6 = 1, 2 * 6/4 = 3
+    table = torch.tensor([[3.0, 6.0], [6.0, 4.0]], dtype=torch.float64)
+    lb = router_loss_statistic("load_balancing_loss").metrics(table, layout)
+    assert lb == {"moe/load_balancing_loss": pytest.approx(2.0, abs=1e-12)}
+    # z: token-weighted mean, no TP*CP factor: (0.5 + 1.5) / 2
+    z = router_loss_statistic("z_loss").metrics(table, layout)
+    assert z == {"moe/z_loss": pytest.approx(1.0, abs=1e-12)}
+
+
+def test_router_statistics_errors():
+    with pytest.raises(ValueError, match=r"`statistics` names must be unique"):
+        RouterStatistics([], [TOKENS_PER_EXPERT, TOKENS_PER_EXPERT])
+    dense = torch.nn.Linear(2, 2)
+    dense.config = SimpleNamespace(num_moe_experts=None)  # what get_model_config reads
+    with pytest.raises(ValueError, match="needs model chunks with MoE layers"):
+        RouterStatistics([dense], [TOKENS_PER_EXPERT])
