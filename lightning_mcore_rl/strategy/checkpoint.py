@@ -307,7 +307,7 @@ checkpoint dict (rank 0's ``common.pt``)."""
 LAYOUT_FIELDS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "context_parallel_size", "data_parallel_size",
-    "use_distributed_optimizer", "precision",
+    "use_distributed_optimizer", "precision", "expert_model_parallel_size",
 )  # fmt: skip
 _MODEL_PARALLEL = LAYOUT_FIELDS[:4]
 
@@ -320,8 +320,10 @@ def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
     Raises:
         ValueError: ``use_distributed_optimizer`` or ``precision`` changed (the optimizer state
             formats differ: the distributed optimizer's buffers vs per-parameter state, bf16's fp32
-            main params), or a distributed-optimizer ``dp_reshardable`` checkpoint is resumed
-            under another TP/PP/VPP/CP size (its buffers are per TP/PP rank; only DP may change).
+            main params), ``expert_model_parallel_size`` changed (megatron chains a separate
+            expert optimizer under EP > 1: its state is keyed per optimizer), or a
+            distributed-optimizer ``dp_reshardable`` checkpoint is resumed under another
+            TP/PP/VPP/CP size (its buffers are per TP/PP rank; only DP may change).
     """
     if not saved:
         return
@@ -333,7 +335,7 @@ def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
             if key in saved and key in current and saved[key] != current[key]
         )
 
-    for key in ("use_distributed_optimizer", "precision"):
+    for key in ("use_distributed_optimizer", "precision", "expert_model_parallel_size"):
         if changed := changes([key]):
             raise ValueError(
                 f"The checkpoint's optimizer state was saved with another `{key}` ({changed}); "

@@ -13,7 +13,7 @@ from lightning_mcore_rl.strategy.config import CheckpointConfig
 RUN = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
        "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
        "data_parallel_size": 2, "use_distributed_optimizer": True, "precision": "32-true",
-       "world_size": 2, "micro_batch_size": 1}  # fmt: skip
+       "world_size": 2, "micro_batch_size": 1, "expert_model_parallel_size": 1}  # fmt: skip
 
 
 def _layout(sharding: str = "dp_reshardable", **run: object) -> dict:
@@ -53,6 +53,7 @@ def test_dp_reshardable_follows_dp_and_fully_reshardable_follows_any_size():
         ("use_distributed_optimizer", False, True),
         ("precision", "bf16-mixed", "32-true"),
         ("precision", "bf16-mixed", "bf16-true"),
+        ("expert_model_parallel_size", 1, 2),
     ],
 )
 def test_optimizer_and_precision_changes_raise_in_both_directions(key, saved, current):
