@@ -159,8 +159,10 @@ def check_chunk_layout(
 
 def _check_moe_layout(config: Any, what: str) -> None:
     """What megatron's MoE layers need of the layout, checked at setup (before any step):
-    experts divisible by EP, and sequence parallelism under TP > 1 (megatron only warns at
-    build time and raises in the first training forward, mid-step).
+    experts divisible by EP, sequence parallelism under TP > 1 (megatron only warns at build
+    time and raises in the first training forward, mid-step), a token dispatcher that takes
+    per-rank token counts, and no recompute of the routers (the router statistics count each
+    router call once per microbatch).
 
     Raises:
         ValueError: naming the field and the fix.
@@ -180,4 +182,20 @@ def _check_moe_layout(config: Any, what: str) -> None:
             f"{config.tensor_model_parallel_size}` need `sequence_parallel=True` (megatron's "
             "MoELayer refuses to train without it); set "
             "`MCoreRLStrategy(sequence_parallel=True)`."
+        )
+    dispatcher = config.moe_token_dispatcher_type
+    if dispatcher == "allgather" and ep * config.expert_tensor_parallel_size > 1:
+        # measured: packed rows of 21 and 16 tokens on two EP ranks fail in the all-gather
+        raise ValueError(
+            f"{what}: `TransformerConfig.moe_token_dispatcher_type='allgather'` gathers equal "
+            f"token counts over the {ep} x {config.expert_tensor_parallel_size} expert ranks, "
+            "but this strategy's microbatches hold different numbers of tokens per rank "
+            "(packing, per-microbatch padding); set `moe_token_dispatcher_type='alltoall'`."
+        )
+    recompute = config.recompute_granularity
+    if recompute == "full" or (recompute == "selective" and "moe" in config.recompute_modules):
+        raise ValueError(
+            f"{what}: `TransformerConfig.recompute_granularity={recompute!r}` recomputes the "
+            "MoE routers in the backward pass, which the router statistics would count twice; "
+            "recompute only other modules (e.g. `recompute_modules=['core_attn', 'moe_act']`)."
         )

@@ -21,7 +21,12 @@ from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 
 E, TOPK, ROWS = 4, 2, 4
-MOE = {"num_moe_experts": E, "moe_router_topk": TOPK, "add_bias_linear": False}
+MOE = {
+    "num_moe_experts": E,
+    "moe_router_topk": TOPK,
+    "add_bias_linear": False,
+    "moe_token_dispatcher_type": "alltoall",  # the strategy refuses allgather under EP > 1
+}
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class MoESpec:
     load_balancing: str = "aux_loss"
     experts: int = E
     sequence_parallel: bool | None = None  # None: TP > 1
+    overrides: tuple[tuple[str, Any], ...] = ()  # other TransformerConfig fields
 
     def moe_fields(self, sequence_parallel: bool) -> dict[str, Any]:
         fields: dict[str, Any] = {
@@ -49,7 +55,7 @@ class MoESpec:
         }
         if self.capacity is not None:
             fields.update(moe_expert_capacity_factor=self.capacity, moe_token_drop_policy="probs")
-        return fields
+        return {**fields, **dict(self.overrides)}
 
 
 def rollout_batch(rows: int = ROWS, seed: int = 0) -> BatchedDataDict:

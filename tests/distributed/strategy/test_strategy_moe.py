@@ -77,8 +77,10 @@ def test_trainer_grpo_ep2_equals_ep1_and_one_rank(aux):
 
 def test_bad_moe_layouts_raise_at_setup():
     """Refused before any step, on every rank, naming the field: 3 experts over EP=2 (megatron's
-    bare MoELayer assertion, re-raised as ValueError) and MoE under TP=2 without sequence
-    parallelism (megatron only warns at build time and raises in the first training forward)."""
+    bare MoELayer assertion, re-raised as ValueError), MoE under TP=2 without sequence
+    parallelism (megatron only warns at build time and raises in the first training forward),
+    the allgather dispatcher under EP=2 (it needs equal token counts per rank) and full
+    recompute (the routers would run twice per microbatch)."""
     experts = run_on_ranks(fit_error_rank, 2, MoESpec(ep=2, experts=3), timeout=120)
     no_sp = run_on_ranks(
         fit_error_rank, 2, MoESpec(tp=2, ep=2, sequence_parallel=False), timeout=120
@@ -89,3 +91,13 @@ def test_bad_moe_layouts_raise_at_setup():
     for err in no_sp:
         assert err.startswith("ValueError: Model chunk 0: MoE layers with")
         assert "need `sequence_parallel=True`" in err
+    allgather = (("moe_token_dispatcher_type", "allgather"),)
+    recompute = (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                 ("recompute_num_layers", 1))  # fmt: skip
+    for overrides, message in (
+        (allgather, "`TransformerConfig.moe_token_dispatcher_type='allgather'` gathers equal"),
+        (recompute, "`TransformerConfig.recompute_granularity='full'` recomputes the MoE"),
+    ):
+        spec = MoESpec(ep=2, overrides=overrides)
+        for err in run_on_ranks(fit_error_rank, 2, spec, timeout=120):
+            assert err.startswith(f"ValueError: Model chunk 0: {message}"), err
