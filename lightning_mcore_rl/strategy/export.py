@@ -19,12 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_rl.models.hf.bridge import (
-    DEFAULT_MAX_SHARD_BYTES,
-    HFBridge,
-    existing_weights,
-    local_layer_spec,
-)
+from lightning_mcore_rl.models.hf.bridge import HFBridge, local_layer_spec
+from lightning_mcore_rl.models.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES, existing_weights
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

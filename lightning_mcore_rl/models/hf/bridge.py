@@ -17,7 +17,13 @@ import torch.distributed as dist
 
 from lightning_mcore_rl.models.hf.config import Architecture, parse_architecture
 from lightning_mcore_rl.models.hf.moe import check_moe_layout, expert_owners, moe_block_spec
-from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
+from lightning_mcore_rl.models.hf.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    SafetensorsReader,
+    ShardWriter,
+    existing_weights,
+    is_weight_file,
+)
 from lightning_mcore_rl.models.hf.weights import (
     ParamMap,
     hf_name_groups,
@@ -42,10 +48,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from lightning_mcore_rl.train.groups import ParallelGroups
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
-_WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def _mark_tensor_parallel(model: torch.nn.Module, maps: dict[str, ParamMap]) -> None:
@@ -378,7 +380,7 @@ class HFBridge:
             FileExistsError: ``out_dir`` already holds weights.
         """
         out = Path(out_dir)
-        writer = _ShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
+        writer = ShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
         error = [existing_weights(out) if writer is not None else None]
         dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
@@ -386,7 +388,7 @@ class HFBridge:
         if writer is not None:
             out.mkdir(parents=True, exist_ok=True)
             for item in sorted(self.directory.iterdir()):
-                if item.is_file() and not _is_weight_file(item.name):
+                if item.is_file() and not is_weight_file(item.name):
                     shutil.copy2(item, out / item.name)
             if dtype is not None:
                 config = {**self.hf_config, "dtype": str(dtype).removeprefix("torch.")}
@@ -467,58 +469,3 @@ def _owners(keys: list[str], groups: ParallelGroups) -> dict[str, int]:
     owned: list[list[str]] = [[] for _ in pp_ranks]
     dist.all_gather_object(owned, keys, group=groups.pp_group)
     return {key: pp_ranks[stage] for stage, names in enumerate(owned) for key in names}
-
-
-def _is_weight_file(name: str) -> bool:
-    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_FILES
-
-
-def existing_weights(out: Path) -> str | None:
-    """Why ``out`` cannot receive a model (it holds weight files), or ``None``."""
-    if out.is_dir() and any(_is_weight_file(p.name) for p in out.iterdir()):
-        return f"{out} already holds model weights; save into a new or empty directory."
-    return None
-
-
-class _ShardWriter:
-    """Accumulate tensors into safetensors shards of at most ``max_bytes`` (a single larger
-    tensor gets its own shard); ``close`` names them as ``transformers`` does."""
-
-    def __init__(self, out: Path, max_bytes: int) -> None:
-        self.out = out
-        self.max_bytes = max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor
-        self.pending_bytes += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        save_file(self.pending, str(self._part(len(self.shards))), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def _part(self, index: int) -> Path:
-        return self.out / f".part-{index:05d}.safetensors.tmp"
-
-    def close(self) -> None:
-        if self.pending:
-            self._flush()
-        count = len(self.shards)
-        if count == 1:
-            os.replace(self._part(0), self.out / "model.safetensors")
-            return
-        weight_map: dict[str, str] = {}
-        for index, names in enumerate(self.shards):
-            file = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self._part(index), self.out / file)
-            weight_map.update(dict.fromkeys(names, file))
-        index_json = {"metadata": {}, "weight_map": weight_map}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))

@@ -1,14 +1,19 @@
 """Slice-wise reading of a Hugging Face safetensors checkpoint (single file or sharded with
-``model.safetensors.index.json``): a rank reads only the rows/columns it keeps."""
+``model.safetensors.index.json``): a rank reads only the rows/columns it keeps; and writing one
+in ``transformers``' shard layout."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
 _INDEX = "model.safetensors.index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+_WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 class SafetensorsReader:
@@ -92,3 +97,59 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file called ``name`` holds (or indexes) model weights."""
+    return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_FILES
+
+
+def existing_weights(out: Path) -> str | None:
+    """Why ``out`` cannot receive a model (it holds weight files), or ``None``."""
+    if out.is_dir() and any(is_weight_file(p.name) for p in out.iterdir()):
+        return f"{out} already holds model weights; save into a new or empty directory."
+    return None
+
+
+class ShardWriter:
+    """Accumulate tensors into safetensors shards of at most ``max_bytes`` (a single larger
+    tensor gets its own shard); ``close`` names them as ``transformers`` does."""
+
+    def __init__(self, out: Path, max_bytes: int) -> None:
+        self.out = out
+        self.max_bytes = max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self._part(len(self.shards))), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def _part(self, index: int) -> Path:
+        return self.out / f".part-{index:05d}.safetensors.tmp"
+
+    def close(self) -> None:
+        if self.pending:
+            self._flush()
+        count = len(self.shards)
+        if count == 1:
+            os.replace(self._part(0), self.out / "model.safetensors")
+            return
+        weight_map: dict[str, str] = {}
+        for index, names in enumerate(self.shards):
+            file = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self._part(index), self.out / file)
+            weight_map.update(dict.fromkeys(names, file))
+        index_json = {"metadata": {}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
