@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.train.router_replay import moe_layer_numbers, sequence_parallel_slice
 
 ROUTER_LOSS_NAMES = (
     "load_balancing_loss",
@@ -61,6 +62,8 @@ class RouterCall:
             over its tokens), by name of :data:`ROUTER_LOSS_NAMES`; only the enabled ones.
         microbatch_tokens: ``n_mb``, the microbatch's routed tokens over its TP x CP ranks
             (training passes that scale the router losses; ``None`` otherwise).
+        recorded: the batch's recorded routing of this layer ``[s*b, K]`` in the router's token
+            order (``routed_experts``, e.g. from the rollout), or ``None``.
     """
 
     layer: int
@@ -71,6 +74,7 @@ class RouterCall:
     routing_map: Tensor
     losses: Mapping[str, Tensor]
     microbatch_tokens: float | None = None
+    recorded: Tensor | None = None
 
     @property
     def valid(self) -> Tensor:
@@ -139,6 +143,26 @@ def _dropped_count(call: RouterCall) -> Tensor:
 def _dropped_metrics(table: Tensor, _layout: StatsLayout) -> dict[str, float]:
     return {"moe/dropped_tokens": float(table.sum())}
 
+
+def _mismatch_count(call: RouterCall) -> Tensor:
+    assert call.recorded is not None  # counted only when the batch carries a recorded routing
+    recorded = torch.zeros_like(call.routing_map).scatter(1, call.recorded.long(), True)
+    matched = (call.routing_map & recorded).sum(dim=1)  # [s*b]
+    topk = cast(int, call.router.topk)
+    valid = call.valid
+    mismatched = (topk - matched)[valid].sum().to(torch.float64)
+    return torch.stack([mismatched, valid.sum().to(torch.float64) * topk])
+
+
+def _mismatch_metrics(table: Tensor, _layout: StatsLayout) -> dict[str, float]:
+    total = float(table[:, 1].sum())
+    return {"moe/router_mismatch_fraction": float(table[:, 0].sum()) / total if total else 0.0}
+
+
+ROUTER_MISMATCH = RouterStatistic("router_mismatch", 2, _mismatch_count, _mismatch_metrics)
+"""``moe/router_mismatch_fraction``: of the (token, layer, k) slots of the non-padding tokens,
+the fraction the pass routed to another expert than the batch's recorded ``routed_experts``
+(e.g. generation's); 0 under router replay. Counted only for batches that carry the key."""
 
 TOKENS_PER_EXPERT = RouterStatistic(
     "tokens_per_expert", None, _tokens_per_expert_count, _tokens_per_expert_metrics
@@ -254,12 +278,16 @@ class RouterStatistics:
         scale: the router losses' scale (a training pass with ``calculate_per_token_loss``),
             ``None``: coefficients left as configured.
         device: where the tables live (the collectives' device).
+        recorded: per microbatch (schedule order), the batch's recorded routing ``[n, L, K]``
+            in the routers' token order (this rank's SP slice; L = the model's MoE layers), or
+            ``None``; empty: none recorded.
     """
 
     chunks: Sequence[torch.nn.Module]
     statistics: Sequence[RouterStatistic]
     scale: RouterLossScale | None = None
     device: torch.device | str = "cpu"
+    recorded: Sequence[Tensor | None] = ()
     _tables: dict[str, Tensor] = field(default_factory=dict, init=False)
     _before: dict[str, Tensor] = field(default_factory=dict, init=False)
     _calls: dict[int, int] = field(default_factory=dict, init=False)
@@ -373,10 +401,13 @@ class RouterStatistics:
         }
         probs, routing_map = output
         tokens = None if self.scale is None else self.scale.microbatch_tokens[microbatch]
+        recorded = self.recorded[microbatch] if microbatch < len(self.recorded) else None
+        if recorded is not None:
+            recorded = recorded[:, moe_layer_numbers(self._config).index(layer + 1)]
         call = RouterCall(
             layer=layer, router=router, hidden_states=args[0], padding_mask=mask,
             probs=probs.detach(), routing_map=routing_map, losses=losses,
-            microbatch_tokens=tokens,
+            microbatch_tokens=tokens, recorded=recorded,
         )  # fmt: skip
         for stat in self.statistics:
             self._tables[stat.name][layer] += stat.count(call).to(self.device)
@@ -402,13 +433,30 @@ class RouterStatistics:
         return {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items()}
 
 
-def default_statistics(config: Any, losses: bool) -> list[RouterStatistic]:
+def default_statistics(config: Any, losses: bool, recorded: bool = False) -> list[RouterStatistic]:
     """Tokens per expert and dropped tokens, plus (``losses``: a pass that scales them) every
-    enabled router loss."""
+    enabled router loss, plus (``recorded``: the batch carries ``routed_experts``) the routing
+    mismatch."""
     stats = [TOKENS_PER_EXPERT, DROPPED_TOKENS]
     if losses:
         stats += [router_loss_statistic(name) for name in enabled_router_losses(config)]
+    if recorded:
+        stats.append(ROUTER_MISMATCH)
     return stats
+
+
+def recorded_routing_per_microbatch(
+    microbatches: Sequence[Any], groups: ParallelGroups, sequence_parallel: bool
+) -> list[Tensor | None]:
+    """Each microbatch's ``routed_experts_cp_sharded`` ``[N, L, K]`` as this rank's routers see
+    it (the SP slice of the tokens), ``None`` where absent."""
+    tp = groups.tp_size if sequence_parallel else 1
+    return [
+        None
+        if mb.routed_experts_cp_sharded is None
+        else sequence_parallel_slice(mb.routed_experts_cp_sharded, groups.tp_rank, tp)
+        for mb in microbatches
+    ]
 
 
 @contextlib.contextmanager
@@ -427,7 +475,7 @@ def moe_pass(
     Args:
         chunks: the (wrapped) model chunks.
         microbatches: the pass's processed microbatches (``input_ids_cp_sharded``,
-            ``padding_mask``), in schedule order.
+            ``padding_mask``, ``routed_experts_cp_sharded``), in schedule order.
         groups: this rank's groups.
         training: a forward-backward pass (megatron computes router losses only then).
         device: where the counters and collectives' tensors live.
@@ -439,7 +487,12 @@ def moe_pass(
     scale = None
     if training and config.calculate_per_token_loss and enabled_router_losses(config):
         scale = RouterLossScale.of(microbatches, groups, device)
-    stats = RouterStatistics(chunks, default_statistics(config, scale is not None), scale, device)
+    recorded = recorded_routing_per_microbatch(microbatches, groups, config.sequence_parallel)
+    any_recorded = any(r is not None for r in recorded)
+    stats = RouterStatistics(
+        chunks, default_statistics(config, scale is not None, any_recorded), scale, device,
+        recorded,
+    )  # fmt: skip
     with stats.collect():
         yield stats
 
@@ -447,6 +500,7 @@ def moe_pass(
 __all__ = [
     "DROPPED_TOKENS",
     "ROUTER_LOSS_NAMES",
+    "ROUTER_MISMATCH",
     "TOKENS_PER_EXPERT",
     "RouterCall",
     "RouterStatistic",
@@ -458,5 +512,6 @@ __all__ = [
     "moe_pass",
     "RouterLossScale",
     "microbatch_tokens",
+    "recorded_routing_per_microbatch",
     "router_loss_statistic",
 ]

@@ -220,7 +220,11 @@ def replay_rank(_rank: int, ep: int) -> dict[str, Any]:
         model.train()
     real = torch.arange(S)[None, :] < batch["input_lengths"][:, None]  # [b, S]
     changed = (own.sort(-1).values != batch["routed_experts"].sort(-1).values).any(-1)  # [b,S,L]
+    # of the real (token, layer, k) slots, those routed at W1 to another expert than recorded
+    matched = (own[..., :, None] == batch["routed_experts"][..., None, :]).any(-1).sum(-1)
+    topk = own.shape[-1]
     out: dict[str, Any] = {
+        "mismatched_slots": int((topk - matched)[real].sum()),  # of real_slots * topk
         "changed_slots": int(changed[real].sum()),
         "real_slots": int(real.sum()) * changed.shape[-1],
         "train_calls": _replayed_maps(train_tap, batch),
@@ -239,6 +243,7 @@ def replay_rank(_rank: int, ep: int) -> dict[str, Any]:
             out[key] = {
                 "lp": lp, "gen": batch["generation_logprobs"],
                 "mask": batch["token_mask"], "tmpe": float(metrics["token_mult_prob_error"]),
+                "router_mismatch": float(metrics["moe/router_mismatch_fraction"]),
             }  # fmt: skip
             if not packing:
                 out[key]["calls"] = _replayed_maps(tap, batch)

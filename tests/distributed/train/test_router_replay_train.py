@@ -18,7 +18,7 @@ import functools
 
 import pytest
 import torch
-from _router_replay_ranks import LENGTHS, S, masks_rank, replay_rank
+from _router_replay_ranks import LENGTHS, MOE, S, masks_rank, replay_rank
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -54,7 +54,10 @@ def test_padded_and_packed_route_real_tokens_as_each_row_alone() -> None:
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_replay_routes_as_recorded_and_closes_the_mismatch(ep: int) -> None:
-    for rank, out in enumerate(_replay(ep)):
+    runs = _replay(ep)
+    k = MOE["moe_router_topk"]
+    mismatch = sum(r["mismatched_slots"] for r in runs) / sum(k * r["real_slots"] for r in runs)
+    for rank, out in enumerate(runs):
         # the W0 -> W1 step changed the routing of part of the real (token, layer) slots
         assert out["changed_slots"] > 0.1 * out["real_slots"], (rank, out["changed_slots"])
         for calls in (out["train_calls"], out["replay_padded"]["calls"]):
@@ -64,6 +67,11 @@ def test_replay_routes_as_recorded_and_closes_the_mismatch(ep: int) -> None:
             replayed, own = out[f"replay_{layout}"], out[f"own_{layout}"]
             assert replayed["tmpe"] == pytest.approx(1.0, abs=1e-6), (rank, layout)
             assert own["tmpe"] > 1.0 + 1e-4, (rank, layout, own["tmpe"])
+            # moe/router_mismatch_fraction: 0 replayed; unreplayed, the slots counted here from
+            # each row routed alone at W1 (integer counts; the metric is logged as float32)
+            assert replayed["router_mismatch"] == 0.0, (rank, layout)
+            assert own["router_mismatch"] == pytest.approx(mismatch, rel=1e-7)
+            assert own["router_mismatch"] > 0.05, (rank, layout)
             mask = replayed["mask"].bool()
             torch.testing.assert_close(
                 replayed["lp"][mask], replayed["gen"][mask], atol=ATOL, rtol=0

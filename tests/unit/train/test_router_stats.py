@@ -10,7 +10,9 @@ import torch
 
 from lightning_mcore_rl.train.router_stats import (
     DROPPED_TOKENS,
+    ROUTER_MISMATCH,
     TOKENS_PER_EXPERT,
+    RouterCall,
     RouterStatistics,
     StatsLayout,
     enabled_router_losses,
@@ -58,3 +60,19 @@ def test_router_statistics_errors():
     dense.config = SimpleNamespace(num_moe_experts=None)  # what get_model_config reads
     with pytest.raises(ValueError, match="needs model chunks with MoE layers"):
         RouterStatistics([dense], [TOKENS_PER_EXPERT])
+
+
+def test_router_mismatch_counts_slots_of_real_tokens_against_the_recorded_experts():
+    # 3 tokens, 4 experts, top-2; token 2 is padding. Routed {0,1}, {2,3}, {0,1}; recorded
+    # {1,0} (same set), {2,0} (one slot differs), {3,2} (padding: not counted)
+    routing_map = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    call = RouterCall(
+        layer=0, router=SimpleNamespace(topk=2), hidden_states=torch.zeros(3, 1, 4),
+        padding_mask=torch.tensor([[False], [False], [True]]), probs=routing_map.double(),
+        routing_map=routing_map, losses={}, recorded=torch.tensor([[1, 0], [2, 0], [3, 2]]),
+    )  # fmt: skip
+    counts = ROUTER_MISMATCH.count(call)
+    assert counts.tolist() == [1.0, 4.0]  # 1 of the 2 x 2 real slots
+    table = torch.stack([counts, torch.tensor([3.0, 4.0], dtype=torch.float64)])  # 2 layers
+    metrics = ROUTER_MISMATCH.metrics(table, StatsLayout(tp_cp=1, topk=2))
+    assert metrics == {"moe/router_mismatch_fraction": 0.5}  # (1 + 3) / (4 + 4)
