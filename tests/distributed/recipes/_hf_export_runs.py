@@ -1,6 +1,7 @@
-"""Rank function of the ``HFExport`` test: a short SFT of the arithmetic example's tiny Llama at
-TP=2 (``ResponseFileDataModule`` rows) with ``HFExport``, then the trained policy's logprobs of
-the first batch, computed by megatron right after the export."""
+"""Rank function of the ``HFExport`` tests: a short SFT of a tiny HF model (the arithmetic
+example's Llama at TP=2, a Qwen3-MoE at EP=2; ``ResponseFileDataModule`` rows) with
+``HFExport``, then the trained policy's logprobs of the first batch, computed by megatron right
+after the export."""
 
 from __future__ import annotations
 
@@ -34,13 +35,19 @@ class _Probe(Callback):
 
 
 def sft_and_export(
-    rank: int, init_dir: str, sft_file: str, out_dir: str, steps: int
+    rank: int,
+    init_dir: str,
+    sft_file: str,
+    out_dir: str,
+    steps: int,
+    layout: tuple[tuple[str, int], ...] = (("tensor_model_parallel_size", 2),),
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """``steps`` SFT steps of 8 rows at TP=2 (DP=1), exported to ``out_dir``; returns the first
-    batch and the trained policy's logprobs of it."""
+    """``steps`` SFT steps of 8 rows under ``layout`` (``MCoreRLStrategy`` sizes; default TP=2,
+    DP=1), exported to ``out_dir``; returns this rank's first batch and the trained policy's
+    logprobs of it."""
     probe = _Probe()
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4),
+        strategy=MCoreRLStrategy(**dict(layout), micro_batch_size=4),
         max_steps=steps,
         gradient_clip_val=1.0,
         callbacks=[HFExport(out_dir), probe],

@@ -1,7 +1,8 @@
-"""``HFExport`` at TP=2 on two ranks: after a short SFT of the arithmetic example's tiny Llama,
-the exported directory loads with ``transformers`` and its token logprobs equal the trained
-megatron policy's on the same batch within 1e-5 (and differ from the initial model's: the
-export holds the trained weights, not the source's)."""
+"""``HFExport`` on two ranks: after a short SFT of the arithmetic example's tiny Llama at TP=2
+(and of a tiny Qwen3-MoE at EP=2, each rank holding half the experts), the exported directory
+loads with ``transformers`` and its token logprobs equal the trained megatron policy's on the
+same batch within 1e-5 (and differ from the initial model's: the export holds the trained
+weights, not the source's)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from lightning_mcore_rl.recipes import (
     train_tokenizer,
     write_sft_rows,
     write_tiny_llama,
+    write_tiny_qwen3_moe,
 )
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -47,12 +49,27 @@ def test_hf_export_equals_the_trained_policy(tmp_path):
         (init / "config.json").read_text()
     )
     assert AutoTokenizer.from_pretrained(str(out)).get_vocab() == tokenizer.get_vocab()
-    # compare the real tokens only: positions 1 .. input_lengths - 1
+    _export_matches(out, init, batch, megatron)
+
+
+def _export_matches(out, init, batch, megatron) -> None:
     positions = torch.arange(batch["input_ids"].shape[1])[None, 1:]
-    real = positions < batch["input_lengths"][:, None]
-    exported = _logprobs(out, batch)
-    diff = float((exported - megatron[:, 1:])[real].abs().max())
+    real = positions < batch["input_lengths"][:, None]  # positions 1 .. input_lengths - 1
+    diff = float((_logprobs(out, batch) - megatron[:, 1:])[real].abs().max())
     moved = float((_logprobs(init, batch) - megatron[:, 1:])[real].abs().max())
-    print(f"export vs megatron: {diff:.2e}; initial model vs megatron: {moved:.2e}")
-    assert diff <= 1e-5
-    assert moved > 1e-2
+    assert diff <= 1e-5, diff
+    assert moved > 1e-2, moved
+
+
+def test_hf_export_of_an_ep2_moe_equals_the_trained_policy(tmp_path):
+    train, _ = make_splits(64, 0, seed=1)
+    sft_file = str(write_sft_rows(train, tmp_path / "sft.jsonl"))
+    tokenizer = train_tokenizer(p.prompt + " " + p.response for p in train)
+    init, out = tmp_path / "init", tmp_path / "export"
+    write_tiny_qwen3_moe(init, tokenizer)
+    layout = (("expert_model_parallel_size", 2),)  # DP=2: each rank trains on its own rows
+    results = run_on_ranks(
+        sft_and_export, 2, str(init), sft_file, str(out), STEPS, layout, timeout=240
+    )
+    for batch, megatron in results:
+        _export_matches(out, init, batch, megatron)
