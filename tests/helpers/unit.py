@@ -38,3 +38,15 @@ def word_level_tokenizer(words: list[str], chat_template: str, *, prepend_bos: b
     )  # fmt: skip
     fast.chat_template = chat_template
     return fast
+
+
+TINY_HF_FIELDS: dict[str, Any] = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 128,
+}
+"""The size fields of every tiny HF config the bridge tests build (2 layers, H=64, 4 heads with
+2 KV heads, MLP width 96, V=128)."""

@@ -8,16 +8,9 @@ from typing import Any
 
 import torch
 from _hf_ranks import _logits_and_exports, _pipeline_forward, input_ids
+from helpers.unit import TINY_HF_FIELDS
 
-_COMMON = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 96,
-    "vocab_size": 128,
-    "num_experts_per_tok": 2,
-}
+_COMMON = {**TINY_HF_FIELDS, "num_experts_per_tok": 2}
 
 
 def hf_moe_configs() -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers.unit import word_level_tokenizer
+from helpers.unit import TINY_HF_FIELDS, word_level_tokenizer
 
 VOCAB = 128
 SEQ = 10
@@ -19,14 +19,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-_COMMON = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 96,
-    "vocab_size": VOCAB,
-}
+_COMMON = {**TINY_HF_FIELDS, "vocab_size": VOCAB}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,

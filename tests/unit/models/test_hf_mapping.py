@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.unit import TINY_HF_FIELDS
 from safetensors.torch import load_file, save_file
 
 from lightning_mcore_rl.models import HFBridge
@@ -20,12 +21,7 @@ from lightning_mcore_rl.train import ParallelGroups
 
 BASE = {
     "model_type": "llama",
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 96,
-    "vocab_size": 128,
+    **TINY_HF_FIELDS,
     "max_position_embeddings": 256,
     "rms_norm_eps": 1e-5,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},

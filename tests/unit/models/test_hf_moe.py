@@ -5,20 +5,13 @@ index of local experts, and every refused router field and expert layout."""
 from __future__ import annotations
 
 import pytest
+from helpers.unit import TINY_HF_FIELDS
 
 from lightning_mcore_rl.models.hf.bridge import check_parallel_layout
 from lightning_mcore_rl.models.hf.config import parse_architecture
 from lightning_mcore_rl.models.hf.weights import hf_name_groups, hf_shapes, moe_param_map
 
-BASE = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 96,
-    "vocab_size": 128,
-    "num_experts_per_tok": 2,
-}
+BASE = {**TINY_HF_FIELDS, "num_experts_per_tok": 2}
 QWEN3_MOE = {**BASE, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 48}
 MIXTRAL = {**BASE, "model_type": "mixtral", "num_local_experts": 4}
 
