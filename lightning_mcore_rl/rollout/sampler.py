@@ -27,11 +27,60 @@ class GenerationOutput(NamedTuple):
         logprobs: ``[B, P+N]`` log-probability of each sampled token under the (temperature-scaled)
             sampling distribution; 0 at prompt positions (stored-logprob convention).
         completion_mask: ``[B, P+N]`` 1 at sampled positions, 0 at prompt positions.
+        routed_experts: ``[B, P+N, L, K]`` with ``record_routing``: the experts each position
+            was routed to at each of the model's ``L`` MoE layers (top-``K``, ascending ids; the
+            batch key ``routed_experts`` of router replay), else ``None``.
     """
 
     tokens: Tensor
     logprobs: Tensor
     completion_mask: Tensor
+    routed_experts: Tensor | None = None
+
+
+class _RoutingRecorder:
+    """Forward hooks on this chunk's megatron routers: per MoE layer (global layer number) the
+    ``[B, s, K]`` expert ids of every forward, from the router's ``routing_map [s*B, E]``
+    (sequence-first tokens)."""
+
+    def __init__(self, model: torch.nn.Module, batch: int) -> None:
+        from megatron.core.transformer.moe.router import Router
+
+        self.batch = batch
+        self.calls: dict[int, list[Tensor]] = {}
+        self.handles = [
+            m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, Router)
+        ]
+
+    def _hook(self, router: torch.nn.Module, _args: Any, output: Any) -> None:
+        routing_map = output[1]  # [s*B, E] bool
+        topk = int(router.topk)  # type: ignore[arg-type]
+        ids = routing_map.float().topk(topk, dim=1).indices.sort(dim=1).values
+        per_row = ids.view(-1, self.batch, topk).transpose(0, 1)  # [B, s, K]
+        self.calls.setdefault(int(router.layer_number), []).append(per_row)  # type: ignore[arg-type]
+
+    def routing(self, cached: bool) -> dict[int, Tensor]:
+        """``{layer number: [B, P+N, K]}``: with a KV cache the forwards' new tokens in order,
+        without one the last forward (it ran the whole sequence)."""
+        return {
+            layer: torch.cat(calls, dim=1) if cached else calls[-1]
+            for layer, calls in self.calls.items()
+        }
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _gather_routing(local: dict[int, Tensor], pp_group: Any) -> Tensor:
+    """Every stage's ``{layer number: [B, T, K]}`` -> ``[B, T, L, K]`` in layer order (one
+    ``all_gather_object`` over the pipeline group when PP > 1)."""
+    parts = [local]
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        parts = [{} for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather_object(parts, local, group=pp_group)
+    merged = {layer: ids for part in parts for layer, ids in part.items()}
+    return torch.stack([merged[layer] for layer in sorted(merged)], dim=2)
 
 
 def _full_vocab_logits(local: Tensor, tp_group: Any) -> Tensor:
@@ -125,6 +174,7 @@ def generate(
     tp_group: Any = None,
     pp_group: Any = None,
     kv_cache: bool = False,
+    record_routing: bool = False,
 ) -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens after each prompt.
 
@@ -142,6 +192,10 @@ def generate(
         kv_cache: cache keys/values in a megatron ``StaticInferenceContext`` (megatron then
             gathers the logits over TP itself); same tokens as without, logprobs within fp32
             rounding.
+        record_routing: a MoE model: record every position's experts per MoE layer
+            (``GenerationOutput.routed_experts``), the routing each generation forward made;
+            one more forward routes the last sampled token. The sampled tokens and logprobs
+            are unchanged.
 
     Returns:
         :class:`GenerationOutput`.
@@ -157,6 +211,7 @@ def generate(
     _check_model_config(model, pp_group)
     was_training = model.training
     model.eval()
+    recorder = _RoutingRecorder(model, prompts.shape[0]) if record_routing else None
     try:
         tokens = prompts.long()
         logprobs = torch.zeros(prompts.shape, dtype=torch.float32)
@@ -182,8 +237,18 @@ def generate(
                 dist.broadcast(picked, src=last, group=pp_group)
             tokens = torch.cat([tokens, nxt], dim=1)
             logprobs = torch.cat([logprobs, picked], dim=1)
+        routed = None
+        if recorder is not None:  # the last sampled token's routing: one more forward
+            fresh = tokens.shape[1] - (0 if context is None else context.sequence_len_offset)
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            _last_logits(
+                model, tokens[:, -fresh:], positions[:, -fresh:], context, tp_group, pp_group
+            )
+            routed = _gather_routing(recorder.routing(cached=context is not None), pp_group)
     finally:
+        if recorder is not None:
+            recorder.remove()
         model.train(was_training)
     mask = torch.zeros_like(tokens)
     mask[:, prompts.shape[1] :] = 1
-    return GenerationOutput(tokens=tokens, logprobs=logprobs, completion_mask=mask)
+    return GenerationOutput(tokens, logprobs, mask, routed)

@@ -1,0 +1,74 @@
+"""Rank function of the rollout-routing test: the embedded sampler records each position's
+experts while generating, and the train step routes the same sequences as recorded
+(module-level: pickled to the ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PROMPT, NEW, ROWS = 4, 6, 4
+
+
+def sampler_routing_rank(_rank: int, ep: int, packing: bool) -> dict[str, Any]:
+    """At EP=``ep`` (DP = world): generate from this rank's prompts with and without the KV
+    cache, recording the routing; then the trainer's logprob pass (no replay) of the finished
+    rows with the recording as ``routed_experts``: its ``moe/router_mismatch_fraction``."""
+    from _router_replay_ranks import PG_CFG, _setup
+
+    from lightning_mcore_rl.data import BatchedDataDict
+    from lightning_mcore_rl.losses import ClippedPGLossFn
+    from lightning_mcore_rl.rollout.sampler import generate
+    from lightning_mcore_rl.train import LossPostProcessor, Microbatching, StepContext
+    from lightning_mcore_rl.train.step import run_global_batch
+
+    setup, groups, _ = _setup(ep)
+    setup.config.moe_enable_routing_replay = False  # the trainer routes by itself
+    model = setup.chunks[0]
+    prompts = torch.randint(1, 128, (ROWS, PROMPT), generator=torch.Generator().manual_seed(1))
+    outs = {
+        cached: generate(
+            model,
+            prompts,
+            max_new_tokens=NEW,
+            record_routing=True,
+            kv_cache=cached,
+            generator=torch.Generator().manual_seed(7 + groups.dp_rank),
+        )  # fmt: skip
+        for cached in (False, True)
+    }
+    plain = generate(
+        model,
+        prompts,
+        max_new_tokens=NEW,
+        generator=torch.Generator().manual_seed(7 + groups.dp_rank),
+    )
+    out = outs[False]
+    length = PROMPT + NEW
+    batch = BatchedDataDict(
+        input_ids=out.tokens,
+        input_lengths=torch.full((ROWS,), length),
+        token_mask=out.completion_mask.float(),
+        sample_mask=torch.ones(ROWS),
+        advantages=torch.ones(ROWS, length),
+        prev_logprobs=out.logprobs,
+        generation_logprobs=out.logprobs,
+        routed_experts=out.routed_experts,
+    )
+    loss_fn = ClippedPGLossFn(PG_CFG)
+    context = StepContext(groups, Microbatching(micro_batch_size=2, sequence_packing=packing))
+    metrics = run_global_batch(
+        setup.chunks, batch, context,
+        loss=LossPostProcessor(loss_fn, {"sequence_packing": {"enabled": packing}}),
+        normalizations=loss_fn.metric_normalizations, forward_only=True,
+    ).metrics  # fmt: skip
+    return {
+        "shape": tuple(out.routed_experts.shape),
+        "cached_equal": torch.equal(outs[True].routed_experts, out.routed_experts),
+        "cached_tokens_equal": torch.equal(outs[True].tokens, out.tokens),
+        "same_samples": torch.equal(plain.tokens, out.tokens)
+        and torch.equal(plain.logprobs, out.logprobs),
+        "mismatch": float(metrics["moe/router_mismatch_fraction"]),
+        "experts": out.routed_experts,
+    }
