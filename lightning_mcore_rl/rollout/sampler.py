@@ -209,6 +209,8 @@ def generate(
     if temperature <= 0:
         raise ValueError(f"`temperature` must be > 0, got {temperature}")
     _check_model_config(model, pp_group)
+    if record_routing and not getattr(getattr(model, "config", None), "num_moe_experts", None):
+        raise ValueError("`record_routing=True` needs a model with MoE layers; this one has none")
     was_training = model.training
     model.eval()
     recorder = _RoutingRecorder(model, prompts.shape[0]) if record_routing else None

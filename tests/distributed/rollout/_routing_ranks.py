@@ -72,3 +72,19 @@ def sampler_routing_rank(_rank: int, ep: int, packing: bool) -> dict[str, Any]:
         "mismatch": float(metrics["moe/router_mismatch_fraction"]),
         "experts": out.routed_experts,
     }
+
+
+def dense_record_error_rank(_rank: int) -> str:
+    """``"Type: message"`` of ``generate(record_routing=True)`` on the dense tiny GPT."""
+    from lightning_mcore_rl.models.tiny_gpt import tiny_gpt
+    from lightning_mcore_rl.rollout.sampler import generate
+    from lightning_mcore_rl.testing import init_megatron_state
+
+    init_megatron_state()
+    prompts = torch.ones(2, 3, dtype=torch.long)
+    try:
+        generate(tiny_gpt(), prompts, max_new_tokens=1, generator=torch.Generator(),
+                 record_routing=True)  # fmt: skip
+    except ValueError as err:
+        return f"ValueError: {err}"
+    return ""

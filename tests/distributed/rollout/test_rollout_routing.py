@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "train"))  # the tiny MoE set-up
-from _routing_ranks import NEW, PROMPT, ROWS, sampler_routing_rank  # noqa: E402
+from _routing_ranks import (  # noqa: E402
+    NEW,
+    PROMPT,
+    ROWS,
+    dense_record_error_rank,
+    sampler_routing_rank,
+)
 
 from lightning_mcore_rl.testing import run_on_ranks  # noqa: E402
 
@@ -29,3 +35,11 @@ def test_sampler_records_the_routing_the_train_step_makes(ep: int, world: int) -
             experts = result["experts"]
             assert bool((experts[..., 0] < experts[..., 1]).all())  # K distinct, ascending
             assert result["mismatch"] == 0.0, (ep, packing)
+
+
+def test_record_routing_of_a_dense_model_raises() -> None:
+    message = run_on_ranks(dense_record_error_rank, 1)[0]
+    assert (
+        message
+        == "ValueError: `record_routing=True` needs a model with MoE layers; this one has none"
+    )
