@@ -574,8 +574,9 @@ def rollout_batch(out: Rollout) -> BatchedDataDict:
 
     Returns:
         ``input_ids [B, P+N]``, ``input_lengths [B]`` (prompt + completion tokens),
-        ``token_mask [B, P+N]`` (1 on the completion), ``generation_logprobs [B, P+N]`` and
-        ``sample_mask [B]``.
+        ``token_mask [B, P+N]`` (1 on the completion), ``generation_logprobs [B, P+N]``,
+        ``sample_mask [B]``, and the source's ``routed_experts [B, P+N, L, K]`` when it
+        recorded them (a MoE model; moved like the tokens, 0 past ``input_lengths``).
     """
     rows, width = out.tokens.shape
     prompt_width = out.prompt_width
@@ -584,13 +585,18 @@ def rollout_batch(out: Rollout) -> BatchedDataDict:
     source = (columns + shift).clamp(max=width - 1)  # [B, P+N]
     lengths = out.prompt_lengths + out.completion_mask.sum(dim=1)
     valid = columns < lengths[:, None]
-    return BatchedDataDict(
+    batch = BatchedDataDict(
         input_ids=out.tokens.gather(1, source).masked_fill(~valid, 0),
         input_lengths=lengths,
         token_mask=(out.completion_mask.gather(1, source) * valid).float(),
         generation_logprobs=out.generation_logprobs.gather(1, source).masked_fill(~valid, 0.0),
         sample_mask=torch.ones(rows),
     )
+    if out.routed_experts is not None:
+        experts = out.routed_experts  # [B, P+N, L, K]
+        index = source[:, :, None, None].expand_as(experts)
+        batch["routed_experts"] = experts.gather(1, index).masked_fill(~valid[:, :, None, None], 0)
+    return batch
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_mcore_rl.rollout.sampler import generate
+from lightning_mcore_rl.train.chunks import unwrap_model
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,16 @@ class Rollout(NamedTuple):
             the temperature-scaled sampling distribution ``log_softmax(logits / T)``; 0 elsewhere
             (the stored-logprob convention of the losses' ``generation_logprobs``).
         prompt_lengths: ``[B]`` int64 real prompt tokens (``P`` for equal-length prompts).
+        routed_experts: ``[B, P+N, L, K]`` int64, a MoE model's experts of every position at
+            each of its ``L`` MoE layers (top-``K``, ascending ids), as the source routed it;
+            ``None`` for a dense model or a source that does not record it.
     """
 
     tokens: Tensor
     completion_mask: Tensor
     generation_logprobs: Tensor
     prompt_lengths: Tensor
+    routed_experts: Tensor | None = None
 
     @property
     def prompt_width(self) -> int:
@@ -194,7 +199,8 @@ class MegatronRolloutSource:
         self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
     ) -> Rollout:
         """``generate(model, prompts, ...)`` with a CPU generator seeded by ``sampling.seed``;
-        completions end at their first stop token (:func:`stop_completions`).
+        completions end at their first stop token (:func:`stop_completions`). A MoE model's
+        routing is recorded (``Rollout.routed_experts``).
 
         Raises:
             ValueError: prompts of different lengths (the embedded sampler has no attention
@@ -216,11 +222,12 @@ class MegatronRolloutSource:
             tp_group=self.tp_group,
             pp_group=self.pp_group,
             kv_cache=self.kv_cache,
+            record_routing=bool(getattr(unwrap_model(self.model).config, "num_moe_experts", None)),
         )
         tokens, mask, logprobs = stop_completions(
             out.tokens, out.logprobs, prompts.shape[1], sampling
         )
-        return Rollout(tokens, mask, logprobs, lengths)
+        return Rollout(tokens, mask, logprobs, lengths, out.routed_experts)
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """No-op: the source IS the training model (the stream is not consumed, so do not
