@@ -114,13 +114,49 @@ class HFRolloutSource:
         width = prompt_width + sampling.max_new_tokens
         tokens = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(batch, width, dtype=torch.float32)
+        routed: Tensor | None = None
         if self.model is not None:
             tokens[:, :prompt_width] = prompts
             self._sample(tokens, logprobs, lengths, sampling)
+            routed = self._routing(tokens, lengths, prompt_width)
         dist.broadcast(tokens, src=self.src, group=self.group)
         dist.broadcast(logprobs, src=self.src, group=self.group)
+        routed = self._broadcast_routing(routed)
         tokens, mask, logprobs = stop_completions(tokens, logprobs, prompt_width, sampling)
-        return Rollout(tokens, mask, logprobs, lengths)
+        return Rollout(tokens, mask, logprobs, lengths, routed)
+
+    def _routing(self, tokens: Tensor, lengths: Tensor, prompt_width: int) -> Tensor | None:
+        """A MoE model's ``[B, P+N, L, K]`` experts of every position (ascending ids): the
+        top-``K`` of each MoE layer's router logits in one forward of the finished rows (the
+        routing each generation step made, the model being causal; up to fp32 rounding of the
+        other shapes); ``None`` for a dense model."""
+        assert self.model is not None  # the generator only
+        topk = getattr(self.model.config, "num_experts_per_tok", None)
+        if topk is None:
+            return None
+        batch, width = tokens.shape
+        attention, positions = _left_padded_layout(lengths, prompt_width, width)
+        out = self.model(
+            input_ids=tokens, attention_mask=attention, position_ids=positions,
+            output_router_logits=True, logits_to_keep=1,
+        )  # fmt: skip
+        per_layer = [
+            logits.topk(int(topk), dim=-1).indices.sort(dim=-1).values.view(batch, width, -1)
+            for logits in out.router_logits  # [B*(P+N), E] per MoE layer, batch-major
+        ]
+        return torch.stack(per_layer, dim=2)
+
+    def _broadcast_routing(self, routed: Tensor | None) -> Tensor | None:
+        """The generator's routing on every rank of ``group`` (its shape first: only the
+        generator knows the model)."""
+        shape = [None if routed is None else tuple(routed.shape)]
+        dist.broadcast_object_list(shape, src=self.src, group=self.group)
+        if shape[0] is None:
+            return None
+        if routed is None:
+            routed = torch.empty(shape[0], dtype=torch.long)
+        dist.broadcast(routed, src=self.src, group=self.group)
+        return routed
 
     def _sample(
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
@@ -130,10 +166,7 @@ class HFRolloutSource:
         assert self.model is not None  # the generator only
         generator = torch.Generator().manual_seed(sampling.seed)
         prompt_width, width = int(tokens.shape[1] - sampling.max_new_tokens), tokens.shape[1]
-        pads = (prompt_width - lengths)[:, None]  # [B, 1]
-        columns = torch.arange(width)[None, :]
-        attention = (columns >= pads).long()  # [B, P+N]: 0 on the left padding
-        positions = (columns - pads).clamp(min=0)  # [B, P+N]: 0 at each prompt's first token
+        attention, positions = _left_padded_layout(lengths, prompt_width, width)
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
         stopped = torch.zeros(tokens.shape[0], dtype=torch.bool)
         out = self.model(
@@ -159,3 +192,11 @@ class HFRolloutSource:
                 cache=out.cache,
                 use_cache=True,
             )
+
+
+def _left_padded_layout(lengths: Tensor, prompt_width: int, width: int) -> tuple[Tensor, Tensor]:
+    """``(attention_mask, position_ids)`` ``[B, width]`` of left-padded prompts of ``lengths``
+    real tokens: 0 on the left padding; positions 0 at each prompt's first real token."""
+    pads = (prompt_width - lengths)[:, None]  # [B, 1]
+    columns = torch.arange(width)[None, :]
+    return (columns >= pads).long(), (columns - pads).clamp(min=0)

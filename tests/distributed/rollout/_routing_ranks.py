@@ -88,3 +88,43 @@ def dense_record_error_rank(_rank: int) -> str:
     except ValueError as err:
         return f"ValueError: {err}"
     return ""
+
+
+def hf_source_routing_rank(_rank: int, hf_dir: str) -> dict[str, Any]:
+    """The HF source's recorded routing of left-padded prompts, and megatron's routing of the
+    same model (imported with HFBridge) for each row's real tokens alone: ``{"hf": [B, T, L, K],
+    "megatron": [list of [t_i, L, K]], "starts": [B]}``."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.router import Router
+
+    from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.rollout import HFRolloutSource, SamplingConfig
+    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.testing import init_megatron_state
+
+    init_megatron_state()
+    lengths = torch.tensor([4, 2, 3])
+    prompts = torch.randint(4, 20, (3, 4), generator=torch.Generator().manual_seed(2))
+    prompts[torch.arange(4)[None, :] < (4 - lengths)[:, None]] = 0  # left padding
+    source = HFRolloutSource(hf_dir, dist.group.WORLD)
+    rollout = source.generate(prompts, SamplingConfig(max_new_tokens=5, seed=3), lengths)
+    groups = megatron_groups()
+    bridge = HFBridge.from_pretrained(hf_dir)
+    chunk = bridge.build_chunk(bridge.transformer_config(groups), groups=groups).eval()
+    calls: list[torch.Tensor] = []
+
+    def hook(router: Any, _args: Any, output: Any) -> None:
+        calls.append(output[1].float().topk(int(router.topk), dim=1).indices.sort(1).values)
+
+    handles = [m.register_forward_hook(hook) for m in chunk.modules() if isinstance(m, Router)]
+    starts = (4 - lengths).tolist()
+    megatron = []
+    with torch.no_grad():
+        for row, start in enumerate(starts):
+            ids = rollout.tokens[row, start:][None]
+            calls.clear()
+            chunk(ids, torch.arange(ids.shape[1])[None], None)
+            megatron.append(torch.stack(calls, dim=1))  # [t, L, K]
+    for handle in handles:
+        handle.remove()
+    return {"hf": rollout.routed_experts, "megatron": megatron, "starts": starts}

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "train"))  # the tiny MoE set-up
 from _routing_ranks import (  # noqa: E402
@@ -19,6 +20,7 @@ from _routing_ranks import (  # noqa: E402
     PROMPT,
     ROWS,
     dense_record_error_rank,
+    hf_source_routing_rank,
     sampler_routing_rank,
 )
 
@@ -43,3 +45,17 @@ def test_record_routing_of_a_dense_model_raises() -> None:
         message
         == "ValueError: `record_routing=True` needs a model with MoE layers; this one has none"
     )
+
+
+def test_hf_source_records_the_routing_megatron_makes(tmp_path) -> None:
+    """The HF backend's ``routed_experts`` (top-k of transformers' router logits, left-padded
+    prompts) equal megatron's routing of the same checkpoint imported with HFBridge, at every
+    real position of every row (each row alone in megatron: no padding involved)."""
+    from lightning_mcore_rl.recipes import train_tokenizer, write_tiny_qwen3_moe
+
+    tokenizer = train_tokenizer([" ".join(str(i) for i in range(16))])
+    write_tiny_qwen3_moe(tmp_path, tokenizer, seed=1, random_pad_embedding=True)
+    out = run_on_ranks(hf_source_routing_rank, 1, str(tmp_path), timeout=120)[0]
+    assert out["hf"].shape == (3, 9, 2, 2)  # [B, P+N, L, K]
+    for row, (start, megatron) in enumerate(zip(out["starts"], out["megatron"], strict=True)):
+        assert torch.equal(out["hf"][row, start:], megatron), row
