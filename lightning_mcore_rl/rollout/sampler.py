@@ -127,6 +127,23 @@ def _check_model_config(model: torch.nn.Module, pp_group: Any) -> None:
         raise ValueError("generate() does not support sequence_parallel=True models")
 
 
+def _check_recordable(config: Any) -> None:
+    """``record_routing`` needs MoE layers that route every token to exactly top-k experts.
+
+    Raises:
+        ValueError: a dense model, or a capacity factor (a dropped slot has no expert to record).
+    """
+    if not getattr(config, "num_moe_experts", None):
+        raise ValueError("`record_routing=True` needs a model with MoE layers; this one has none")
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if capacity is not None:
+        raise ValueError(
+            f"`record_routing=True` records top-k experts per token, but "
+            f"`moe_expert_capacity_factor={capacity}` may drop some of them; generate without "
+            "a capacity factor."
+        )
+
+
 def _last_logits(
     model: torch.nn.Module,
     ids: Tensor,
@@ -209,8 +226,8 @@ def generate(
     if temperature <= 0:
         raise ValueError(f"`temperature` must be > 0, got {temperature}")
     _check_model_config(model, pp_group)
-    if record_routing and not getattr(getattr(model, "config", None), "num_moe_experts", None):
-        raise ValueError("`record_routing=True` needs a model with MoE layers; this one has none")
+    if record_routing:
+        _check_recordable(getattr(model, "config", None))
     was_training = model.training
     model.eval()
     recorder = _RoutingRecorder(model, prompts.shape[0]) if record_routing else None

@@ -213,6 +213,12 @@ class MegatronRolloutSource:
                 f"left padding); got prompt_lengths {lengths.tolist()} for P={prompts.shape[1]}. "
                 "Use the 'hf' rollout backend for prompts of different lengths."
             )
+        config = unwrap_model(self.model).config
+        # MoE routing is recorded (for replay and the mismatch metric) unless a capacity factor
+        # can drop experts, which leaves nothing to record for the dropped slots
+        record = bool(getattr(config, "num_moe_experts", None)) and (
+            getattr(config, "moe_expert_capacity_factor", None) is None
+        )
         out = generate(
             self.model,
             prompts,
@@ -222,7 +228,7 @@ class MegatronRolloutSource:
             tp_group=self.tp_group,
             pp_group=self.pp_group,
             kv_cache=self.kv_cache,
-            record_routing=bool(getattr(unwrap_model(self.model).config, "num_moe_experts", None)),
+            record_routing=record,
         )
         tokens, mask, logprobs = stop_completions(
             out.tokens, out.logprobs, prompts.shape[1], sampling

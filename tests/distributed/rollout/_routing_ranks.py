@@ -128,3 +128,23 @@ def hf_source_routing_rank(_rank: int, hf_dir: str) -> dict[str, Any]:
     for handle in handles:
         handle.remove()
     return {"hf": rollout.routed_experts, "megatron": megatron, "starts": starts}
+
+
+def capacity_record_error_rank(_rank: int) -> str:
+    """``"Type: message"`` of ``generate(record_routing=True)`` on a tiny MoE GPT with a
+    capacity factor."""
+    from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+    from lightning_mcore_rl.rollout.sampler import generate
+    from lightning_mcore_rl.testing import init_megatron_state
+
+    init_megatron_state()
+    config = tiny_gpt_config(
+        num_moe_experts=4, moe_router_topk=2, add_bias_linear=False,
+        moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs",
+    )  # fmt: skip
+    try:
+        generate(tiny_gpt(config), torch.ones(2, 3, dtype=torch.long), max_new_tokens=1,
+                 generator=torch.Generator(), record_routing=True)  # fmt: skip
+    except ValueError as err:
+        return f"ValueError: {err}"
+    return ""

@@ -19,6 +19,7 @@ from _routing_ranks import (  # noqa: E402
     NEW,
     PROMPT,
     ROWS,
+    capacity_record_error_rank,
     dense_record_error_rank,
     hf_source_routing_rank,
     sampler_routing_rank,
@@ -39,7 +40,9 @@ def test_sampler_records_the_routing_the_train_step_makes(ep: int, world: int) -
             assert result["mismatch"] == 0.0, (ep, packing)
 
 
-def test_record_routing_of_a_dense_model_raises() -> None:
+def test_record_routing_refuses_what_it_cannot_record() -> None:
+    capacity = run_on_ranks(capacity_record_error_rank, 1)[0]
+    assert capacity.startswith("ValueError: `record_routing=True` records top-k experts per token")
     message = run_on_ranks(dense_record_error_rank, 1)[0]
     assert (
         message
