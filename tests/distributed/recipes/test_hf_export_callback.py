@@ -34,12 +34,17 @@ def _logprobs(hf_dir, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
+def _sft_data(tmp_path):
+    """The SFT rows' file and the tokenizer trained on them."""
+    train, _ = make_splits(64, 0, seed=1)
+    sft_file = str(write_sft_rows(train, tmp_path / "sft.jsonl"))
+    return sft_file, train_tokenizer(p.prompt + " " + p.response for p in train)
+
+
 def test_hf_export_equals_the_trained_policy(tmp_path):
     from transformers import AutoTokenizer
 
-    train, _ = make_splits(64, 0, seed=1)
-    sft_file = str(write_sft_rows(train, tmp_path / "sft.jsonl"))
-    tokenizer = train_tokenizer(p.prompt + " " + p.response for p in train)
+    sft_file, tokenizer = _sft_data(tmp_path)
     init, out = tmp_path / "init", tmp_path / "export"
     write_tiny_llama(init, tokenizer)
     results = run_on_ranks(sft_and_export, 2, str(init), sft_file, str(out), STEPS, timeout=240)
@@ -62,9 +67,7 @@ def _export_matches(out, init, batch, megatron) -> None:
 
 
 def test_hf_export_of_an_ep2_moe_equals_the_trained_policy(tmp_path):
-    train, _ = make_splits(64, 0, seed=1)
-    sft_file = str(write_sft_rows(train, tmp_path / "sft.jsonl"))
-    tokenizer = train_tokenizer(p.prompt + " " + p.response for p in train)
+    sft_file, tokenizer = _sft_data(tmp_path)
     init, out = tmp_path / "init", tmp_path / "export"
     write_tiny_qwen3_moe(init, tokenizer)
     layout = (("expert_model_parallel_size", 2),)  # DP=2: each rank trains on its own rows
