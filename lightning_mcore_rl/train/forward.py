@@ -46,13 +46,6 @@ def _is_last_stage(model: torch.nn.Module) -> bool:
     return bool(getattr(_unwrap(model), "post_process", True))
 
 
-def _has_moe_layers(model: torch.nn.Module) -> bool:
-    """Whether the chunk's config has MoE layers (``num_moe_experts``)."""
-    from megatron.core.utils import get_model_config
-
-    return bool(getattr(get_model_config(model), "num_moe_experts", None))
-
-
 def _in_float16_module(model: torch.nn.Module) -> bool:
     """Whether megatron's ``Float16Module`` is in the wrapper chain (it takes ``fp32_output``)."""
     from megatron.core.transformer.module import Float16Module
@@ -364,13 +357,11 @@ def forward_with_post_processing_fn(
                 "[B, S, L, K]; the rollout source records it"
             )
         arm_replay_forward(model, mb.routed_experts_cp_sharded, groups.tp_rank, groups.tp_size)
-    moe = _has_moe_layers(model)
     with _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured:
         output = model_forward(
             model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
             mb.packed_seq_params, defer_fp32_logits, mtp_loss_mask=mb.mtp_loss_mask,
-            padding_mask=mb.padding_mask if moe else None,  # the MoE routers' mask only
-            straggler_timer=straggler_timer,
+            padding_mask=mb.padding_mask, straggler_timer=straggler_timer,
             use_fused_linear_logprobs=use_fused_linear_logprobs,
             model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
             groups=groups,

@@ -89,6 +89,7 @@ def process_microbatch(
     pad_width_multiple: int = 1,
     cp_rank: int = 0,
     cp_size: int = 1,
+    routing: bool = False,
 ) -> ProcessedMicrobatch:
     """Build the model inputs of one microbatch.
 
@@ -106,6 +107,8 @@ def process_microbatch(
             (``TP`` under sequence parallelism, which splits the sequence over TP ranks).
         cp_rank: Context-parallel rank.
         cp_size: ``CP``; the padded layout supports CP = 1 only.
+        routing: The model has MoE routers: also build their ``padding_mask`` and the
+            ``routed_experts`` in their token order (dense models skip both).
 
     Returns:
         The :class:`ProcessedMicrobatch`.
@@ -126,11 +129,13 @@ def process_microbatch(
             input_ids, lengths, pad_individual, pad_packed_multiple, pad_packed_to, cp_rank,
             cp_size,
         )  # fmt: skip
-        located = pack_sequences(
-            packable_token_ids(batch, width, input_ids.device), lengths, pad_individual,
-            pad_packed_multiple, pad_packed_to, cp_rank, cp_size,
-        ).packed_local  # fmt: skip
-        token_index = routed_token_index(batch, width, lengths, packed_index=located)  # [T/CP]
+        token_index = None
+        if routing:
+            located = pack_sequences(
+                packable_token_ids(batch, width, input_ids.device), lengths, pad_individual,
+                pad_packed_multiple, pad_packed_to, cp_rank, cp_size,
+            ).packed_local  # fmt: skip
+            token_index = routed_token_index(batch, width, lengths, packed_index=located)
         return ProcessedMicrobatch(
             data_dict=data_dict,
             input_ids=packed.packed_full,
@@ -140,7 +145,7 @@ def process_microbatch(
             packed_seq_params=packed.packed_seq_params,
             cu_seqlens_padded=packed.cu_seqlens_padded,
             original_seq_length=width,
-            padding_mask=(token_index < 0)[None, :],
+            padding_mask=None if token_index is None else (token_index < 0)[None, :],  # [1, T/CP]
             routed_experts_cp_sharded=_routed_experts(data_dict, token_index),
         )
     if cp_size > 1:
@@ -158,11 +163,14 @@ def process_microbatch(
         model_ids = torch.nn.functional.pad(input_ids, (0, model_width - width))
     padded_width = model_ids.shape[1]
     position_ids = torch.arange(padded_width, device=input_ids.device).expand(batch, -1)
-    row_lengths = data_dict.get(seq_length_key)
-    token_index = routed_token_index(
-        batch, width, None if row_lengths is None else torch.as_tensor(row_lengths),
-        model_width=padded_width, device=input_ids.device,
-    )  # fmt: skip  # [S_pad * B], sequence-first
+    token_index = padding_mask = None
+    if routing:
+        row_lengths = data_dict.get(seq_length_key)
+        token_index = routed_token_index(
+            batch, width, None if row_lengths is None else torch.as_tensor(row_lengths),
+            model_width=padded_width, device=input_ids.device,
+        )  # fmt: skip  # [S_pad * B], sequence-first
+        padding_mask = (token_index < 0).view(padded_width, batch).transpose(0, 1)  # [B, S_pad]
     return ProcessedMicrobatch(
         data_dict=data_dict,
         input_ids=model_ids,
@@ -172,14 +180,15 @@ def process_microbatch(
         packed_seq_params=None,
         cu_seqlens_padded=None,
         original_seq_length=width,
-        padding_mask=(token_index < 0).view(padded_width, batch).transpose(0, 1),  # [B, S_pad]
+        padding_mask=padding_mask,
         routed_experts_cp_sharded=_routed_experts(data_dict, token_index),
     )
 
 
-def _routed_experts(data_dict: BatchedDataDict, token_index: Tensor) -> Tensor | None:
-    """``routed_experts`` in the routers' token order, or ``None`` without the key."""
-    if ROUTED_EXPERTS not in data_dict:
+def _routed_experts(data_dict: BatchedDataDict, token_index: Tensor | None) -> Tensor | None:
+    """``routed_experts`` in the routers' token order, or ``None`` without the key (or without
+    routers: ``token_index`` ``None``)."""
+    if token_index is None or ROUTED_EXPERTS not in data_dict:
         return None
     return routed_experts_in_model_order(cast(Tensor, data_dict[ROUTED_EXPERTS]), token_index)
 

@@ -47,7 +47,7 @@ from lightning_mcore_rl.train.post_processors import (
     TeacherFullPayloadPostProcessor,
 )
 from lightning_mcore_rl.train.router_replay import check_routed_experts, replay_enabled
-from lightning_mcore_rl.train.router_stats import moe_pass
+from lightning_mcore_rl.train.router_stats import moe_config, moe_pass
 from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
 from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
 from lightning_mcore_rl.train.validation import (
@@ -66,11 +66,15 @@ strategy's non-finite policy: one all-reduce; re-raises the error, True skips th
 
 
 def split_global_batch(
-    batch: Mapping[str, Any], groups: ParallelGroups, microbatching: Microbatching
+    batch: Mapping[str, Any],
+    groups: ParallelGroups,
+    microbatching: Microbatching,
+    routing: bool = False,
 ) -> GlobalBatch:
     """This DP rank's share of a global batch -> processed microbatches with the global valid
     counts (:func:`~lightning_mcore_rl.train.process_global_batch`; CP shards per rank), padded
-    as the layout needs (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`)."""
+    as the layout needs (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`);
+    ``routing``: the model has MoE routers (their padding mask and replay ids are built)."""
     data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
     padding = layout_padding(
         sequence_packing=microbatching.sequence_packing,
@@ -87,6 +91,7 @@ def split_global_batch(
         max_tokens_per_microbatch=microbatching.max_tokens_per_microbatch,
         cp_rank=groups.cp_rank,
         cp_size=groups.cp_size,
+        routing=routing,
         **padding,
     )
 
@@ -190,7 +195,9 @@ def run_global_batch(
     else:
         assert loss is not None  # exactly one of the two, checked above
         _check_per_token_loss(chunks)
-        global_batch = split_global_batch(batch, groups, microbatching)
+        global_batch = split_global_batch(
+            batch, groups, microbatching, routing=moe_config(chunks) is not None
+        )
         with moe_pass(
             chunks, global_batch.microbatches, groups, training=not forward_only,
             device=context.device,
@@ -239,7 +246,9 @@ def run_forward_only(
     )
     _checked_inputs_skip(batch, spec, input_check, chunks)
     with _eval_mode(chunks), torch.no_grad():
-        global_batch = split_global_batch(batch, groups, microbatching)
+        global_batch = split_global_batch(
+            batch, groups, microbatching, routing=moe_config(chunks) is not None
+        )
         outputs = _megatron_pass(chunks, global_batch, post_processor, context, True)
     result: dict[str, Tensor] | None = None
     if groups.is_pipeline_last_stage:

@@ -133,7 +133,7 @@ def reference_rank(_rank: int, spec: MoESpec) -> dict[str, Any]:
     routers = {m.layer_number - 1: m for m in model.modules() if isinstance(m, Router)}
     weights = {k: r.weight for k, r in routers.items()}
     batch = rollout_batch()
-    micro = [process_microbatch(batch.slice(i, i + 1)) for i in range(ROWS)]
+    micro = [process_microbatch(batch.slice(i, i + 1), routing=True) for i in range(ROWS)]
     valid = [
         torch.ones(S, dtype=torch.bool) if mb.padding_mask is None else ~mb.padding_mask[0]
         for mb in micro

@@ -45,7 +45,7 @@ def test_padded_layout_is_sequence_first_with_padding_marked() -> None:
     # s=0: tokens (0,0)=0, (1,0)=3; s=1: 1, 4; s=2: 2, pad (len 2); s=3: width padding.
     index = routed_token_index(2, 3, torch.tensor([3, 2]), model_width=4)
     assert index.tolist() == [0, 3, 1, 4, 2, -1, -1, -1]
-    mb = process_microbatch(_batch([3, 2], 3), pad_width_multiple=4)
+    mb = process_microbatch(_batch([3, 2], 3), pad_width_multiple=4, routing=True)
     assert mb.padding_mask is not None and mb.routed_experts_cp_sharded is not None
     assert mb.padding_mask.tolist() == [[False, False, False, True], [False, False, True, True]]
     flat = _experts(2, 3).reshape(6, L, K)
@@ -63,7 +63,12 @@ def test_padded_layout_is_sequence_first_with_padding_marked() -> None:
 )
 def test_packed_layout_follows_the_cp_zigzag(cp_rank: int, expected: list[int]) -> None:
     mb = process_microbatch(
-        _batch([3, 2], 4), sequence_packing=True, pad_individual=4, cp_rank=cp_rank, cp_size=2
+        _batch([3, 2], 4),
+        sequence_packing=True,
+        pad_individual=4,
+        cp_rank=cp_rank,
+        cp_size=2,
+        routing=True,
     )
     assert mb.padding_mask is not None and mb.routed_experts_cp_sharded is not None
     assert mb.padding_mask.tolist() == [[i < 0 for i in expected]]
@@ -77,7 +82,7 @@ def test_packed_layout_follows_the_cp_zigzag(cp_rank: int, expected: list[int]) 
 
 def test_packed_bin_padding_is_padding() -> None:
     # lengths [2, 1], no per-span padding, T padded to 5: spans [0,2) and [2,5) hold 2 + 1 real.
-    mb = process_microbatch(_batch([2, 1], 3), sequence_packing=True, pad_packed_to=5)
+    mb = process_microbatch(_batch([2, 1], 3), sequence_packing=True, pad_packed_to=5, routing=True)
     assert mb.padding_mask is not None
     assert mb.padding_mask.tolist() == [[False, False, False, True, True]]
     index = routed_token_index(2, 3, None, packed_index=torch.tensor([[1, 2, 4, 0, 0]]))
@@ -87,9 +92,16 @@ def test_packed_bin_padding_is_padding() -> None:
 def test_no_routed_experts_key_gives_none() -> None:
     data = _batch([3, 2], 3)
     del data["routed_experts"]
-    mb = process_microbatch(data)
+    mb = process_microbatch(data, routing=True)
     assert mb.routed_experts_cp_sharded is None
     assert mb.padding_mask is not None and mb.padding_mask.tolist()[1] == [False, False, True]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_dense_model_gets_neither_mask_nor_routing(packing: bool) -> None:
+    # routing=False (no MoE routers): the second pack and the token index are skipped
+    mb = process_microbatch(_batch([3, 2], 3), sequence_packing=packing)
+    assert mb.padding_mask is None and mb.routed_experts_cp_sharded is None
 
 
 def test_sequence_parallel_slice_is_contiguous() -> None:
