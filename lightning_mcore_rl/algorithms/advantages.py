@@ -58,6 +58,27 @@ def grpo_advantages(
     return advantages.reshape(-1)
 
 
+def nonfinite_reward_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """Which completions belong to a group holding a NaN/inf reward (the estimators above
+    reject such rewards; a recipe masks them and gives the group NaN advantages, which the
+    training step's non-finite policy skips on every rank).
+
+    Args:
+        rewards: ``[B*G]`` rewards, group-major.
+        group_size: ``G``.
+
+    Returns:
+        ``[B*G]`` bool, True for every completion of such a group.
+    """
+    if rewards.ndim != 1 or group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"`rewards` must be 1-D [B*G] with G={group_size} dividing it, got shape "
+            f"{tuple(rewards.shape)}"
+        )
+    bad = ~torch.isfinite(rewards).view(-1, group_size).all(dim=1)  # [B]
+    return bad.repeat_interleave(group_size)
+
+
 def token_level_advantages(advantages: Tensor, token_mask: Tensor) -> Tensor:
     """Broadcast per-sample advantages ``[B]`` onto tokens: ``[B, S]``, zero where masked."""
     if advantages.shape != token_mask.shape[:1]:

@@ -9,6 +9,7 @@ Unknown keys are rejected with the list of valid ones; each dataclass validates 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -69,6 +70,17 @@ def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
         raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
 
 
+def _check_finite(config: Any) -> None:
+    """Every float field of a loss config is finite: a NaN compares False with every bound, so
+    ``ratio_clip_max=nan`` would pass the range checks below and clip nothing (inf likewise)."""
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"`{type(config).__name__}.{item.name}` must be a finite number, got {value}."
+            )
+
+
 @dataclass(frozen=True)
 class ClippedPGLossConfig:
     """Config of :class:`ClippedPGLossFn` (keys and defaults of NeMo RL's ``loss_fn`` section)."""
@@ -121,6 +133,7 @@ class ClippedPGLossConfig:
 
     def __post_init__(self) -> None:
         """Validate the options and their combinations."""
+        _check_finite(self)
         _check_choice("reference_policy_kl_type", self.reference_policy_kl_type, _KL_TYPES)
         if self.loss_aggregation is not None:
             _check_choice("loss_aggregation", self.loss_aggregation, _AGGREGATIONS)
@@ -256,6 +269,7 @@ class DPOLossConfig:
 
     def __post_init__(self) -> None:
         """Validate the weights."""
+        _check_finite(self)
         for name in ("preference_loss_weight", "sft_loss_weight", "reference_policy_kl_penalty"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
@@ -275,6 +289,7 @@ class DistillationLossConfig:
 
     def __post_init__(self) -> None:
         """Validate the KL type and weight."""
+        _check_finite(self)
         _check_choice("kl_type", self.kl_type, ("forward", "reverse", "mixed"))
         if not 0.0 <= self.mixed_kl_weight <= 1.0:
             raise ValueError(f"`mixed_kl_weight` must be in [0, 1], got {self.mixed_kl_weight}.")
@@ -291,6 +306,7 @@ class MseValueLossConfig:
 
     def __post_init__(self) -> None:
         """Validate the clip range."""
+        _check_finite(self)
         if self.cliprange is not None and self.cliprange < 0:
             raise ValueError(f"`cliprange` must be None or >= 0, got {self.cliprange}.")
 
@@ -312,6 +328,7 @@ class OPDFullLossConfig:
 
     def __post_init__(self) -> None:
         """Validate the KL type and penalty."""
+        _check_finite(self)
         _check_choice("reference_policy_kl_type", self.reference_policy_kl_type, _KL_TYPES)
         if self.reference_policy_kl_penalty < 0:
             raise ValueError(

@@ -23,6 +23,7 @@ task, or a :class:`~.prompt_data.PromptBatch` of a text task) and:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,6 +38,7 @@ from lightning_mcore_rl.algorithms import (
     reinforce_plus_plus_advantages,
     token_level_advantages,
 )
+from lightning_mcore_rl.algorithms.advantages import nonfinite_reward_groups
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossConfig, ClippedPGLossFn, calculate_kl
 from lightning_mcore_rl.ops import TrainingSamplingParams
@@ -67,6 +69,7 @@ from lightning_mcore_rl.rollout import (
     mismatch_extrema,
 )
 from lightning_mcore_rl.strategy import ResumableLoader
+from lightning_mcore_rl.strategy.nonfinite import NonFiniteWarning
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -380,7 +383,27 @@ class GRPOModule(RecipeModule):
         """Token advantages ``[b*G, S]`` of the ``advantage_estimator`` from the rewards
         ``[b*G]`` and the batch's ``token_mask`` (with ``use_kl_in_reward`` also its
         ``prev_logprobs`` and ``reference_policy_logprobs``); REINFORCE++ whitens over the
-        data-parallel group, so every layout sees the global batch's statistics."""
+        data-parallel group, so every layout sees the global batch's statistics.
+
+        A group with a NaN/inf reward gets NaN advantages (its rewards count as 0 in the
+        estimator, so the other groups' are unchanged): the step's input agreement then skips
+        the step on every rank, as the non-finite policy does for any non-finite input."""
+        bad = nonfinite_reward_groups(rewards, self.rollout.group_size)  # [b*G]
+        if not bool(bad.any()):
+            return self._advantages(rewards, batch)
+        where = (~torch.isfinite(rewards)).nonzero()[:, 0].tolist()
+        warnings.warn(
+            f"Non-finite rewards on this rank: completions {where} = "
+            f"{rewards[where].tolist()}; the advantages of their groups (completions "
+            f"{bad.nonzero()[:, 0].tolist()}) are NaN, so the non-finite policy skips this step "
+            "on every rank.",
+            NonFiniteWarning,
+            stacklevel=2,
+        )
+        advantages = self._advantages(rewards.masked_fill(bad, 0.0), batch)
+        return advantages.masked_fill(bad[:, None], float("nan"))
+
+    def _advantages(self, rewards: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
         token_mask, group_size = batch["token_mask"], self.rollout.group_size
         if self.advantage_estimator == "grpo":
             per_sample = grpo_advantages(

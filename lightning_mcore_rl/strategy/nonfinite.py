@@ -9,12 +9,21 @@ optimizer-state change: megatron's update is not run, which is megatron's own
   :func:`~lightning_mcore_rl.train.validation.validate_batch` verdict of each rank — an invalid
   batch on any rank makes every rank raise, a non-finite float (advantages, logprobs, masks...)
   skips the step, naming the key and first bad position on the rank that holds it;
+  The same collective carries each rank's batch summary: different row counts, or different
+  batches on the ranks of one replica, raise on every rank
+  (:mod:`~lightning_mcore_rl.strategy.agreement`);
 * the loss (:meth:`NonFiniteGuard.skip_before_update`, after the backward; identical on every
   rank) and the gradients (:meth:`NonFiniteGuard.skip_on_grad_norm`): megatron's own global
   gradient norm, computed once by the optimizer adapter's step
   (:func:`~lightning_mcore_rl.strategy.optimizer.megatron_step`) between ``prepare_grads`` and
   the clipping — NaN/inf in any gradient on any rank, or a norm that overflows, skips the step
-  before anything is clipped or updated.
+  before anything is clipped or updated;
+* the update (:meth:`NonFiniteGuard.reject_update`, after megatron's update): non-finite
+  weights or optimizer state, or an update too large for the parameters
+  (:mod:`~lightning_mcore_rl.strategy.update_check`), undo the update and skip the step.
+
+A gradient norm of exactly 0 for ``collapse_warning_steps`` steps in a row warns
+(:class:`CollapseWarning`): the model learns nothing (e.g. saturated by a huge learning rate).
 """
 
 from __future__ import annotations
@@ -24,13 +33,23 @@ import warnings
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
+
+from lightning_mcore_rl.strategy.agreement import (
+    INVALID,
+    NONFINITE,
+    OK,
+    RankInput,
+    agreed_verdict,
+    gather_inputs,
+)
+from lightning_mcore_rl.strategy.update_check import (
+    UpdateSnapshot,
+    update_failure,
+    update_measures,
+)
 
 NonFinitePolicy = Literal["skip", "raise"]
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
-
-OK, NONFINITE, INVALID = 0, 1, 2
-"""Input verdict codes, combined over ranks by MAX."""
 
 
 class NonFiniteError(ValueError):
@@ -47,6 +66,10 @@ class NonFiniteWarning(UserWarning):
     """A training step was skipped because of a non-finite value."""
 
 
+class CollapseWarning(UserWarning):
+    """The gradient norm was exactly 0 for ``collapse_warning_steps`` consecutive steps."""
+
+
 def check_policy(nonfinite: Any, max_consecutive_skips: Any) -> None:
     """Validate ``ReliabilityConfig``'s ``nonfinite`` and ``max_consecutive_skips``."""
     if nonfinite not in NONFINITE_POLICIES:
@@ -61,6 +84,32 @@ def check_policy(nonfinite: Any, max_consecutive_skips: Any) -> None:
         raise ValueError(f"`max_consecutive_skips` must be >= 1, got {max_consecutive_skips}.")
 
 
+def check_update_options(
+    verify_updates: Any, max_update_ratio: Any, collapse_warning_steps: Any
+) -> None:
+    """Validate ``ReliabilityConfig``'s ``verify_updates``, ``max_update_ratio`` and
+    ``collapse_warning_steps``."""
+    if not isinstance(verify_updates, bool):
+        raise TypeError(f"`verify_updates` must be a bool, got {verify_updates!r}.")
+    if max_update_ratio is not None:
+        if isinstance(max_update_ratio, bool) or not isinstance(max_update_ratio, (int, float)):
+            raise TypeError(
+                f"`max_update_ratio` must be a number or None, got "
+                f"{type(max_update_ratio).__name__}."
+            )
+        if not math.isfinite(max_update_ratio) or max_update_ratio <= 0:
+            raise ValueError(
+                f"`max_update_ratio` must be a finite number > 0 or None, got {max_update_ratio}."
+            )
+    steps = collapse_warning_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+        raise TypeError(
+            f"`collapse_warning_steps` must be an int or None, got {type(steps).__name__}."
+        )
+    if steps is not None and steps < 1:
+        raise ValueError(f"`collapse_warning_steps` must be >= 1 or None, got {steps}.")
+
+
 class NonFiniteGuard:
     """Per-run state of the non-finite policy (counts survive across ``fit`` calls).
 
@@ -69,18 +118,47 @@ class NonFiniteGuard:
             :class:`NonFiniteError` after ``max_consecutive_skips`` consecutive skips;
             ``"raise"``: raise :class:`NonFiniteError` at the first one.
         max_consecutive_skips: consecutive skipped steps tolerated under ``"skip"``.
+        verify_updates: check every update (:meth:`reject_update`) and undo a failing one.
+        max_update_ratio: an update whose norm exceeds this multiple of the parameters' norm
+            fails (``None``: only non-finite values fail).
+        collapse_warning_steps: warn after this many consecutive steps with a gradient norm of
+            exactly 0 (``None``: never).
     """
 
-    def __init__(self, policy: NonFinitePolicy = "skip", max_consecutive_skips: int = 10) -> None:
+    def __init__(
+        self,
+        policy: NonFinitePolicy = "skip",
+        max_consecutive_skips: int = 10,
+        *,
+        verify_updates: bool = True,
+        max_update_ratio: float | None = 1e3,
+        collapse_warning_steps: int | None = 5,
+    ) -> None:
         check_policy(policy, max_consecutive_skips)
+        check_update_options(verify_updates, max_update_ratio, collapse_warning_steps)
         self.policy = policy
         self.max_consecutive_skips = max_consecutive_skips
+        self.verify_updates = verify_updates
+        self.max_update_ratio = max_update_ratio
+        self.collapse_warning_steps = collapse_warning_steps
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.zero_grad_steps = 0
         self.step_skipped = False
         self.device: torch.device | str = "cpu"
         self.group: Any = None  # the strategy's world group (None: the default group)
         self._loss: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, reliability: Any) -> NonFiniteGuard:
+        """The guard of a ``ReliabilityConfig``."""
+        return cls(
+            reliability.nonfinite,
+            reliability.max_consecutive_skips,
+            verify_updates=reliability.verify_updates,
+            max_update_ratio=reliability.max_update_ratio,
+            collapse_warning_steps=reliability.collapse_warning_steps,
+        )
 
     # ---------------------------------------------------------------- per step
 
@@ -96,26 +174,44 @@ class NonFiniteGuard:
         """The step's loss (identical on every rank), checked in :meth:`skip_before_update`."""
         self._loss = loss
 
-    def check_inputs(self, finding: Any, error: BaseException | None, *, training: bool) -> bool:
-        """ONE all-reduce (MAX) of this rank's input verdict over all ranks.
+    def check_inputs(
+        self,
+        finding: Any,
+        error: BaseException | None,
+        summary: Any = None,
+        *,
+        training: bool,
+        replica: int = 0,
+    ) -> bool:
+        """ONE all-gather of this rank's input verdict and batch summary over all ranks
+        (:mod:`~lightning_mcore_rl.strategy.agreement`).
 
         Args:
             finding: the rank's first non-finite entry
                 (:class:`~lightning_mcore_rl.train.validation.NonFinite`) or ``None``.
-            error: the rank's validation error, re-raised after the all-reduce.
+            error: the rank's validation error, re-raised after the collective.
+            summary: the rank's :class:`~lightning_mcore_rl.train.validation.BatchSummary`
+                (``None`` with ``error``).
             training: a training step (forward-only passes never skip).
+            replica: this rank's data-parallel rank (its model replica).
 
         Returns:
             True: skip this step (every rank returns True).
 
         Raises:
             The rank's own validation error; :class:`BatchRejectedError` when only another rank
-            rejected its batch; :class:`NonFiniteError` under ``"raise"`` or past the limit.
+            rejected its batch; :class:`~.agreement.BatchMismatchError` when the ranks' row
+            counts, or the batches of one replica's ranks, differ; :class:`NonFiniteError`
+            under ``"raise"`` or past the limit.
         """
         local = INVALID if error is not None else (NONFINITE if finding and training else OK)
-        verdict = _all_reduce_max(local, self.device, self.group)
+        entry = RankInput(local, replica)
+        if summary is not None:
+            entry = RankInput(local, replica, summary.rows, summary.width, summary.fingerprint)
         if error is not None:
+            gather_inputs(entry, self.device, self.group)
             raise error
+        verdict = agreed_verdict(gather_inputs(entry, self.device, self.group))
         if verdict == INVALID:
             raise BatchRejectedError(
                 "Another rank rejected its batch (see that rank's ValueError/TypeError naming "
@@ -150,12 +246,49 @@ class NonFiniteGuard:
         self._skip(f"a non-finite gradient (megatron's global grad norm: {grad_norm})")
         return True
 
-    def after_update(self, update_successful: bool) -> None:
-        """After megatron's step: ``update_successful=False`` counts as a skipped step."""
+    def snapshot(self, optimizer: Any, params: Any) -> UpdateSnapshot | None:
+        """Before megatron's update: what it writes, copied (``None``: updates not verified)."""
+        return UpdateSnapshot.take(optimizer, params) if self.verify_updates else None
+
+    def reject_update(self, snapshot: UpdateSnapshot | None) -> bool:
+        """After megatron's update: True (undone from ``snapshot``, the step skipped) when it
+        left a NaN/inf weight or optimizer-state entry on any rank, or exceeded
+        ``max_update_ratio`` (one all-reduce; the same decision on every rank)."""
+        if snapshot is None:
+            return False
+        cause = update_failure(
+            update_measures(snapshot, self.device, self.group), self.max_update_ratio
+        )
+        if cause is None:
+            return False
+        snapshot.restore()
+        self._skip(f"{cause}; the update was undone (parameters and optimizer state restored)")
+        return True
+
+    def after_update(self, update_successful: bool, grad_norm: float | None = None) -> None:
+        """After megatron's step: ``update_successful=False`` counts as a skipped step; a
+        gradient norm of exactly 0 counts towards the collapse warning."""
         if update_successful:
             self.consecutive_skips = 0
         elif not self.step_skipped:
             self._skip("megatron's optimizer (update_successful=False)")
+        self._note_grad_norm(grad_norm)
+
+    def _note_grad_norm(self, grad_norm: float | None) -> None:
+        if grad_norm is None or grad_norm != 0.0:
+            self.zero_grad_steps = 0
+            return
+        self.zero_grad_steps += 1
+        if self.zero_grad_steps == self.collapse_warning_steps:
+            warnings.warn(
+                f"The gradient norm has been exactly 0 for {self.zero_grad_steps} consecutive "
+                "steps: the model learns nothing (a saturated model, e.g. after a too large "
+                "learning rate, or no learning signal: every advantage 0). Check the learning "
+                "rate and the rewards; `ReliabilityConfig(collapse_warning_steps=...)` sets "
+                "when this warns.",
+                CollapseWarning,
+                stacklevel=3,
+            )
 
     # ---------------------------------------------------------------- helpers
 
@@ -185,19 +318,14 @@ class NonFiniteGuard:
         )
 
 
-def _all_reduce_max(value: int, device: torch.device | str, group: Any) -> int:
-    flag = torch.tensor([value], dtype=torch.int32, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag[0])
-
-
 __all__ = [
     "NONFINITE_POLICIES",
     "BatchRejectedError",
+    "CollapseWarning",
     "NonFiniteError",
     "NonFiniteGuard",
     "NonFinitePolicy",
     "NonFiniteWarning",
     "check_policy",
+    "check_update_options",
 ]

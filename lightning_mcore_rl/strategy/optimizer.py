@@ -42,6 +42,7 @@ class _StepRecord:
 
     last: MegatronStepResult | None = None
     guard: Any = None  # the strategy's NonFiniteGuard (strategy/nonfinite.py)
+    params: list[torch.Tensor] = field(default_factory=list)  # the model's, for the guard
 
 
 @dataclass
@@ -72,11 +73,15 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
     Args:
         megatron_optimizer: the optimizer from ``get_megatron_optimizer``.
+        params: the model parameters it updates (copied and checked by the non-finite guard
+            around every update).
     """
 
-    def __init__(self, megatron_optimizer: Any) -> None:  # noqa: D107 - no super().__init__
+    def __init__(  # noqa: D107 - no super().__init__
+        self, megatron_optimizer: Any, params: Sequence[torch.Tensor] = ()
+    ) -> None:
         self.megatron_optimizer = megatron_optimizer
-        self._record = _StepRecord()
+        self._record = _StepRecord(params=list(params))
         self.defaults: dict[str, Any] = {}
 
     @property
@@ -104,14 +109,16 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
     def use_guard(self, guard: Any) -> None:
         """Consult ``guard`` (a :class:`~lightning_mcore_rl.strategy.nonfinite.NonFiniteGuard`)
-        before every megatron step: a skipped step never calls megatron's ``step()``."""
+        around every megatron step: a skipped step never calls megatron's ``step()``, and a
+        failing update is undone."""
         self._record.guard = guard
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (forward+backward), then megatron's step (:func:`megatron_step`:
         unscale, norm, clip, update) — unless the non-finite guard skips the step (non-finite
         inputs or loss, or a non-finite megatron gradient norm): then nothing changes, as on
-        megatron's own ``update_successful=False`` path.
+        megatron's own ``update_successful=False`` path; an update the guard rejects
+        (non-finite weights or optimizer state, or too large) is undone.
 
         Returns:
             The closure's result (the training-step loss), as ``torch.optim`` optimizers do.
@@ -121,10 +128,9 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         if guard is not None and guard.skip_before_update():
             self._record.last = MegatronStepResult(False, None, None)
             return loss
-        check = guard.skip_on_grad_norm if guard is not None else None
-        self._record.last = megatron_step(self.megatron_optimizer, check)
+        self._record.last = megatron_step(self.megatron_optimizer, guard, self._record.params)
         if guard is not None:
-            guard.after_update(self._record.last.update_successful)
+            guard.after_update(self._record.last.update_successful, self._record.last.grad_norm)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -143,10 +149,13 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
 
 def megatron_step(
-    optimizer: Any, skip_on_grad_norm: Callable[[float], bool] | None = None
+    optimizer: Any, guard: Any = None, params: Sequence[torch.Tensor] = ()
 ) -> MegatronStepResult:
-    """Megatron's ``MegatronOptimizer.step()`` by its public parts, consulting
-    ``skip_on_grad_norm(norm)`` between megatron's gradient norm and the update.
+    """Megatron's ``MegatronOptimizer.step()`` by its public parts, consulting the non-finite
+    ``guard`` (:class:`~lightning_mcore_rl.strategy.nonfinite.NonFiniteGuard`, ``None``: none)
+    between megatron's gradient norm and the update (``guard.skip_on_grad_norm(norm)``) and
+    around the update (``guard.snapshot(optimizer, params)`` before it,
+    ``guard.reject_update(snapshot)`` after it: a rejected update is undone).
 
     The same operations in the same order as megatron's ``step()`` of ``FP32Optimizer``,
     ``MixedPrecisionOptimizer`` and ``ChainedOptimizer`` (``prepare_grads``, ``get_grad_norm``,
@@ -159,14 +168,14 @@ def megatron_step(
 
     Returns:
         ``(update_successful, grad_norm, num_zeros_in_grad)``; ``update_successful=False`` when
-        megatron found inf/NaN (fp16 loss scaling) or ``skip_on_grad_norm`` returned True.
+        megatron found inf/NaN (fp16 loss scaling) or the guard skipped or rejected the step.
     """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     if optimizer.prepare_grads():
         return MegatronStepResult(False, None, None)
     grad_norm = float(optimizer.get_grad_norm())
-    if skip_on_grad_norm is not None and skip_on_grad_norm(grad_norm):
+    if guard is not None and guard.skip_on_grad_norm(grad_norm):
         return MegatronStepResult(False, grad_norm, None)
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(member, "is_stub_optimizer", False) or member.config.clip_grad <= 0.0:
@@ -181,7 +190,11 @@ def megatron_step(
             )
     config = optimizer.config
     num_zeros = int(optimizer.count_zeros()) if config.log_num_zeros_in_grad else None
-    return MegatronStepResult(bool(optimizer.step_with_ready_grads()), grad_norm, num_zeros)
+    snapshot = guard.snapshot(optimizer, params) if guard is not None else None
+    updated = bool(optimizer.step_with_ready_grads())
+    if updated and guard is not None and guard.reject_update(snapshot):
+        return MegatronStepResult(False, grad_norm, num_zeros)
+    return MegatronStepResult(updated, grad_norm, num_zeros)
 
 
 def resolve_optimizer_config(
@@ -346,7 +359,8 @@ def build_optimizer(
         bf16=bf16,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    adapter = MegatronOptimizerAdapter(get_megatron_optimizer(config, list(chunks)))
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    adapter = MegatronOptimizerAdapter(get_megatron_optimizer(config, list(chunks)), params)
     if spec.lr_scheduler is None:
         return adapter, []
     return adapter, [_scheduler_config(spec.lr_scheduler(adapter))]

@@ -5,8 +5,8 @@
 (``loss_post_processor(None)`` on the ``loss_fn`` path, or the declared ``forward_step`` on the LM
 path) and runs :func:`~lightning_mcore_rl.train.run_global_batch` /
 :func:`~lightning_mcore_rl.train.run_forward_only` on the given chunks with the strategy's frozen
-:class:`~lightning_mcore_rl.train.StepContext`, the non-finite policy's input agreement as the
-batch check. Nothing in the pass calls back into the module.
+:class:`~lightning_mcore_rl.train.StepContext`, the non-finite policy's input agreement (one collective:
+verdicts, row counts and batch fingerprints of every rank) as the batch check. Nothing in the pass calls back into the module.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class StepRunner:
     Attributes:
         chunks: the wrapped model chunks the pass runs (the policy's or the hosted teacher's).
         context: the strategy's frozen :class:`~lightning_mcore_rl.train.StepContext`.
-        guard: the non-finite policy (one input-agreement all-reduce per pass).
+        guard: the non-finite policy (one input-agreement collective per pass).
     """
 
     chunks: Sequence[torch.nn.Module]
@@ -92,10 +92,14 @@ class StepRunner:
             input_check=functools.partial(self._check_inputs, training=False),
         )  # fmt: skip
 
-    def _check_inputs(self, finding: Any, error: BaseException | None, training: bool) -> bool:
+    def _check_inputs(
+        self, finding: Any, error: BaseException | None, summary: Any, training: bool
+    ) -> bool:
         self.guard.device = self.context.device
         self.guard.group = self.context.world_group
-        return self.guard.check_inputs(finding, error, training=training)
+        return self.guard.check_inputs(
+            finding, error, summary, training=training, replica=self.context.groups.dp_rank
+        )
 
 
 __all__ = ["StepDeclaration", "StepRunner"]

@@ -52,7 +52,10 @@ from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_sch
 from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
 from lightning_mcore_rl.train.validation import (
     BatchSpec,
+    BatchSummary,
     NonFinite,
+    batch_summary,
+    model_position_limit,
     model_vocab_size,
     validate_batch,
 )
@@ -60,9 +63,11 @@ from lightning_mcore_rl.train.validation import (
 ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[Tensor, Callable[..., Any]]]
 """Megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)``."""
 
-InputCheck = Callable[[NonFinite | None, BaseException | None], bool]
-"""``check(first_nonfinite, validation_error) -> skip``: the caller's agreement over ranks (the
-strategy's non-finite policy: one all-reduce; re-raises the error, True skips the step)."""
+InputCheck = Callable[[NonFinite | None, BaseException | None, BatchSummary | None], bool]
+"""``check(first_nonfinite, validation_error, summary) -> skip``: the caller's agreement over
+ranks (the strategy's non-finite policy and batch agreement: one collective; re-raises the
+error, raises when the ranks of a replica hold different batches, True skips the step);
+``summary`` is ``None`` when the batch failed validation."""
 
 
 def split_global_batch(
@@ -174,6 +179,7 @@ def run_global_batch(
         required_by=required_by,
         needs_lengths=microbatching.sequence_packing
         or microbatching.max_tokens_per_microbatch is not None,
+        max_positions=model_position_limit(chunks),
     )
     if _checked_inputs_skip(batch, spec, input_check, None if spec.lm else chunks):
         return StepOutput(loss=torch.tensor(float("nan")))
@@ -231,7 +237,7 @@ def run_forward_only(
 
     Raises:
         ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
-            collective (with ``input_check``: after its one agreement all-reduce); what
+            collective (with ``input_check``: after its one agreement collective); what
             ``use_fused_linear_logprobs`` cannot serve (top-k logits, teacher payloads,
             top-k/top-p), before any collective.
     """
@@ -243,6 +249,7 @@ def run_forward_only(
         vocab_size=model_vocab_size(chunks),
         needs_lengths=microbatching.sequence_packing
         or microbatching.max_tokens_per_microbatch is not None,
+        max_positions=model_position_limit(chunks),
     )
     _checked_inputs_skip(batch, spec, input_check, chunks)
     with _eval_mode(chunks), torch.no_grad():
@@ -269,7 +276,8 @@ def _checked_inputs_skip(
     chunks: Sequence[torch.nn.Module] | None,
 ) -> bool:
     """ONE validation pass of ``batch`` (host only; with ``chunks``, its ``routed_experts``
-    against their MoE config too); the verdict through ``input_check``."""
+    against their MoE config too); the verdict and the batch's
+    :func:`~lightning_mcore_rl.train.validation.batch_summary` through ``input_check``."""
     from megatron.core.utils import get_model_config
 
     try:
@@ -279,9 +287,11 @@ def _checked_inputs_skip(
     except (ValueError, TypeError) as err:
         if input_check is None:
             raise
-        input_check(None, err)  # agrees with the other ranks, then re-raises ``err``
+        input_check(None, err, None)  # agrees with the other ranks, then re-raises ``err``
         raise
-    return input_check(finding, None) if input_check is not None else False
+    if input_check is None:
+        return False
+    return input_check(finding, None, batch_summary(batch, spec))
 
 
 def _megatron_pass(

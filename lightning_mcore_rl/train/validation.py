@@ -4,7 +4,7 @@
 :func:`~lightning_mcore_rl.train.run_global_batch` and
 :func:`~lightning_mcore_rl.train.run_forward_only`. It reads only the batch and the model's
 vocabulary size, so every rank holding the same data reaches the same verdict without
-communicating: a malformed batch raises ``ValueError``/``TypeError`` naming the key before the
+communicating: a malformed batch (or rows longer than a learned position table) raises ``ValueError``/``TypeError`` naming the key before the
 first collective of the step. Non-finite floats are not an error here: the first one is returned
 (:class:`NonFinite`) for the caller's non-finite policy (the strategy skips or raises, all ranks
 agreeing with one all-reduce of a flag).
@@ -65,6 +65,8 @@ class BatchSpec:
         required: further keys the pass needs (the loss's inputs, :func:`loss_input_keys`).
         required_by: who reads ``required`` (the loss class), named when one is missing.
         needs_lengths: ``input_lengths`` is required (packing or a token budget).
+        max_positions: the rows of the model's learned position table (``max_sequence_length``):
+            ``S`` must not exceed it; ``None`` (rotary or no positions) skips the check.
     """
 
     lm: bool = False
@@ -72,6 +74,22 @@ class BatchSpec:
     required: tuple[str, ...] = ()
     required_by: str | None = None
     needs_lengths: bool = False
+    max_positions: int | None = None
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """What the ranks of one model replica compare before a step (one agreement collective).
+
+    Attributes:
+        rows: ``B``, the samples of the batch.
+        width: ``S``, the width of the ids.
+        fingerprint: :func:`batch_fingerprint` of the batch, in ``[0, 2**62)``.
+    """
+
+    rows: int
+    width: int
+    fingerprint: int
 
 
 def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
@@ -87,7 +105,8 @@ def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
         ValueError: an empty batch (no keys or zero samples), a missing key, tensors whose
             first dimension (samples) or width differ, ``input_lengths`` outside ``[1, S]``,
             masks of the wrong shape or with values other than 0/1, a ``token_mask`` set
-            beyond ``input_lengths``, ids outside ``[0, V)``.
+            beyond ``input_lengths``, ids outside ``[0, V)``, ``S`` above
+            ``spec.max_positions``.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(
@@ -113,6 +132,12 @@ def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
         )
     if width == 0:
         raise ValueError(f"`{ids_key}` has width 0 (shape {list(ids.shape)}); S must be >= 1.")
+    if spec.max_positions is not None and width > spec.max_positions:
+        raise ValueError(
+            f"`{ids_key}` has S={width} positions (shape {list(ids.shape)}) but the model's "
+            f"learned position table holds max_sequence_length={spec.max_positions}; truncate "
+            "the rows or build the model with a larger `max_sequence_length`."
+        )
     for key, value in batch.items():
         if isinstance(value, Tensor) and (value.dim() == 0 or value.shape[0] != size):
             raise ValueError(
@@ -267,26 +292,90 @@ def loss_input_keys(loss_fn: object) -> tuple[str, ...]:
     return tuple(declared)
 
 
-def model_vocab_size(chunks: Sequence[torch.nn.Module]) -> int | None:
-    """``V`` of the model: the ``vocab_size`` of the first chunk (unwrapped through megatron's
-    DDP/``Float16Module`` ``.module``), ``None`` when the model does not expose one."""
+_FINGERPRINT_BITS = (1 << 62) - 1
+_FINGERPRINT_MIX = 1_000_003
+
+
+def batch_fingerprint(batch: Mapping[str, Any]) -> int:
+    """A cheap content hash of a batch, equal on ranks holding equal data: per ``[B]`` or
+    ``[B, S]`` tensor (keys sorted) the int64 sum of its elements (ids as they are, floats by
+    their bit patterns) times their 1-based flat positions (so moved rows change it), mixed
+    over the keys. Wider per-token payloads (``[B, S, K]``, ``[B, S, D]``) are left out: their
+    ``[B, S]`` neighbours differ when the rows differ.
+
+    Returns:
+        An int in ``[0, 2**62)``.
+    """
+    tensors = [
+        batch[key].detach().reshape(-1)
+        for key in sorted(batch)
+        if isinstance(batch[key], Tensor) and 0 < batch[key].dim() <= 2 and batch[key].numel()
+    ]
+    if not tensors:
+        return 0
+    size = max(t.numel() for t in tensors)
+    weights = torch.arange(1, size + 1, dtype=torch.int64, device=tensors[0].device)
+    total = 0
+    for flat in tensors:
+        if flat.is_floating_point():
+            flat = flat.float().view(torch.int32)  # the bit pattern: NaN and -0.0 included
+        # int64 products and sum wrap modulo 2**64: deterministic on every rank
+        part = int(torch.dot(flat.to(torch.int64), weights[: flat.numel()]))
+        total = (total * _FINGERPRINT_MIX + part) & _FINGERPRINT_BITS
+    return total
+
+
+def batch_summary(batch: Mapping[str, Any], spec: BatchSpec) -> BatchSummary:
+    """Rows, width and fingerprint of a batch that passed :func:`validate_batch`."""
+    ids = batch["tokens" if spec.lm else "input_ids"]
+    rows, width = ids.shape
+    return BatchSummary(rows=int(rows), width=int(width), fingerprint=batch_fingerprint(batch))
+
+
+def _model_attribute(chunks: Sequence[torch.nn.Module], name: str) -> Any:
+    """Attribute ``name`` of the first chunk that has it, unwrapped through megatron's
+    DDP/``Float16Module`` ``.module`` (``None`` when no chunk exposes it)."""
     for chunk in chunks:
         module: Any = chunk
         for _ in range(8):
-            size = getattr(module, "vocab_size", None)
-            if isinstance(size, int) and not isinstance(size, bool):
-                return size
+            value = getattr(module, name, None)
+            if value is not None:
+                return value
             module = getattr(module, "module", None)
             if module is None:
                 break
     return None
 
 
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def model_vocab_size(chunks: Sequence[torch.nn.Module]) -> int | None:
+    """``V`` of the model: the ``vocab_size`` of the first chunk (unwrapped through megatron's
+    DDP/``Float16Module`` ``.module``), ``None`` when the model does not expose one."""
+    return _int_or_none(_model_attribute(chunks, "vocab_size"))
+
+
+def model_position_limit(chunks: Sequence[torch.nn.Module]) -> int | None:
+    """The rows of the model's learned position table: a megatron ``GPTModel`` with
+    ``position_embedding_type="learned_absolute"`` has ``max_sequence_length`` of them (on every
+    pipeline stage, so every rank reaches the same verdict); ``None`` for rotary or other
+    positions, which have no table to index past."""
+    if _model_attribute(chunks, "position_embedding_type") != "learned_absolute":
+        return None
+    return _int_or_none(_model_attribute(chunks, "max_sequence_length"))
+
+
 __all__ = [
     "BatchSpec",
+    "BatchSummary",
     "NonFinite",
+    "batch_fingerprint",
+    "batch_summary",
     "first_nonfinite",
     "loss_input_keys",
+    "model_position_limit",
     "model_vocab_size",
     "validate_batch",
 ]

@@ -1,0 +1,155 @@
+"""Every optimizer update verified, and undone when it fails (trainer-free).
+
+Megatron's update runs between :meth:`UpdateSnapshot.take` (a copy of everything the update
+writes: the model parameters, each optimizer member's main parameters and its per-parameter
+state — Adam's moments and step) and :func:`update_measures` (ONE all-reduce over the world
+group of ``[non-finite tensors, ||update||^2, ||parameters||^2]``, so every rank takes the same
+decision). A failing update — a NaN/inf weight or optimizer-state entry anywhere (an lr that
+overflows, a corrupt Adam moment, bf16 overflow), or an update more than ``max_update_ratio``
+times the parameters' norm (an lr that makes finite but useless weights, e.g. 1e8: the next
+forward overflows) — is undone by :meth:`UpdateSnapshot.restore`: parameters and optimizer state
+bitwise as before, so it is neither saved nor used by a rollout.
+
+Cost: one copy of the parameters and optimizer state in memory, the copy and the checks
+per step (``docs/reliability.md`` gives the measured numbers).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _members(optimizer: Any) -> list[Any]:
+    """Megatron's optimizer members (a ``ChainedOptimizer``'s, else itself), stubs left out."""
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [m for m in members if not getattr(m, "is_stub_optimizer", False)]
+
+
+@dataclass
+class UpdateSnapshot:
+    """What an update writes, copied before it.
+
+    Attributes:
+        params: the model parameters (their copies come first in ``copies``).
+        tensors: ``params`` then the members' main parameters not among them (fp32 copies of
+            bf16 weights, distributed-optimizer shards).
+        copies: a clone of each of ``tensors``.
+        states: per member, its torch optimizer's ``state`` mapping and a copy of it (tensors
+            cloned; entries the update creates, e.g. at the first step, are removed on restore).
+    """
+
+    params: list[Tensor]
+    tensors: list[Tensor]
+    copies: list[Tensor]
+    states: list[tuple[Any, dict[Any, dict[str, Any]]]]
+
+    @classmethod
+    def take(cls, optimizer: Any, params: Sequence[Tensor]) -> UpdateSnapshot:
+        """Copy ``params`` and what megatron's ``optimizer`` updates."""
+        tensors = list(params)
+        seen = {id(p) for p in tensors}
+        states = []
+        for member in _members(optimizer):
+            inner = member.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        tensors.append(p)
+            saved = {p: {k: _copy(v) for k, v in s.items()} for p, s in inner.state.items()}
+            states.append((inner.state, saved))
+        with torch.no_grad():
+            copies = [t.detach().clone() for t in tensors]
+        return cls(list(params), tensors, copies, states)
+
+    def restore(self) -> None:
+        """Every tensor and optimizer-state entry bitwise as when taken (in place)."""
+        with torch.no_grad():
+            for live, saved in zip(self.tensors, self.copies, strict=True):
+                live.copy_(saved)
+            for state, saved_state in self.states:
+                for p in [p for p in state if p not in saved_state]:
+                    del state[p]
+                for p, saved_entries in saved_state.items():
+                    entries = state[p]
+                    for key in [k for k in entries if k not in saved_entries]:
+                        del entries[key]
+                    for key, value in saved_entries.items():
+                        current = entries.get(key)
+                        if isinstance(value, Tensor) and isinstance(current, Tensor):
+                            current.copy_(value)
+                        else:
+                            entries[key] = _copy(value)
+
+    def state_tensors(self) -> list[Tensor]:
+        """The live optimizer-state tensors (after the update)."""
+        return [
+            v
+            for state, _ in self.states
+            for entries in state.values()
+            for v in entries.values()
+            if isinstance(v, Tensor)
+        ]
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+
+def update_measures(
+    snapshot: UpdateSnapshot, device: torch.device | str, group: Any
+) -> tuple[float, float, float]:
+    """After the update: ``(non-finite tensors, ||update||, ||parameters before||)`` over every
+    rank (ONE all-reduce SUM of three float64 numbers over ``group``).
+
+    A tensor counts when its sum is not finite: any NaN/inf entry, or entries so large that
+    their sum overflows (an overflowing update as well). The norms are over the model
+    parameters (replicated copies counted once per rank, which leaves their ratio a faithful
+    measure of the update's relative size); a norm that overflows is inf, which fails too.
+    """
+    live = [t.detach() for t in snapshot.tensors + snapshot.state_tensors() if t.numel()]
+    sums = [t.sum() for t in live]  # NaN/inf propagate (a float32 overflow counts as well)
+    bad = float((~torch.isfinite(torch.stack([x.float().cpu() for x in sums]))).sum())
+    params = [p.detach() for p in snapshot.params]
+    before = snapshot.copies[: len(params)]
+    deltas = torch._foreach_norm(torch._foreach_sub(params, before))
+    norms = torch._foreach_norm(before)
+    delta_sq = float(sum(float(d) ** 2 for d in deltas))
+    norm_sq = float(sum(float(n) ** 2 for n in norms))
+    numbers = torch.tensor([bad, delta_sq, norm_sq], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(numbers, op=dist.ReduceOp.SUM, group=group)
+    count, delta_sq, norm_sq = (float(x) for x in numbers.cpu())
+    return count, math.sqrt(delta_sq), math.sqrt(norm_sq)
+
+
+def update_failure(
+    measures: tuple[float, float, float], max_update_ratio: float | None
+) -> str | None:
+    """Why an update with :func:`update_measures` ``measures`` fails, or ``None``.
+
+    A NaN update norm counts as non-finite; the ratio is checked only when the parameters'
+    norm is positive."""
+    count, delta, norm = measures
+    if count > 0 or not math.isfinite(delta):
+        return (
+            f"non-finite weights or optimizer state after the update ({int(count)} tensors "
+            "with NaN/inf over all ranks)"
+        )
+    if max_update_ratio is not None and norm > 0 and delta > max_update_ratio * norm:
+        return (
+            f"an update of norm {delta:.3g}, {delta / norm:.3g} times the parameters' norm "
+            f"{norm:.3g} (max_update_ratio={max_update_ratio:g}): the learning rate overflows"
+        )
+    return None
+
+
+__all__ = ["UpdateSnapshot", "update_failure", "update_measures"]
