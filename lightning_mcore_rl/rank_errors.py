@@ -2,7 +2,9 @@
 one line pointing to it (instead of one 100-line traceback per rank, interleaved).
 
 ``lmrl`` installs :func:`install_rank_excepthook` at start and ``MCoreRLStrategy`` in its
-``setup_environment`` (any script); a script can call it earlier for errors before ``fit``. ``LMRL_ALL_TRACEBACKS=1`` prints every rank's traceback (for an error of one rank only).
+``setup_environment`` (any script); a script can call it earlier for errors before ``fit``. ``LMRL_ALL_TRACEBACKS=1`` prints every rank's traceback (for an error of one rank only); an
+error that is one rank's own (:func:`is_rank_local`, e.g. a collective that failed because a
+peer died) is printed in full on every rank that raises it.
 """
 
 from __future__ import annotations
@@ -36,12 +38,19 @@ def pointer_line(rank: int, error: BaseException) -> str:
     )
 
 
+def is_rank_local(error: BaseException) -> bool:
+    """Whether ``error`` is one rank's own (e.g. a collective that failed because a peer died:
+    ``rank_local = True`` on its class); its traceback is printed on every rank."""
+    return bool(getattr(error, "rank_local", False))
+
+
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
 
 class RankExceptHook:
     """A ``sys.excepthook`` that calls ``previous`` on rank 0 (or on every rank with
-    ``LMRL_ALL_TRACEBACKS=1``) and prints :func:`pointer_line` on the other ranks.
+    ``LMRL_ALL_TRACEBACKS=1``, or for a :func:`is_rank_local` error) and prints
+    :func:`pointer_line` on the other ranks.
 
     Args:
         previous: the hook that prints tracebacks (the one installed before).
@@ -54,7 +63,8 @@ class RankExceptHook:
         self, kind: type[BaseException], error: BaseException, traceback: TracebackType | None
     ) -> None:
         rank = current_rank()
-        if rank == 0 or os.environ.get(ALL_TRACEBACKS_ENV) == "1":
+        everywhere = os.environ.get(ALL_TRACEBACKS_ENV) == "1" or is_rank_local(error)
+        if rank == 0 or everywhere:
             self.previous(kind, error, traceback)
             return
         print(pointer_line(rank, error), file=sys.stderr, flush=True)

@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mcore_rl._compat import filter_expected_warnings
@@ -45,7 +48,15 @@ from lightning_mcore_rl.strategy.optimizer import (
 )
 from lightning_mcore_rl.strategy.parallel import check_strategy_args, init_model_parallel
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
+from lightning_mcore_rl.strategy.processes import (
+    RankTable,
+    collective_failure,
+    connect_world,
+    die_with_parent,
+    is_collective_failure,
+)
 from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher
+from lightning_mcore_rl.strategy.signals import TerminationRequest
 from lightning_mcore_rl.strategy.step import StepRunner
 from lightning_mcore_rl.strategy.teacher import HostedTeacher
 
@@ -61,6 +72,11 @@ if TYPE_CHECKING:
         StepOutput,
     )
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
+
+
+_PEER_GRACE_S = 5.0
+"""After a failed collective: how long the peers on this host get to exit by themselves (and
+print their own message) before they are killed."""
 
 
 class MCoreRLStrategy(ProcessGroupStrategy):
@@ -159,6 +175,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self.teacher = HostedTeacher()  # the module's frozen teacher (strategy/teacher.py)
         rel = self.reliability
         self.nonfinite_guard = NonFiniteGuard(rel.nonfinite, rel.max_consecutive_skips)
+        self.termination = TerminationRequest()  # SIGTERM at step boundaries (strategy/signals.py)
+        self._ranks: RankTable | None = None
         super().__init__(rel.process_group_backend, None, rel.timeout)
 
     # ---------------------------------------------------------------- layout
@@ -252,15 +270,33 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Device, process group, the run's backends (left in ``teardown``: megatron's no-TE
-        fixes on any device without Transformer Engine, the CPU emulation on CPU), megatron's
-        groups (once per process) and the :class:`ParallelGroups` passed down from here. An
-        error raised on every rank then prints one traceback, rank 0's
-        (:func:`~lightning_mcore_rl.rank_errors.install_rank_excepthook`)."""
+        """Device, process group (the rendezvous bounded by ``rendezvous_timeout``, the
+        collectives by ``timeout``: :func:`~.processes.connect_world`, before Lightning's, which
+        then finds it), the run's backends (left in ``teardown``: megatron's no-TE fixes on any
+        device without Transformer Engine, the CPU emulation on CPU), megatron's groups (once
+        per process) and the :class:`ParallelGroups` passed down from here. An error raised on
+        every rank then prints one traceback, rank 0's
+        (:func:`~lightning_mcore_rl.rank_errors.install_rank_excepthook`); processes this rank
+        forks die with it (:func:`~.processes.die_with_parent`); every rank's host and pid are
+        gathered for the failure messages."""
         filter_expected_warnings(cpu=self.root_device.type == "cpu")
-        self.parallel.check_world_size(self.num_nodes * self.num_processes)
+        world_size = self.num_nodes * self.num_processes
+        self.parallel.check_world_size(world_size)
+        assert self.cluster_environment is not None
+        env = self.cluster_environment
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        rank = self.node_rank * self.num_processes + self.local_rank  # as ProcessGroupStrategy
+        connect_world(
+            env.main_address, env.main_port, backend, rank, world_size, timeout=self._timeout,
+            rendezvous_timeout=self.reliability.rendezvous_limit,
+        )  # fmt: skip
         super().setup_environment()
         install_rank_excepthook()  # after torch's own hook (set by init_process_group)
+        die_with_parent()
+        if self._ranks is None:
+            self._ranks = RankTable.gather(self.world_group)
         enter_run_backends(self._backend, self.root_device.type)
         self._groups = init_model_parallel(self.parallel, self._timeout)
 
@@ -332,6 +368,39 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
         self.nonfinite_guard.begin_step(self.root_device, self.world_group)
+        self.termination.agree(self.root_device, self.world_group)
+
+    @override
+    def on_train_start(self) -> None:
+        """From here SIGTERM is acted on at a step boundary, on every rank at once
+        (:class:`~.signals.TerminationRequest`; after Lightning registered its handler)."""
+        self.termination.install()
+
+    @override
+    def on_train_end(self) -> None:
+        self.termination.restore()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """After a SIGTERM agreed on every rank (Lightning's ``SIGTERMException``, on every rank
+        at the same step end): save ``last`` in the first ``ModelCheckpoint``'s directory and
+        exit with ``128 + signum``. A failed collective (a peer exited, stopped or stalled past
+        the timeout) is re-raised as :class:`~.processes.CollectiveFailure` naming this rank,
+        the global step and every peer's state, after the peers left on this host are killed.
+        """
+        signum = self.termination.agreed
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if signum is not None and isinstance(exception, SIGTERMException) and trainer is not None:
+            self._save_last(trainer)
+            self.termination.restore()
+            exception.code = 128 + signum
+            return
+        self.termination.restore()
+        if self._ranks is not None and is_collective_failure(exception):
+            step = trainer.global_step if trainer is not None else -1
+            error = collective_failure(exception, self._ranks, step)
+            self._ranks.end_local_peers(grace_s=_PEER_GRACE_S)
+            raise error from exception
 
     # ---------------------------------------------------------------- the step
 
@@ -418,8 +487,22 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
         self._backend.close()
+        self.termination.restore()
 
     # ---------------------------------------------------------------- helpers
+
+    def _save_last(self, trainer: Trainer) -> None:
+        """Collective: ``trainer.save_checkpoint`` to the first ``ModelCheckpoint``'s ``last``."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callback = trainer.checkpoint_callback
+        if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
+            rank_zero_warn(
+                "SIGTERM: no `ModelCheckpoint` directory, so no `last` checkpoint saved."
+            )
+            return
+        name = f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+        trainer.save_checkpoint(Path(callback.dirpath) / name)
 
     def _runner(self, chunks: list[torch.nn.Module]) -> StepRunner:
         return StepRunner(chunks, self.step_context, self.nonfinite_guard)

@@ -1,0 +1,227 @@
+"""No process outlives a failed run: the rendezvous, the ranks' process table, and what a rank
+does when one of its collectives fails.
+
+* :func:`connect_world`: the world process group with TWO timeouts: the rendezvous (every rank
+  arriving, the groups being created: ``ReliabilityConfig.rendezvous_timeout``) and the
+  collectives (``ReliabilityConfig.timeout``). ``init_process_group(timeout=...)`` alone bounds
+  both, so a short collective timeout failed start-up on a loaded machine.
+* :func:`die_with_parent`: every process a rank forks from its main thread (megatron's
+  checkpoint shard writers, ``DataLoader`` workers) gets ``PR_SET_PDEATHSIG`` = ``SIGKILL``
+  (Linux): killed with the rank, it cannot keep the rank's sockets open (its peers then wait for
+  the whole timeout) nor live on as an orphan.
+* :class:`RankTable` and :func:`collective_failure`: a failed collective (peer gone, timeout) is
+  re-raised as :class:`CollectiveFailure` naming this rank, the global step and every peer's
+  state (exited, stopped, alive); :meth:`RankTable.end_local_peers` then kills the peers on this
+  host that are still there (a stalled rank never returns from its collective by itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+_PR_SET_PDEATHSIG = 1
+_FAILURE_TEXT = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+
+
+def connect_world(
+    main_address: str,
+    main_port: int,
+    backend: str,
+    rank: int,
+    world_size: int,
+    *,
+    timeout: timedelta | None,
+    rendezvous_timeout: timedelta,
+) -> None:
+    """Initialise the default process group (no-op when it exists): the ``env://`` rendezvous
+    (torch's own handler: a TCP store on ``main_address:main_port``, or torchrun's agent store)
+    waits up to ``rendezvous_timeout`` for every rank, and so do the store's later key waits
+    (group creation); the group's collectives time out after ``timeout``."""
+    if dist.is_initialized():
+        return
+    from torch.distributed.rendezvous import rendezvous
+
+    os.environ["MASTER_ADDR"] = main_address
+    os.environ["MASTER_PORT"] = str(main_port)
+    store, rank, world_size = next(
+        rendezvous("env://", rank, world_size, timeout=rendezvous_timeout)
+    )
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+
+
+_fork_state = {"registered": False, "from_main": False, "parent": 0}
+
+
+def _before_fork() -> None:
+    _fork_state["from_main"] = threading.current_thread() is threading.main_thread()
+    _fork_state["parent"] = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    if not _fork_state["from_main"]:  # the death signal follows the forking THREAD's exit
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if armed and os.getppid() != _fork_state["parent"]:  # the parent died before prctl
+        os._exit(1)
+
+
+def die_with_parent() -> bool:
+    """From now on, a process forked from this process's main thread is SIGKILLed when this
+    process dies (``os.register_at_fork``; idempotent). Returns whether it is in place (Linux
+    only: elsewhere nothing is registered)."""
+    if not Path("/proc/self").is_dir():
+        return False
+    if not _fork_state["registered"]:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _fork_state["registered"] = True
+    return True
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """Where one rank runs: its host name and process id."""
+
+    host: str
+    pid: int
+
+
+def process_state(pid: int) -> str:
+    """``"exited"``, ``"stopped"`` or ``"alive"``, from ``/proc/<pid>/stat`` (a zombie, dead
+    but not yet reaped by its parent, has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "exited"
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(state, "alive")
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed because a peer exited, stopped or did not answer within the timeout.
+
+    Raised on the rank that saw it, so its traceback is printed on every rank
+    (:attr:`rank_local`, read by :class:`~lightning_mcore_rl.rank_errors.RankExceptHook`)."""
+
+    rank_local = True
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Every rank's :class:`RankProcess` (index = global rank) and this process's rank."""
+
+    processes: tuple[RankProcess, ...]
+    rank: int
+
+    @classmethod
+    def gather(cls, group: Any) -> RankTable:
+        """Collective over ``group`` (all ranks): every rank's host and pid."""
+        me = RankProcess(socket.gethostname(), os.getpid())
+        table: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(table, me, group=group)
+        return cls(tuple(table), dist.get_rank())
+
+    def local_peers(self) -> dict[int, int]:
+        """``{rank: pid}`` of the other ranks on this host."""
+        me = self.processes[self.rank]
+        return {
+            r: p.pid for r, p in enumerate(self.processes) if r != self.rank and p.host == me.host
+        }
+
+    def describe(self) -> str:
+        """Each peer's state: ``rank 1 (pid 42): stopped; rank 2 (host b): on another host``."""
+        local = self.local_peers()
+        parts = []
+        for r, p in enumerate(self.processes):
+            if r == self.rank:
+                continue
+            state = process_state(local[r]) if r in local else f"on host {p.host}, not checked"
+            parts.append(f"rank {r} (pid {p.pid}): {state}")
+        return "; ".join(parts)
+
+    def end_local_peers(self, grace_s: float) -> list[int]:
+        """Give the peers on this host ``grace_s`` seconds to exit by themselves (another rank
+        that saw the failure prints its own message), then SIGKILL those still there (a stopped
+        or stalled rank). Returns the ranks killed."""
+        pending = self.local_peers()
+        deadline = time.monotonic() + grace_s
+        while pending and time.monotonic() < deadline:
+            pending = {r: pid for r, pid in pending.items() if process_state(pid) != "exited"}
+            time.sleep(0.1)
+        killed = []
+        for r, pid in pending.items():
+            if process_state(pid) != "exited":
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(r)
+        return killed
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause/context chain, or the failures of torch's
+    ``CheckpointException``) is a failed collective: ``torch.distributed.DistError`` or a
+    ``RuntimeError`` whose text says the connection closed/reset or the operation timed out."""
+    pending: list[Any] = [error]
+    seen: set[int] = set()
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, CollectiveFailure):
+            return False
+        if isinstance(item, dist.DistError):
+            return True
+        if isinstance(item, RuntimeError) and any(t in str(item).lower() for t in _FAILURE_TEXT):
+            return True
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            pending.extend(v[0] if isinstance(v, tuple) and v else v for v in failures.values())
+        pending.extend((item.__cause__, item.__context__))
+    return False
+
+
+def collective_failure(error: BaseException, table: RankTable, step: int) -> CollectiveFailure:
+    """The :class:`CollectiveFailure` for ``error`` seen by ``table.rank`` at global ``step``:
+    the peers that exited or stopped first (the likely cause), then every peer's state."""
+    local = table.local_peers()
+    states = {r: process_state(pid) for r, pid in local.items()}
+    culprits = [f"rank {r} {s}" for r, s in sorted(states.items()) if s != "alive"]
+    silent = [f"rank {r}" for r, s in sorted(states.items()) if s == "alive"]
+    if culprits:
+        cause = ", ".join(culprits)
+    elif silent:
+        cause = f"{', '.join(silent)} alive but not answering (stalled)"
+    else:
+        cause = "a rank on another host"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveFailure(
+        f"Rank {table.rank} at global step {step}: a collective failed because of {cause} "
+        f"({table.describe()}). The peers still on this host are killed; resume with "
+        f'`fit(ckpt_path="last")`. The error: {type(error).__name__}: {first}'
+    )
+
+
+__all__ = [
+    "CollectiveFailure",
+    "RankProcess",
+    "RankTable",
+    "collective_failure",
+    "connect_world",
+    "die_with_parent",
+    "is_collective_failure",
+    "process_state",
+]
