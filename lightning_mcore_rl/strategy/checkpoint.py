@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_rl.strategy import checksums as sums
 from lightning_mcore_rl.strategy.config import CheckpointConfig
 from lightning_mcore_rl.train.chunks import unwrap_model
 
@@ -95,7 +96,9 @@ def is_complete(path: Path) -> bool:
 
 
 def save(checkpoint: dict[str, Any], path: Path, *, atomic: bool) -> None:
-    """Collective: write ``checkpoint`` into directory ``path`` with ``dist_checkpointing``.
+    """Collective: write ``checkpoint`` into directory ``path`` with ``dist_checkpointing``,
+    then every file's size and CRC-32 (:func:`.checksums.write_manifest`) before the directory
+    is swapped into place.
 
     ``dist_checkpointing`` needs an existing empty directory. With ``atomic``, every rank writes
     into ``.<name>.tmp`` beside ``path``; after a barrier rank 0 swaps it into place with ONE
@@ -122,6 +125,7 @@ def save(checkpoint: dict[str, Any], path: Path, *, atomic: bool) -> None:
             target.mkdir(parents=True)
         _barrier()
         dist_checkpointing.save(checkpoint, str(target))
+        sums.write_manifest(target)
     except BaseException as err:  # megatron's shard writers fail with a CheckpointException
         cause = _disk_full_cause(err)
         if cause is None:
@@ -207,6 +211,46 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: (p / "metadata.json").stat().st_mtime)
 
 
+def check_last(directory: Path, last_name: str = "last") -> None:
+    """Before ``ckpt_path="last"`` is resolved in ``directory`` (any rank, no collective):
+    Lightning skips a ``<last_name>*.ckpt`` entry that does not exist (a symlink to a removed
+    checkpoint) and starts from step 0 when no entry is left.
+
+    Raises:
+        FileNotFoundError: ``<last_name>*.ckpt`` entries exist but none is a complete checkpoint
+            (each named with what it is instead).
+    """
+    if not directory.is_dir():
+        return
+    entries = sorted(
+        p for p in directory.iterdir() if p.suffix == ".ckpt" and p.name.startswith(last_name)
+    )
+    if not entries or any(is_complete(p) for p in entries):
+        return
+    complete = complete_checkpoints(directory)
+    remedy = (
+        f'resume from another checkpoint, e.g. `ckpt_path="{complete[-1]}"`'
+        if complete
+        else "restore it, or remove it to start from step 0"
+    )
+    raise FileNotFoundError(
+        f'`ckpt_path="last"` found no loadable last checkpoint in {directory}: '
+        f"{'; '.join(_describe_entry(p) for p in entries)}. Resuming from none would silently "
+        f"start over: {remedy}."
+    )
+
+
+def _describe_entry(path: Path) -> str:
+    """What an incomplete checkpoint entry is, for :func:`check_last`'s message."""
+    if path.is_symlink():
+        target = os.readlink(path)
+        state = "does not exist" if not path.exists() else "is not a complete checkpoint"
+        return f"{path.name} is a symlink to {target}, which {state}"
+    if path.is_dir():
+        return f"{path.name} has no metadata.json (an unfinished save)"
+    return f"{path.name} is a file, not a dist_checkpointing directory"
+
+
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -270,17 +314,32 @@ def remove(path: Path) -> None:
         _remove(path)
 
 
-def load(template: dict[str, Any], path: Path, safe_types: Sequence[type] = ()) -> dict[str, Any]:
+def load(
+    template: dict[str, Any], path: Path, safe_types: Sequence[type] = (), *, verify: bool = True
+) -> dict[str, Any]:
     """Collective: load a checkpoint into the sharded ``template``; returns the whole Lightning
     dict with plain tensors. ``safe_types`` are allowed when ``torch.load`` reads ``common.pt``
-    with ``weights_only=True`` (e.g. the dataclasses in ``save_hyperparameters()``)."""
+    with ``weights_only=True`` (e.g. the dataclasses in ``save_hyperparameters()``). With
+    ``verify``, the files are checked against their checksums first (:func:`.checksums.verify`;
+    a checkpoint without checksums warns and loads unverified).
+
+    Raises:
+        CorruptCheckpointError: on every rank, a file is damaged (named in the message): found by
+            its checksum, or, in a checkpoint without checksums, when megatron cannot read it
+            (:func:`.checksums.damaged_files`).
+    """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     _check_is_checkpoint(path)
+    if verify:
+        sums.verify(path)
     with torch.serialization.safe_globals(list(safe_types)):
         try:
             return dist_checkpointing.load(template, str(path))
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # torch's reader: CheckpointException
+            if damaged := sums.damaged_files(path):  # torch's own text advises weights_only=False
+                raise sums.corrupt_error(path, damaged) from None
             if "optimizer_states" in template and _looks_like_layout_mismatch(err):
                 raise RuntimeError(
                     f"Loading the optimizer state of {path} failed ({type(err).__name__}: "
@@ -439,9 +498,11 @@ class StrategyCheckpoints:
         """Collective: the checkpoint at ``path`` loaded into ``model_state`` (this run's sharded
         model state; any layout the weights were saved under maps onto it) and, when fitting,
         the optimizer's state in the format it was saved in. Every rank first reads the saved
-        layout and runs :func:`check_layout` (no collective before it can raise). The
+        layout and runs :func:`check_layout` (no collective before it can raise), after the
+        files were checked against their checksums (:func:`.checksums.verify`). The
         dataclass/enum types in the module's ``hparams`` may be unpickled (:func:`user_types`)."""
         _check_is_checkpoint(path)
+        sums.verify(path)  # before saved_layout reads common.pt
         safe_types = user_types(dict(hparams))
         saved = saved_layout(path, safe_types)
         template: dict[str, Any] = {"state_dict": model_state}
@@ -450,7 +511,7 @@ class StrategyCheckpoints:
             sharding = (saved or {}).get("optimizer_sharding")  # the format it was saved in
             state = self.optimizer_state(is_loading=True, sharding=sharding)
             template["optimizer_states"] = [state]
-        return load(template, path, safe_types)
+        return load(template, path, safe_types, verify=False)
 
     def load_model(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load a loaded checkpoint's ``state_dict`` (plain tensors) into the chunks."""
@@ -460,6 +521,8 @@ class StrategyCheckpoints:
 
 
 def _looks_like_layout_mismatch(err: BaseException) -> bool:
+    if not isinstance(err, Exception):  # a CheckpointException's text holds whole tracebacks
+        return False
     text = f"{type(err).__name__} {err}".lower()
     return any(word in text for word in ("shape", "size mismatch", "global_shape", "dp_reshard"))
 

@@ -62,7 +62,8 @@ def guard_last_checkpoint(
     every ``ModelCheckpoint`` directory, then refuse a fresh start over complete checkpoints.
 
     Raises:
-        FileNotFoundError: no ``last*.ckpt`` but complete ``*.ckpt`` checkpoints exist.
+        FileNotFoundError: no ``last*.ckpt`` but complete ``*.ckpt`` checkpoints exist; or
+            ``last*.ckpt`` entries of which none is complete (:func:`.checkpoint.check_last`).
     """
     try:
         bound = inspect.signature(function).bind_partial(*args, **kwargs)
@@ -80,6 +81,7 @@ def guard_last_checkpoint(
     for directory in directories:
         ckpt.recover_interrupted(directory)
     for directory in directories:
+        ckpt.check_last(directory, ModelCheckpoint.CHECKPOINT_NAME_LAST)  # dangling `last`
         complete = ckpt.complete_checkpoints(directory)
         if complete and not any(p.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) for p in
                                 complete):  # fmt: skip
