@@ -320,7 +320,7 @@ def batch_fingerprint(batch: Mapping[str, Any]) -> int:
         if flat.is_floating_point():
             flat = flat.float().view(torch.int32)  # the bit pattern: NaN and -0.0 included
         # int64 products and sum wrap modulo 2**64: deterministic on every rank
-        part = int(torch.dot(flat.to(torch.int64), weights[: flat.numel()]))
+        part = int((flat.to(torch.int64) * weights[: flat.numel()]).sum())
         total = (total * _FINGERPRINT_MIX + part) & _FINGERPRINT_BITS
     return total
 

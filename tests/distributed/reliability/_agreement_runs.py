@@ -199,14 +199,18 @@ class ZeroAdvantages(Callback):
         self.grad_norms.append(None if last is None else last.grad_norm)
 
 
-def collapse_rank(rank: int, steps: int) -> dict[str, Any]:
-    """DP=2, every advantage 0 and no KL: the policy-gradient loss has gradient exactly 0."""
+def collapse_rank(rank: int, steps: int, after: int) -> dict[str, Any]:
+    """DP=2, every advantage 0 and no KL: the policy-gradient loss has gradient exactly 0;
+    ``ReliabilityConfig(collapse_warning_steps=after)``."""
     data = Rollouts(4 * steps)
     data.data["advantages"].zero_()
     module = GRPO()
     module.loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.0})
     record = ZeroAdvantages()
-    trainer = _trainer(steps, MCoreRLStrategy(micro_batch_size=1), callbacks=[record])
+    strategy = MCoreRLStrategy(
+        micro_batch_size=1, reliability=ReliabilityConfig(collapse_warning_steps=after)
+    )
+    trainer = _trainer(steps, strategy, callbacks=[record])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, DataLoader(data, batch_size=2))

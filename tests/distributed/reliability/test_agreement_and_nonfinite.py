@@ -95,11 +95,11 @@ def test_non_finite_weights_from_a_corrupt_adam_state_on_one_rank_are_undone_on_
 
 
 def test_a_zero_gradient_norm_for_n_steps_warns_once():
-    steps = 6  # ReliabilityConfig(collapse_warning_steps=5), the default
-    results = run_on_ranks(collapse_rank, 2, steps, timeout=150)
+    steps, after = 4, 3  # ReliabilityConfig(collapse_warning_steps=3)
+    results = run_on_ranks(collapse_rank, 2, steps, after, timeout=150)
     for out in results:
         assert out["grad_norms"] == [0.0] * steps
-        assert len(out["warnings"]) == 1, out["warnings"]
+        assert len(out["warnings"]) == 1, out["warnings"]  # once per streak, at step 3
         assert out["warnings"][0].startswith(
-            "The gradient norm has been exactly 0 for 5 consecutive steps"
+            "The gradient norm has been exactly 0 for 3 consecutive steps"
         )
