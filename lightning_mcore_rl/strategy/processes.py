@@ -11,12 +11,14 @@ does when one of its collectives fails.
   the whole timeout) nor live on as an orphan.
 * :class:`RankTable` and :func:`collective_failure`: a failed collective (peer gone, timeout) is
   re-raised as :class:`CollectiveFailure` naming this rank, the global step and every peer's
-  state (exited, stopped, alive); :meth:`RankTable.end_local_peers` then kills the peers on this
-  host that are still there (a stalled rank never returns from its collective by itself).
+  state (exited, stopped, alive); when the process exits, :meth:`RankTable.end_local_peers`
+  kills the peers on this host that are still there after a grace period (a stalled rank never
+  returns from its collective by itself).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -152,12 +154,18 @@ class RankTable:
             parts.append(f"rank {r} (pid {p.pid}): {state}")
         return "; ".join(parts)
 
+    def end_local_peers_at_exit(self, grace_s: float) -> None:
+        """When this process exits (``atexit``: after its traceback is printed, without delaying
+        the error), :meth:`end_local_peers` with what is left of ``grace_s`` from now."""
+        deadline = time.monotonic() + grace_s
+        atexit.register(lambda: self.end_local_peers(deadline - time.monotonic()))
+
     def end_local_peers(self, grace_s: float) -> list[int]:
         """Give the peers on this host ``grace_s`` seconds to exit by themselves (another rank
         that saw the failure prints its own message), then SIGKILL those still there (a stopped
         or stalled rank). Returns the ranks killed."""
         pending = self.local_peers()
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + max(grace_s, 0.0)
         while pending and time.monotonic() < deadline:
             pending = {r: pid for r, pid in pending.items() if process_state(pid) != "exited"}
             time.sleep(0.1)
@@ -210,7 +218,7 @@ def collective_failure(error: BaseException, table: RankTable, step: int) -> Col
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return CollectiveFailure(
         f"Rank {table.rank} at global step {step}: a collective failed because of {cause} "
-        f"({table.describe()}). The peers still on this host are killed; resume with "
+        f"({table.describe()}). The peers still on this host are killed at exit; resume with "
         f'`fit(ckpt_path="last")`. The error: {type(error).__name__}: {first}'
     )
 

@@ -386,7 +386,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         at the same step end): save ``last`` in the first ``ModelCheckpoint``'s directory and
         exit with ``128 + signum``. A failed collective (a peer exited, stopped or stalled past
         the timeout) is re-raised as :class:`~.processes.CollectiveFailure` naming this rank,
-        the global step and every peer's state, after the peers left on this host are killed.
+        the global step and every peer's state; the peers left on this host are killed when
+        this process exits, after a grace period.
         """
         signum = self.termination.agreed
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -399,7 +400,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         if self._ranks is not None and is_collective_failure(exception):
             step = trainer.global_step if trainer is not None else -1
             error = collective_failure(exception, self._ranks, step)
-            self._ranks.end_local_peers(grace_s=_PEER_GRACE_S)
+            self._ranks.end_local_peers_at_exit(grace_s=_PEER_GRACE_S)
             raise error from exception
 
     # ---------------------------------------------------------------- the step

@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_mcore_rl.rank_errors import RankExceptHook
+from lightning_mcore_rl.strategy import processes
 from lightning_mcore_rl.strategy.config import ReliabilityConfig
 from lightning_mcore_rl.strategy.processes import (
     CollectiveFailure,
@@ -105,6 +106,34 @@ def test_a_failed_collective_names_the_rank_the_step_and_the_peers_then_kills_th
         for child in (stopped, alive):
             child.kill()
             child.wait()
+
+
+_EXIT_SCRIPT = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("processes", sys.argv[2])  # not the package: fast
+processes = sys.modules["processes"] = importlib.util.module_from_spec(spec)  # dataclasses
+spec.loader.exec_module(processes)
+RankProcess, RankTable = processes.RankProcess, processes.RankTable
+peer = int(sys.argv[1])
+table = RankTable((RankProcess("here", os.getpid()), RankProcess("here", peer)), rank=0)
+table.end_local_peers_at_exit(grace_s=0.5)
+raise RuntimeError("the failure")  # the traceback first, then the peer is killed at exit
+"""
+
+
+def test_the_peers_are_killed_when_the_failing_process_exits():
+    peer = sleeper()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _EXIT_SCRIPT, str(peer.pid), processes.__file__],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 1 and "RuntimeError: the failure" in done.stderr
+        assert peer.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        peer.kill()
+        peer.wait()
 
 
 class _CheckpointFailure(BaseException):  # torch's CheckpointException: failures per rank
