@@ -15,7 +15,12 @@ from typing import Any, Literal, TypeVar, cast
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_mcore_rl.strategy.nonfinite import NonFinitePolicy, check_policy
+from lightning_mcore_rl.strategy.nonfinite import (
+    NonFinitePolicy,
+    check_policy,
+    check_update_options,
+)
+from lightning_mcore_rl.strategy.threads import check_intra_op_threads
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
@@ -129,13 +134,34 @@ class ReliabilityConfig:
             ``skipped_steps``), or ``"raise"`` at the first one.
         max_consecutive_skips: under ``"skip"``, stop with an error after this many
             consecutive skipped steps.
+        verify_updates: after every optimizer update, check the weights and optimizer state
+            finite and the update's size (``max_update_ratio``) on every rank; a failing
+            update is undone (parameters and optimizer state restored from a copy taken before
+            it: one copy of them in memory) and the step skipped under ``nonfinite``.
+        max_update_ratio: an update whose global norm exceeds this multiple of the parameters'
+            global norm fails (an lr that overflows: 1e8 leaves finite weights whose next
+            forward is NaN); ``None``: only non-finite values fail.
+        collapse_warning_steps: warn when the gradient norm has been exactly 0 for this many
+            consecutive steps (``None``: never).
         process_group_backend: ``"nccl"``/``"gloo"`` (``None``: from the device).
+        intra_op_threads: torch's intra-op thread count, set on every rank at set-up so that
+            TP-replicated parameters round identically on every rank
+            (:mod:`~lightning_mcore_rl.strategy.threads`); ``None``: the smallest count any rank
+            runs. A rank whose count changes warns.
+        rendezvous_timeout: how long start-up waits for every rank to arrive and the process
+            groups to be created (the world group's store); ``timeout`` bounds only the
+            collectives. At least ``timeout``; ``None``: the longer of ``timeout`` and 30 min.
     """
 
     timeout: timedelta | None = default_pg_timeout
     nonfinite: NonFinitePolicy = "skip"
     max_consecutive_skips: int = 10
     process_group_backend: str | None = None
+    intra_op_threads: int | None = None
+    verify_updates: bool = True
+    max_update_ratio: float | None = 1e3
+    collapse_warning_steps: int | None = 5
+    rendezvous_timeout: timedelta | None = None
 
     def __post_init__(self) -> None:
         if self.timeout is not None:
@@ -149,11 +175,43 @@ class ReliabilityConfig:
                     f"`ReliabilityConfig.timeout` must be positive, got {self.timeout}."
                 )
         check_policy(self.nonfinite, self.max_consecutive_skips)
+        check_update_options(
+            self.verify_updates, self.max_update_ratio, self.collapse_warning_steps
+        )
+        self._check_rendezvous_timeout()
         backend = self.process_group_backend
         if backend is not None and not isinstance(backend, str):
             raise TypeError(
                 "`ReliabilityConfig.process_group_backend` must be a str ('nccl', 'gloo') or "
                 f"None, got {type(backend).__name__}."
+            )
+        check_intra_op_threads(self.intra_op_threads)
+
+    @property
+    def rendezvous_limit(self) -> timedelta:
+        """The rendezvous timeout in force (``rendezvous_timeout`` or its default)."""
+        if self.rendezvous_timeout is not None:
+            return self.rendezvous_timeout
+        return max(self.timeout or default_pg_timeout, timedelta(minutes=30))
+
+    def _check_rendezvous_timeout(self) -> None:
+        value = self.rendezvous_timeout
+        if value is None:
+            return
+        if not isinstance(value, timedelta):
+            raise TypeError(
+                "`ReliabilityConfig.rendezvous_timeout` must be a datetime.timedelta or None, "
+                f"got {type(value).__name__}."
+            )
+        if value.total_seconds() <= 0:
+            raise ValueError(
+                f"`ReliabilityConfig.rendezvous_timeout` must be positive, got {value}."
+            )
+        if self.timeout is not None and value < self.timeout:
+            raise ValueError(
+                f"`ReliabilityConfig.rendezvous_timeout` ({value}) must be at least `timeout` "
+                f"({self.timeout}): start-up waits for every rank, the collectives after it "
+                "only for a step."
             )
 
 

@@ -59,6 +59,7 @@ from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher
 from lightning_mcore_rl.strategy.signals import TerminationRequest
 from lightning_mcore_rl.strategy.step import StepRunner
 from lightning_mcore_rl.strategy.teacher import HostedTeacher
+from lightning_mcore_rl.strategy.threads import set_intra_op_threads
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -174,7 +175,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._chunks: list[torch.nn.Module] = []
         self.teacher = HostedTeacher()  # the module's frozen teacher (strategy/teacher.py)
         rel = self.reliability
-        self.nonfinite_guard = NonFiniteGuard(rel.nonfinite, rel.max_consecutive_skips)
+        self.nonfinite_guard = NonFiniteGuard.from_config(rel)
         self.termination = TerminationRequest()  # SIGTERM at step boundaries (strategy/signals.py)
         self._ranks: RankTable | None = None
         super().__init__(rel.process_group_backend, None, rel.timeout)
@@ -293,6 +294,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             rendezvous_timeout=self.reliability.rendezvous_limit,
         )  # fmt: skip
         super().setup_environment()
+        set_intra_op_threads(self.reliability.intra_op_threads, self.world_group, self.root_device)
         install_rank_excepthook()  # after torch's own hook (set by init_process_group)
         die_with_parent()
         if self._ranks is None:
@@ -390,16 +392,16 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         this process exits, after a grace period.
         """
         signum = self.termination.agreed
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if signum is not None and isinstance(exception, SIGTERMException) and trainer is not None:
-            self._save_last(trainer)
+        # Only after training started (a SIGTERM) or set-up ran (the rank table) is the module
+        # attached to its Trainer: an error raised in `fit`'s launch reaches here without one.
+        if signum is not None and isinstance(exception, SIGTERMException):
+            self._save_last(self._trainer())
             self.termination.restore()
             exception.code = 128 + signum
             return
         self.termination.restore()
         if self._ranks is not None and is_collective_failure(exception):
-            step = trainer.global_step if trainer is not None else -1
-            error = collective_failure(exception, self._ranks, step)
+            error = collective_failure(exception, self._ranks, self._trainer().global_step)
             self._ranks.end_local_peers_at_exit(grace_s=_PEER_GRACE_S)
             raise error from exception
 
@@ -504,6 +506,13 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             return
         name = f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
         trainer.save_checkpoint(Path(callback.dirpath) / name)
+
+    def _trainer(self) -> Trainer:
+        """The module's Trainer (attached once ``fit``'s launch runs the trainer function)."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("MCoreRLStrategy has no LightningModule connected yet.")
+        return module.trainer
 
     def _runner(self, chunks: list[torch.nn.Module]) -> StepRunner:
         return StepRunner(chunks, self.step_context, self.nonfinite_guard)
