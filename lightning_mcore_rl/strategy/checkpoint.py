@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.strategy import checksums as sums
+from lightning_mcore_rl.strategy import optimizer_regroup as regroup
 from lightning_mcore_rl.strategy.config import CheckpointConfig
 from lightning_mcore_rl.train.chunks import unwrap_model
 
@@ -374,13 +375,17 @@ _MODEL_PARALLEL = LAYOUT_FIELDS[:4]
 def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
     """Before the optimizer state is loaded (fitting): the layout changes its saved format
     cannot follow. Model weights follow any change; megatron's regular optimizer state is keyed
-    like them. Fields missing on either side (older checkpoints) are not compared.
+    like them. A changed ``expert_model_parallel_size`` is followed by regrouping the regular
+    optimizer's state between megatron's chained dense and expert optimizers
+    (:mod:`.optimizer_regroup`). Fields missing on either side (older checkpoints) are not
+    compared.
 
     Raises:
         ValueError: ``use_distributed_optimizer`` or ``precision`` changed (the optimizer state
             formats differ: the distributed optimizer's buffers vs per-parameter state, bf16's fp32
-            main params), ``expert_model_parallel_size`` changed (megatron chains a separate
-            expert optimizer under EP > 1: its state is keyed per optimizer), or a
+            main params); ``expert_model_parallel_size`` changed with the distributed optimizer
+            (its state is sharded by its own gradient buffers, the expert ones over the expert
+            data-parallel group whose size EP sets: it is not regrouped); or a
             distributed-optimizer ``dp_reshardable`` checkpoint is resumed under another
             TP/PP/VPP/CP size (its buffers are per TP/PP rank; only DP may change).
     """
@@ -394,7 +399,7 @@ def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
             if key in saved and key in current and saved[key] != current[key]
         )
 
-    for key in ("use_distributed_optimizer", "precision", "expert_model_parallel_size"):
+    for key in ("use_distributed_optimizer", "precision"):
         if changed := changes([key]):
             raise ValueError(
                 f"The checkpoint's optimizer state was saved with another `{key}` ({changed}); "
@@ -403,6 +408,15 @@ def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
             )
     if not (saved.get("use_distributed_optimizer") and current.get("use_distributed_optimizer")):
         return
+    if changed := changes(["expert_model_parallel_size"]):
+        raise ValueError(
+            f"The checkpoint's distributed-optimizer state was saved under another "
+            f"`expert_model_parallel_size` ({changed}); the distributed optimizer shards its "
+            "state by its gradient buffers (the experts' over the expert data-parallel group, "
+            "whose size EP sets), which are not regrouped. Resume with the saved "
+            "`expert_model_parallel_size`, or train with `use_distributed_optimizer=False` "
+            "(its state follows an EP change)."
+        )
     changed = changes(_MODEL_PARALLEL)
     if saved.get("optimizer_sharding") == "dp_reshardable" and changed:
         raise ValueError(
@@ -413,6 +427,15 @@ def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
             '`MCoreRLStrategy(checkpoint=CheckpointConfig(optimizer_sharding="fully_reshardable"))` '
             "to change the layout on resume."
         )
+
+
+def expert_layout_changed(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint was saved under another ``expert_model_parallel_size`` (so its
+    optimizer state is regrouped on load, :mod:`.optimizer_regroup`)."""
+    key = "expert_model_parallel_size"
+    if not saved or key not in saved:
+        return False
+    return bool(saved[key] != current[key])
 
 
 def _sizes(layout: Mapping[str, Any]) -> str:
@@ -508,10 +531,30 @@ class StrategyCheckpoints:
         template: dict[str, Any] = {"state_dict": model_state}
         if self.optimizer is not None:
             check_layout(saved, self.layout)
+            if expert_layout_changed(saved, self.layout):
+                return self._load_regrouped(path, template, safe_types)
             sharding = (saved or {}).get("optimizer_sharding")  # the format it was saved in
             state = self.optimizer_state(is_loading=True, sharding=sharding)
             template["optimizer_states"] = [state]
         return load(template, path, safe_types, verify=False)
+
+    def _load_regrouped(
+        self, path: Path, template: dict[str, Any], safe_types: Sequence[type]
+    ) -> dict[str, Any]:
+        """:meth:`load` of a checkpoint saved under another expert-parallel size: the optimizer
+        state regrouped between megatron's chained optimizers (:mod:`.optimizer_regroup`), and
+        the LR schedulers' per-group state with it."""
+        from megatron.core import dist_checkpointing
+
+        saved_keys = dist_checkpointing.load_tensors_metadata(str(path)).keys()
+        optimizer_template = regroup.load_template(self.optimizer, self.model_state(), saved_keys)
+        loaded = load({**template, "optimizer_states": [optimizer_template]}, path, safe_types,
+                      verify=False)  # fmt: skip
+        state, group_map = regroup.current_state(loaded["optimizer_states"][0], self.optimizer)
+        loaded["optimizer_states"] = [state]
+        schedulers = loaded.get("lr_schedulers", [])
+        loaded["lr_schedulers"] = [regroup.scheduler_state(s, group_map) for s in schedulers]
+        return loaded
 
     def load_model(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load a loaded checkpoint's ``state_dict`` (plain tensors) into the chunks."""

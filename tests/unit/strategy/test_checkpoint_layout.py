@@ -53,12 +53,26 @@ def test_dp_reshardable_follows_dp_and_fully_reshardable_follows_any_size():
         ("use_distributed_optimizer", False, True),
         ("precision", "bf16-mixed", "32-true"),
         ("precision", "bf16-mixed", "bf16-true"),
-        ("expert_model_parallel_size", 1, 2),
     ],
 )
 def test_optimizer_and_precision_changes_raise_in_both_directions(key, saved, current):
     with pytest.raises(ValueError, match=rf"another `{key}` \({key}: {saved} -> {current}\)"):
         ckpt.check_layout(_layout(**{key: saved}), _layout(**{key: current}))
+
+
+@pytest.mark.parametrize(("saved", "current"), [(1, 2), (2, 1)])
+def test_an_ep_change_is_followed_by_the_regular_optimizer_only(saved, current):
+    key = "expert_model_parallel_size"
+    with pytest.raises(ValueError, match=rf"distributed-optimizer state was saved under another "
+                       rf"`{key}` \({key}: {saved} -> {current}\); the distributed optimizer "
+                       "shards"):  # fmt: skip
+        ckpt.check_layout(_layout(**{key: saved}), _layout(**{key: current}))
+    regular = {"use_distributed_optimizer": False}
+    old, new = _layout(**regular, **{key: saved}), _layout(**regular, **{key: current})
+    ckpt.check_layout(old, new)  # regrouped on load (strategy/optimizer_regroup.py)
+    assert ckpt.expert_layout_changed(old, new)
+    assert not ckpt.expert_layout_changed(new, new)
+    assert not ckpt.expert_layout_changed({k: v for k, v in old.items() if k != key}, new)
 
 
 def test_records_without_a_field_skip_its_comparison():
