@@ -120,14 +120,21 @@ class _Module(MCoreRLModule):
 
 class _Recorder:
     """Timestamps of the three loops; ``prefix`` names the loop running now (the schedule wrapper
-    marks into it)."""
+    marks into it). ``parts``: seconds spent in each timed function (:data:`PARTS`) per Trainer
+    step (index = the Trainer steps started so far - 1)."""
 
     def __init__(self) -> None:
         self.marks: Marks = defaultdict(list)
         self.prefix = ""
+        self.parts: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
 
     def mark(self, name: str) -> None:
         self.marks[self.prefix + name].append(time.perf_counter())
+
+    def add(self, part: str, seconds: float) -> None:
+        step = len(self.marks["start"]) - 1
+        if not self.prefix and step >= 0:
+            self.parts[part][step] += seconds
 
 
 class _Clock(Callback):
@@ -226,11 +233,82 @@ def _time_schedules(recorder: _Recorder) -> None:
         setattr(schedules, name, timed(getattr(fn, "__wrapped_schedule__", fn)))
 
 
+PARTS: tuple[tuple[str, str, str], ...] = (
+    # (part, "module:attribute path" timed, what it is); a part nested in another says so. Targets
+    # absent from the code measured are skipped (the same script times the code before and
+    # after a change).
+    ("lightning_sigterm", "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop."
+     "_broadcast_sigterm_tensor", "Lightning's own per-step broadcast of rank 0's SIGTERM flag"),
+    ("data", "lightning.pytorch.loops.fetchers:_PrefetchDataFetcher.__next__",
+     "the data fetch and collate"),
+    ("batch_start", "lightning_mcore_rl.strategy.strategy:MCoreRLStrategy.on_train_batch_start",
+     "the strategy's batch start: grad zeroing (+ the SIGTERM agreement where it runs there)"),
+    ("sigterm_agreement", "lightning_mcore_rl.strategy.signals:TerminationRequest.agree",
+     "the SIGTERM agreement all-reduce"),
+    ("input_check", "lightning_mcore_rl.train.step:_checked_inputs_skip",
+     "host-side batch validation + the input agreement"),
+    ("input_agreement", "lightning_mcore_rl.strategy.nonfinite:gather_inputs",
+     "the input agreement all-gather (in input_check)"),
+    ("split", "lightning_mcore_rl.train.step:split_lm_batch", "the microbatch split (LM path)"),
+    ("statistics", "lightning_mcore_rl.train.step:reduce_step_statistics",
+     "the step's statistics reduction (DP all-gather + all-reduce, PP broadcast)"),
+    ("update_check", "lightning_mcore_rl.strategy.nonfinite:update_measures",
+     "the update check's norms + all-reduce (in the optimizer span)"),
+    ("update_snapshot", "lightning_mcore_rl.strategy.nonfinite:UpdateSnapshot.take",
+     "the update check's copy of the parameters and state (in the optimizer span)"),
+    ("lr_schedulers", "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop."
+     "update_lr_schedulers", "Lightning's scheduler stepping"),
+    ("step_time_max", "lightning_mcore_rl.callbacks.training_statistics:_slowest",
+     "the step_time MAX all-reduce (in log)"),
+    ("self_log", "lightning.pytorch.core.module:LightningModule.log",
+     "every `self.log` call (in log; log_dict calls it per key)"),
+    ("logger_connector", "lightning.pytorch.trainer.connectors.logger_connector."
+     "logger_connector:_LoggerConnector.update_train_step_metrics",
+     "Lightning's end-of-step metrics -> loggers"),
+    ("csv_log_metrics", "lightning.pytorch.loggers.csv_logs:CSVLogger.log_metrics",
+     "the CSV logger's log_metrics (by Lightning or directly)"),
+    ("progress_bar", "lightning.pytorch.callbacks.progress.rich_progress:RichProgressBar."
+     "on_train_batch_end", "the progress bar's refresh (rich)"),
+    ("progress_bar", "lightning.pytorch.callbacks.progress.tqdm_progress:TQDMProgressBar."
+     "on_train_batch_end", "the progress bar's refresh (tqdm)"),
+)  # fmt: skip
+
+
+def _time_parts(recorder: _Recorder) -> None:
+    """Wrap each :data:`PARTS` target so the Trainer steps' time in it adds up per step (a
+    benchmark-only patch, like the schedule wrapper)."""
+    import importlib
+
+    for part, target, _ in PARTS:
+        module_name, path = target.split(":")
+        owner: Any = importlib.import_module(module_name)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name, None)
+        fn = getattr(owner, attr, None) if owner is not None else None
+        if fn is None:
+            continue
+        fn = getattr(fn, "__wrapped_part__", fn)
+
+        def timed(*args: Any, __fn: Any = fn, __part: str = part, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return __fn(*args, **kwargs)
+            finally:
+                recorder.add(__part, time.perf_counter() - start)
+
+        functools.update_wrapper(timed, fn)
+        timed.__wrapped_part__ = fn  # type: ignore[attr-defined]
+        setattr(owner, attr, timed)
+
+
 def _spans(marks: Marks, start: str, end: str) -> list[float]:
     return [b - a for a, b in zip(marks[start], marks[end], strict=False)]
 
 
-def _per_step(marks: Marks) -> dict[str, dict[str, list[float]]]:
+def _per_step(
+    marks: Marks, parts: dict[str, dict[int, float]]
+) -> dict[str, dict[str, list[float]]]:
     """Seconds per step of each phase of the three loops (steps ``0..N-2``: a Trainer step ends
     at the next one's start, minus the bare steps run in between)."""
     loops: dict[str, dict[str, list[float]]] = {
@@ -269,6 +347,9 @@ def _per_step(marks: Marks) -> dict[str, dict[str, list[float]]]:
             trainer["fixed"], trainer["pre"], trainer["post"], trainer["log"], strict=True
         )
     ]
+    for part in dict.fromkeys(part for part, _, _ in PARTS):
+        if part in parts:
+            trainer[f"part:{part}"] = [parts[part].get(i, 0.0) for i in range(n)]
     return loops
 
 
@@ -277,6 +358,7 @@ def _fit(
 ) -> dict[str, dict[str, list[float]]]:
     recorder = _Recorder()
     _time_schedules(recorder)
+    _time_parts(recorder)
     world = int(os.environ["WORLD_SIZE"])
     trainer = Trainer(
         accelerator="cpu",
@@ -299,7 +381,7 @@ def _fit(
     dp = world // (tp * pp)
     trainer.fit(_Module(run), DataLoader(_Rows(steps, run), batch_size=GLOBAL_BATCH // dp))
     destroy_megatron_state()
-    return _per_step(recorder.marks)
+    return _per_step(recorder.marks, recorder.parts)
 
 
 def _rank(rank: int, tp: int, pp: int, steps: int, repeats: int, run: RunConfig) -> list[Any]:
@@ -322,9 +404,34 @@ def _ratios(num: list[float], den: list[float]) -> tuple[float, str]:
     return median, f"{q1:.3f}-{q3:.3f}"
 
 
-def _summary(name: str, results: list[list[Any]]) -> tuple[str, list[str]]:
-    """The layout's table row (the rank with the larger median ratio) and its breakdown rows."""
-    rows, best = [], None
+Parts = dict[str, list[float]]
+"""Per rank: the median ms per step of each fixed-cost figure (:func:`_parts`)."""
+
+
+def _parts(steps: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """The fixed-cost figure of one rank and its breakdown (medians of the steps, ms):
+    ``fixed cost`` = the Trainer's fixed minus the bare loop's (grad zeroing, which both do), and
+    each timed part of :data:`PARTS` (medians: the parts do not add up exactly)."""
+    trainer, bare = steps["trainer"], steps["bare"]
+    out = {
+        "fixed cost (Trainer fixed - bare fixed)": _median_ms(
+            [t - b for t, b in zip(trainer["fixed"], bare["fixed"], strict=True)]
+        ),
+        "Trainer fixed": _median_ms(trainer["fixed"]),
+        "bare fixed": _median_ms(bare["fixed"]),
+    }
+    for key in ("pre", "post", "log", "loop"):
+        out[key] = _median_ms(trainer[key])
+    for part in dict.fromkeys(part for part, _, _ in PARTS):
+        if trainer.get(f"part:{part}"):
+            out[part] = _median_ms(trainer[f"part:{part}"])
+    return out
+
+
+def _summary(name: str, results: list[list[Any]]) -> tuple[str, list[str], list[dict[str, float]]]:
+    """The layout's table row (the rank with the larger median ratio), its breakdown rows and
+    each rank's fixed-cost parts."""
+    rows, best, parts = [], None, []
     for rank, runs in enumerate(results):
         steps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for run in runs:  # pool the steps of every repeat, warm-up steps dropped
@@ -351,13 +458,14 @@ def _summary(name: str, results: list[list[Any]]) -> tuple[str, list[str]]:
                 f"{_median_ms(steps[loop][k]):.1f}" if steps[loop].get(k) else "" for k in KEYS
             )
             rows.append(f"| {name} | {rank} | {loop} | {cells} |")
+        parts.append(_parts(steps))
     assert best is not None
     row = (
         f"| {name} | {best['bare']:.1f} | {best['trainer']:.1f} | {best['ratio']:.3f} | "
         f"{best['iqr']} | {best['extra']:.1f} | {best['total']:.3f} | {best['control']} | "
         f"{best['n']} |"
     )
-    return row, rows
+    return row, rows, parts
 
 
 def main() -> None:
@@ -386,11 +494,11 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; {run}, global batch {GLOBAL_BATCH}; {args.steps} steps x "
           f"{args.repeats} fits per layout; "
           f"uptime at start: {load}")  # fmt: skip
-    summary, breakdown = [], []
+    summary, breakdown, parts = [], [], {}
     for name in args.layouts.split(","):
         tp, pp = LAYOUTS[name]
         results = run_on_ranks(_rank, 2, tp, pp, args.steps, args.repeats, run, timeout=3600)
-        row, rows = _summary(name, results)
+        row, rows, parts[name] = _summary(name, results)
         summary.append(row)
         breakdown.extend(rows)
     print(
@@ -404,6 +512,23 @@ def main() -> None:
     print(f"| layout | rank | loop | {' | '.join(KEYS)} |")
     print("|---|---|---|" + "---|" * len(KEYS))
     print("\n".join(breakdown))
+    _print_parts(parts)
+
+
+def _print_parts(parts: dict[str, list[dict[str, float]]]) -> None:
+    """The fixed cost per step and its parts: one row per figure, one column per layout and
+    rank."""
+    columns = [(name, rank) for name, ranks in parts.items() for rank in range(len(ranks))]
+    figures = list(dict.fromkeys(k for ranks in parts.values() for r in ranks for k in r))
+    what = {part: text.replace(" (rich)", "").replace(" (tqdm)", "") for part, _, text in PARTS}
+    print("\nFixed cost per Trainer step and its parts, median ms of the steps:\n")
+    print("| figure | " + " | ".join(f"{n} rank {r}" for n, r in columns) + " | what |")
+    print("|---|" + "---|" * (len(columns) + 1))
+    for figure in figures:
+        cells = " | ".join(
+            f"{parts[n][r][figure]:.2f}" if figure in parts[n][r] else "" for n, r in columns
+        )
+        print(f"| {figure} | {cells} | {what.get(figure, '')} |")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ class MetricsHistory(Callback):
     One row per step, keyed by ``step``: the index Lightning's loggers give the step (0-based,
     counting optimizer steps, resumed runs included). A row holds the scalar
     ``trainer.callback_metrics`` after the step (the values logged in it; under
-    ``MCoreRLStrategy``, ``TrainingStatistics`` logs them right after the optimizer step; an
+    ``MCoreRLStrategy``, ``TrainingStatistics`` puts them there right after the optimizer step,
+    all but its timing metrics, which go to the loggers only; an
     ``on_epoch`` training metric keeps its last epoch's value) except validation metrics, which
     (names starting with one of ``val_prefixes``) are added only to the row of the step after
     which validation ran, so no row repeats a stale validation value. Sanity-check validation is

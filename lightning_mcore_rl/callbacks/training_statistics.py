@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import Metric
 
@@ -25,9 +24,11 @@ TIMING_METRICS = ("step_time", "tokens_per_sec", "samples_per_sec")
 
 
 class TrainingStatistics(Callback):
-    """Logs the statistics of every optimizer step through ``pl_module.log_dict`` — once per
-    step, identical on every rank — so CSV, TensorBoard and W&B loggers receive each value once
-    (at Lightning's step, 0-based; every ``Trainer(log_every_n_steps=...)`` steps: set 1, since
+    """Logs the statistics of every optimizer step, once per step, identical on every rank:
+    straight to ``trainer.loggers`` (``logger.log_metrics(values, step)``, as Lightning's
+    ``LearningRateMonitor`` does: no ``self.log`` bookkeeping per key), so CSV, TensorBoard and
+    W&B loggers receive each value once, in one row per step, at Lightning's step (0-based;
+    every ``Trainer(log_every_n_steps=...)`` steps as Lightning decides it: set 1, since
     Lightning's default of 50 sends a short run's loggers nothing).
 
     The step's loss and metrics are the step's data: the
@@ -37,37 +38,52 @@ class TrainingStatistics(Callback):
     data-parallel ranks). Logged per training step:
 
     * ``train_loss``, ``train_<metric>`` for each loss metric, ``grad_norm`` (pre-clip, global);
-    * ``step_time`` (s, the slowest rank), ``tokens_per_sec`` / ``samples_per_sec`` (real tokens
-      and samples of the global batch, counted once per data-parallel replica);
+    * ``step_time`` (s, from the strategy's batch start to the end of the optimizer step, the
+      slowest rank's), ``tokens_per_sec`` / ``samples_per_sec`` (real tokens and samples of the
+      global batch, counted once per data-parallel replica, over ``step_time``);
     * ``response_length_mean`` / ``response_length_max`` (``token_mask`` tokens per valid sample,
       when batches have a ``token_mask``);
     * ``skipped_steps``: steps skipped so far by the strategy's non-finite policy, from the
       first skipped step on (a skipped step logs only this value).
 
+    When what is logged: the slowest rank's ``step_time`` needs the other ranks' times, and it
+    rides on the next step's agreement collective (the strategy's
+    :class:`~lightning_mcore_rl.strategy.agreement.StepBoundary`; no collective of its own), so
+    step ``N``'s row reaches the loggers at the end of step ``N + 1`` (the last step's at
+    ``on_train_end``, after one all-reduce of its time; after an exception without its timing
+    metrics), with ``step=N``. Right after step ``N`` (in ``on_train_batch_end``), its other
+    values are already in ``trainer.callback_metrics`` (for ``ModelCheckpoint(monitor=...)``,
+    :class:`~lightning_mcore_rl.callbacks.MetricsHistory` and other callbacks) and the
+    ``prog_bar`` ones in the progress bar; the :data:`TIMING_METRICS` go to the loggers only.
+    Values a module logs itself with ``self.log`` (e.g. a recipe's ``reward``) reach the loggers
+    through Lightning, in a row of their own at the same step.
+
     Validation: ``val_loss`` and ``val_<metric>``, aggregated over the epoch's batches by the
     ``across_batches`` column of :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (means of
-    normalised metrics, sums of counts, min/max). At fit start the loggers receive the run's
-    layout, precision, micro-batching and loss settings as hyperparameters.
+    normalised metrics, sums of counts, min/max), logged by Lightning (``self.log``). At fit
+    start the loggers receive the run's layout, precision, micro-batching and loss settings as
+    hyperparameters.
 
     :class:`~lightning_mcore_rl.MCoreRLModule` adds one to every run; pass an instance (or a
-    subclass overriding :meth:`step_metrics`) in ``Trainer(callbacks=...)`` to replace it. It
-    logs in ``on_train_batch_end`` (after megatron's optimizer step: the grad norm comes from
-    the optimizer's last step record, the skip count from the strategy's non-finite policy) and
-    moves itself to the front of ``trainer.callbacks`` in ``setup``, so every other callback's
-    ``on_train_batch_end`` already sees this step's values. A ``training_step`` that returns no
-    ``StepOutput`` logs nothing (one warning). The :data:`TIMING_METRICS` are logged in float64
-    (``tokens_per_sec * step_time`` gives back the token count); other Python numbers get
-    Lightning's float32.
+    subclass overriding :meth:`step_metrics` / :meth:`timing_metrics`) in
+    ``Trainer(callbacks=...)`` to replace it. It reads the step in ``on_train_batch_end`` (after
+    megatron's optimizer step: the grad norm comes from the optimizer's last step record, the
+    skip count from the strategy's non-finite policy) and moves itself to the front of
+    ``trainer.callbacks`` in ``setup``, so every other callback's ``on_train_batch_end`` already
+    sees this step's values. A ``training_step`` that returns no ``StepOutput`` logs nothing
+    (one warning). The :data:`TIMING_METRICS` are float64 (``tokens_per_sec * step_time`` gives
+    back the token count); other Python numbers become float32, as ``self.log`` makes them.
 
     Args:
-        prog_bar: metric names also shown in the progress bar.
+        prog_bar: metric names also shown in the progress bar (through ``self.log(...,
+            logger=False)``; a timing metric is not shown).
     """
 
     def __init__(self, prog_bar: tuple[str, ...] = ("train_loss",)) -> None:
         self.prog_bar = prog_bar
-        self._start: float | None = None
         self._val_metrics: dict[str, Metric] = {}
         self._warned_no_output = False
+        self._pending: _Row | None = None  # the last step's row, waiting for its step_time
 
     # ---------------------------------------------------------------- hooks
 
@@ -84,31 +100,60 @@ class TrainingStatistics(Callback):
         for logger in trainer.loggers:
             logger.log_hyperparams(config)
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._start = time.perf_counter()
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pending = None
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Log the step from its ``outputs`` (the ``training_step`` result), after megatron's
-        optimizer step."""
+        """Publish the step from its ``outputs`` (the ``training_step`` result), after
+        megatron's optimizer step, and log the previous step's row now that its ``step_time``
+        is agreed."""
         strategy = _strategy(trainer)
+        self._log_pending(trainer, strategy.step_boundary.previous_step_time)
         output = self._step_output(outputs, "training_step")
         if output is None:
             return
-        elapsed = time.perf_counter() - (self._start or time.perf_counter())
-        elapsed = _slowest(elapsed, strategy.root_device, strategy.world_group)
-        raw = self.step_metrics(trainer, pl_module, output, elapsed)
-        values = {k: _float64(v) if k in TIMING_METRICS else v for k, v in raw.items()}
-        shown = {k: v for k, v in values.items() if k in self.prog_bar}
-        hidden = {k: v for k, v in values.items() if k not in self.prog_bar}
-        for group, prog_bar in ((shown, True), (hidden, False)):
-            if group:
-                pl_module.log_dict(
-                    group, batch_size=1, on_step=True, on_epoch=False, prog_bar=prog_bar
-                )
+        values = {
+            k: _logged_tensor(k, v)
+            for k, v in self.step_metrics(trainer, pl_module, output).items()
+        }
+        trainer.callback_metrics.update(values)
+        for key in self.prog_bar:
+            if key in values:
+                pl_module.log(key, values[key], prog_bar=True, logger=False, on_step=True,
+                              on_epoch=False, batch_size=1)  # fmt: skip
+        if _logs_step(trainer):
+            timed = not strategy.nonfinite_guard.step_skipped
+            self._pending = _Row(trainer.global_step - 1, trainer.current_epoch, values,
+                                 output if timed else None)  # fmt: skip
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Log the last step's row, with its ``step_time`` (one all-reduce, every rank)."""
+        strategy = _strategy(trainer)
+        step_time = strategy.step_boundary.finish(strategy.root_device, strategy.world_group)
+        self._log_pending(trainer, step_time)
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        """Log the last step's row without its timing metrics (no collective here)."""
+        self._log_pending(trainer, None)
+
+    def _log_pending(self, trainer: Trainer, step_time: float | None) -> None:
+        """Send the pending row (with the timing metrics of ``step_time``, its step's slowest
+        wall time; none when ``None``) to every logger."""
+        row, self._pending = self._pending, None
+        if row is None or not trainer.loggers:
+            return
+        values = dict(row.values)
+        if row.output is not None and step_time is not None:
+            timing = self.timing_metrics(row.output, step_time)
+            values.update({k: _logged_tensor(k, v) for k, v in timing.items()})
+        metrics = {k: v.item() for k, v in values.items()}
+        metrics["epoch"] = row.epoch  # Lightning's loggers get it with every training row
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=row.step)
 
     def on_validation_batch_end(
         self,
@@ -172,16 +217,15 @@ class TrainingStatistics(Callback):
     # ---------------------------------------------------------------- what is logged
 
     def step_metrics(
-        self, trainer: Trainer, pl_module: LightningModule, output: StepOutput, step_time: float
+        self, trainer: Trainer, pl_module: LightningModule, output: StepOutput
     ) -> dict[str, MetricValue]:
-        """The values logged for one training step (override to add; keep them identical on
-        every rank).
+        """The values logged for one training step, besides its timing (override to add; keep
+        them identical on every rank). Called in the step's ``on_train_batch_end``.
 
         Args:
             trainer: the Trainer.
             pl_module: the module.
             output: the step's statistics.
-            step_time: wall time of the step in seconds (the slowest rank's).
         """
         strategy = _strategy(trainer)
         # the non-finite policy's count, from the first skipped step on
@@ -196,13 +240,23 @@ class TrainingStatistics(Callback):
         last = strategy.last_optimizer_step
         if last is not None and last.grad_norm is not None:
             values["grad_norm"] = float(last.grad_norm)
-        values["step_time"] = step_time
-        if step_time > 0:
-            values["tokens_per_sec"] = output.tokens / step_time
-            values["samples_per_sec"] = output.samples / step_time
         if not math.isnan(output.response_length_mean):
             values["response_length_mean"] = output.response_length_mean
             values["response_length_max"] = output.response_length_max
+        return values
+
+    def timing_metrics(self, output: StepOutput, step_time: float) -> dict[str, MetricValue]:
+        """The timing values of a step that was not skipped (override to add; called when its
+        ``step_time`` is agreed, one step later: see the class docstring).
+
+        Args:
+            output: the step's statistics.
+            step_time: wall time of the step in seconds (the slowest rank's).
+        """
+        values: dict[str, MetricValue] = {"step_time": step_time}
+        if step_time > 0:
+            values["tokens_per_sec"] = output.tokens / step_time
+            values["samples_per_sec"] = output.samples / step_time
         return values
 
     def run_config(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
@@ -235,19 +289,40 @@ def _strategy(trainer: Trainer) -> MCoreRLStrategy:
     return strategy
 
 
-def _slowest(seconds: float, device: torch.device, group: Any) -> float:
-    """The max of ``seconds`` over all ranks (one small all-reduce on the strategy's world
-    group, bounded by its timeout), so every rank logs it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return seconds
-    value = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return float(value.cpu())
+@dataclass(frozen=True)
+class _Row:
+    """One step's logged values, kept until its ``step_time`` is agreed."""
+
+    step: int  # Lightning's logger step of the training step (0-based)
+    epoch: int
+    values: dict[str, torch.Tensor]
+    output: StepOutput | None  # for the timing metrics (None: a skipped step, none logged)
 
 
-def _float64(value: MetricValue) -> MetricValue:
-    """A Python number as a 0-d float64 tensor (``self.log`` would round it to float32)."""
-    return torch.tensor(value, dtype=torch.float64) if isinstance(value, (int, float)) else value
+def _logs_step(trainer: Trainer) -> bool:
+    """Whether Lightning would send this training step's values to the loggers (its
+    ``log_every_n_steps`` rule, read in ``on_train_batch_end``: ``global_step`` counts this
+    step)."""
+    # both set on the Trainer by Lightning's connectors at construction (not declared on it)
+    every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
+    if trainer.fast_dev_run:  # type: ignore[attr-defined]
+        return True
+    return every > 0 and (trainer.global_step % every == 0 or trainer.should_stop)
+
+
+def _logged_tensor(key: str, value: MetricValue) -> torch.Tensor:
+    """``value`` as the 0-d tensor ``self.log`` would store: float64 for the
+    :data:`TIMING_METRICS` (``self.log`` would round a Python number to float32), float32 for
+    other Python numbers, a tensor detached."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"TrainingStatistics: `{key}` must be a scalar, got a tensor of shape "
+                f"{tuple(value.shape)}; reduce it in `step_metrics`."
+            )
+        return value.detach().reshape(())
+    dtype = torch.float64 if key in TIMING_METRICS else torch.float32
+    return torch.tensor(value, dtype=dtype)
 
 
 def _is_plain(value: Any) -> bool:

@@ -1,8 +1,9 @@
 """The step's ONE agreement collective: every rank's input verdict and batch summary, all-gathered.
 
-Each rank contributes ``[verdict, replica, rows, width, fingerprint]`` (int64, ``replica`` = its
-data-parallel rank: the tensor/context/pipeline-parallel ranks of one model replica share it).
-From the gathered ``[world, 5]`` table every rank derives the same decision:
+Each rank contributes ``[verdict, replica, rows, width, fingerprint, signal, step_time_ns]``
+(int64, ``replica`` = its data-parallel rank: the tensor/context/pipeline-parallel ranks of one
+model replica share it). From the gathered ``[world, 7]`` table every rank derives the same
+decision:
 
 * the MAX verdict (:data:`OK` / :data:`NONFINITE` / :data:`INVALID`) — the non-finite policy;
 * when no rank rejected its batch: every rank holds the same number of rows (one global batch,
@@ -11,20 +12,31 @@ From the gathered ``[world, 5]`` table every rank derives the same decision:
   :func:`~lightning_mcore_rl.train.validation.batch_fingerprint`: TP peers given different data
   would silently train on a mix). A mismatch raises :class:`BatchMismatchError` on every rank,
   before the model runs, naming the ranks and what differs.
+
+The same collective carries what a training step must agree on at its start
+(:class:`StepBoundary`, filled in the first pass of each training step only, 0 elsewhere): the
+MAX ``signal`` (a SIGTERM any rank received, acted on by every rank at this point:
+:class:`~lightning_mcore_rl.strategy.signals.TerminationRequest`) and the MAX ``step_time_ns``
+(the previous training step's wall time, the slowest rank's: ``step_time``, logged one step
+late). So a training step runs one world-group collective before its model runs, not three.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from lightning_mcore_rl.strategy.signals import TerminationRequest
+
 OK, NONFINITE, INVALID = 0, 1, 2
 """Input verdict codes, combined over ranks by MAX."""
 
-_VERDICT, _REPLICA, _ROWS, _WIDTH, _FINGERPRINT = range(5)
+_VERDICT, _REPLICA, _ROWS, _WIDTH, _FINGERPRINT, _SIGNAL, _STEP_TIME = range(7)
 
 
 class BatchMismatchError(ValueError):
@@ -41,6 +53,8 @@ class RankInput:
         rows: ``B`` (0 when the batch was rejected).
         width: ``S`` (0 when the batch was rejected).
         fingerprint: the batch's fingerprint (0 when the batch was rejected).
+        signal: a terminating signal this rank received (0: none; :class:`StepBoundary`).
+        step_time_ns: this rank's previous training step, ns (0: none; :class:`StepBoundary`).
     """
 
     verdict: int
@@ -48,16 +62,19 @@ class RankInput:
     rows: int = 0
     width: int = 0
     fingerprint: int = 0
+    signal: int = 0
+    step_time_ns: int = 0
 
 
 def gather_inputs(entry: RankInput, device: torch.device | str, group: Any) -> torch.Tensor:
     """The ONE collective: ``entry`` of every rank of ``group`` (None: the default group) as a
-    ``[world, 5]`` int64 table on the CPU, in group-rank order (one rank: its own row)."""
+    ``[world, 7]`` int64 table on the CPU, in group-rank order (one rank: its own row)."""
     local = torch.tensor(
-        [entry.verdict, entry.replica, entry.rows, entry.width, entry.fingerprint],
+        [entry.verdict, entry.replica, entry.rows, entry.width, entry.fingerprint,
+         entry.signal, entry.step_time_ns],
         dtype=torch.int64,
         device=device,
-    )
+    )  # fmt: skip
     if not (dist.is_available() and dist.is_initialized()):
         return local[None].cpu()
     rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
@@ -81,7 +98,7 @@ def check_agreement(table: torch.Tensor) -> None:
     """Equal row counts on every rank, and equal width and fingerprint within each replica.
 
     Args:
-        table: ``[world, 5]`` from :func:`gather_inputs` (row ``r``: group rank ``r``).
+        table: ``[world, 7]`` from :func:`gather_inputs` (row ``r``: group rank ``r``).
 
     Raises:
         BatchMismatchError: naming the ranks and their rows, widths or fingerprints.
@@ -114,12 +131,83 @@ def check_agreement(table: torch.Tensor) -> None:
                 )
 
 
+class StepBoundary:
+    """What a training step agrees on at its start, carried by its first agreement collective.
+
+    The strategy calls :meth:`open` at every training batch start and :meth:`stop` after the
+    step's optimizer step. The first pass of the step then adds this rank's received signal and
+    its previous step's wall time to its :class:`RankInput` (:meth:`stamp`) and, once the table
+    is gathered, :meth:`settle` makes every rank act on the same signal (the
+    ``termination`` request calls Lightning's handler, on every rank at once) and holds the same
+    :attr:`previous_step_time`. Later passes of the step, and passes outside training steps
+    (validation, ``trainer.validate``), carry zeros and settle nothing.
+
+    Args:
+        termination: the strategy's SIGTERM request.
+    """
+
+    def __init__(self, termination: TerminationRequest) -> None:
+        self.termination = termination
+        self.previous_step_time: float | None = None
+        """The previous training step's wall time (s, the slowest rank's; identical on every
+        rank), settled in this step's first pass; ``None`` before that, in a step without a
+        pass, and in the first step of a fit."""
+        self._open = False  # a training step started and its first pass has not run yet
+        self._start_ns: int | None = None
+        self._elapsed_ns = 0  # this rank's last finished step, not yet carried
+
+    def reset(self) -> None:
+        """A new fit: no previous step."""
+        self.previous_step_time, self._open, self._start_ns, self._elapsed_ns = None, False, None, 0
+
+    def open(self) -> None:
+        """A training step starts (its clock too)."""
+        self._open = True
+        self.previous_step_time = None
+        self._start_ns = time.perf_counter_ns()
+
+    def stop(self) -> None:
+        """The step's optimizer step ended: its wall time is this rank's ``step_time``."""
+        if self._start_ns is not None:
+            self._elapsed_ns = time.perf_counter_ns() - self._start_ns
+            self._start_ns = None
+
+    def stamp(self, entry: RankInput) -> RankInput:
+        """``entry`` with this rank's signal and previous step time (the first pass of a
+        training step; other passes: unchanged, zeros)."""
+        if not self._open:
+            return entry
+        return replace(entry, signal=self.termination.received or 0, step_time_ns=self._elapsed_ns)
+
+    def settle(self, table: torch.Tensor) -> None:
+        """After the first pass's collective: act on the agreed signal (every rank) and keep the
+        slowest rank's previous step time."""
+        if not self._open:
+            return
+        self._open = False
+        self._elapsed_ns = 0
+        slowest = int(table[:, _STEP_TIME].max())
+        self.previous_step_time = slowest / 1e9 if slowest > 0 else None
+        self.termination.act(int(table[:, _SIGNAL].max()))
+
+    def finish(self, device: torch.device | str, group: Any) -> float | None:
+        """The last step's wall time, the slowest rank's: ONE all-reduce (MAX) over ``group``
+        (every rank, at the same point: the end of training); ``None`` when no step ran."""
+        value = torch.tensor([self._elapsed_ns], dtype=torch.int64, device=device)
+        self._elapsed_ns = 0
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        slowest = int(value.cpu())
+        return slowest / 1e9 if slowest > 0 else None
+
+
 __all__ = [
     "INVALID",
     "NONFINITE",
     "OK",
     "BatchMismatchError",
     "RankInput",
+    "StepBoundary",
     "agreed_verdict",
     "check_agreement",
     "gather_inputs",

@@ -11,7 +11,8 @@ optimizer-state change: megatron's update is not run, which is megatron's own
   skips the step, naming the key and first bad position on the rank that holds it;
   The same collective carries each rank's batch summary: different row counts, or different
   batches on the ranks of one replica, raise on every rank
-  (:mod:`~lightning_mcore_rl.strategy.agreement`);
+  (:mod:`~lightning_mcore_rl.strategy.agreement`), and, in a training step's first pass, the
+  step's boundary (SIGTERM, the previous step's time: :class:`~.agreement.StepBoundary`);
 * the loss (:meth:`NonFiniteGuard.skip_before_update`, after the backward; identical on every
   rank) and the gradients (:meth:`NonFiniteGuard.skip_on_grad_norm`): megatron's own global
   gradient norm, computed once by the optimizer adapter's step
@@ -39,6 +40,7 @@ from lightning_mcore_rl.strategy.agreement import (
     NONFINITE,
     OK,
     RankInput,
+    StepBoundary,
     agreed_verdict,
     gather_inputs,
 )
@@ -182,9 +184,11 @@ class NonFiniteGuard:
         *,
         training: bool,
         replica: int = 0,
+        boundary: StepBoundary | None = None,
     ) -> bool:
         """ONE all-gather of this rank's input verdict and batch summary over all ranks
-        (:mod:`~lightning_mcore_rl.strategy.agreement`).
+        (:mod:`~lightning_mcore_rl.strategy.agreement`), which also carries the training
+        step's ``boundary`` (SIGTERM and the previous step's time, settled before the verdict).
 
         Args:
             finding: the rank's first non-finite entry
@@ -194,6 +198,8 @@ class NonFiniteGuard:
                 (``None`` with ``error``).
             training: a training step (forward-only passes never skip).
             replica: this rank's data-parallel rank (its model replica).
+            boundary: the strategy's :class:`~.agreement.StepBoundary` (``None``: nothing rides
+                along).
 
         Returns:
             True: skip this step (every rank returns True).
@@ -208,10 +214,14 @@ class NonFiniteGuard:
         entry = RankInput(local, replica)
         if summary is not None:
             entry = RankInput(local, replica, summary.rows, summary.width, summary.fingerprint)
+        if boundary is not None:
+            entry = boundary.stamp(entry)
+        table = gather_inputs(entry, self.device, self.group)
+        if boundary is not None:
+            boundary.settle(table)
         if error is not None:
-            gather_inputs(entry, self.device, self.group)
             raise error
-        verdict = agreed_verdict(gather_inputs(entry, self.device, self.group))
+        verdict = agreed_verdict(table)
         if verdict == INVALID:
             raise BatchRejectedError(
                 "Another rank rejected its batch (see that rank's ValueError/TypeError naming "

@@ -8,12 +8,13 @@ that leaves after it raises ``SIGTERMException``, a ``SystemExit`` whose code is
 
 :class:`TerminationRequest` takes SIGTERM over while ``fit`` trains (installed at
 ``on_train_start``, the previous handler restored after): the handler only records the signal.
-At each training batch start every rank agrees on it with ONE all-reduce (MAX) over the
-strategy's world group; once agreed, every rank calls the previous (Lightning's) handler at that
-same point, so its broadcast is matched on every rank and Lightning ends the step normally and
-raises ``SIGTERMException`` at the step's end, on every rank. The strategy's ``on_exception``
-then saves ``last`` (a collective, every rank is there) and sets the exit code to ``128 +
-signum`` (143).
+Every rank agrees on it in the first agreement collective of each training step (its ``signal``
+column, MAX over the strategy's world group:
+:class:`~lightning_mcore_rl.strategy.agreement.StepBoundary`; no collective of its own); once
+agreed, every rank calls the previous (Lightning's) handler at that same point, so its broadcast
+is matched on every rank and Lightning ends the step normally and raises ``SIGTERMException`` at
+the step's end, on every rank. The strategy's ``on_exception`` then saves ``last`` (a
+collective, every rank is there) and sets the exit code to ``128 + signum`` (143).
 """
 
 from __future__ import annotations
@@ -23,15 +24,13 @@ import threading
 from types import FrameType
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 TERMINATING_SIGNALS = (signal.SIGTERM,)
 """The signals handled at a step boundary."""
 
 
 class TerminationRequest:
-    """A SIGTERM noted on this rank and, after :meth:`agree`, on every rank."""
+    """A SIGTERM noted on this rank and, after :meth:`act` (with the agreed signal), on every
+    rank."""
 
     def __init__(self) -> None:
         self.received: int | None = None  # the signal number this rank received
@@ -55,19 +54,18 @@ class TerminationRequest:
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
 
-    def agree(self, device: torch.device, group: Any) -> int | None:
-        """Collective over ``group`` (every rank, at the same point of every step): the signal
-        any rank received (MAX over ranks), or None. Once agreed, call the previous handler
-        here, on every rank at once (Lightning's: it forwards the signal to the processes it
-        launched and ends the training step with ``SIGTERMException``)."""
-        if self.agreed is not None:
+    def act(self, signum: int) -> int | None:
+        """The signal every rank agreed on (``0``: none; the MAX over ranks of
+        :attr:`received`, from the step's agreement collective). The first time one is agreed,
+        call the previous handler here, on every rank at once (Lightning's: it forwards the
+        signal to the processes it launched and ends the training step with
+        ``SIGTERMException``).
+
+        Returns:
+            The agreed signal number (this one or an earlier one), or None.
+        """
+        if self.agreed is not None or signum == 0:
             return self.agreed
-        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        signum = int(flag.item())
-        if signum == 0:
-            return None
         self.agreed = signum
         handler = self._previous.get(signum)
         if callable(handler):

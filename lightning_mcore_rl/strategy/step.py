@@ -6,7 +6,9 @@
 path) and runs :func:`~lightning_mcore_rl.train.run_global_batch` /
 :func:`~lightning_mcore_rl.train.run_forward_only` on the given chunks with the strategy's frozen
 :class:`~lightning_mcore_rl.train.StepContext`, the non-finite policy's input agreement (one collective:
-verdicts, row counts and batch fingerprints of every rank) as the batch check. Nothing in the pass calls back into the module.
+verdicts, row counts and batch fingerprints of every rank, and the training step's
+:class:`~lightning_mcore_rl.strategy.agreement.StepBoundary` riding along) as the batch check.
+Nothing in the pass calls back into the module.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from lightning_mcore_rl.strategy.agreement import StepBoundary
     from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
     from lightning_mcore_rl.train import LossPostProcessor, StepContext, StepOutput
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
@@ -45,11 +48,14 @@ class StepRunner:
         chunks: the wrapped model chunks the pass runs (the policy's or the hosted teacher's).
         context: the strategy's frozen :class:`~lightning_mcore_rl.train.StepContext`.
         guard: the non-finite policy (one input-agreement collective per pass).
+        boundary: the strategy's step boundary (SIGTERM and the previous step's time), carried
+            by the first pass of each training step.
     """
 
     chunks: Sequence[torch.nn.Module]
     context: StepContext
     guard: NonFiniteGuard
+    boundary: StepBoundary | None = None
 
     def forward_backward(
         self, module: StepDeclaration, batch: Mapping[str, Any], *, forward_only: bool
@@ -98,8 +104,9 @@ class StepRunner:
         self.guard.device = self.context.device
         self.guard.group = self.context.world_group
         return self.guard.check_inputs(
-            finding, error, summary, training=training, replica=self.context.groups.dp_rank
-        )
+            finding, error, summary, training=training, replica=self.context.groups.dp_rank,
+            boundary=self.boundary,
+        )  # fmt: skip
 
 
 __all__ = ["StepDeclaration", "StepRunner"]

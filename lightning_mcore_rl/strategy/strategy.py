@@ -10,7 +10,7 @@ A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightni
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.rank_errors import install_rank_excepthook
 from lightning_mcore_rl.strategy import checkpoint as ckpt
+from lightning_mcore_rl.strategy.agreement import StepBoundary
 from lightning_mcore_rl.strategy.backend import enter_run_backends
 from lightning_mcore_rl.strategy.base import ProcessGroupStrategy
 from lightning_mcore_rl.strategy.config import (
@@ -177,6 +178,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         rel = self.reliability
         self.nonfinite_guard = NonFiniteGuard.from_config(rel)
         self.termination = TerminationRequest()  # SIGTERM at step boundaries (strategy/signals.py)
+        # what each training step's first agreement carries: SIGTERM, the previous step's time
+        self.step_boundary = StepBoundary(self.termination)
         self._ranks: RankTable | None = None
         super().__init__(rel.process_group_backend, None, rel.timeout)
 
@@ -370,12 +373,24 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
         self.nonfinite_guard.begin_step(self.root_device, self.world_group)
-        self.termination.agree(self.root_device, self.world_group)
+        self.step_boundary.open()  # agreed in the step's first pass: no collective here
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's optimizer step; its end is the end of the step's wall time
+        (``step_time``, :class:`~.agreement.StepBoundary`)."""
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self.step_boundary.stop()
 
     @override
     def on_train_start(self) -> None:
         """From here SIGTERM is acted on at a step boundary, on every rank at once
         (:class:`~.signals.TerminationRequest`; after Lightning registered its handler)."""
+        self.step_boundary.reset()
         self.termination.install()
 
     @override
@@ -515,7 +530,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         return module.trainer
 
     def _runner(self, chunks: list[torch.nn.Module]) -> StepRunner:
-        return StepRunner(chunks, self.step_context, self.nonfinite_guard)
+        return StepRunner(chunks, self.step_context, self.nonfinite_guard, self.step_boundary)
 
     def _checkpoints(self) -> ckpt.StrategyCheckpoints:
         optimizer = self.megatron_optimizer if self.optimizers else None

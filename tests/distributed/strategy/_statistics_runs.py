@@ -50,8 +50,8 @@ class PGModule(MCoreRLModule):
 class TokensPerSample(TrainingStatistics):
     """Adds ``tokens_per_sample`` (real tokens over samples of the global batch)."""
 
-    def step_metrics(self, trainer: Any, pl_module: Any, output: Any, step_time: float) -> Any:
-        values = super().step_metrics(trainer, pl_module, output, step_time)
+    def step_metrics(self, trainer: Any, pl_module: Any, output: Any) -> Any:
+        values = super().step_metrics(trainer, pl_module, output)
         values["tokens_per_sample"] = output.tokens / output.samples
         return values
 
@@ -67,15 +67,41 @@ class StepRecord:
     input_ids: list[list[int]]
 
 
+class RecordingLogger(Logger):
+    """Records every ``log_metrics`` call on EVERY rank (Lightning's loggers write on rank 0
+    only), into ``events`` as ``("log", step, metrics)`` next to the recorder's markers."""
+
+    def __init__(self, events: list[tuple[str, int, dict[str, float]]]) -> None:
+        super().__init__()
+        self.events = events
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        assert step is not None
+        self.events.append(("log", step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 class StepRecorder(Callback):
-    def __init__(self) -> None:
+    def __init__(self, events: list[tuple[str, int, dict[str, float]]]) -> None:
         self.steps: list[StepRecord] = []
+        self.events = events
         self._batch: Any = None
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int
     ) -> None:
         self._batch = batch
+        self.events.append(("start", trainer.global_step, {}))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         batch = self._batch
@@ -99,14 +125,24 @@ class FitRecord:
     statistics_callbacks: list[str]  # type names of the TrainingStatistics in trainer.callbacks
     run_config: dict[str, Any]
     global_step: int
+    events: list[tuple[str, int, dict[str, float]]]  # step starts and every logger call, in order
+
+    @property
+    def logged(self) -> dict[int, dict[str, float]]:
+        """The rows every logger received, by step (each step must be logged once)."""
+        rows = [(step, metrics) for kind, step, metrics in self.events if kind == "log"]
+        assert len({step for step, _ in rows}) == len(rows), [step for step, _ in rows]
+        return dict(rows)
 
 
 def _fit(spec: RunSpec, loggers: list[Logger], callbacks: list[Callback]) -> FitRecord:
     world_size = int(os.environ["WORLD_SIZE"])
-    recorder = StepRecorder()
+    events: list[tuple[str, int, dict[str, float]]] = []
+    recorder = StepRecorder(events)
     trainer = make_trainer(
-        spec, world_size, logger=loggers, callbacks=[*callbacks, recorder], log_every_n_steps=1
-    )
+        spec, world_size, logger=[*loggers, RecordingLogger(events)],
+        callbacks=[*callbacks, recorder], log_every_n_steps=1,
+    )  # fmt: skip
     module = PGModule()
     loader = DataLoader(RolloutRows(spec.rows), batch_size=spec.local_batch(world_size))
     trainer.fit(module, loader)
@@ -121,6 +157,7 @@ def _fit(spec: RunSpec, loggers: list[Logger], callbacks: list[Callback]) -> Fit
         statistics_callbacks=[type(c).__name__ for c in statistics],
         run_config=config,
         global_step=trainer.global_step,
+        events=events,
     )
 
 

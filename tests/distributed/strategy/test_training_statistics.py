@@ -4,6 +4,9 @@
 * W&B (offline ``run-*.wandb`` protobuf log) and TensorBoard (event file): every metric exactly
   once per optimizer step, at steps 0..N-1, equal to the logged value; the run config (layout,
   precision, loss settings) as hyperparameters.
+* When: step N's row reaches the loggers after step N+1 started (its slowest-rank ``step_time``
+  rides on step N+1's agreement collective), the last one at the end of training; the values
+  other than the timings are in ``trainer.callback_metrics`` right after the step.
 * CSV: a ``TrainingStatistics`` subclass's extra metric is logged; an explicit default instance
   replaces the module's (one callback, each key once per step).
 * Throughput counted once per data-parallel replica (TP=2 and DP=2), response lengths from the
@@ -51,6 +54,8 @@ def _expected_keys() -> set[str]:
 
 
 EXPECTED = _expected_keys()
+TIMING = {"step_time", "tokens_per_sec", "samples_per_sec"}
+"""Logged to the loggers (one step late), not put in ``trainer.callback_metrics``."""
 
 Runs = tuple[list[dict[str, FitRecord]], Path]
 
@@ -123,6 +128,13 @@ def _steps(rank0: FitRecord) -> list[StepRecord]:
     return rank0.steps
 
 
+def _logged(fit: FitRecord) -> list[dict[str, float]]:
+    """Every step's row as the loggers received it (the recording logger, on every rank)."""
+    logged = fit.logged
+    assert sorted(logged) == STEPS_LOGGED
+    return [logged[step] for step in STEPS_LOGGED]
+
+
 def _assert_once_per_step(rows: list[dict[str, Any]], step_key: str, keys: set[str]) -> None:
     assert [row[step_key] for row in rows] == STEPS_LOGGED
     for row in rows:
@@ -135,14 +147,18 @@ def _assert_once_per_step(rows: list[dict[str, Any]], step_key: str, keys: set[s
 def test_wandb_gets_every_metric_once_per_step_and_the_run_config(runs: Runs) -> None:
     results, root = runs
     steps = _steps(results[0]["tp2"])
+    logged = _logged(results[0]["tp2"])
     history, config = _wandb_run(root)
     # Lightning's WandbLogger logs `trainer/global_step` (= Lightning's step, 0..N-1) with each
     # row; W&B's own `_step` counts the rows and agrees because each step is one `log` call.
     assert [row["trainer/global_step"] for row in history] == STEPS_LOGGED
     assert [row["_step"] for row in history] == STEPS_LOGGED
-    for row, step in zip(history, steps, strict=True):
+    for row, step, sent in zip(history, steps, logged, strict=True):
         assert set(row) == EXPECTED | LIGHTNING_KEYS | WANDB_KEYS
-        assert {k: row[k] for k in EXPECTED} == {k: step.metrics[k] for k in EXPECTED}
+        assert {k: row[k] for k in EXPECTED} == {k: sent[k] for k in EXPECTED}
+        assert {k: row[k] for k in EXPECTED - TIMING} == {
+            k: step.metrics[k] for k in EXPECTED - TIMING
+        }
     # the config: the strategy's sizes, precision and the loss settings
     assert config == json.loads(json.dumps(results[0]["tp2"].run_config))
     assert {k: config[f"strategy/{k}"] for k in ("world_size", "tensor_model_parallel_size",
@@ -163,7 +179,7 @@ def test_tensorboard_gets_every_scalar_once_per_step_and_the_hparams(runs: Runs)
     from tensorboard.plugins.hparams import plugin_data_pb2  # type: ignore[import-untyped]
 
     results, root = runs
-    steps = _steps(results[0]["tp2"])
+    logged = _logged(results[0]["tp2"])
     run_dir = root / "tb" / "run"
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
@@ -172,8 +188,8 @@ def test_tensorboard_gets_every_scalar_once_per_step_and_the_hparams(runs: Runs)
     for key in EXPECTED | LIGHTNING_KEYS:
         scalars = events.Scalars(key)
         assert [e.step for e in scalars] == STEPS_LOGGED, key
-        logged = [step.metrics.get(key, 0.0) for step in steps]  # epoch: 0
-        assert [e.value for e in scalars] == [float(np.float32(v)) for v in logged], key
+        values = [row[key] for row in logged]
+        assert [e.value for e in scalars] == [float(np.float32(v)) for v in values], key
     assert [(e.step, e.value) for e in events.Scalars("hp_metric")] == [(0, -1.0)]
     config = results[0]["tp2"].run_config
     assert yaml.safe_load((run_dir / "hparams.yaml").read_text()) == config
@@ -205,12 +221,15 @@ def test_csv_gets_each_key_once_per_step_from_one_callback(
     for rank in results:
         assert rank[run].statistics_callbacks == [callback]  # replaced, never added twice
     steps = _steps(results[0][run])
+    logged = _logged(results[0][run])
     keys = EXPECTED | extra
     rows = _csv_rows(root / folder / "metrics.csv")
     assert set().union(*rows) == keys | LIGHTNING_KEYS | {"step"}
     _assert_once_per_step(rows, "step", keys)
-    for row, step in zip(rows, steps, strict=True):
-        assert {k: row[k] for k in keys} == {k: step.metrics[k] for k in keys}
+    for row, step, sent in zip(rows, steps, logged, strict=True):
+        assert {k: row[k] for k in keys} == {k: sent[k] for k in keys}
+        assert {k: row[k] for k in keys - TIMING} == {k: step.metrics[k] for k in keys - TIMING}
+        assert not TIMING & set(step.metrics)  # the loggers' only
 
 
 def test_subclass_metric_and_explicit_instance_values(runs: Runs) -> None:
@@ -221,7 +240,7 @@ def test_subclass_metric_and_explicit_instance_values(runs: Runs) -> None:
     # the explicit default instance logs what the module's own one does (same data, same model)
     for auto, explicit in zip(results[0]["tp2"].steps, results[0]["explicit"].steps, strict=True):
         assert explicit.input_ids == auto.input_ids
-        for key in EXPECTED - {"step_time", "tokens_per_sec", "samples_per_sec"}:
+        for key in EXPECTED - TIMING:
             assert explicit.metrics[key] == auto.metrics[key], key
 
 
@@ -231,8 +250,10 @@ def test_subclass_metric_and_explicit_instance_values(runs: Runs) -> None:
 @pytest.mark.parametrize("run", ["tp2", "dp2"])
 def test_throughput_counts_the_global_batch_once(runs: Runs, run: str) -> None:
     results, _ = runs
-    for step0, step1 in zip(results[0][run].steps, results[1][run].steps, strict=True):
-        assert step0.metrics == step1.metrics  # both ranks log the same values
+    rows0, rows1 = _logged(results[0][run]), _logged(results[1][run])
+    assert rows0 == rows1  # every rank sends its loggers the same rows, timings included
+    for step0, step1, m in zip(results[0][run].steps, results[1][run].steps, rows0, strict=True):
+        assert step0.metrics == step1.metrics  # and holds the same callback metrics
         if run == "tp2":  # TP peers read the same rows: the global batch is one of them
             assert step0.input_ids == step1.input_ids
             parts = [step0]
@@ -242,7 +263,6 @@ def test_throughput_counts_the_global_batch_once(runs: Runs, run: str) -> None:
         tokens = sum(p.tokens for p in parts)
         samples = sum(p.samples for p in parts)
         lengths = [n for p in parts for n in p.response_lengths]
-        m = step0.metrics
         assert samples == (TP2 if run == "tp2" else DP2).global_batch
         assert m["step_time"] > 0
         assert math.isclose(m["tokens_per_sec"] * m["step_time"], tokens, rel_tol=1e-9), (
@@ -252,3 +272,19 @@ def test_throughput_counts_the_global_batch_once(runs: Runs, run: str) -> None:
         assert math.isclose(m["samples_per_sec"] * m["step_time"], samples, rel_tol=1e-9)
         assert m["response_length_mean"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-12)
         assert m["response_length_max"] == max(lengths)
+
+
+@pytest.mark.parametrize("run", ["tp2", "dp2"])
+def test_each_row_is_logged_once_after_the_next_step_started(runs: Runs, run: str) -> None:
+    """Step N's row carries step N's slowest ``step_time``, agreed in step N+1's first pass: it
+    reaches the loggers after step N+1 started (and before step N+2 starts), the last one at
+    the end of training."""
+    results, _ = runs
+    for rank in results:
+        events = [(kind, step) for kind, step, _ in rank[run].events]
+        assert [step for kind, step in events if kind == "start"] == STEPS_LOGGED
+        # after each step start, the previous step's row; the last row after the last step
+        expected = [("start", 0)]
+        for n in STEPS_LOGGED[1:]:
+            expected += [("start", n), ("log", n - 1)]
+        assert events == [*expected, ("log", STEPS - 1)]

@@ -15,10 +15,12 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.rank_errors import RankExceptHook
 from lightning_mcore_rl.strategy import processes
+from lightning_mcore_rl.strategy.agreement import OK, RankInput, StepBoundary, gather_inputs
 from lightning_mcore_rl.strategy.config import ReliabilityConfig
 from lightning_mcore_rl.strategy.processes import (
     CollectiveFailure,
@@ -42,15 +44,54 @@ def test_sigterm_is_recorded_and_acted_on_only_once_agreed():
     try:
         request = TerminationRequest()
         request.install()
-        assert request.agree(device="cpu", group=None) is None  # nothing received
+        assert request.act(0) is None and calls == []  # nothing agreed
         os.kill(os.getpid(), signal.SIGTERM)  # recorded, the process lives on
         assert request.received == signal.SIGTERM and calls == []
-        assert request.agree(device="cpu", group=None) == signal.SIGTERM  # no group: this rank
+        assert request.act(signal.SIGTERM) == signal.SIGTERM  # the agreed MAX over the ranks
         assert calls == [signal.SIGTERM]  # the previous handler, called once agreed
-        assert request.agree(device="cpu", group=None) == signal.SIGTERM and len(calls) == 1
+        assert request.act(signal.SIGTERM) == signal.SIGTERM and len(calls) == 1
+        assert request.act(0) == signal.SIGTERM and len(calls) == 1  # agreed stays agreed
         request.restore()
         os.kill(os.getpid(), signal.SIGTERM)
         assert calls == [signal.SIGTERM] * 2  # the previous handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_step_boundary_rides_on_the_first_agreement_of_a_training_step():
+    """One gloo-free process: the boundary stamps a training step's first pass with this rank's
+    signal and previous step time, settles on the gathered table (MAX over the ranks: a
+    two-rank table made by hand), and leaves later passes and non-training passes alone."""
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        request = TerminationRequest()
+        request.install()
+        boundary = StepBoundary(request)
+        entry = RankInput(OK, replica=0, rows=4, width=8, fingerprint=7)
+        assert boundary.stamp(entry) == entry  # outside a training step: nothing rides along
+        boundary.open()  # step 0: no previous step
+        first = boundary.stamp(entry)
+        assert (first.signal, first.step_time_ns) == (0, 0)
+        boundary.settle(gather_inputs(first, "cpu", None))
+        assert boundary.previous_step_time is None and calls == []
+        boundary.stop()
+        boundary.open()  # step 1: carries step 0's time
+        stamped = boundary.stamp(entry)
+        assert stamped.step_time_ns > 0 and stamped.signal == 0
+        assert stamped.rows == 4 and stamped.fingerprint == 7  # the batch summary unchanged
+        os.kill(os.getpid(), signal.SIGTERM)  # another rank's signal arrives in the table
+        peer = RankInput(OK, replica=0, rows=4, width=8, fingerprint=7, signal=signal.SIGTERM,
+                         step_time_ns=stamped.step_time_ns + 5_000_000)  # fmt: skip
+        table = torch.cat([gather_inputs(stamped, "cpu", None), gather_inputs(peer, "cpu", None)])
+        boundary.settle(table)
+        assert boundary.previous_step_time == pytest.approx(stamped.step_time_ns / 1e9 + 5e-3)
+        assert calls == [signal.SIGTERM] and request.agreed == signal.SIGTERM  # acted on once
+        assert boundary.stamp(entry) == entry  # a later pass of the same step: nothing
+        boundary.stop()
+        assert boundary.finish("cpu", None) > 0  # the last step's time (no group: this rank)
+        assert boundary.finish("cpu", None) is None  # carried once
+        request.restore()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
