@@ -29,6 +29,8 @@ from lightning_mcore_rl.ops.vocab_parallel import (
     vocab_parallel_entropy,
 )
 
+_BLOCK_BYTES = 64 * 2**20  # fp32 scatter block of the low-precision gather backward
+
 
 def _check_k(k: int) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
@@ -95,6 +97,8 @@ class _GatherAtGlobalIndices(torch.autograd.Function):
     Shapes: ``logits [..., V_l]``, ``ids [..., K]`` -> ``[..., K]`` fp32.
     Forward: local gather where this shard owns the id (0 elsewhere), all-reduce SUM over TP.
     Backward: ``scatter_add`` of ``g`` at owned ids (duplicates accumulate); no collective.
+    For bf16/fp16 logits the scatter runs in fp32 blocks of at most 64 MiB, each rounded once
+    into the gradient in the logits' dtype (no full fp32 ``[..., V_l]`` buffer).
     """
 
     @staticmethod
@@ -118,9 +122,19 @@ class _GatherAtGlobalIndices(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         owned, local = ctx.saved_tensors
         shape, dtype, device = ctx.logits_meta
-        grad = torch.zeros(shape, dtype=compute_dtype(dtype), device=device)
-        grad.scatter_add_(-1, local, torch.where(owned, grad_output.to(grad.dtype), 0.0))
-        return grad.to(dtype), None, None, None, None
+        math_dtype = compute_dtype(dtype)
+        g = torch.where(owned, grad_output.to(math_dtype), 0.0).reshape(-1, local.shape[-1])
+        ids = local.reshape(-1, local.shape[-1])
+        if math_dtype == dtype:
+            grad = torch.zeros(ids.shape[0], shape[-1], dtype=dtype, device=device)
+            return grad.scatter_add_(-1, ids, g).view(shape), None, None, None, None
+        grad = torch.empty(ids.shape[0], shape[-1], dtype=dtype, device=device)
+        rows = max(1, _BLOCK_BYTES // (shape[-1] * torch.finfo(math_dtype).bits // 8))
+        for start, stop in seq_chunks(ids.shape[0], rows):
+            block = torch.zeros(stop - start, shape[-1], dtype=math_dtype, device=device)
+            block.scatter_add_(-1, ids[start:stop], g[start:stop])
+            grad[start:stop].copy_(block)  # the one rounding to the logits' dtype
+        return grad.view(shape), None, None, None, None
 
 
 def _pad_and_shard_ids(

@@ -7,7 +7,12 @@ are all-reduced over ``tp_group``, so each rank sees the same log-normaliser
 
 The chunked kernels walk the sequence dim (``-2``) in pieces of ``chunk_size`` tokens, upcast one
 chunk at a time and rematerialise the softmax in backward from the saved raw logits and the saved
-``lse`` (one fp32 value per token), so bf16 logits never exist as a full fp32 copy.
+``lse`` (one fp32 value per token), so bf16 logits never exist as a full fp32 copy. Their
+backward writes each chunk's fp32 gradient into one gradient in the logits' dtype: for bf16
+logits that is one rounding per element, the same one the backward of an fp32 upcast
+(``logits.float()``, megatron's ``Float16Module``) applies, so deferred bf16 logits
+(``train.logits_dtype``) get the fp32-logit path's gradient bitwise. The unchunked kernels
+(``chunk_size=None``, and :func:`distributed_log_softmax`) upcast the whole input by design.
 """
 
 from __future__ import annotations

@@ -224,10 +224,28 @@ class LogprobKernelConfig:
             the post-processors compute logprobs from hidden x output weight in sequence chunks
             (never materialising the ``[tokens, V/TP]`` logits).
         logprob_chunk_size: sequence chunk of the logprob / top-k kernels (``None``: unchunked).
+        defer_fp32_logits: keep the last stage's logits in the model dtype: megatron's
+            ``Float16Module`` then does not upcast the whole ``[tokens, V/TP]`` output to fp32
+            (``fp32_output=False``); the chunked kernels upcast one ``logprob_chunk_size``
+            chunk at a time and write a bf16 logits gradient, so neither the fp32 logits nor
+            their fp32 gradient exist (docs/training-step.md, "Deferred fp32 logits").
+            ``None`` (default): on exactly where the result is the fp32-logit path's
+            (:func:`~lightning_mcore_rl.train.logits_dtype.defers_fp32_logits`): temperature 1,
+            no top-k/top-p, ``logprob_chunk_size`` set, and one chunked kernel reading the
+            logits (``LOGPROB`` losses without an entropy bonus, ``DISTILLATION`` without
+            ``H_all``, logprobs, top-k, teacher payloads). There the bf16 tolerance against
+            the fp32-logit path is zero: losses, logprobs, top-k and parameter gradients are
+            bitwise equal (measured at TP=1 and TP=2, padded and packed). ``True``: always.
+            Where two kernels read the logits the losses stay bitwise equal and the gradients
+            differ by bf16 rounding (<= 9e-3 of a parameter's gradient norm, measured); a
+            temperature != 1 is divided in bf16, in place (logprobs within ``max|z/T| / 256``).
+            ``False``: never. Under ``32-true`` the logits are fp32 already and the flag
+            changes nothing (bitwise).
     """
 
     use_fused_linear_logprobs: bool = False
     logprob_chunk_size: int | None = None
+    defer_fp32_logits: bool | None = None
 
     def __post_init__(self) -> None:
         fused = self.use_fused_linear_logprobs
@@ -235,6 +253,12 @@ class LogprobKernelConfig:
             raise TypeError(
                 "`LogprobKernelConfig.use_fused_linear_logprobs` must be a bool, got "
                 f"{type(fused).__name__}."
+            )
+        defer = self.defer_fp32_logits
+        if defer is not None and not isinstance(defer, bool):
+            raise TypeError(
+                "`LogprobKernelConfig.defer_fp32_logits` must be a bool or None (on where "
+                f"exact), got {type(defer).__name__}."
             )
         size = self.logprob_chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):

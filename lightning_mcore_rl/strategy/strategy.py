@@ -321,7 +321,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._context = StepContext(
             self.groups, self.microbatching, self._policy, self.use_fused_linear_logprobs,
             sampling_params=sampling() if callable(sampling) else None, device=self.root_device,
-            world_group=self.world_group,
+            world_group=self.world_group, defer_fp32_logits=self.logprobs.defer_fp32_logits,
         )  # fmt: skip
         fitting = trainer.state.fn == TrainerFn.FITTING
         expected = self.transformer_config_kwargs()

@@ -65,6 +65,9 @@ class StepContext:
         device: where the step's collectives' tensors live (the CUDA device under NCCL).
         world_group: a group of all ranks with the strategy's timeout (its agreement
             all-reduces; ``None``: the default group).
+        defer_fp32_logits: keep the last stage's logits in the model dtype (``None``: where
+            exact, resolved per pass by
+            :func:`~lightning_mcore_rl.train.logits_dtype.defers_fp32_logits`).
     """
 
     groups: ParallelGroups
@@ -74,6 +77,7 @@ class StepContext:
     sampling_params: TrainingSamplingParams | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     world_group: Any = None
+    defer_fp32_logits: bool | None = None
 
 
 __all__ = ["Microbatching", "StepContext"]

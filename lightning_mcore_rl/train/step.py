@@ -36,6 +36,7 @@ from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.train.context import Microbatching, StepContext
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.train.logits_dtype import defers_fp32_logits
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,
     layout_padding,
@@ -320,6 +321,9 @@ def _megatron_pass(
         forward_only=forward_only,
         global_valid_seqs=global_batch.global_valid_seqs,
         global_valid_toks=global_batch.global_valid_toks,
+        defer_fp32_logits=defers_fp32_logits(
+            context.defer_fp32_logits, post, context.sampling_params
+        ),
         sampling_params=context.sampling_params,
         enable_opd_full_capture=capture,
         use_fused_linear_logprobs=context.use_fused_linear_logprobs,
