@@ -118,9 +118,12 @@ class TrainingStatistics(Callback):
             k: _logged_tensor(k, v)
             for k, v in self.step_metrics(trainer, pl_module, output).items()
         }
+        # the public dict other callbacks read (Lightning's own multiprocessing launcher updates it
+        # the same way); no `self.log` bookkeeping per key
         trainer.callback_metrics.update(values)
-        for key in self.prog_bar:
-            if key in values:
+        shown = [k for k in self.prog_bar if k in values]
+        if shown and trainer.progress_bar_callback is not None:  # ~0.7 ms per key: only if shown
+            for key in shown:
                 pl_module.log(key, values[key], prog_bar=True, logger=False, on_step=True,
                               on_epoch=False, batch_size=1)  # fmt: skip
         if _logs_step(trainer):
