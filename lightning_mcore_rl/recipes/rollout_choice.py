@@ -33,7 +33,7 @@ def recipe_rollout(
     """The rollout of ``model`` from ``choice`` (checked at construction).
 
     Args:
-        choice: a backend name (``"megatron"``, ``"hf"``), a source or a factory
+        choice: a backend name (``"megatron"``, ``"hf"``, ``"vllm"``), a source or a factory
             ``(RolloutSetup) -> RolloutSource``.
         model: the recipe model that samples.
         frozen: ``model`` never steps (a hosted teacher): refit once.
@@ -44,10 +44,11 @@ def recipe_rollout(
         TypeError: ``choice`` is neither a name, a source nor a callable.
     """
     hf = isinstance(model.spec, HFModelSpec)
-    if isinstance(choice, str) and choice == "hf" and not hf:
+    if isinstance(choice, str) and choice in ("hf", "vllm") and not hf:
         raise ValueError(
-            "`backend='hf'` generates with a transformers copy of the policy and needs an "
-            f"HFModelSpec model, got {type(model.spec).__name__}; use backend='megatron'."
+            f"`backend={choice!r}` generates with its own copy of the policy, loaded from and "
+            "refit with its Hugging Face checkpoint, and needs an HFModelSpec model, got "
+            f"{type(model.spec).__name__}; use backend='megatron'."
         )
     instance = isinstance(choice, RolloutSource) and not isinstance(choice, type)
     if instance and cast(RolloutSource, choice).refit_required and not hf:

@@ -1,5 +1,5 @@
 """Rollout generation: the :class:`RolloutSource` protocol (``docs/rollout.md``) with the
-embedded megatron sampler and a Hugging Face ``transformers`` backend, the choice of a source by
+embedded megatron sampler, a Hugging Face ``transformers`` backend and a vLLM engine, the choice of a source by
 name, instance or factory and the trainer-side refit (:class:`PolicyRollout`), and toy tasks
 with verifiable rewards."""
 
@@ -15,6 +15,7 @@ from lightning_mcore_rl.rollout.policy import (
     megatron_rollout_source,
     mismatch_extrema,
     rollout_source_factory,
+    vllm_rollout_source,
 )
 from lightning_mcore_rl.rollout.sampler import GenerationOutput, generate
 from lightning_mcore_rl.rollout.source import (
@@ -24,6 +25,7 @@ from lightning_mcore_rl.rollout.source import (
     SamplingConfig,
 )
 from lightning_mcore_rl.rollout.tasks import ModularCountingTask
+from lightning_mcore_rl.rollout.vllm_source import VLLMRolloutSource
 
 __all__ = [
     "ROLLOUT_BACKENDS",
@@ -39,9 +41,11 @@ __all__ = [
     "RolloutSource",
     "RolloutSourceFactory",
     "SamplingConfig",
+    "VLLMRolloutSource",
     "generate",
     "hf_rollout_source",
     "megatron_rollout_source",
     "mismatch_extrema",
     "rollout_source_factory",
+    "vllm_rollout_source",
 ]

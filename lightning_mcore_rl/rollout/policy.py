@@ -23,14 +23,16 @@ from lightning_mcore_rl.rollout.source import (
     RolloutSource,
     SamplingConfig,
 )
+from lightning_mcore_rl.rollout.vllm_source import VLLMRolloutSource
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.models import HFBridge
     from lightning_mcore_rl.train.groups import ParallelGroups
 
-RolloutBackend = Literal["megatron", "hf"]
+RolloutBackend = Literal["megatron", "hf", "vllm"]
 """``"megatron"``: the embedded sampler on the training chunk (:class:`MegatronRolloutSource`);
-``"hf"``: a ``transformers`` copy of an HF policy (:class:`HFRolloutSource`)."""
+``"hf"``: a ``transformers`` copy of an HF policy (:class:`HFRolloutSource`); ``"vllm"``: a vLLM
+engine loaded from an HF policy's directory (:class:`VLLMRolloutSource`)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,28 @@ def megatron_rollout_source(setup: RolloutSetup) -> RolloutSource:
     return MegatronRolloutSource(setup.chunks[0], groups.tp_group, pp_group)
 
 
+def _replica_generator(setup: RolloutSetup, backend: str) -> tuple[str, Any]:
+    """The HF directory and the group of an engine on the first rank of each data-parallel
+    replica's model-parallel group (TP x PP).
+
+    Raises:
+        ValueError: the model is not a Hugging Face checkpoint, or CP > 1.
+    """
+    if setup.hf_bridge is None:
+        raise ValueError(
+            f"backend={backend!r} generates with its own copy of the model and needs a Hugging "
+            "Face checkpoint (an HFModelSpec model), which it is loaded from and refit with; "
+            "use backend='megatron'."
+        )
+    groups = setup.groups
+    if groups.cp_size != 1:
+        raise ValueError(
+            f"backend={backend!r} shares a rollout over the model-parallel group (TP x PP); "
+            f"context_parallel_size must be 1, got {groups.cp_size}."
+        )
+    return str(setup.hf_bridge.directory), groups.mp_group
+
+
 def hf_rollout_source(setup: RolloutSetup) -> RolloutSource:
     """``"hf"``: a ``transformers`` copy of the model's HF checkpoint on the first rank of each
     data-parallel replica's model-parallel group (TP x PP).
@@ -74,23 +98,24 @@ def hf_rollout_source(setup: RolloutSetup) -> RolloutSource:
     Raises:
         ValueError: the model is not a Hugging Face checkpoint, or CP > 1.
     """
-    if setup.hf_bridge is None:
-        raise ValueError(
-            "backend='hf' generates with a transformers copy of the model and needs a Hugging "
-            "Face checkpoint (an HFModelSpec model); use backend='megatron'."
-        )
-    groups = setup.groups
-    if groups.cp_size != 1:
-        raise ValueError(
-            f"backend='hf' shares a rollout over the model-parallel group (TP x PP); "
-            f"context_parallel_size must be 1, got {groups.cp_size}."
-        )
-    return HFRolloutSource(setup.hf_bridge.directory, groups.mp_group)
+    return HFRolloutSource(*_replica_generator(setup, "hf"))
+
+
+def vllm_rollout_source(setup: RolloutSetup) -> RolloutSource:
+    """``"vllm"``: a vLLM engine loaded from the model's HF checkpoint, owned by the first rank
+    of each data-parallel replica's model-parallel group (TP x PP), refit in place.
+
+    Raises:
+        ValueError: the model is not a Hugging Face checkpoint, or CP > 1.
+        ImportError: vLLM is not installed (on every rank).
+    """
+    return VLLMRolloutSource(*_replica_generator(setup, "vllm"))
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutSourceFactory] = {
     "megatron": megatron_rollout_source,
     "hf": hf_rollout_source,
+    "vllm": vllm_rollout_source,
 }
 """The factories of the named backends (``RolloutSpec(backend=...)`` in YAML)."""
 

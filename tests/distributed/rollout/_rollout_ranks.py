@@ -21,6 +21,7 @@ from lightning_mcore_rl.rollout import (
     MegatronRolloutSource,
     RolloutSource,
     SamplingConfig,
+    VLLMRolloutSource,
     generate,
     mismatch_extrema,
 )
@@ -192,5 +193,6 @@ def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, pp: int, steps: int)
     data = PromptDataModule(prompts_per_step=4, num_steps=steps)
     trainer.fit(module, datamodule=data)
     source = module.rollout_source.source
-    generator = source.is_generator if isinstance(source, HFRolloutSource) else None
+    engines = (HFRolloutSource, VLLMRolloutSource)
+    generator = source.is_generator if isinstance(source, engines) else None
     return {"rows": rows.rows, "max_errors": module.max_errors, "generator": generator}

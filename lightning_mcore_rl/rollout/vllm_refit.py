@@ -1,0 +1,175 @@
+"""In-place weight refit of a vLLM engine over a private two-rank process group.
+
+vLLM runs its engine (and its one worker) in a process of its own, with a ``torch.distributed``
+world of its own; the trainer's generating rank and that worker meet in a private group (rank 0:
+the trainer, rank 1: the worker) built on a ``TCPStore`` the trainer opens: a bare
+``ProcessGroupGloo`` on CPU (``ProcessGroupNCCL`` over CUDA tensors on a GPU: the same calls),
+so neither side's default group takes part. A refit streams ``(name, tensor)`` pairs through it,
+one tensor in flight: a fixed-size ``int64`` header (name length, dtype code, ndim, shape), the
+name's UTF-8 bytes, the tensor; a header with length ``-1`` ends the stream. The worker feeds the
+received pairs, as they arrive, to ``Worker.reload_weights(weights_iterator=...)`` (vLLM's
+layerwise in-place reload: it maps Hugging Face names onto its fused layers and repacks the
+weights for its CPU kernels; per-parameter ``load_weights`` into an already repacked CPU model
+fails). Control messages go through vLLM's ``collective_rpc``, data through the group, as vLLM
+advises.
+
+:class:`RefitWorkerExtension` is given to vLLM by its qualified name
+(``LLM(worker_extension_cls=...)``) and imported in the engine's process; this module imports
+no vLLM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+HEADER_LEN = 12
+"""``int64`` entries of a tensor's header: name length, dtype code, ndim, up to 9 dims."""
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+"""The dtypes a refit carries, by code (a header's second entry)."""
+
+TRAINER, WORKER = 0, 1
+"""Ranks in the private refit group."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with(owner_pid: int) -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``, Linux),
+    if its parent is ``owner_pid``; exit at once if the owner is already gone. vLLM starts its
+    engine process with ``spawn``, so the at-fork hooks that bind a rank's forked children
+    never run in it: without this a SIGKILLed rank leaves its engine (and the engine's open
+    copies of the rank's stdout) behind. Returns whether the binding is in place."""
+    if not Path("/proc/self").is_dir() or os.getppid() != owner_pid:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if armed and os.getppid() != owner_pid:  # the owner died before prctl
+        os._exit(1)
+    return armed
+
+
+def refit_group(store: Any, rank: int, timeout: timedelta, device: torch.device) -> Any:
+    """The private two-rank group on ``store``: gloo for CPU tensors, NCCL for CUDA ones.
+    Blocks until both ranks have joined."""
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _header(name_len: int, tensor: Tensor | None = None) -> Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0] = name_len
+    if tensor is not None:
+        if tensor.dtype not in DTYPES:
+            raise ValueError(f"refit: {tensor.dtype} is not one of the dtypes a refit carries.")
+        if tensor.dim() > HEADER_LEN - 3:
+            raise ValueError(f"refit: a {tensor.dim()}-d tensor has too many dims to send.")
+        header[1] = DTYPES.index(tensor.dtype)
+        header[2] = tensor.dim()
+        header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def send_weights(
+    group: Any, weights: Iterable[tuple[str, Tensor]], device: torch.device
+) -> tuple[int, int]:
+    """Trainer side: send every ``(name, tensor)`` of ``weights`` to the worker, then the end.
+
+    Returns:
+        ``(tensors, bytes)`` sent.
+    """
+    count, size = 0, 0
+    for name, tensor in weights:
+        raw = torch.tensor(list(name.encode()), dtype=torch.uint8)
+        data = tensor.detach().to(device).contiguous()
+        for part in (_header(raw.numel(), data).to(device), raw.to(device), data):
+            group.send([part], WORKER, 0).wait()
+        count, size = count + 1, size + data.numel() * data.element_size()
+    group.send([_header(-1).to(device)], WORKER, 0).wait()
+    return count, size
+
+
+def receive_weights(group: Any, device: torch.device) -> Iterator[tuple[str, Tensor]]:
+    """Worker side: the ``(name, tensor)`` pairs the trainer sends, as they arrive, to the end."""
+
+    def recv(tensor: Tensor) -> Tensor:
+        group.recv([tensor], TRAINER, 0).wait()
+        return tensor
+
+    while True:
+        header = recv(torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)).cpu()
+        name_len = int(header[0])
+        if name_len < 0:
+            return
+        name = bytes(recv(torch.zeros(name_len, dtype=torch.uint8, device=device)).tolist())
+        ndim = int(header[2])
+        shape = [int(s) for s in header[3 : 3 + ndim]]
+        yield name.decode(), recv(torch.empty(shape, dtype=DTYPES[int(header[1])], device=device))
+
+
+class RefitWorkerExtension:
+    """Methods vLLM adds to its worker (``LLM(worker_extension_cls=<qualified name>)``), called
+    through ``LLM.collective_rpc``: :meth:`init_refit_group` once, :meth:`refit_from_group` per
+    refit. ``self`` is vLLM's worker (it has ``reload_weights`` and ``device``)."""
+
+    _refit_pg: Any = None
+
+    def init_refit_group(self, host: str, port: int, timeout_s: float, owner_pid: int) -> bool:
+        """Join the trainer's private group (rank 1) on its store at ``host:port``; the engine
+        process dies with its owner, the trainer rank ``owner_pid`` (:func:`die_with`)."""
+        die_with(owner_pid)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timeout)
+        self._refit_pg = refit_group(store, WORKER, timeout, self._refit_device())
+        return True
+
+    def refit_from_group(self) -> int:
+        """Reload every weight in place from the trainer's stream.
+
+        Returns:
+            The number of tensors received.
+
+        Raises:
+            RuntimeError: the group was not set up; vLLM's reload failed (the rest of the
+                stream is received first, so the trainer's sends complete).
+        """
+        if self._refit_pg is None:
+            raise RuntimeError("refit_from_group: init_refit_group was not called.")
+        device = self._refit_device()
+        stream = receive_weights(self._refit_pg, device)
+        received = 0
+
+        def counted() -> Iterator[tuple[str, Tensor]]:
+            nonlocal received
+            for pair in stream:
+                received += 1
+                yield pair
+
+        try:
+            self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        except Exception as error:
+            for _ in counted():  # drain: the trainer's sends must complete
+                pass
+            raise RuntimeError(f"vLLM's reload_weights failed: {error}") from error
+        for _ in counted():  # names vLLM did not ask for (none for a whole model)
+            pass
+        return received
+
+    def _refit_device(self) -> torch.device:
+        device = getattr(self, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
+
+__all__ = ["RefitWorkerExtension", "die_with", "receive_weights", "refit_group", "send_weights"]
