@@ -1,5 +1,5 @@
 """One update step (forward + backward + optimizer) of the SAME imported Llama, same batch, same
-loss, on two CPU ranks, under three stacks:
+loss, on two CPU ranks (``--ranks``; ``--device cuda``: one GPU per rank), under these stacks:
 
 * ``trainer``   ``Trainer(strategy=MCoreRLStrategy())`` (DP=2) with an ``MCoreRLModule(loss_fn=...)``
   whose ``build_chunk`` imports the model with ``HFBridge``;
@@ -12,15 +12,29 @@ loss, on two CPU ranks, under three stacks:
 * ``trainer_recompute`` / ``hf_ddp_recompute``: ``trainer`` / ``hf_ddp`` with full activation
   recompute of every layer (megatron ``recompute_granularity="full"``, transformers
   ``activation_checkpointing_enable()``); not in the default set.
+* ``trainer_fused``: ``trainer`` with ``MCoreRLStrategy(use_fused_linear_logprobs=True)``: the
+  last stage returns its final hidden states and the logprobs come from hidden x output weight
+  in fp32 blocks (the ``[tokens, V]`` logits are never built).
+* ``trainer_fused_bf16`` / ``hf_ddp_bf16``: the same under bf16 on both sides:
+  ``Trainer(precision="bf16-mixed")`` (bf16 weights in ``Float16Module``, fp32 main weights in
+  megatron's optimizer) vs transformers' model in fp32 under ``torch.autocast(bfloat16)`` for the
+  forward and the loss (what ``transformers.Trainer(bf16=True)`` runs: bf16 matmuls, fp32
+  weights, gradients and Adam state, ``log_softmax``/``cross_entropy`` autocast to fp32).
 
 Losses: ``NLLLossFn`` and ``ClippedPGLossFn`` (no reference KL; HF side written out by hand).
-Each (stack, loss) pair runs in two fresh processes started by ``torchrun --standalone
---nproc-per-node=2`` (one intra-op thread each), so ``ru_maxrss`` is that run's own peak.
+Each (stack, loss) pair runs in ``--ranks`` fresh processes started by ``torchrun --standalone
+--nproc-per-node=<ranks>`` (one intra-op thread each), so ``ru_maxrss`` is that run's own peak.
 
 Usage::
 
     .venv/bin/python benchmarks/peer_update_step.py                      # all stacks, both losses
-    .venv/bin/python benchmarks/peer_update_step.py --tokens-per-rank 2048 --steps 2
+    .venv/bin/python benchmarks/peer_update_step.py --stacks hf_ddp trainer_fused \
+        hf_ddp_bf16 trainer_fused_bf16                                     # issue 26's rows
+    python3 benchmarks/peer_update_step.py --device cuda --ranks 1 --stacks ...  # one GPU
+
+On CUDA (``--device cuda``) each rank runs on GPU ``LOCAL_RANK`` under NCCL and the memory
+columns are ``torch.cuda.max_memory_allocated`` (peak) and ``memory_allocated`` at setup
+instead of the process RSS; ``bare`` is CPU only.
 
 Prints a markdown table (median step time of the timed steps, slowest rank; tokens/s over the
 global batch; peak RSS per rank, the larger of the two; step-0 loss) and the ratios to the HF
@@ -44,7 +58,17 @@ from typing import Any
 
 import torch
 
-STACKS = ("trainer", "trainer_chunked", "hf_ddp", "bare", "trainer_recompute", "hf_ddp_recompute")
+STACKS = (
+    "trainer",
+    "trainer_chunked",
+    "hf_ddp",
+    "bare",
+    "trainer_recompute",
+    "hf_ddp_recompute",
+    "trainer_fused",
+    "trainer_fused_bf16",
+    "hf_ddp_bf16",
+)
 # full activation recompute of every layer on both sides (megatron ``recompute_granularity="full"``,
 # transformers ``activation_checkpointing_enable()``): only with --stacks ... *_recompute
 MEGATRON_RECOMPUTE = {
@@ -91,7 +115,7 @@ def global_batch(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     rank ``r``), token mask 0 on each row's prompt, per-sample advantages, and old/generation
     logprobs near a uniform policy's."""
     g = torch.Generator().manual_seed(1234)
-    rows, s, v = 2 * args.rows_per_rank, args.seq, args.vocab
+    rows, s, v = args.ranks * args.rows_per_rank, args.seq, args.vocab
     token_mask = torch.ones(rows, s)
     token_mask[:, : s // PROMPT_FRACTION] = 0.0
     near = -math.log(v)
@@ -125,6 +149,18 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _setup_mib(device: str) -> float:
+    """What the built model + optimizer hold: peak RSS so far (CPU), allocated memory (CUDA)."""
+    if device == "cuda":
+        return torch.cuda.memory_allocated() / 2**20
+    return _peak_rss_mib()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 class Profile:
     """With ``--profile DIR``: torch.profiler (CPU, memory) around the LAST step on rank 0;
     ``DIR/<stack>_<loss>.txt`` gets the ops with the largest self memory and self CPU time."""
@@ -156,7 +192,7 @@ class Profile:
         self.prof = None
 
 
-def _timed_step(fn: Any, profile: Profile | None = None, step: int = 0) -> float:
+def _timed_step(fn: Any, device: str, profile: Profile | None = None, step: int = 0) -> float:
     """Wall time of ``fn()`` on the slowest rank (barrier before, MAX all-reduce after)."""
     import torch.distributed as dist
 
@@ -165,23 +201,30 @@ def _timed_step(fn: Any, profile: Profile | None = None, step: int = 0) -> float
         profile.start(step)
     start = time.perf_counter()
     fn()
+    _sync(device)
     if profile is not None:
         profile.stop()
     elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    if device == "cuda":
+        elapsed = elapsed.cuda()  # NCCL reduces CUDA tensors only
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
 
 def run_hf_ddp(
-    args: argparse.Namespace, loss: str, rank: int, recompute: bool = False
+    args: argparse.Namespace, loss: str, rank: int, recompute: bool = False, bf16: bool = False
 ) -> dict[str, Any]:
-    """transformers + torch DDP, the losses written as TRL / HF Trainer compute them."""
+    """transformers + torch DDP, the losses written as TRL / HF Trainer compute them; ``bf16``:
+    the forward and the loss under ``torch.autocast(bfloat16)``, as ``Trainer(bf16=True)``."""
+    import contextlib
+
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     from transformers import LlamaForCausalLM
 
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
     model = LlamaForCausalLM.from_pretrained(
         args.hf_dir, dtype=torch.float32, attn_implementation="sdpa"
@@ -189,9 +232,19 @@ def run_hf_ddp(
     model.train()
     if recompute:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    ddp = DistributedDataParallel(model)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    model.to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.0)
-    batch = rank_batch(args, rank)
+    batch = {k: v.to(device) for k, v in rank_batch(args, rank).items()}
+
+    def autocast() -> Any:
+        if not bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
     ids = batch["input_ids"]
     mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
     n_global = mask.sum()
@@ -201,20 +254,21 @@ def run_hf_ddp(
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        logits = ddp(input_ids=ids).logits[:, :-1]  # [B, S-1, V] fp32
-        if loss == "nll":
-            local = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                labels.reshape(-1),
-                reduction="sum",
-            )
-        else:
-            curr = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-            ratio = torch.exp(curr - batch["prev_logprobs"][:, 1:])
-            adv = batch["advantages"][:, 1:]
-            clipped = ratio.clamp(1 - PG_CFG["ratio_clip_min"], 1 + PG_CFG["ratio_clip_max"])
-            per_token = torch.maximum(-adv * ratio, -adv * clipped)
-            local = (per_token * mask).sum()
+        with autocast():
+            logits = ddp(input_ids=ids).logits[:, :-1]  # [B, S-1, V] fp32 (bf16 autocast)
+            if loss == "nll":  # cross_entropy / log_softmax autocast to fp32
+                local = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    labels.reshape(-1),
+                    reduction="sum",
+                )
+            else:
+                curr = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+                ratio = torch.exp(curr - batch["prev_logprobs"][:, 1:])
+                adv = batch["advantages"][:, 1:]
+                clipped = ratio.clamp(1 - PG_CFG["ratio_clip_min"], 1 + PG_CFG["ratio_clip_max"])
+                per_token = torch.maximum(-adv * ratio, -adv * clipped)
+                local = (per_token * mask).sum()
         # DDP averages gradients over ranks: x world turns that into the global token mean's
         (local / n_global * world).backward()
         optimizer.step()
@@ -222,9 +276,9 @@ def run_hf_ddp(
         dist.all_reduce(value)
         losses.append(float(value / n_global))
 
-    setup_rss = _peak_rss_mib()
+    setup_rss = _setup_mib(args.device)
     profile = Profile(args)
-    times = [_timed_step(step, profile, i) for i in range(args.warmup + args.steps)]
+    times = [_timed_step(step, args.device, profile, i) for i in range(args.warmup + args.steps)]
     return {"step_times": times, "losses": losses, "setup_rss_mib": setup_rss}
 
 
@@ -270,7 +324,7 @@ def _bridge_module(
             self.profile = Profile(args)
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            self.setup_rss = _peak_rss_mib()  # model, DDP buffers and optimizer built
+            self.setup_rss = _setup_mib(args.device)  # model, DDP buffers and optimizer built
 
         def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
             import torch.distributed as dist
@@ -282,8 +336,10 @@ def _bridge_module(
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *_: Any) -> None:
             import torch.distributed as dist
 
+            _sync(args.device)
             elapsed = torch.tensor(time.perf_counter() - self.start, dtype=torch.float64)
             self.profile.stop()
+            elapsed = elapsed.to(module.device)  # NCCL reduces CUDA tensors only
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             self.times.append(float(elapsed))
             self.losses.append(float(outputs["loss"]))
@@ -292,9 +348,16 @@ def _bridge_module(
 
 
 def run_trainer(
-    args: argparse.Namespace, loss: str, rank: int, chunk_size: int | None, recompute: bool = False
+    args: argparse.Namespace,
+    loss: str,
+    rank: int,
+    chunk_size: int | None,
+    recompute: bool = False,
+    fused: bool = False,
+    bf16: bool = False,
 ) -> dict[str, Any]:
-    """``Trainer(strategy=MCoreRLStrategy())``, DP=2, one microbatch per rank."""
+    """``Trainer(strategy=MCoreRLStrategy())``, DP = ``--ranks``, one microbatch per rank;
+    ``fused``: ``use_fused_linear_logprobs=True``; ``bf16``: ``precision="bf16-mixed"``."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
@@ -305,9 +368,12 @@ def run_trainer(
     steps = args.warmup + args.steps
     module, timer = _bridge_module(args, loss, chunk_size, recompute)
     trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MCoreRLStrategy(micro_batch_size=args.rows_per_rank),
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=args.ranks,
+        precision="bf16-mixed" if bf16 else "32-true",
+        strategy=MCoreRLStrategy(
+            micro_batch_size=args.rows_per_rank, use_fused_linear_logprobs=fused
+        ),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -325,7 +391,7 @@ def run_trainer(
 
 
 def run_bare(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]:
-    """megatron DDP + megatron Adam + :func:`lightning_mcore_rl.train.run_global_batch`."""
+    """megatron DDP + megatron Adam + :func:`lightning_mcore_rl.train.run_global_batch` (CPU)."""
     import torch.distributed as dist
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -383,7 +449,7 @@ def run_bare(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]:
 
         setup_rss = _peak_rss_mib()
         profile = Profile(args)
-        times = [_timed_step(step, profile, i) for i in range(args.warmup + args.steps)]
+        times = [_timed_step(step, "cpu", profile, i) for i in range(args.warmup + args.steps)]
     return {"step_times": times, "losses": losses, "setup_rss_mib": setup_rss}
 
 
@@ -393,19 +459,28 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     base_rss = psutil.Process().memory_info().rss
-    if args.worker in ("hf_ddp", "hf_ddp_recompute"):
-        result = run_hf_ddp(args, args.loss, rank, recompute=args.worker == "hf_ddp_recompute")
-    elif args.worker == "bare":
+    stack = args.worker
+    if stack.startswith("hf_ddp"):
+        result = run_hf_ddp(
+            args, args.loss, rank, recompute=stack.endswith("_recompute"),
+            bf16=stack.endswith("_bf16"),
+        )  # fmt: skip
+    elif stack == "bare":
+        if args.device != "cpu":
+            raise ValueError("the `bare` stack runs on CPU only (megatron's CPU emulation)")
         result = run_bare(args, args.loss, rank)
     else:
-        chunk = args.chunk_size if args.worker == "trainer_chunked" else None
-        recompute = args.worker == "trainer_recompute"
-        result = run_trainer(args, args.loss, rank, chunk, recompute)
+        chunk = args.chunk_size if stack == "trainer_chunked" else None
+        result = run_trainer(
+            args, args.loss, rank, chunk, recompute=stack == "trainer_recompute",
+            fused=stack.startswith("trainer_fused"), bf16=stack.endswith("_bf16"),
+        )  # fmt: skip
+    cuda = args.device == "cuda"
     record = {
         **result,
         "rank": rank,
-        "peak_rss_mib": _peak_rss_mib(),
-        "start_rss_mib": base_rss / 2**20,
+        "peak_rss_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mib(),
+        "start_rss_mib": 0.0 if cuda else base_rss / 2**20,
     }
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(record))
 
@@ -416,15 +491,15 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, stack: str, loss: str, out: Path) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        __file__, f"--worker={stack}", f"--loss={loss}", f"--out={out}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={args.ranks}", __file__, f"--worker={stack}", f"--loss={loss}", f"--out={out}",
         f"--hf-dir={args.hf_dir}", f"--profile={args.profile or ''}", *forwarded(args),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{stack}/{loss} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.ranks)]
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
@@ -438,7 +513,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         "heads",
         "kv_heads",
     )
-    keys += ("steps", "warmup", "chunk_size")  # type: ignore[assignment]
+    keys += ("steps", "warmup", "chunk_size", "device", "ranks")  # type: ignore[assignment]
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
 
 
@@ -469,7 +544,7 @@ def step_mib(r: dict[str, Any]) -> float:
 
 
 def driver(args: argparse.Namespace) -> None:
-    tokens = 2 * args.rows_per_rank * args.seq
+    tokens = args.ranks * args.rows_per_rank * args.seq
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peer_bench_") as tmp:
         args.hf_dir = str(Path(tmp) / "llama")
@@ -487,10 +562,12 @@ def driver(args: argparse.Namespace) -> None:
                     flush=True,
                 )
     print()
+    memory = "peak CUDA memory" if args.device == "cuda" else "peak RSS"
     print(
         f"Llama {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, heads "
         f"{args.heads}/{args.kv_heads}, vocab {args.vocab}; {args.rows_per_rank} x {args.seq} "
-        f"tokens per rank, 2 ranks; median of {args.steps} timed steps after {args.warmup} warm-up"
+        f"tokens per rank, {args.ranks} ranks on {args.device}; median of {args.steps} timed "
+        f"steps after {args.warmup} warm-up; memory = {memory} per rank"
     )
     print()
     print(
@@ -501,7 +578,9 @@ def driver(args: argparse.Namespace) -> None:
     for loss in args.losses:
         rows = [r for r in results if r["loss"] == loss]
         for r in rows:
-            peer = "hf_ddp_recompute" if r["stack"].endswith("_recompute") else "hf_ddp"
+            peer = "hf_ddp" + next(
+                (tail for tail in ("_recompute", "_bf16") if r["stack"].endswith(tail)), ""
+            )
             ref = next((p for p in rows if p["stack"] == peer), rows[0])
             print(
                 f"| {loss} | {r['stack']} | {r['step_s']:.2f} ({r['min_step_s']:.2f}) | "
@@ -531,6 +610,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--chunk-size", type=int, default=128, help="logprob_chunk_size")
     parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (DP size)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--profile", help="torch.profiler tables of rank 0's last step, here")
     parser.add_argument("--worker", choices=STACKS, help=argparse.SUPPRESS)
