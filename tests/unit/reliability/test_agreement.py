@@ -31,7 +31,8 @@ from lightning_mcore_rl.train.validation import (
 
 
 def _table(*rows: tuple[int, int, int, int, int]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64)  # [world, 5]
+    """``[world, 7]``: each row's signal and step-time columns 0 (no training step's first pass)."""
+    return torch.tensor([(*row, 0, 0) for row in rows], dtype=torch.int64)
 
 
 def test_the_agreement_table_gives_the_max_verdict_or_names_what_differs():
