@@ -26,6 +26,7 @@ from lightning_mcore_rl.train import (
     Microbatching,
     PolicyConfig,
     StepContext,
+    TeacherFullPayloadPostProcessor,
     TopkLogitsPostProcessor,
     run_forward_only,
     run_global_batch,
@@ -106,12 +107,12 @@ def _run(model: Any, case: str, defer: bool | None, dtypes: list[torch.dtype]) -
     )  # fmt: skip
     batch = make_batch()
     dtypes.clear()
-    if case.startswith(("logprobs", "topk")):
-        post: Any = (
-            TopkLogitsPostProcessor(policy, K)
-            if case == "topk"
-            else LogprobsPostProcessor(policy, sampling_params=sampling)
-        )
+    if case.startswith(("logprobs", "topk", "payload")):
+        post: Any = LogprobsPostProcessor(policy, sampling_params=sampling)
+        if case == "topk":
+            post = TopkLogitsPostProcessor(policy, K)
+        elif case == "payload":  # the TP-gathered logits, returned in fp32
+            post = TeacherFullPayloadPostProcessor(policy, "logits", torch.float32)
         outputs = run_forward_only([model], batch, context, post)
         return {"outputs": outputs, "logits_dtype": list(dtypes)}
     model.zero_grad_buffer()

@@ -2,9 +2,10 @@
 the same batch and weights with fp32 logits and deferred (``_deferred_logits_ranks.py``).
 
 * ``defer_fp32_logits=None`` defers exactly where the result is the fp32-logit path's: there
-  the losses, every parameter gradient (``main_grad``), the logprobs and the top-k are bitwise
-  equal, at TP=1 and TP=2 (vocab-parallel kernels), padded and packed; where it is not exact
-  (entropy bonus, distillation's ``H_all``, temperature != 1) it keeps fp32 logits.
+  the losses, every parameter gradient (``main_grad``), the logprobs, the top-k and the
+  teacher's logits payload are bitwise equal, at TP=1 and TP=2 (vocab-parallel kernels),
+  padded and packed; where it is not exact (entropy bonus, distillation's ``H_all``,
+  temperature != 1) it keeps fp32 logits.
 * ``defer_fp32_logits=True`` there: the losses stay bitwise equal (the forward upcasts the same
   bf16 values), the gradients within the stated bf16 tolerance: two logits consumers round
   their gradients to bf16 before summing (measured <= 9.0e-3 of each parameter's gradient
@@ -29,6 +30,7 @@ EXACT_CASES: list[tuple[str, bool | None]] = [
     ("distillation", None),  # top-k logprobs only (no H_all): one kernel
     ("logprobs", None),
     ("topk", None),
+    ("payload", None),  # teacher_full_payload of the logits
     ("pg_entropy", None),  # not exact: stays fp32
     ("pg_temperature", None),
 ]
@@ -52,7 +54,7 @@ def test_auto_deferral_is_bitwise_at_tp1() -> None:
 
 
 def test_auto_deferral_is_bitwise_at_tp2() -> None:
-    reports = run_on_ranks(compare_rank, 2, 2, True, EXACT_CASES[:5], timeout=240)
+    reports = run_on_ranks(compare_rank, 2, 2, True, EXACT_CASES[:6], timeout=240)
     for report in reports:
         _check_exact(report)
 
