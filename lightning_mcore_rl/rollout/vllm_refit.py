@@ -20,9 +20,10 @@ no vLLM.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -42,22 +43,44 @@ TRAINER, WORKER = 0, 1
 """Ranks in the private refit group."""
 
 
-_PR_SET_PDEATHSIG = 1
+def _process_state(stat: Path) -> tuple[str, int] | None:
+    """``(state, start time)`` from ``/proc/<pid>/stat``; ``None`` once the process is gone."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
 
 
-def die_with(owner_pid: int) -> bool:
-    """Have the kernel SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``, Linux),
-    if its parent is ``owner_pid``; exit at once if the owner is already gone. vLLM starts its
-    engine process with ``spawn``, so the at-fork hooks that bind a rank's forked children
-    never run in it: without this a SIGKILLed rank leaves its engine (and the engine's open
-    copies of the rank's stdout) behind. Returns whether the binding is in place."""
-    if not Path("/proc/self").is_dir() or os.getppid() != owner_pid:
+def watch_owner(owner_pid: int, interval_s: float = 1.0) -> bool:
+    """End the engine when its owner, the trainer rank ``owner_pid``, is gone (killed, crashed,
+    or exited without shutting the engine down: a ``multiprocessing`` child runs no ``atexit``).
+
+    Called in vLLM's worker. vLLM starts its engine process with ``spawn`` (so no at-fork hook
+    of the rank binds it) and, depending on its executor, runs the worker inside the engine
+    process (its parent is the owner) or in a process of its own under it (its parent is the
+    engine). A daemon thread checks the owner once per ``interval_s`` (``/proc``, its start time
+    guarding against a reused pid; a zombie counts as gone) and SIGKILLs the engine process and
+    this one when it is gone: otherwise the engine, holding the rank's stdout and its memory,
+    outlives the run. Linux only; returns whether the watch runs.
+    """
+    stat = Path(f"/proc/{owner_pid}/stat")
+    first = _process_state(stat)
+    if first is None:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    if armed and os.getppid() != owner_pid:  # the owner died before prctl
-        os._exit(1)
-    return armed
+    engine = os.getpid() if os.getppid() == owner_pid else os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            now = _process_state(stat)
+            if now is None or now[0] == "Z" or now[1] != first[1]:
+                if engine != os.getpid():
+                    os.kill(engine, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="lmrl-vllm-owner-watch", daemon=True).start()
+    return True
 
 
 def refit_group(store: Any, rank: int, timeout: timedelta, device: torch.device) -> Any:
@@ -128,8 +151,8 @@ class RefitWorkerExtension:
 
     def init_refit_group(self, host: str, port: int, timeout_s: float, owner_pid: int) -> bool:
         """Join the trainer's private group (rank 1) on its store at ``host:port``; the engine
-        process dies with its owner, the trainer rank ``owner_pid`` (:func:`die_with`)."""
-        die_with(owner_pid)
+        process ends with its owner, the trainer rank ``owner_pid`` (:func:`watch_owner`)."""
+        watch_owner(owner_pid)
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timeout)
         self._refit_pg = refit_group(store, WORKER, timeout, self._refit_device())
@@ -172,4 +195,4 @@ class RefitWorkerExtension:
         return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
-__all__ = ["RefitWorkerExtension", "die_with", "receive_weights", "refit_group", "send_weights"]
+__all__ = ["RefitWorkerExtension", "receive_weights", "refit_group", "send_weights", "watch_owner"]

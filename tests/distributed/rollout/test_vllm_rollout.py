@@ -11,9 +11,14 @@ tiny Llama has 2 heads of 32 (2 KV heads: TP=2 splits them).
 
 from __future__ import annotations
 
+import ast
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -41,6 +46,31 @@ def _llama(directory: Path) -> None:
 
     config = t.LlamaConfig(**{**_COMMON, "num_attention_heads": 2, "num_key_value_heads": 2})
     build_hf_model(config, directory, seed=1)
+
+
+def test_the_engine_ends_with_its_owner(tmp_path):
+    """An owner that exits without shutting the engine down (``os._exit``, as a SIGKILLed rank
+    or a ``multiprocessing`` child, which runs no ``atexit``): its engine process and the
+    engine's worker are gone within a few seconds (the worker's owner watch polls once per
+    second)."""
+    _llama(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    script = Path(__file__).with_name("_vllm_owner_script.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), port],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("descendants "))
+    pids = ast.literal_eval(line.removeprefix("descendants "))
+    assert len(pids) >= 2  # the engine and its worker (and vLLM's resource tracker)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert alive == []
 
 
 def test_vllm_source_matches_transformers_after_each_refit(tmp_path):
