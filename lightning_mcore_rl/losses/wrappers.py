@@ -115,6 +115,18 @@ class _PackedWrapperBase:
         return 1 if group is None else int(group.size())
 
 
+def _sequence_spans(logits: Tensor, cu_qp: Sequence[int], cp: int) -> tuple[Tensor, ...]:
+    """Views ``[1, (cu_qp[i+1] - cu_qp[i])/CP, V_l]`` of each sequence's padded span of the
+    packed ``logits [1, T/CP, V_l]``, from ONE ``split`` (the rest of the row after the last
+    span is a last piece). Its backward concatenates the spans' gradients into one logits-sized
+    buffer; a ``narrow`` per sequence would instead allocate a zero-filled logits-sized gradient
+    for each sequence and add it into the accumulated one (a third logits-sized buffer at the
+    peak). The values are the same: each position gets exactly one sequence's gradient."""
+    bounds = [q // cp for q in cu_qp]
+    sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    return logits.split([bounds[0], *sizes, logits.shape[1] - bounds[-1]], dim=1)[1:-1]
+
+
 class SequencePackingLossWrapper(_PackedWrapperBase):
     """Calls the loss once per packed sequence and sums the results.
 
@@ -168,13 +180,14 @@ class SequencePackingLossWrapper(_PackedWrapperBase):
         width = BatchedDataDict(data).sequence_width()
         loss_accum: Tensor | None = None
         metrics: dict[str, Any] = {}
+        spans = _sequence_spans(next_token_logits, cu_qp, cp)
         for i in range(len(cu_q) - 1):
             length = min(cu_q[i + 1] - cu_q[i], width)
             padded = cu_qp[i + 1] - cu_qp[i]
             if length == 0 or padded == 0:
                 continue
             seq_data = BatchedDataDict(data).slice(i, i + 1).truncate_width(length)
-            seq_logits = next_token_logits.narrow(1, cu_qp[i] // cp, padded // cp)
+            seq_logits = spans[i]
             loss_input, seq_data = self.prepare_fn(
                 seq_logits, seq_data, self.loss_fn, self.vocab_parallel_rank,
                 self.vocab_parallel_group, self.context_parallel_group,
