@@ -22,12 +22,15 @@ def test_sampling_config_checks_its_fields():
 
 def test_recipe_backend_choice():
     tiny = RecipeModel(TinyGPTSpec(), vocab_size=16, max_sequence_length=16)
-    with pytest.raises(ValueError, match=r"`backend` must be one of \['hf', 'megatron'\], a Rol"):
-        recipe_rollout("vllm", tiny)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="needs an HFModelSpec model, got TinyGPTSpec"):
-        recipe_rollout("hf", tiny)
-    with pytest.raises(ValueError, match="needs an HFModelSpec model, got TinyGPTSpec"):
-        GRPOModule(rollout=RolloutSpec(backend="hf"))
+    with pytest.raises(
+        ValueError, match=r"`backend` must be one of \['hf', 'megatron', 'vllm'\], a Rol"
+    ):
+        recipe_rollout("sglang", tiny)  # type: ignore[arg-type]
+    for backend in ("hf", "vllm"):  # both load and refit their own copy from the HF checkpoint
+        with pytest.raises(ValueError, match="needs an HFModelSpec model, got TinyGPTSpec"):
+            recipe_rollout(backend, tiny)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="needs an HFModelSpec model, got TinyGPTSpec"):
+            GRPOModule(rollout=RolloutSpec(backend=backend))  # type: ignore[arg-type]
     hf = RecipeModel(HFModelSpec(path="unread"), vocab_size=16, max_sequence_length=16)
     assert recipe_rollout("hf", hf).source is None  # built on first use, nothing read yet
 
