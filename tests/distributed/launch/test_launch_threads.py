@@ -101,7 +101,7 @@ def test_kill_and_resume_is_bitwise_with_different_thread_counts_per_rank(tmp_pa
 
 @pytest.mark.skipif(
     not os.environ.get("LMRL_SLOW"),
-    reason="10 kill-and-resume launches, ~15-25 min on 2 cores: LMRL_SLOW=1 .venv/bin/pytest "
+    reason="10 kill-and-resume launches, ~3 min on 2 idle cores: LMRL_SLOW=1 .venv/bin/pytest "
     "tests/distributed/launch/test_launch_threads.py -k ten",
 )
 @pytest.mark.timeout(3600)
