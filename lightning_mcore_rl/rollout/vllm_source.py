@@ -167,7 +167,7 @@ class VLLMRolloutSource:
 
     def close(self) -> None:
         """Shut the engine's process down (also at exit; a SIGKILLed owner's engine is killed
-        by the kernel). Idempotent."""
+        by its worker's owner watch, :func:`~.vllm_refit.watch_owner`). Idempotent."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm, self._pg = None, None
