@@ -21,6 +21,7 @@ from lightning_mcore_rl.rollout.source import (
     Rollout,
     SamplingConfig,
     check_prompts,
+    rollout_buffers,
     stop_completions,
 )
 
@@ -111,13 +112,10 @@ class HFRolloutSource:
         first stop token (:func:`~lightning_mcore_rl.rollout.source.stop_completions`) and
         sampling ends when every row has stopped."""
         lengths = check_prompts(prompts, prompt_lengths)
-        batch, prompt_width = prompts.shape
-        width = prompt_width + sampling.max_new_tokens
-        tokens = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(batch, width, dtype=torch.float32)
+        prompt_width = prompts.shape[1]
+        tokens, logprobs = rollout_buffers(prompts, sampling)
         routed: Tensor | None = None
         if self.model is not None:
-            tokens[:, :prompt_width] = prompts
             self._sample(tokens, logprobs, lengths, sampling)
             routed = self._routing(tokens, lengths, prompt_width)
         dist.broadcast(tokens, src=self.src, group=self.group)

@@ -137,6 +137,17 @@ def check_prompts(prompts: Tensor, prompt_lengths: Tensor | None = None) -> Tens
     return prompt_lengths.long()
 
 
+def rollout_buffers(prompts: Tensor, sampling: SamplingConfig) -> tuple[Tensor, Tensor]:
+    """The buffers a generating rank fills from column ``P`` on and then broadcasts: ``tokens
+    [B, P+N]`` (int64: the prompts, then ``pad_token_id``) and ``logprobs [B, P+N]`` (fp32
+    zeros). Every rank of the group makes them, so the broadcast has its shapes everywhere."""
+    batch, prompt_width = prompts.shape
+    width = prompt_width + sampling.max_new_tokens
+    tokens = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
+    tokens[:, :prompt_width] = prompts
+    return tokens, torch.zeros(batch, width, dtype=torch.float32)
+
+
 def stop_completions(
     tokens: Tensor, logprobs: Tensor, prompt_width: int, sampling: SamplingConfig
 ) -> tuple[Tensor, Tensor, Tensor]:

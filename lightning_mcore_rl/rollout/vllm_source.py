@@ -28,6 +28,7 @@ from lightning_mcore_rl.rollout.source import (
     Rollout,
     SamplingConfig,
     check_prompts,
+    rollout_buffers,
     stop_completions,
 )
 from lightning_mcore_rl.rollout.vllm_refit import TRAINER, refit_group, send_weights
@@ -224,12 +225,9 @@ class VLLMRolloutSource:
         is drawn from ``softmax(logits_t / T)`` and its logprob is vLLM's processed logprob (the
         same distribution); completions end at their first stop token."""
         lengths = check_prompts(prompts, prompt_lengths)
-        batch, prompt_width = prompts.shape
-        width = prompt_width + sampling.max_new_tokens
-        tokens = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(batch, width, dtype=torch.float32)
+        prompt_width = prompts.shape[1]
+        tokens, logprobs = rollout_buffers(prompts, sampling)
         if self.llm is not None:
-            tokens[:, :prompt_width] = prompts
             self._sample(tokens, logprobs, lengths, sampling)
         dist.broadcast(tokens, src=self.src, group=self.group)
         dist.broadcast(logprobs, src=self.src, group=self.group)
