@@ -110,6 +110,10 @@ def tiny_gpt(
         share_embeddings_and_output_weights: tie the output layer to the word embedding.
         position_embedding_type: ``"learned_absolute"`` or ``"rope"``.
 
+    With ``config.mtp_num_layers`` set the chunk is a
+    :class:`~lightning_mcore_rl.models.mtp.MTPGPTModel` with megatron's multi-token-prediction
+    layers on the last stage (their weights deterministic like the rest).
+
     Returns:
         The ``GPTModel`` chunk (fp32 params, or bf16 if ``config.bf16``; not wrapped).
 
@@ -130,7 +134,14 @@ def tiny_gpt(
         transformer_layer_spec = get_packed_local_layer_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=False
         )
-    model = GPTModel(
+    model_class: type[GPTModel] = GPTModel
+    extra: dict[str, Any] = {}
+    if config.mtp_num_layers:  # megatron's MTP layers (last stage), trained without labels
+        from lightning_mcore_rl.models.mtp import MTPGPTModel, build_mtp_block_spec
+
+        model_class = MTPGPTModel
+        extra["mtp_block_spec"] = build_mtp_block_spec(config, transformer_layer_spec, vp_stage)
+    model = model_class(
         config=config,
         transformer_layer_spec=transformer_layer_spec,
         vocab_size=vocab_size,
@@ -140,6 +151,7 @@ def tiny_gpt(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
         vp_stage=vp_stage,
+        **extra,
     )
     load_deterministic_weights(model, seed, groups)
     return model

@@ -39,12 +39,34 @@ class TinyGPTSpec:
         hidden_size: ``H``.
         num_attention_heads: heads (divisible by TP).
         seed: weight seed (weights are identical under any TP layout).
+        mtp_num_layers: megatron's multi-token-prediction layers on the last stage (0: none);
+            they train next to the recipe's loss and log ``mtp_loss``
+            (:mod:`lightning_mcore_rl.train.mtp`).
+        mtp_loss_scaling_factor: weight of the MTP term in the gradient (megatron's
+            ``mtp_loss_scaling_factor``, divided over the depths).
     """
 
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
     seed: int = 0
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int):
+            raise TypeError(
+                f"TinyGPTSpec.mtp_num_layers must be an int >= 0, got {self.mtp_num_layers!r}."
+            )
+        if self.mtp_num_layers < 0:
+            raise ValueError(
+                f"TinyGPTSpec.mtp_num_layers must be >= 0 (0: no MTP), got {self.mtp_num_layers}."
+            )
+        if self.mtp_num_layers and self.mtp_loss_scaling_factor < 0:
+            raise ValueError(
+                "TinyGPTSpec.mtp_loss_scaling_factor must be >= 0, got "
+                f"{self.mtp_loss_scaling_factor}."
+            )
 
 
 @dataclass
@@ -129,6 +151,8 @@ class RecipeModel:
             ffn_hidden_size=4 * spec.hidden_size,
             hidden_dropout=0.0,
             attention_dropout=0.0,
+            mtp_num_layers=spec.mtp_num_layers or None,
+            mtp_loss_scaling_factor=spec.mtp_loss_scaling_factor,
             **local_spec_settings(),
         )
         return tiny_gpt(

@@ -30,6 +30,7 @@ from lightning_mcore_rl.train.fused import (
 )
 from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+from lightning_mcore_rl.train.mtp import mtp_loss_weights, with_mtp_metrics
 from lightning_mcore_rl.train.post_processors import (
     KNOWN_POST_PROCESSORS,
     LogprobsPostProcessor,
@@ -174,7 +175,8 @@ def model_forward(
         packed_seq_params: Megatron ``PackedSeqParams`` (passed only when not ``None``).
         defer_fp32_logits: Keep the logits in the model dtype (else cast to fp32; a
             ``Float16Module`` gets ``fp32_output=False``, as with fused linear logprobs).
-        mtp_loss_mask: Passed as ``loss_mask`` (multi-token prediction).
+        mtp_loss_mask: Passed as ``loss_mask`` (multi-token prediction: the forward step passes
+            its weights ``token_mask * sample_mask / N_t``, :mod:`.mtp`).
         padding_mask: MoE-routing padding mask (see :func:`_prepare_padding_mask_for_model`).
         straggler_timer: Called once; the forward runs inside the returned context.
         use_fused_linear_logprobs: On the last stage, return the final hidden states (after the
@@ -360,7 +362,8 @@ def forward_with_post_processing_fn(
     with _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured:
         output = model_forward(
             model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
-            mb.packed_seq_params, defer_fp32_logits, mtp_loss_mask=mb.mtp_loss_mask,
+            mb.packed_seq_params, defer_fp32_logits,
+            mtp_loss_mask=mtp_loss_weights(mb.mtp_loss_mask, global_valid_toks),
             padding_mask=mb.padding_mask, straggler_timer=straggler_timer,
             use_fused_linear_logprobs=use_fused_linear_logprobs,
             model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
@@ -380,6 +383,8 @@ def forward_with_post_processing_fn(
             mb.data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks,
             lm_head=head, groups=groups, num_microbatches=num_microbatches,
         )  # fmt: skip
+        if mb.mtp_loss_mask is not None and _is_last_stage(model):
+            fn = with_mtp_metrics(fn, model, groups)
     elif isinstance(post_processing_fn, LogprobsPostProcessor):
         fn = post_processing_fn(
             mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length,

@@ -49,7 +49,9 @@ class ProcessedMicrobatch:
         packed_seq_params: Megatron ``PackedSeqParams`` (``None`` when padded).
         cu_seqlens_padded: ``[B+1]`` span boundaries (``None`` when padded).
         original_seq_length: ``S`` before dense padding.
-        mtp_loss_mask: MTP loss mask (``None``: no MTP).
+        mtp_loss_mask: Multi-token-prediction mask ``token_mask * sample_mask`` in the model ids'
+            layout (``[B, S_pad]`` or ``[1, T/CP]``; 0 on prompt and padding tokens), built for
+            models with MTP layers only (``None``: no MTP).
         padding_mask: MoE-routing padding mask in the model's input layout, True at padding:
             ``[B, S_pad]`` (positions ``>= input_lengths`` and the width padding) or ``[1, T/CP]``
             (span and bin padding of the packed row); dense models do not get it.
@@ -90,6 +92,7 @@ def process_microbatch(
     cp_rank: int = 0,
     cp_size: int = 1,
     routing: bool = False,
+    mtp: bool = False,
 ) -> ProcessedMicrobatch:
     """Build the model inputs of one microbatch.
 
@@ -109,6 +112,7 @@ def process_microbatch(
         cp_size: ``CP``; the padded layout supports CP = 1 only.
         routing: The model has MoE routers: also build their ``padding_mask`` and the
             ``routed_experts`` in their token order (dense models skip both).
+        mtp: The model has multi-token-prediction layers: also build its ``mtp_loss_mask``.
 
     Returns:
         The :class:`ProcessedMicrobatch`.
@@ -129,7 +133,12 @@ def process_microbatch(
             input_ids, lengths, pad_individual, pad_packed_multiple, pad_packed_to, cp_rank,
             cp_size,
         )  # fmt: skip
-        token_index = None
+        token_index = mtp_loss_mask = None
+        if mtp:  # [1, T/CP], packed like the ids
+            mtp_loss_mask = pack_sequences(
+                _response_mask(data_dict), lengths, pad_individual, pad_packed_multiple,
+                pad_packed_to, cp_rank, cp_size,
+            ).packed_local  # fmt: skip
         if routing:
             located = pack_sequences(
                 packable_token_ids(batch, width, input_ids.device), lengths, pad_individual,
@@ -147,6 +156,7 @@ def process_microbatch(
             original_seq_length=width,
             padding_mask=None if token_index is None else (token_index < 0)[None, :],  # [1, T/CP]
             routed_experts_cp_sharded=_routed_experts(data_dict, token_index),
+            mtp_loss_mask=mtp_loss_mask,
         )
     if cp_size > 1:
         raise ValueError("Context Parallelism (CP>1) requires sequence packing to be enabled.")
@@ -182,7 +192,17 @@ def process_microbatch(
         original_seq_length=width,
         padding_mask=padding_mask,
         routed_experts_cp_sharded=_routed_experts(data_dict, token_index),
+        mtp_loss_mask=None
+        if not mtp
+        else torch.nn.functional.pad(_response_mask(data_dict), (0, padded_width - width)),
     )
+
+
+def _response_mask(data_dict: BatchedDataDict) -> Tensor:
+    """``token_mask * sample_mask`` ``[B, S]`` (fp32): the tokens a loss scores."""
+    token_mask = torch.as_tensor(data_dict["token_mask"]).float()
+    sample_mask = torch.as_tensor(data_dict["sample_mask"]).float()
+    return token_mask * sample_mask[:, None]
 
 
 def _routed_experts(data_dict: BatchedDataDict, token_index: Tensor | None) -> Tensor | None:

@@ -42,6 +42,7 @@ from lightning_mcore_rl.train.microbatch import (
     layout_padding,
     process_global_batch,
 )
+from lightning_mcore_rl.train.mtp import mtp_depths, mtp_metric_normalizations
 from lightning_mcore_rl.train.post_processors import (
     LossPostProcessor,
     PostProcessingFunction,
@@ -76,11 +77,13 @@ def split_global_batch(
     groups: ParallelGroups,
     microbatching: Microbatching,
     routing: bool = False,
+    mtp: bool = False,
 ) -> GlobalBatch:
     """This DP rank's share of a global batch -> processed microbatches with the global valid
     counts (:func:`~lightning_mcore_rl.train.process_global_batch`; CP shards per rank), padded
     as the layout needs (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`);
-    ``routing``: the model has MoE routers (their padding mask and replay ids are built)."""
+    ``routing``: the model has MoE routers (their padding mask and replay ids are built);
+    ``mtp``: it has multi-token-prediction layers (their ``mtp_loss_mask`` is built)."""
     data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
     padding = layout_padding(
         sequence_packing=microbatching.sequence_packing,
@@ -98,6 +101,7 @@ def split_global_batch(
         cp_rank=groups.cp_rank,
         cp_size=groups.cp_size,
         routing=routing,
+        mtp=mtp,
         **padding,
     )
 
@@ -202,9 +206,13 @@ def run_global_batch(
     else:
         assert loss is not None  # exactly one of the two, checked above
         _check_per_token_loss(chunks)
+        depths = mtp_depths(chunks)
+        if depths and not forward_only:  # the MTP term trains with the policy loss
+            normalizations = {**(normalizations or {}), **mtp_metric_normalizations(depths)}
         global_batch = split_global_batch(
-            batch, groups, microbatching, routing=moe_config(chunks) is not None
-        )
+            batch, groups, microbatching, routing=moe_config(chunks) is not None,
+            mtp=bool(depths) and not forward_only,
+        )  # fmt: skip
         with moe_pass(
             chunks, global_batch.microbatches, groups, training=not forward_only,
             device=context.device,

@@ -1,0 +1,109 @@
+"""Multi-token prediction (MTP) in the training step: its loss weights and its metrics.
+
+A model with megatron's MTP layers (``config.mtp_num_layers = D``, e.g. the tiny GPT's
+:class:`~lightning_mcore_rl.models.mtp.MTPGPTModel`) gets, per microbatch, the seed's
+``mtp_loss_mask`` divided by the step's global valid token count ``N_t``: the weights ``w`` of
+its MTP term ``L_d = sum_t w[t + d + 2] CE_d[t]``, so each microbatch adds its contribution to the
+global token mean, exactly as the policy loss does (docs/behaviour-reference.md §2.5: MTP losses
+are scaled by ``1/N_t`` separately). Prompt and padding tokens have ``w = 0``.
+
+Metrics (:data:`MTP_LOSS` and, with ``D > 1``, ``mtp_<d>_loss``): ``TOKENS``-normalised, i.e.
+summed over microbatches and data-parallel ranks, which gives the global token mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mcore_rl.losses import MetricNormalizer
+from lightning_mcore_rl.train.chunks import unwrap_model
+from lightning_mcore_rl.train.groups import ParallelGroups
+
+MTP_LOSS = "mtp_loss"
+"""Metric: the MTP cross entropy averaged over depths (unscaled by ``mtp_loss_scaling_factor``)."""
+
+
+def mtp_depths(chunks: Sequence[torch.nn.Module]) -> int:
+    """``D``: the model's ``mtp_num_layers`` (0 without multi-token prediction)."""
+    from megatron.core.utils import get_model_config
+
+    return int(get_model_config(chunks[0]).mtp_num_layers or 0)
+
+
+def mtp_metric_normalizations(depths: int) -> dict[str, MetricNormalizer]:
+    """The declared reductions of the MTP metrics of a ``D = depths`` model (``{}``: no MTP)."""
+    if depths == 0:
+        return {}
+    names = [MTP_LOSS] + ([f"mtp_{d + 1}_loss" for d in range(depths)] if depths > 1 else [])
+    return dict.fromkeys(names, MetricNormalizer.TOKENS)
+
+
+def mtp_loss_weights(mask: Tensor | None, global_valid_toks: Tensor | None) -> Tensor | None:
+    """``w = mask / N_t`` (``N_t`` at least 1), or ``mask`` itself without a count (forward-only
+    passes: no backward, no metric).
+
+    Args:
+        mask: ``[B, S_pad]`` / ``[1, T/CP]`` ``token_mask * sample_mask`` or ``None``.
+        global_valid_toks: ``N_t`` (0-d) or ``None``.
+
+    Returns:
+        The weights in the mask's layout, or ``None`` without a mask.
+    """
+    if mask is None or global_valid_toks is None:
+        return mask
+    return mask / global_valid_toks.to(mask.device).float().clamp(min=1.0)
+
+
+def with_mtp_metrics(
+    fn: Callable[[Tensor], tuple[Tensor, dict[str, Any]]],
+    model: torch.nn.Module,
+    groups: ParallelGroups,
+) -> Callable[[Tensor], tuple[Tensor, dict[str, Any]]]:
+    """``fn`` with the last forward's MTP terms added to its metrics (summed over CP: each
+    context-parallel rank scores its own tokens).
+
+    Args:
+        fn: The loss post-processor's ``f(output) -> (loss, metrics)`` of one microbatch.
+        model: The last-stage chunk that just ran that microbatch's forward.
+        groups: This rank's groups.
+
+    Returns:
+        The wrapped callable.
+
+    Raises:
+        RuntimeError: the chunk recorded no MTP losses (not an ``MTPGPTModel``).
+    """
+    inner = unwrap_model(model)
+    losses = getattr(inner, "mtp_losses", None)
+    if losses is None:
+        raise RuntimeError(
+            f"{type(inner).__name__} has `mtp_num_layers` set but recorded no `mtp_losses`; "
+            "build it as lightning_mcore_rl.models.mtp.MTPGPTModel (tiny_gpt does)"
+        )
+    terms = losses.clone()  # [D]: this forward's, before the next microbatch overwrites them
+    if groups.cp_size > 1:
+        dist.all_reduce(terms, group=groups.cp_group)
+
+    def loss_and_metrics(output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        loss, metrics = fn(output)
+        metrics = dict(metrics)
+        metrics[MTP_LOSS] = terms.mean()
+        if terms.numel() > 1:
+            metrics.update({f"mtp_{d + 1}_loss": term for d, term in enumerate(terms)})
+        return loss, metrics
+
+    return loss_and_metrics
+
+
+__all__ = [
+    "MTP_LOSS",
+    "mtp_depths",
+    "mtp_loss_weights",
+    "mtp_metric_normalizations",
+    "with_mtp_metrics",
+]
