@@ -17,14 +17,23 @@ The stages, all under ``--out``:
 3. the SFT model's greedy accuracy on the validation problems with ``transformers``
    (:func:`~lightning_mcore_rl.recipes.evaluate_hf`).
 4. ``grpo/``: GRPO from the SFT export (``TextRewardTask`` with ``NumericAnswerReward``, the
-   ``transformers`` rollout backend refit after every step, completions ending at EOS), exported
-   with ``HFExport``.
+   ``transformers`` rollout backend refit after every step, or vLLM with ``--backend vllm``;
+   completions ending at EOS), exported with ``HFExport``.
 5. the GRPO model's accuracy; both accuracies and the stage times go to ``summary.json``.
    Measured on a 2-core Intel Xeon, seeds 0 / 1: 0.656 -> 0.793 / 0.449 -> 0.699 with torch's
    AVX-512 kernels, 0.637 -> 0.895 / 0.285 -> 0.660 with its AVX2 kernels
    (``ATEN_CPU_CAPABILITY=avx2``), 0.656 -> 0.906 / 0.355 -> 0.641 with MKL's and oneDNN's AVX2
    paths as well. A run repeats exactly on the same machine and kernels only;
    another CPU's rounding gives other numbers in about that range (BENCHMARKS.md).
+
+``--backend vllm`` samples the GRPO stage with a vLLM engine instead
+(``RolloutSpec(backend="vllm")``: the first rank of each replica's model-parallel group owns an
+engine in a process of its own, refit in place after every step; two engines at TP=1 DP=2).
+It runs in ``.venv-vllm`` (``scripts/bootstrap_vllm.sh``), and the random Llama then has 2
+heads of 32 (:data:`~lightning_mcore_rl.recipes.arithmetic.VLLM_HEADS`: vLLM's CPU attention
+needs a head dim of 32 or more), so its numbers are not the default run's::
+
+    .venv-vllm/bin/python examples/arithmetic/run.py --backend vllm --out outputs/arithmetic/vllm0
 
 Each training stage runs in its own ``Trainer(devices=2)`` launch (``--stage sft`` /
 ``--stage grpo``, started by the pipeline), so the two stages can use different layouts. Every
@@ -58,6 +67,7 @@ from lightning_mcore_rl.recipes import (
     write_sft_rows,
     write_tiny_llama,
 )
+from lightning_mcore_rl.recipes.arithmetic import VLLM_HEADS
 
 MAX_PROMPT_LENGTH = 24
 """Prompt tokens at most (the longest template is 19 words + BOS)."""
@@ -89,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--group-size", type=int, default=8, help="GRPO completions per prompt")
     add("--grpo-lr", type=float, default=1e-3, help="GRPO learning rate")
     add("--max-new-tokens", type=int, default=4, help="completion tokens at most")
+    add(
+        "--backend",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="GRPO rollout backend; vllm: run with .venv-vllm's python, the Llama has 2 heads of 32",
+    )
     add("--stage", choices=("sft", "grpo"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -196,7 +212,7 @@ def run_grpo(args: argparse.Namespace, out: Path) -> None:
             max_new_tokens=args.max_new_tokens,
             temperature=1.0,
             seed=args.seed,
-            backend="hf",
+            backend=args.backend,
             stop_at_eos=True,
         ),
         lr=args.grpo_lr,
@@ -223,7 +239,16 @@ def prepare(args: argparse.Namespace, out: Path) -> list[ArithmeticProblem]:
     write_rl_rows(train, data / "rl_train.jsonl")
     write_rl_rows(val, data / "rl_val.jsonl")
     tokenizer = train_tokenizer(p.prompt + " " + p.response for p in train + val)
-    write_tiny_llama(out / "init", tokenizer, seed=args.seed)
+    if args.backend == "vllm":  # vLLM's CPU attention needs a head dim of 32, not the default 16
+        write_tiny_llama(
+            out / "init",
+            tokenizer,
+            seed=args.seed,
+            num_attention_heads=VLLM_HEADS,
+            num_key_value_heads=VLLM_HEADS,
+        )
+    else:
+        write_tiny_llama(out / "init", tokenizer, seed=args.seed)
     return val
 
 
@@ -254,6 +279,10 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out} is not empty; give a new directory.")
+    if args.backend == "vllm":
+        from lightning_mcore_rl.rollout.vllm_source import import_vllm
+
+        import_vllm()  # before the SFT stage: without vLLM, raise naming how to install it
     torch.set_num_threads(int(THREADS))
     times: dict[str, float] = {}
     start = time.perf_counter()

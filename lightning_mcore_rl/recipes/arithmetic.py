@@ -28,6 +28,12 @@ OBJECTS = ("apples", "books", "coins", "pens", "cards", "shells", "eggs", "stone
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 """Pad, unknown, BOS and EOS, ids 0-3 of every tokenizer :func:`train_tokenizer` makes."""
 
+VLLM_HEADS = 2
+"""Attention heads and KV heads of a tiny model vLLM can load (``write_tiny_llama(...,
+num_attention_heads=VLLM_HEADS, num_key_value_heads=VLLM_HEADS)``): hidden size 64 over 2 heads
+is a head dim of 32, the smallest vLLM's CPU attention supports (the defaults' 4 heads of 16 fail
+there: "Unsupported CPU attention configuration"); TP = 2 still splits the 2 KV heads."""
+
 _TEMPLATES: dict[Operation, tuple[str, ...]] = {
     "add": (
         "{n} has {a} {o} and gets {b} more . how many {o} does {n} have now ?",

@@ -86,6 +86,21 @@ def test_pipeline_refuses_a_used_directory_and_helps_in_full_sentences(tmp_path,
     text = " ".join(capsys.readouterr().out.split())
     assert "evaluated with transformers before and after GRPO. options:" in text
     assert "--grpo-steps GRPO_STEPS GRPO optimizer steps (default: 300)" in text
+    assert "--backend {hf,vllm} GRPO rollout backend; vllm: run with .venv-vllm's python" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_backend_without_vllm_fails_before_any_stage(tmp_path):
+    """``--backend vllm`` where vLLM is not installed raises naming the install before the data
+    or the SFT stage are made (the run itself: ``tests/distributed/rollout/test_vllm_examples.py``,
+    in ``.venv-vllm``)."""
+    spec = importlib.util.spec_from_file_location("arithmetic_run", RUN)
+    assert spec is not None and spec.loader is not None
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    with pytest.raises(ImportError, match=r"backend='vllm' needs vLLM.*scripts/bootstrap_vllm.sh"):
+        run.main(["--backend", "vllm", "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
 
 
 MARGIN = 0.10

@@ -1,5 +1,6 @@
-"""``scripts/make_tiny_hf.py`` writes the Hugging Face directory ``grpo_hf.yaml`` points at: the
-YAML instantiates with it as written, and the model covers the task (vocabulary, positions)."""
+"""``scripts/make_tiny_hf.py`` writes the Hugging Face directory ``grpo_hf.yaml`` (and, with
+``--vllm``, ``grpo_vllm_tiny.yaml``) points at: the YAML instantiates with it as written, and the
+model covers the task (vocabulary, positions)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import runpy
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from lightning_mcore_rl.cli import build_cli
@@ -34,3 +36,23 @@ def test_make_tiny_hf_makes_the_model_grpo_hf_yaml_uses(tmp_path, monkeypatch, c
     assert (bridge.vocab_size, bridge.arch.max_position_embeddings) == (24, 64)
     assert cli.trainer.max_steps == cli.datamodule.num_steps == 60 and cli.trainer.max_epochs == 1
     assert cli.trainer.checkpoint_callback is not None  # `lmrl export` needs the checkpoint
+
+
+def test_make_tiny_hf_vllm_writes_head_dim_32_for_grpo_vllm_tiny_yaml(
+    tmp_path, monkeypatch, capsys
+):
+    """``--vllm``: the same Llama with 2 heads of 32 (vLLM's CPU attention needs head dim >= 32)
+    at the path ``grpo_vllm_tiny.yaml`` reads; a MoE is refused."""
+    monkeypatch.chdir(tmp_path)
+    script = runpy.run_path(str(ROOT / "scripts" / "make_tiny_hf.py"))
+    assert script["main"](["--vllm"]) == Path("outputs/tiny_llama_vllm")
+    config = json.loads((tmp_path / "outputs" / "tiny_llama_vllm" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (2, 2)
+    assert (config["hidden_size"], config["vocab_size"]) == (64, 24)
+    cli = build_cli(["--config", str(ROOT / "examples/configs/grpo_vllm_tiny.yaml")], run=False)
+    assert cli.model.model_spec == HFModelSpec("outputs/tiny_llama_vllm")
+    assert cli.model.rollout.backend == "vllm"
+    assert cli.model.hf_bridge().vocab_size == 24
+    with pytest.raises(SystemExit):
+        script["main"](["--vllm", "--arch", "qwen3_moe"])
+    assert "--vllm makes a Llama only, got --arch qwen3_moe" in capsys.readouterr().err
