@@ -128,7 +128,7 @@ class DistillationModule(RecipeModule):
             ``V``: the task's, or the HF model's when either is one (two HF models must agree).
         rollout: the student's sampling settings and source (``backend``); its temperature is
             also applied to the student's and the teacher's logits in the loss
-            (``sampling_params``).
+            (``sampling_params``); ``max_staleness=0`` only.
         vocabulary: ``"topk"``: :class:`~lightning_mcore_rl.losses.DistillationLossFn` over the
             teacher's top-``topk`` ids; ``"full"``:
             :class:`~lightning_mcore_rl.losses.OPDFullLossFn` over the whole vocabulary.
@@ -161,6 +161,11 @@ class DistillationModule(RecipeModule):
             raise ValueError(
                 "DistillationModule has no reference policy: `full_loss.reference_policy_kl_"
                 f"penalty` must be 0, got {full_loss.reference_policy_kl_penalty}."
+            )
+        if rollout is not None and rollout.max_staleness != 0:
+            raise ValueError(
+                "DistillationModule samples synchronously: `rollout.max_staleness` must be 0, "
+                f"got {rollout.max_staleness} (asynchronous rollouts are GRPOModule's)."
             )
         # the mutable spec defaults are shared instances: each module keeps its own copy
         rollout = replace(rollout) if rollout is not None else RolloutSpec()

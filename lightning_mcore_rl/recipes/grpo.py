@@ -58,14 +58,17 @@ from lightning_mcore_rl.recipes.rollout_choice import (
     Generate,
     recipe_rollout,
     rollout_generate,
+    rollout_submit,
     spec_hparams,
 )
+from lightning_mcore_rl.recipes.rollout_queue import RolloutQueue
 from lightning_mcore_rl.recipes.text_task import TextRewardTask
 from lightning_mcore_rl.rollout import (
     ModularCountingTask,
     Rollout,
     RolloutChoice,
     SamplingConfig,
+    SubmittedRollout,
     mismatch_extrema,
 )
 from lightning_mcore_rl.strategy import ResumableLoader
@@ -95,9 +98,16 @@ class RolloutSpec:
             policy refit after every optimizer step (needed for prompts of different lengths);
             or a :class:`~lightning_mcore_rl.rollout.RolloutSource` (used as is) or a factory
             ``(RolloutSetup) -> RolloutSource`` (called at the first rollout), e.g. an
-            inference-engine adapter.
+            inference-engine adapter; ``"vllm"``, a vLLM engine refit in place.
         stop_at_eos: with a text task, a completion ends at the tokenizer's EOS token (then
             padded with its pad id, masked out of the loss); the counting task has no EOS.
+        max_staleness: asynchronous GRPO (``GRPOModule`` only): the rollouts of the next
+            ``max_staleness`` prompt batches are submitted before a step trains, so a source
+            that samples in the background (``"vllm"``, ``"hf"``) samples them while the
+            trainer trains, and a batch is trained by weights up to ``max_staleness`` optimizer
+            steps newer than the ones that sampled it (logged as ``rollout_staleness``; the
+            loss's importance-sampling correction applies). 0: synchronous. Needs a train
+            loader with ``peek`` (:class:`~lightning_mcore_rl.strategy.ResumableLoader`).
     """
 
     group_size: int = 4
@@ -106,6 +116,11 @@ class RolloutSpec:
     seed: int = 1234
     backend: RolloutChoice = "megatron"
     stop_at_eos: bool = True
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"`max_staleness` must be >= 0, got {self.max_staleness}")
 
 
 DEFAULT_MODEL = TinyGPTSpec()
@@ -262,6 +277,7 @@ class GRPOModule(RecipeModule):
         self.tokenizer = self._text_tokenizer()
         self.policy = self._recipe_model()
         self.rollout_source = recipe_rollout(rollout.backend, self.policy)
+        self.rollout_queue = RolloutQueue(rollout.max_staleness)
         self.lr = lr
         self.pass_at_k = tuple(pass_at_k)
         self.evaluation: RolloutEvaluation | None = None
@@ -488,15 +504,20 @@ class GRPOModule(RecipeModule):
     def make_rollout(
         self, prompts: torch.Tensor | PromptBatch
     ) -> tuple[BatchedDataDict, torch.Tensor]:
-        """Sample ``G`` completions per prompt and build the GRPO batch.
+        """Sample ``G`` completions per prompt and build the GRPO batch (with
+        ``rollout.max_staleness > 0`` the rollout submitted ahead, :meth:`take_rollout`).
 
         Returns:
             ``(batch, rewards [b*G])``: :func:`rollout_batch` rows plus ``advantages
             [b*G, P+N]`` (zeros with ``use_kl_in_reward``: :meth:`training_step` fills them
             after the logprobs).
         """
-        seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
-        out, rewards = self._sample(prompts, seed)
+        if self.rollout.max_staleness == 0:
+            seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
+            out, rewards = self._sample(prompts, seed)
+        else:
+            out = self.take_rollout(prompts)
+            rewards = group_rewards(out, prompts, self.rollout, self.task, self.tokenizer)
         batch = rollout_batch(out)
         batch["advantages"] = (
             torch.zeros_like(out.completion_mask, dtype=torch.float32)
@@ -504,6 +525,46 @@ class GRPOModule(RecipeModule):
             else self.advantages(rewards, batch)
         )
         return batch, rewards
+
+    def take_rollout(self, prompts: torch.Tensor | PromptBatch) -> Rollout:
+        """Asynchronous GRPO: this step's rollout (submitted a step or more ahead, or now) after
+        submitting those of the next ``max_staleness`` batches (the train loader's ``peek``;
+        none past ``max_steps``); logs ``rollout_staleness``, the optimizer steps between the
+        weights that sampled the rollout and the ones it trains.
+
+        Raises:
+            TypeError: the train loader has no ``peek`` (on every rank, before any collective).
+        """
+        peek = getattr(self.trainer.train_dataloader, "peek", None)
+        if peek is None:
+            raise TypeError(
+                f"`rollout.max_staleness={self.rollout.max_staleness}` submits the rollouts of "
+                "the next prompt batches ahead and needs a train loader with `peek(count)` "
+                "(a ResumableLoader, as PromptDataModule's and PromptFileDataModule's), got "
+                f"{type(self.trainer.train_dataloader).__name__}."
+            )
+        ahead = self.rollout.max_staleness
+        if self.trainer.max_steps >= 0:
+            ahead = min(ahead, self.trainer.max_steps - self.global_step - 1)
+        upcoming = peek(ahead) if ahead > 0 else []
+        submit = rollout_submit(self, self.rollout_source, self.policy)
+        dp_rank = self.mcore_strategy.groups.dp_rank
+
+        def start(batch: torch.Tensor | PromptBatch, steps_ahead: int) -> SubmittedRollout:
+            seed = rollout_seed(self.rollout, self.global_step + steps_ahead, dp_rank)
+            return submit(*group_request(batch, self.rollout, seed, self.task, self.tokenizer))
+
+        submitted = self.rollout_queue.take(prompts, upcoming, start)
+        out = submitted.pending.result()
+        staleness = float(self.global_step - submitted.weights_step)
+        self.log("rollout_staleness", staleness, on_step=True, on_epoch=False, batch_size=1)
+        return out
+
+    def on_train_end(self) -> None:
+        """Wait for the rollouts still being sampled ahead and drop them (no step trains
+        them)."""
+        self.rollout_queue.clear()
+        self.rollout_source.wait()
 
 
 def rollout_seed(spec: RolloutSpec, global_step: int, dp_rank: int) -> int:
@@ -539,6 +600,20 @@ def sample_groups(
     Returns:
         The group-major rollout ``[b*G, P+N]`` and its rewards ``[b*G]``.
     """
+    out = generate(*group_request(prompts, spec, seed, task, tokenizer))
+    return out, group_rewards(out, prompts, spec, task, tokenizer)
+
+
+def group_request(
+    prompts: torch.Tensor | PromptBatch,
+    spec: RolloutSpec,
+    seed: int,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> tuple[torch.Tensor, SamplingConfig, torch.Tensor | None]:
+    """What a rollout source samples for ``spec.group_size`` completions per prompt:
+    ``(prompts [b*G, P]`` group-major, the sampling settings, ``prompt_lengths [b*G]`` of a text
+    task's left-padded prompts or ``None)`` (arguments as :func:`sample_groups`)."""
     group = spec.group_size
     if isinstance(task, TextRewardTask):
         assert tokenizer is not None and isinstance(prompts, PromptBatch)  # GRPOModule's check
@@ -551,14 +626,25 @@ def sample_groups(
             stop_tokens(spec, tokenizer),
             pad if pad is not None else 0,
         )
-        out = generate(
-            ids.repeat_interleave(group, dim=0), sampling, lengths.repeat_interleave(group)
-        )
-        return out, task.rewards(prompts, out, group, tokenizer)
+        return ids.repeat_interleave(group, dim=0), sampling, lengths.repeat_interleave(group)
     assert isinstance(prompts, torch.Tensor)  # the counting task's loaders yield tensors
     sampling = SamplingConfig(spec.max_new_tokens, spec.temperature, seed)
-    out = generate(prompts.repeat_interleave(group, dim=0), sampling, None)  # group-major
-    return out, task.rewards(out.tokens, out.completion_mask)
+    return prompts.repeat_interleave(group, dim=0), sampling, None
+
+
+def group_rewards(
+    out: Rollout,
+    prompts: torch.Tensor | PromptBatch,
+    spec: RolloutSpec,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> torch.Tensor:
+    """The task's rewards ``[b*G]`` of the group-major rollout of ``prompts`` (a text task
+    decodes the completions and calls its reward function)."""
+    if isinstance(task, TextRewardTask):
+        assert tokenizer is not None and isinstance(prompts, PromptBatch)  # GRPOModule's check
+        return task.rewards(prompts, out, spec.group_size, tokenizer)
+    return task.rewards(out.tokens, out.completion_mask)
 
 
 def stop_tokens(spec: RolloutSpec, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:

@@ -231,7 +231,7 @@ class PPOModule(GRPOModule):
         task: the rewarded task.
         model: the policy (:class:`TinyGPTSpec` or :class:`HFModelSpec`); the value model is the
             same architecture with the same initial weights and a zero scalar head.
-        rollout: sampling settings (``backend="megatron"`` only).
+        rollout: sampling settings (``backend="megatron"``, ``max_staleness=0`` only).
         loss: the policy's ``ClippedPGLossFn`` settings; ``reference_policy_kl_penalty > 0``
             adds the reference KL to the loss or, with ``use_kl_in_reward``, subtracts it from
             the token rewards (NeMo RL's GAE semantics).
@@ -270,6 +270,11 @@ class PPOModule(GRPOModule):
                 f"PPOModule samples with the embedded sampler only: `rollout.backend` must be "
                 f"'megatron', got {rollout.backend!r} (the HF backend's refit exports a plain "
                 "GPT chunk, not the policy + value chunk)."
+            )
+        if rollout is not None and rollout.max_staleness != 0:
+            raise ValueError(
+                "PPOModule samples synchronously: `rollout.max_staleness` must be 0, got "
+                f"{rollout.max_staleness} (asynchronous rollouts are GRPOModule's)."
             )
         super().__init__(task, model, rollout, loss, lr, pass_at_k, reference_model=reference_model)
         self.loss_fn = PPOLossFn(

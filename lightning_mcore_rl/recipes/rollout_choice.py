@@ -21,10 +21,14 @@ from lightning_mcore_rl.rollout import (
     RolloutSetup,
     RolloutSource,
     SamplingConfig,
+    SubmittedRollout,
 )
 
 Generate = Callable[[Tensor, SamplingConfig, Tensor | None], Rollout]
 """``(prompts [B, P], sampling, prompt_lengths [B] | None) -> Rollout``."""
+
+Submit = Callable[[Tensor, SamplingConfig, Tensor | None], SubmittedRollout]
+"""``(prompts [B, P], sampling, prompt_lengths [B] | None) -> SubmittedRollout``."""
 
 
 def recipe_rollout(
@@ -65,11 +69,21 @@ def rollout_generate(
 ) -> Generate:
     """``rollout``'s ``generate`` for this step: the setup of ``model`` (the policy's chunks, or
     with ``teacher`` the hosted teacher's), refit if ``module`` has stepped since the last one."""
+    return functools.partial(rollout.generate, _setup(module, model, teacher), module.global_step)
+
+
+def _setup(module: MCoreRLModule, model: RecipeModel, teacher: bool = False) -> RolloutSetup:
+    """The :class:`RolloutSetup` of ``model`` (the policy's chunks, or the hosted teacher's)."""
     strategy = module.mcore_strategy
     chunks = strategy.teacher.chunks if teacher else strategy.model_chunks
     bridge = model.hf_bridge() if isinstance(model.spec, HFModelSpec) else None
-    setup = RolloutSetup(chunks, strategy.groups, bridge)
-    return functools.partial(rollout.generate, setup, module.global_step)
+    return RolloutSetup(chunks, strategy.groups, bridge)
+
+
+def rollout_submit(module: MCoreRLModule, rollout: PolicyRollout, model: RecipeModel) -> Submit:
+    """``rollout``'s ``submit`` for this step (:func:`rollout_generate`'s, sampled in the
+    background by a source that can)."""
+    return functools.partial(rollout.submit, _setup(module, model), module.global_step)
 
 
 def describe_choice(choice: RolloutChoice) -> str:

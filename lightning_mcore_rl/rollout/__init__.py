@@ -4,6 +4,12 @@ name, instance or factory and the trainer-side refit (:class:`PolicyRollout`), a
 with verifiable rewards."""
 
 from lightning_mcore_rl.rollout.hf_source import HFRolloutSource
+from lightning_mcore_rl.rollout.pending import (
+    BackgroundRolloutSource,
+    OneRankRolloutSource,
+    PendingRollout,
+    ReadyRollout,
+)
 from lightning_mcore_rl.rollout.policy import (
     ROLLOUT_BACKENDS,
     PolicyRollout,
@@ -11,6 +17,7 @@ from lightning_mcore_rl.rollout.policy import (
     RolloutChoice,
     RolloutSetup,
     RolloutSourceFactory,
+    SubmittedRollout,
     hf_rollout_source,
     megatron_rollout_source,
     mismatch_extrema,
@@ -29,11 +36,15 @@ from lightning_mcore_rl.rollout.vllm_source import VLLMRolloutSource
 
 __all__ = [
     "ROLLOUT_BACKENDS",
+    "BackgroundRolloutSource",
     "GenerationOutput",
     "HFRolloutSource",
     "MegatronRolloutSource",
     "ModularCountingTask",
+    "OneRankRolloutSource",
+    "PendingRollout",
     "PolicyRollout",
+    "ReadyRollout",
     "Rollout",
     "RolloutBackend",
     "RolloutChoice",
@@ -41,6 +52,7 @@ __all__ = [
     "RolloutSource",
     "RolloutSourceFactory",
     "SamplingConfig",
+    "SubmittedRollout",
     "VLLMRolloutSource",
     "generate",
     "hf_rollout_source",

@@ -17,20 +17,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mcore_rl._compat import kv_cache_kwargs
-from lightning_mcore_rl.rollout.source import (
-    Rollout,
-    SamplingConfig,
-    check_prompts,
-    rollout_buffers,
-    stop_completions,
-)
+from lightning_mcore_rl.rollout.pending import OneRankRolloutSource
+from lightning_mcore_rl.rollout.source import SamplingConfig
 
 
-class HFRolloutSource:
+class HFRolloutSource(OneRankRolloutSource):
     """Generate with an ``AutoModelForCausalLM`` held by the first rank of ``group``.
 
-    The generating rank samples; the tokens and logprobs are broadcast to the rest of ``group``
-    (in the recipes: the data-parallel replica's model-parallel group, so every DP replica has
+    The generating rank samples (:meth:`generate`, or :meth:`submit` in a background thread);
+    the tokens and logprobs are broadcast to the rest of ``group`` (in the recipes: the data-parallel replica's model-parallel group, so every DP replica has
     one generator, its TP/PP rank 0). Every rank of the training world takes part in
     :meth:`update_weights` (the export is collective); only the generator keeps the tensors, one
     at a time, copied into its model: beyond its own model (and the generator's HF copy) a rank
@@ -100,29 +95,17 @@ class HFRolloutSource:
             return f"unknown names {unknown[:8]}, missing parameters {missing[:8]}"
         return None
 
-    @torch.no_grad()
-    def generate(
-        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
-    ) -> Rollout:
-        """Sample on the generator (prefill, then one cached step per token), broadcast to the
-        group. Token ``t`` is drawn from ``softmax(logits_t / T)`` with a CPU generator seeded by
-        ``sampling.seed``, as the embedded sampler does. Left-padded prompts are masked out of
-        the attention and positions start at each prompt's first real token, so a row's tokens
-        and logprobs do not depend on the padding (up to fp32 rounding); completions end at their
-        first stop token (:func:`~lightning_mcore_rl.rollout.source.stop_completions`) and
-        sampling ends when every row has stopped."""
-        lengths = check_prompts(prompts, prompt_lengths)
-        prompt_width = prompts.shape[1]
-        tokens, logprobs = rollout_buffers(prompts, sampling)
-        routed: Tensor | None = None
-        if self.model is not None:
-            self._sample(tokens, logprobs, lengths, sampling)
-            routed = self._routing(tokens, lengths, prompt_width)
-        dist.broadcast(tokens, src=self.src, group=self.group)
-        dist.broadcast(logprobs, src=self.src, group=self.group)
-        routed = self._broadcast_routing(routed)
-        tokens, mask, logprobs = stop_completions(tokens, logprobs, prompt_width, sampling)
-        return Rollout(tokens, mask, logprobs, lengths, routed)
+    def _draw(
+        self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
+    ) -> Tensor | None:
+        """Prefill, then one cached step per token. Token ``t`` is drawn from
+        ``softmax(logits_t / T)`` with a CPU generator seeded by ``sampling.seed``, as the
+        embedded sampler does. Left-padded prompts are masked out of the attention and
+        positions start at each prompt's first real token, so a row's tokens and logprobs do not
+        depend on the padding (up to fp32 rounding); sampling ends when every row has stopped.
+        Returns a MoE model's routing (:meth:`_routing`)."""
+        self._sample(tokens, logprobs, lengths, sampling)
+        return self._routing(tokens, lengths, tokens.shape[1] - sampling.max_new_tokens)
 
     def _routing(self, tokens: Tensor, lengths: Tensor, prompt_width: int) -> Tensor | None:
         """A MoE model's ``[B, P+N, L, K]`` experts of every position (ascending ids): the
@@ -144,18 +127,6 @@ class HFRolloutSource:
             for logits in out.router_logits  # [B*(P+N), E] per MoE layer, batch-major
         ]
         return torch.stack(per_layer, dim=2)
-
-    def _broadcast_routing(self, routed: Tensor | None) -> Tensor | None:
-        """The generator's routing on every rank of ``group`` (its shape first: only the
-        generator knows the model)."""
-        shape = [None if routed is None else tuple(routed.shape)]
-        dist.broadcast_object_list(shape, src=self.src, group=self.group)
-        if shape[0] is None:
-            return None
-        if routed is None:
-            routed = torch.empty(shape[0], dtype=torch.long)
-        dist.broadcast(routed, src=self.src, group=self.group)
-        return routed
 
     def _sample(
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig

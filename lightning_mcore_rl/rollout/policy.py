@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mcore_rl.rollout.hf_source import HFRolloutSource
+from lightning_mcore_rl.rollout.pending import (
+    BackgroundRolloutSource,
+    PendingRollout,
+    ReadyRollout,
+)
 from lightning_mcore_rl.rollout.source import (
     MegatronRolloutSource,
     Rollout,
@@ -146,6 +151,20 @@ def rollout_source_factory(choice: RolloutChoice) -> RolloutSourceFactory:
     )
 
 
+class SubmittedRollout(NamedTuple):
+    """A rollout started by :meth:`PolicyRollout.submit`.
+
+    Attributes:
+        pending: its handle (``result()`` is collective over the source's group).
+        weights_step: the optimizer steps of the weights that sample it (the step the source
+            was last refit at; the current step for a source that samples with the training
+            model).
+    """
+
+    pending: PendingRollout
+    weights_step: int
+
+
 class PolicyRollout:
     """A recipe's rollout: the chosen source, built at the first :meth:`generate` (megatron's
     groups and the model exist then) and refit whenever the model has taken an optimizer step
@@ -154,7 +173,11 @@ class PolicyRollout:
 
     A source with ``refit_required`` is refit from the model's
     :meth:`~lightning_mcore_rl.models.HFBridge.export_hf_weights` (TP all-gather, PP broadcast,
-    on every rank), so it needs a Hugging Face model.
+    on every rank), so it needs a Hugging Face model. :meth:`submit` lets a
+    :class:`~.pending.BackgroundRolloutSource` sample while the trainer goes on; every later
+    refit, :meth:`generate` or :meth:`submit` first waits for those samples (:meth:`wait`), so a
+    rollout is sampled by the weights it was submitted with and the source serves one request
+    at a time.
 
     Args:
         choice: the source (:data:`RolloutChoice`).
@@ -169,6 +192,7 @@ class PolicyRollout:
         self.frozen = frozen
         self.source: RolloutSource | None = None
         self.refit_step: int | None = None
+        self._in_flight: list[PendingRollout] = []
 
     def build(self, setup: RolloutSetup) -> RolloutSource:
         """The source, built on first use.
@@ -187,6 +211,13 @@ class PolicyRollout:
             self.source = source
         return self.source
 
+    def wait(self) -> None:
+        """Block until every rollout submitted in the background has been sampled (local: the
+        handles' ``result()`` is still to be called)."""
+        for pending in self._in_flight:
+            pending.wait()
+        self._in_flight.clear()
+
     def generate(
         self,
         setup: RolloutSetup,
@@ -204,7 +235,39 @@ class PolicyRollout:
             ValueError: a source that needs a refit, of a model with no HF bridge (on every
                 rank, before any collective).
         """
+        source = self._refit(setup, step)
+        return source.generate(prompts, sampling, prompt_lengths)
+
+    def submit(
+        self,
+        setup: RolloutSetup,
+        step: int,
+        prompts: Tensor,
+        sampling: SamplingConfig,
+        prompt_lengths: Tensor | None = None,
+    ) -> SubmittedRollout:
+        """:meth:`generate`, sampled in the background by a
+        :class:`~.pending.BackgroundRolloutSource` (in the foreground by any other source):
+        returns once the refit is done and the sampling has started.
+
+        Raises:
+            ValueError: as :meth:`generate`.
+        """
+        source = self._refit(setup, step)
+        if isinstance(source, BackgroundRolloutSource):
+            pending = source.submit(prompts, sampling, prompt_lengths)
+            self._in_flight.append(pending)
+        else:
+            pending = ReadyRollout(source.generate(prompts, sampling, prompt_lengths))
+        weights_step = self.refit_step if source.refit_required else step
+        assert weights_step is not None  # refit above
+        return SubmittedRollout(pending, weights_step)
+
+    def _refit(self, setup: RolloutSetup, step: int) -> RolloutSource:
+        """The source, after the in-flight samples (:meth:`wait`) and, when it has
+        ``refit_required`` and the model has stepped since, a refit."""
         source = self.build(setup)
+        self.wait()
         stale = self.refit_step is None or (not self.frozen and self.refit_step != step)
         if source.refit_required and stale:
             if setup.hf_bridge is None:
@@ -217,7 +280,7 @@ class PolicyRollout:
             )
             source.update_weights(weights)
             self.refit_step = step
-        return source.generate(prompts, sampling, prompt_lengths)
+        return source
 
 
 def mismatch_extrema(batch: Mapping[str, Any], dp_group: Any) -> dict[str, Tensor]:

@@ -24,13 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mcore_rl.rollout.source import (
-    Rollout,
-    SamplingConfig,
-    check_prompts,
-    rollout_buffers,
-    stop_completions,
-)
+from lightning_mcore_rl.rollout.pending import OneRankRolloutSource
+from lightning_mcore_rl.rollout.source import SamplingConfig
 from lightning_mcore_rl.rollout.vllm_refit import TRAINER, refit_group, send_weights
 
 EXTENSION = "lightning_mcore_rl.rollout.vllm_refit.RefitWorkerExtension"
@@ -62,8 +57,10 @@ def import_vllm() -> Any:
     return vllm
 
 
-class VLLMRolloutSource:
-    """Generate with a vLLM engine owned by the first rank of ``group``.
+class VLLMRolloutSource(OneRankRolloutSource):
+    """Generate with a vLLM engine owned by the first rank of ``group``: :meth:`generate`, or
+    :meth:`submit`, whose ``llm.generate`` call runs in a background thread while the trainer
+    goes on (the engine samples in its own process meanwhile).
 
     Every rank of the training world takes part in :meth:`update_weights` (the export is
     collective); only the generating rank sends the tensors on, one at a time, to the engine
@@ -216,28 +213,12 @@ class VLLMRolloutSource:
             return f"the engine received {done.get('received')} tensors, {sent} were sent"
         return None
 
-    @torch.no_grad()
-    def generate(
-        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
-    ) -> Rollout:
-        """Sample on the generator, broadcast to the group. Each row's real prompt tokens go to
-        the engine (no padding), with its own seed derived from ``sampling.seed``; token ``t``
-        is drawn from ``softmax(logits_t / T)`` and its logprob is vLLM's processed logprob (the
-        same distribution); completions end at their first stop token."""
-        lengths = check_prompts(prompts, prompt_lengths)
-        prompt_width = prompts.shape[1]
-        tokens, logprobs = rollout_buffers(prompts, sampling)
-        if self.llm is not None:
-            self._sample(tokens, logprobs, lengths, sampling)
-        dist.broadcast(tokens, src=self.src, group=self.group)
-        dist.broadcast(logprobs, src=self.src, group=self.group)
-        tokens, mask, logprobs = stop_completions(tokens, logprobs, prompt_width, sampling)
-        return Rollout(tokens, mask, logprobs, lengths)
-
-    def _sample(
+    def _draw(
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> None:
-        """Fill ``tokens``/``logprobs [B, P+N]`` from column ``P`` on, in place."""
+        """Each row's real prompt tokens go to the engine (no padding), with its own seed
+        derived from ``sampling.seed``; token ``t`` is drawn from ``softmax(logits_t / T)`` and
+        its logprob is vLLM's processed logprob (the same distribution). No routing."""
         vllm = import_vllm()
         prompt_width = tokens.shape[1] - sampling.max_new_tokens
         requests = [

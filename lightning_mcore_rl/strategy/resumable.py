@@ -9,6 +9,7 @@ gives it back before the resumed epoch starts, and the loader then skips those b
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,10 @@ class ResumableLoader:
     batches handed out are the batches trained on. Lightning does not inject its distributed
     sampler into a wrapper: give the wrapped loader its own (see :func:`resumable_dataloader`).
 
+    :meth:`peek` shows the batches after the one handed out last without handing them out (an
+    asynchronous recipe starts their rollouts early); they do not count as consumed, so a resume
+    loads them again.
+
     Args:
         loader: a map-style (sized) ``DataLoader`` with a deterministic order per epoch.
     """
@@ -39,6 +44,8 @@ class ResumableLoader:
         self.loader = loader
         self._skip = 0
         self._yielded = 0
+        self._source: Iterator[Any] | None = None  # the running epoch's batches not yet read
+        self._ahead: deque[Any] = deque()  # read by peek(), not yet handed out
 
     @property
     def sampler(self) -> Any:
@@ -63,11 +70,35 @@ class ResumableLoader:
         if skip >= len(self.loader):  # saved after the epoch's last batch: the next one is fresh
             skip = 0
         self._yielded = skip
-        for index, batch in enumerate(self.loader):
-            if index < skip:
-                continue
-            self._yielded = index + 1
-            yield batch
+        self._ahead.clear()
+        self._source = (batch for index, batch in enumerate(self.loader) if index >= skip)
+        while self._ahead or self._fill(1):
+            self._yielded += 1
+            yield self._ahead.popleft()
+        self._source = None
+
+    def _fill(self, count: int) -> bool:
+        """Read batches into the look-ahead until it holds ``count``; whether it does."""
+        while len(self._ahead) < count and self._source is not None:
+            batch = next(self._source, _END)
+            if batch is _END:
+                self._source = None
+            else:
+                self._ahead.append(batch)
+        return len(self._ahead) >= count
+
+    def peek(self, count: int = 1) -> list[Any]:
+        """The next ``count`` batches of the running epoch, not handed out (fewer at the
+        epoch's end; none outside an iteration). Each is read from the wrapped loader once: the
+        iteration then yields the same objects.
+
+        Raises:
+            ValueError: ``count`` < 1.
+        """
+        if count < 1:
+            raise ValueError(f"`count` must be >= 1, got {count}")
+        self._fill(count)
+        return list(self._ahead)[:count]
 
     def state_dict(self) -> dict[str, int]:
         """``{"batches_yielded": n}``: batches of the current epoch handed out so far."""
@@ -76,6 +107,10 @@ class ResumableLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Skip the first ``state["batches_yielded"]`` batches on the next ``iter()``."""
         self._skip = self._yielded = int(state["batches_yielded"])
+
+
+_END = object()
+"""The end of the wrapped loader's batches."""
 
 
 def resumable_dataloader(

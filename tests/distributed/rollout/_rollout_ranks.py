@@ -196,3 +196,94 @@ def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, pp: int, steps: int)
     engines = (HFRolloutSource, VLLMRolloutSource)
     generator = source.is_generator if isinstance(source, engines) else None
     return {"rows": rows.rows, "max_errors": module.max_errors, "generator": generator}
+
+
+class _StaleGRPO(GRPOModule):
+    """Records, at every step, how far the rollout's ``generation_logprobs`` are from the
+    trainer's ``compute_logprobs`` of the same tokens under the current weights (``now``) and
+    under the previous step's (``previous``, from a copy taken at that step's start)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.snapshots: list[list[torch.Tensor]] = []
+        self.now: list[float] = []
+        self.previous: list[float] = []
+
+    def make_rollout(self, prompts: Any) -> Any:
+        params = [p for chunk in self.mcore_strategy.model_chunks for p in chunk.parameters()]
+        self.snapshots.append([p.detach().clone() for p in params])
+        data, rewards = super().make_rollout(prompts)
+        mask = data["token_mask"].bool()
+        gen = data["generation_logprobs"][mask]
+        self.now.append(float((gen - self.compute_logprobs(data)[mask]).abs().max()))
+        if len(self.snapshots) > 1:
+            with torch.no_grad():
+                for p, old in zip(params, self.snapshots[-2], strict=True):
+                    p.copy_(old)
+                before = self.compute_logprobs(data)[mask]
+                for p, new in zip(params, self.snapshots[-1], strict=True):
+                    p.copy_(new)
+            self.previous.append(float((gen - before).abs().max()))
+        return data, rewards
+
+
+def async_grpo_run(
+    rank: int, hf_dir: str | None, backend: str, tp: int, steps: int, max_staleness: int
+) -> dict[str, Any]:
+    """GRPO with ``RolloutSpec(backend=backend, max_staleness=max_staleness)`` at TP=``tp``
+    (DP = world / TP): the tiny GPT (``hf_dir=None``) or the HF model, temperature 0.8, lr 1e-2
+    (so one step moves the logprobs by far more than the tolerances)."""
+    rows = _Rows()
+    trainer = cpu_trainer(
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=4),
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        callbacks=[rows],
+    )
+    module = _StaleGRPO(
+        **({} if hf_dir is None else {"model": HFModelSpec(path=hf_dir)}),
+        rollout=RolloutSpec(
+            group_size=2,
+            max_new_tokens=4,
+            temperature=0.8,
+            backend=backend,
+            max_staleness=max_staleness,
+        ),
+        lr=1e-2,
+    )
+    data = PromptDataModule(prompts_per_step=4, num_steps=steps)
+    trainer.fit(module, datamodule=data)
+    return {
+        "rows": rows.rows,
+        "now": module.now,
+        "previous": module.previous,
+        "queued": len(module.rollout_queue),
+    }
+
+
+def async_without_peek(rank: int) -> str:
+    """``max_staleness=1`` with a plain ``DataLoader`` (no ``peek``): the error's message."""
+    from torch.utils.data import DataLoader
+
+    from lightning_mcore_rl.recipes.grpo import PromptDataset
+
+    module = GRPOModule(rollout=RolloutSpec(max_staleness=1))
+    loader = DataLoader(PromptDataset(module.task, 8), batch_size=4)
+    trainer = cpu_trainer(strategy=MCoreRLStrategy(micro_batch_size=4), max_steps=1)
+    with pytest.raises(TypeError) as error:
+        trainer.fit(module, train_dataloaders=loader)
+    return str(error.value)
+
+
+def check_one_step_stale(result: dict[str, Any], steps: int, tol: float, moved: float) -> None:
+    """``async_grpo_run`` at ``max_staleness=1``: staleness 0 then 1 logged; step 0's rollout is
+    the current weights' (within ``tol``), every later one the previous step's (within ``tol``)
+    and more than ``moved`` away from the current weights'; nothing left submitted."""
+    staleness = [row["rollout_staleness"] for row in result["rows"]]
+    print(f"staleness {staleness}, |gen - now| {result['now']}, |gen - previous| "
+          f"{result['previous']}")  # fmt: skip
+    assert staleness == [0.0] + [1.0] * (steps - 1), staleness
+    assert result["now"][0] < tol, result["now"]
+    assert max(result["previous"]) < tol, result["previous"]
+    assert min(result["now"][1:]) > moved, result["now"]
+    assert result["queued"] == 0  # nothing submitted past max_steps

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.vllm
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # the tiny HF model builders
 
 from _hf_ranks import _COMMON, build_hf_model  # noqa: E402
-from _rollout_ranks import grpo_run  # noqa: E402
+from _rollout_ranks import async_grpo_run, check_one_step_stale, grpo_run  # noqa: E402
 from _vllm_ranks import LENGTHS, PROMPTS, REFITS, SAMPLING, STOP, source_rank  # noqa: E402
 
 from lightning_mcore_rl.testing import run_on_ranks  # noqa: E402
@@ -125,3 +125,16 @@ def test_grpo_with_vllm_refit_matches_compute_logprobs(tmp_path, tp, generators)
         assert abs(row["gen_train_ratio_max"] - 1) <= TMPE_TOL
         assert row["grad_norm"] > 0
     assert len(rank0["rows"]) == steps
+
+
+def test_async_grpo_engine_samples_the_next_batch_in_the_background(tmp_path):
+    """``max_staleness=1`` at TP=2 (one engine, owned by rank 0, ``llm.generate`` in a thread
+    while both ranks train): ``rollout_staleness`` 0 then 1; each later rollout's logprobs equal
+    the trainer's under the previous step's weights (within ``TOL``) and are > 1e-2 from the
+    current weights' (one step at lr 1e-2 moves them by ~1)."""
+    steps = 4
+    _llama(tmp_path)
+    results = run_on_ranks(async_grpo_run, 2, str(tmp_path), "vllm", 2, steps, 1, timeout=900)
+    for result in results:
+        check_one_step_stale(result, steps, TOL, 1e-2)
+    assert results[0]["rows"] == results[1]["rows"]

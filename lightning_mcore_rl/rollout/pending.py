@@ -1,0 +1,210 @@
+"""Rollouts started now and collected later, so an engine samples while the trainer trains
+(asynchronous RL): the :class:`PendingRollout` handle, the :class:`BackgroundRolloutSource`
+protocol of the sources that can sample in the background, and :class:`OneRankRolloutSource`,
+the base of the sources whose first rank of a group samples and broadcasts (the Hugging Face
+copy and the vLLM engine).
+
+Shapes: ``B`` sequences, ``P`` prompt columns, ``N`` new tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mcore_rl.rollout.source import (
+    Rollout,
+    SamplingConfig,
+    check_prompts,
+    rollout_buffers,
+    stop_completions,
+)
+
+
+@runtime_checkable
+class PendingRollout(Protocol):
+    """A rollout being sampled: :meth:`wait` blocks this rank until its part of the sampling
+    is done (local, no collective); :meth:`result` returns the :class:`Rollout` (collective over
+    the source's group, once)."""
+
+    def wait(self) -> None: ...
+
+    def result(self) -> Rollout: ...
+
+
+class ReadyRollout:
+    """A :class:`PendingRollout` already sampled (a source that samples in the foreground)."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self.rollout = rollout
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+    def result(self) -> Rollout:
+        """The rollout."""
+        return self.rollout
+
+
+@runtime_checkable
+class BackgroundRolloutSource(Protocol):
+    """A rollout source that can sample while the caller goes on (its own engine or model
+    copy): :meth:`submit` returns at once, collective over nothing."""
+
+    def submit(
+        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
+    ) -> PendingRollout:
+        """Start sampling as :meth:`RolloutSource.generate` would; the handle's ``result()``
+        is that call's :class:`Rollout`. The weights are those at submission: refit only after
+        the handle's ``wait()``."""
+        ...
+
+
+class _Draw:
+    """``fn`` run now (foreground) or in a daemon thread (background) with this thread's torch
+    intra-op thread count and no autograd; its error (if any) is kept for :meth:`result`."""
+
+    def __init__(self, fn: Callable[[], Tensor | None], background: bool, name: str) -> None:
+        self.fn = fn
+        self.value: Tensor | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        threads = torch.get_num_threads()
+        if background:
+            self.thread = threading.Thread(target=self._run, args=(threads,), name=name)
+            self.thread.daemon = True
+            self.thread.start()
+        else:
+            self._run(threads)
+
+    def _run(self, threads: int) -> None:
+        torch.set_num_threads(threads)  # a new thread starts with the process default
+        try:
+            with torch.no_grad():
+                self.value = self.fn()
+        except Exception as error:  # reported on every rank of the group by result()
+            self.error = error
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+class _Broadcast:
+    """The :class:`PendingRollout` of a :class:`OneRankRolloutSource`: the generator's draw
+    (``None`` on the other ranks) and the buffers the broadcast fills."""
+
+    def __init__(
+        self,
+        source: OneRankRolloutSource,
+        tokens: Tensor,
+        logprobs: Tensor,
+        lengths: Tensor,
+        sampling: SamplingConfig,
+        draw: _Draw | None,
+    ) -> None:
+        self.source, self.tokens, self.logprobs = source, tokens, logprobs
+        self.lengths, self.sampling, self.draw = lengths, sampling, draw
+        self.taken = False
+
+    def wait(self) -> None:
+        if self.draw is not None:
+            self.draw.wait()
+
+    def result(self) -> Rollout:
+        """Wait for the draw, then broadcast its outcome (an error is raised on every rank of
+        the group), the tokens, logprobs and routing.
+
+        Raises:
+            RuntimeError: the generator's sampling failed; ``result()`` called twice.
+        """
+        if self.taken:
+            raise RuntimeError("PendingRollout.result() was already called.")
+        self.taken = True
+        self.wait()
+        source, draw = self.source, self.draw
+        routed = None if draw is None else draw.value
+        status: list[Any] = [None, None]  # [error, routing shape]
+        if draw is not None:
+            status = [
+                None if draw.error is None else f"{type(draw.error).__name__}: {draw.error}",
+                None if routed is None else tuple(routed.shape),
+            ]
+        dist.broadcast_object_list(status, src=source.src, group=source.group)
+        if status[0] is not None:
+            raise RuntimeError(
+                f"{type(source).__name__}: rank {source.src} could not sample: {status[0]}"
+            ) from (None if draw is None else draw.error)
+        dist.broadcast(self.tokens, src=source.src, group=source.group)
+        dist.broadcast(self.logprobs, src=source.src, group=source.group)
+        if status[1] is not None:
+            if routed is None:
+                routed = torch.empty(status[1], dtype=torch.long)
+            dist.broadcast(routed, src=source.src, group=source.group)
+        prompt_width = self.tokens.shape[1] - self.sampling.max_new_tokens
+        tokens, mask, logprobs = stop_completions(
+            self.tokens, self.logprobs, prompt_width, self.sampling
+        )
+        return Rollout(tokens, mask, logprobs, self.lengths, routed)
+
+
+class OneRankRolloutSource:
+    """A source whose generator, the first rank of ``group``, samples and broadcasts the
+    rollout to the group; :meth:`submit` samples in a background thread.
+
+    Subclasses set ``group`` and ``src`` (the generator's global rank) and implement
+    :meth:`is_generator` and :meth:`_draw`.
+    """
+
+    group: Any
+    src: int
+
+    @property
+    def is_generator(self) -> bool:
+        """Whether this rank samples."""
+        raise NotImplementedError
+
+    def _draw(
+        self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
+    ) -> Tensor | None:
+        """On the generator: fill ``tokens``/``logprobs [B, P+N]`` from column ``P`` on, in
+        place, for prompts of ``lengths [B]`` real tokens (left-padded); return the routing
+        ``[B, P+N, L, K]`` of a MoE model, else ``None``."""
+        raise NotImplementedError
+
+    def _start(
+        self,
+        prompts: Tensor,
+        sampling: SamplingConfig,
+        prompt_lengths: Tensor | None,
+        background: bool,
+    ) -> _Broadcast:
+        lengths = check_prompts(prompts, prompt_lengths)
+        tokens, logprobs = rollout_buffers(prompts, sampling)
+        draw = None
+        if self.is_generator:
+            draw = _Draw(
+                lambda: self._draw(tokens, logprobs, lengths, sampling),
+                background,
+                f"{type(self).__name__}-draw",
+            )
+        return _Broadcast(self, tokens, logprobs, lengths, sampling, draw)
+
+    def generate(
+        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
+    ) -> Rollout:
+        """Sample on the generator and broadcast (collective over ``group``); a failed draw
+        raises ``RuntimeError`` on every rank of the group."""
+        return self._start(prompts, sampling, prompt_lengths, background=False).result()
+
+    def submit(
+        self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
+    ) -> PendingRollout:
+        """:meth:`generate` with the draw in a background thread; the handle's ``result()``
+        broadcasts (:class:`BackgroundRolloutSource`)."""
+        return self._start(prompts, sampling, prompt_lengths, background=True)
