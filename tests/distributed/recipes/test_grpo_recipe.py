@@ -14,7 +14,7 @@ from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
-from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule, RolloutSpec
+from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
 from lightning_mcore_rl.testing import run_on_ranks
 
 
@@ -38,14 +38,7 @@ class RecipeRun:
     restored: bool
 
 
-def _grpo(
-    rank: int,
-    tp: int,
-    steps: int,
-    kl: float = 0.0,
-    max_staleness: int = 0,
-    loss: dict[str, Any] | None = None,
-) -> RecipeRun:
+def _grpo(rank: int, tp: int, steps: int, kl: float = 0.0) -> RecipeRun:
     record = _Record()
     trainer = cpu_trainer(
         strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=16),
@@ -53,10 +46,7 @@ def _grpo(
         gradient_clip_val=1.0,
         callbacks=[record],
     )
-    module = GRPOModule(
-        loss=ClippedPGLossConfig(reference_policy_kl_penalty=kl, **(loss or {})),
-        rollout=RolloutSpec(max_staleness=max_staleness),
-    )
+    module = GRPOModule(loss=ClippedPGLossConfig(reference_policy_kl_penalty=kl))
     first_batch: list[torch.Tensor] = []
     original = module.make_rollout
 
