@@ -259,7 +259,13 @@ class DraftLossWrapper:
 
     The draft input (policy logits rolled left by one as the teacher, ``student_logits`` from the
     data) is built by ``prepare_fn`` for a :class:`DraftCrossEntropyLossFn`
-    (``LossInputType.DRAFT``).
+    (``LossInputType.DRAFT``). The draft term reaches only the student: the teacher is detached,
+    so the policy's gradient is the wrapped loss's alone.
+
+    Metrics added: ``draft_loss`` (the soft cross entropy) and ``draft_top1_agreement`` (the
+    fraction of scored positions where the draft's argmax is the policy's: the acceptance-rate
+    proxy of speculative decoding), both ``sum over scored positions / draft_valid_toks`` (a
+    ``TOKENS`` contribution).
 
     Args:
         loss_fn: The wrapped policy loss, called as ``loss_fn(logits, data, gvs, gvt, **kwargs)``.
@@ -270,6 +276,9 @@ class DraftLossWrapper:
         vocab_parallel_rank: TP rank.
         vocab_parallel_group: TP group.
         context_parallel_group: CP group.
+        draft_valid_toks: The count the draft term and its metrics are divided by (``None``: the
+            call's ``global_valid_toks``; ``1.0``: raw sums, normalised once later, NeMo RL's
+            ``defer_draft_normalization``).
     """
 
     def __init__(
@@ -281,6 +290,8 @@ class DraftLossWrapper:
         vocab_parallel_rank: int | None = None,
         vocab_parallel_group: Any = None,
         context_parallel_group: Any = None,
+        *,
+        draft_valid_toks: float | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.prepare_fn = prepare_fn
@@ -290,6 +301,7 @@ class DraftLossWrapper:
         self.vocab_parallel_rank = vocab_parallel_rank
         self.vocab_parallel_group = vocab_parallel_group
         self.context_parallel_group = context_parallel_group
+        self.draft_valid_toks = draft_valid_toks
 
     def __call__(
         self,
@@ -299,7 +311,8 @@ class DraftLossWrapper:
         global_valid_toks: Tensor | float | None,
         **kwargs: Any,
     ) -> LossResult:
-        """Policy loss + weighted draft loss; adds the ``draft_loss`` metric.
+        """Policy loss + weighted draft loss; adds the ``draft_loss`` and
+        ``draft_top1_agreement`` metrics.
 
         Args:
             next_token_logits: ``[B, S/CP, V_l]`` policy logits.
@@ -325,9 +338,21 @@ class DraftLossWrapper:
             next_token_logits, data, self.draft_loss_fn, self.vocab_parallel_rank,
             self.vocab_parallel_group, self.context_parallel_group,
         )  # fmt: skip
-        draft_loss, _ = self.draft_loss_fn(
-            data, global_valid_seqs, global_valid_toks, **draft_input
-        )
+        count = global_valid_toks if self.draft_valid_toks is None else self.draft_valid_toks
+        draft_loss, _ = self.draft_loss_fn(data, global_valid_seqs, count, **draft_input)
         metrics = dict(metrics)
         metrics["draft_loss"] = draft_loss.detach().clone()
+        metrics["draft_top1_agreement"] = _top1_agreement(draft_input, data, count)
         return loss + self.loss_weight * draft_loss, metrics
+
+
+def _top1_agreement(draft_input: dict[str, Any], data: BatchedDataDict, count: Any) -> Tensor:
+    """``sum_t m_t [argmax student_t = argmax teacher_t] / count`` over the draft loss's scored
+    positions (``m`` = rolled token mask x sample mask), detached."""
+    with torch.no_grad():
+        student, teacher = draft_input["student_logits"], draft_input["teacher_logits"]
+        same = (student.argmax(-1) == teacher.argmax(-1)).float()  # [B, S]
+        mask = draft_input["token_mask"].float() * torch.as_tensor(data["sample_mask"]).float()[
+            :, None
+        ].to(same.device)
+        return (same * mask).sum() / torch.as_tensor(count, dtype=torch.float32).clamp(min=1.0)

@@ -68,6 +68,10 @@ class StepContext:
         defer_fp32_logits: keep the last stage's logits in the model dtype (``None``: where
             exact, resolved per pass by
             :func:`~lightning_mcore_rl.train.logits_dtype.defers_fp32_logits`).
+        draft_model: the megatron-DDP-wrapped EAGLE draft trained in every training pass of the
+            ``loss_fn`` path (:mod:`~lightning_mcore_rl.train.draft`), on the last pipeline
+            stage; ``None`` elsewhere.
+        train_draft: whether a draft is trained (on every rank, also those without one).
     """
 
     groups: ParallelGroups
@@ -78,6 +82,12 @@ class StepContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     world_group: Any = None
     defer_fp32_logits: bool | None = None
+    draft_model: Any = None
+    train_draft: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft_model is not None and not self.train_draft:
+            raise ValueError("StepContext: a `draft_model` needs `train_draft=True`")
 
 
 __all__ = ["Microbatching", "StepContext"]

@@ -20,6 +20,12 @@ from torch import Tensor
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp_rank
 from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
+from lightning_mcore_rl.train.draft import (
+    aux_layers,
+    capture_layer_outputs,
+    check_draft,
+    draft_logits,
+)
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
@@ -312,8 +318,13 @@ def forward_with_post_processing_fn(
         sampling_params: Temperature (applied here, in place, on the last stage; fused: handed
             to the post-processor, which divides ``hidden x W^T`` by it) and top-k/p.
         straggler_timer: See :func:`model_forward`.
-        draft_model: EAGLE draft model; not supported (raises).
-        enable_hidden_capture: Draft-model hidden capture; not supported (raises).
+        draft_model: The EAGLE draft (:class:`~lightning_mcore_rl.models.draft.EagleDraftModel`,
+            possibly DDP-wrapped) on the last pipeline stage; ``None`` elsewhere.
+        enable_hidden_capture: Train the draft in this pass: on the last stage the outputs of
+            the draft's ``aux_layers`` are captured (detached), the draft runs on them and its
+            logits go to the microbatch as ``student_logits [B, S, V]`` for the loss
+            post-processor's :class:`~lightning_mcore_rl.losses.DraftLossWrapper`
+            (:mod:`.draft`).
         enable_opd_full_capture: Capture pre-LM-head hidden states for the teacher payload.
         use_fused_linear_logprobs: See :func:`model_forward`; the loss / logprobs post-processor
             then gets ``lm_head=FusedLMHead(...)`` on the last stage.
@@ -336,8 +347,8 @@ def forward_with_post_processing_fn(
         ValueError: Options the fused path cannot serve (:func:`check_fused_linear_logprobs`;
             megatron_forward_backward checks them before the schedule already).
         ValueError: ``router_replay_train`` without ``use_router_replay``; replay without
-            ``routed_experts`` in the microbatch.
-        NotImplementedError: Draft models (no EAGLE here).
+            ``routed_experts`` in the microbatch; what the draft path cannot serve
+            (:func:`~lightning_mcore_rl.train.draft.check_draft`).
     """
     if not isinstance(post_processing_fn, KNOWN_POST_PROCESSORS):
         raise TypeError(
@@ -349,8 +360,9 @@ def forward_with_post_processing_fn(
     )
     if router_replay_train and not use_router_replay:
         raise ValueError("`router_replay_train=True` needs `use_router_replay=True`")
-    if draft_model is not None or enable_hidden_capture:
-        raise NotImplementedError("EAGLE draft-model training is not supported by this project")
+    draft = bool(enable_hidden_capture) and _is_last_stage(model)
+    if enable_hidden_capture:
+        check_draft(model, draft_model, groups)
     mb = next(data_iterator)
     if use_router_replay:
         if mb.routed_experts_cp_sharded is None:
@@ -359,7 +371,11 @@ def forward_with_post_processing_fn(
                 "[B, S, L, K]; the rollout source records it"
             )
         arm_replay_forward(model, mb.routed_experts_cp_sharded, groups.tp_rank, groups.tp_size)
-    with _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured:
+    aux = aux_layers(draft_model) if draft else ()
+    with (
+        _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured,
+        capture_layer_outputs(model, aux, groups) as layer_outputs,
+    ):
         output = model_forward(
             model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
             mb.packed_seq_params, defer_fp32_logits,
@@ -371,6 +387,14 @@ def forward_with_post_processing_fn(
         )  # fmt: skip
     if use_router_replay:
         after_replay_forward(model, train=router_replay_train)
+    data_dict = mb.data_dict
+    if draft:
+        student = draft_logits(
+            draft_model, layer_outputs, mb.input_ids, mb.attention_mask, mb.packed_seq_params,
+            mb.cu_seqlens_padded if mb.packed_seq_params is not None else None,
+            mb.original_seq_length,
+        )  # fmt: skip
+        data_dict = BatchedDataDict({**data_dict, "student_logits": student})
     head: FusedLMHead | None = None
     if _is_last_stage(model):  # earlier stages output hidden states, not logits
         if use_fused_linear_logprobs:  # the temperature goes into hidden x W^T / T, once
@@ -380,7 +404,7 @@ def forward_with_post_processing_fn(
     fn: Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
     if isinstance(post_processing_fn, LossPostProcessor):
         fn = post_processing_fn(
-            mb.data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks,
+            data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks,
             lm_head=head, groups=groups, num_microbatches=num_microbatches,
         )  # fmt: skip
         if mb.mtp_loss_mask is not None and _is_last_stage(model):

@@ -26,6 +26,7 @@ from lightning_mcore_rl.ops import (
 )
 from lightning_mcore_rl.train import groups as pg
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.draft import draft_prepare_fn
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
@@ -47,11 +48,17 @@ class LossPostProcessor:
             step (:func:`~lightning_mcore_rl.train.forward_with_post_processing_fn`).
         cp_normalize: Divide the loss by the context-parallel size (see :meth:`scale_loss`).
         sampling_params: Top-k/top-p for logprob losses (temperature is applied upstream).
-        draft_model: EAGLE draft model; only its ``eagle_module.d2t`` vocab map is read here.
+        draft_model: The EAGLE draft trained in this pass (its ``eagle_module.d2t`` vocab map,
+            if any, maps the teacher to the draft's vocabulary); whether the draft term is
+            added is decided per microbatch by ``student_logits`` in the data (the forward step
+            with ``enable_hidden_capture`` puts them there).
         prepare_fn: Override of :func:`prepare_loss_input` (same call signature), e.g. a value
             model's right-shift.
-        defer_draft_normalization: Not supported (raises): the split optimizer-step draft
-            finalisation belongs to the draft-model trainer, which is not part of this project.
+        defer_draft_normalization: The draft term and its metrics are raw sums over the
+            microbatch's scored positions (count 1); the step divides the draft's gradients and
+            metrics once by the global token count at its end
+            (:func:`~lightning_mcore_rl.train.draft.finish_draft_gradients`). ``False``: each
+            microbatch divides by ``global_valid_toks`` itself. Both give the same update.
         teacher_output_layer_weight_by_index: This rank's teacher LM-head shards ``[V_l, H_t]``
             for full-vocabulary on-policy distillation, keyed by teacher index.
         use_fused_linear_logprobs: The model output is the last stage's final hidden states; the
@@ -81,16 +88,13 @@ class LossPostProcessor:
             _check_fused_loss(loss_fn, prepare_fn, draft_model, sampling_params)
         if num_microbatches is not None and num_microbatches < 1:
             raise ValueError(f"`num_microbatches` must be >= 1, got {num_microbatches}")
-        if defer_draft_normalization:
-            raise NotImplementedError(
-                "`defer_draft_normalization=True` needs the draft-model trainer's split "
-                "optimizer-step finalisation, which this project does not have"
-            )
         self.loss_fn = loss_fn
         self.cfg = load_policy_config(cfg)
         self.num_microbatches = num_microbatches
         self.cp_normalize = cp_normalize
         self.sampling_params = sampling_params
+        self.draft_model = draft_model
+        self.defer_draft_normalization = defer_draft_normalization
         self.d2t = getattr(getattr(draft_model, "eagle_module", None), "d2t", None)
         self.prepare_fn = prepare_fn
         self.teacher_output_layer_weight_by_index = teacher_output_layer_weight_by_index
@@ -159,11 +163,32 @@ class LossPostProcessor:
         groups: pg.ParallelGroups,
         lm_head: FusedLMHead | None,
     ) -> Any:
+        wrapper = self._policy_wrapper(data_dict, packed_seq_params, groups, lm_head)
+        if "student_logits" not in data_dict:
+            return wrapper
+        packed = self.cfg.sequence_packing and packed_seq_params is not None
+        return DraftLossWrapper(
+            wrapper,
+            draft_prepare_fn(
+                self._bound_prepare_fn(lm_head),
+                packed_seq_params.cu_seqlens_q_padded if packed else None,
+            ),
+            data_dict,
+            self.cfg.draft_loss_weight,
+            groups.tp_rank, groups.tp_group, groups.cp_group,
+            draft_valid_toks=1.0 if self.defer_draft_normalization else None,
+        )  # fmt: skip
+
+    def _policy_wrapper(
+        self,
+        data_dict: BatchedDataDict,
+        packed_seq_params: Any,
+        groups: pg.ParallelGroups,
+        lm_head: FusedLMHead | None,
+    ) -> Any:
         prepare_fn = self._bound_prepare_fn(lm_head)
         group_args = (groups.tp_rank, groups.tp_group, groups.cp_group)
         if self.cfg.sequence_packing and packed_seq_params is not None:
-            if "student_logits" in data_dict:
-                raise NotImplementedError("draft-model losses do not support sequence packing")
             cu = (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded)
             if self.cfg.fuse_loss:
                 if self.prepare_fn is not None:
@@ -186,16 +211,11 @@ class LossPostProcessor:
                     "`sequence_packing` off"
                 )
             return SequencePackingLossWrapper(self.loss_fn, prepare_fn, *cu, *group_args)
-        wrapper = functools.partial(
+        return functools.partial(
             wrap_loss_fn_with_input_preparation, loss_fn=self.loss_fn, prepare_fn=prepare_fn,
             vocab_parallel_rank=groups.tp_rank, vocab_parallel_group=groups.tp_group,
             context_parallel_group=groups.cp_group,
         )  # fmt: skip
-        if "student_logits" in data_dict:
-            return DraftLossWrapper(
-                wrapper, prepare_fn, data_dict, self.cfg.draft_loss_weight, *group_args
-            )
-        return wrapper
 
     def _direct_packed_sft(self, prepacked_loss_mask: Tensor) -> Any:
         if not isinstance(self.loss_fn, NLLLossFn):

@@ -34,6 +34,11 @@ from lightning_mcore_rl.data.packed_attention import check_packed_core_attention
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.train.context import Microbatching, StepContext
+from lightning_mcore_rl.train.draft import (
+    DRAFT_METRIC_NORMALIZATIONS,
+    finish_draft_gradients,
+    normalise_deferred_draft_metrics,
+)
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.logits_dtype import defers_fp32_logits
@@ -157,6 +162,12 @@ def run_global_batch(
         input_check: see :data:`InputCheck`; ``None``: a validation error raises at once and
             non-finite inputs are not looked at.
 
+    With ``context.train_draft`` a training pass of the ``loss_fn`` path also trains the EAGLE
+    draft (:mod:`~lightning_mcore_rl.train.draft`): its gradient buffer is zeroed first, its
+    gradients are DP-reduced (and, with ``defer_draft_normalization``, divided by ``N_t``) after
+    the schedule, and ``draft_loss`` / ``draft_top1_agreement`` join the metrics. The draft's
+    optimizer step is the caller's.
+
     Returns:
         The :class:`StepOutput`, identical on every rank; ``loss = nan`` and nothing else run
         when ``input_check`` skipped the step.
@@ -190,6 +201,7 @@ def run_global_batch(
         return StepOutput(loss=torch.tensor(float("nan")))
     counts = batch_counts(batch)
     router = None  # the MoE router statistics (``loss_fn`` path of a MoE model)
+    draft = loss is not None and context.train_draft and not forward_only  # trained in the pass
     if forward_step_func is not None:
         microbatches = split_lm_batch(batch, microbatching)
         first = cast(Tensor, next(iter(microbatches[0].values())))  # [b, S]
@@ -209,6 +221,10 @@ def run_global_batch(
         depths = mtp_depths(chunks)
         if depths and not forward_only:  # the MTP term trains with the policy loss
             normalizations = {**(normalizations or {}), **mtp_metric_normalizations(depths)}
+        if draft:  # the draft trains in the same pass, on its own gradient buffer
+            normalizations = {**(normalizations or {}), **DRAFT_METRIC_NORMALIZATIONS}
+            if context.draft_model is not None:
+                context.draft_model.zero_grad_buffer()
         global_batch = split_global_batch(
             batch, groups, microbatching, routing=moe_config(chunks) is not None,
             mtp=bool(depths) and not forward_only,
@@ -218,11 +234,18 @@ def run_global_batch(
             device=context.device,
         ) as router:  # fmt: skip
             outputs = _megatron_pass(chunks, global_batch, loss, context, forward_only)
+        if draft and context.draft_model is not None:
+            deferred = loss.defer_draft_normalization  # its one division, at the step's end
+            finish_draft_gradients(
+                context.draft_model, global_batch.global_valid_toks if deferred else None
+            )
         source = type(loss.loss_fn).__name__
     out = reduce_step_statistics(
         outputs, counts, groups, normalizations=normalizations, source=source,
         device=context.device,
     )  # fmt: skip
+    if loss is not None and draft and loss.defer_draft_normalization:
+        out = normalise_deferred_draft_metrics(out, global_batch.global_valid_toks)
     if router is None:
         return out
     routed = router.reduce(groups, context.world_group)
@@ -315,6 +338,7 @@ def _megatron_pass(
         for chunk in chunks:
             check_packed_core_attention(chunk)  # before megatron's schedule runs
     capture = isinstance(post, TeacherFullPayloadPostProcessor) and post.payload == "hidden_states"
+    draft = context.train_draft and not forward_only and isinstance(post, LossPostProcessor)
     replay = global_batch.microbatches[0].routed_experts_cp_sharded is not None and replay_enabled(
         chunks
     )  # checked up front: replaying routers need `routed_experts` (check_routed_experts)
@@ -334,6 +358,8 @@ def _megatron_pass(
         ),
         sampling_params=context.sampling_params,
         enable_opd_full_capture=capture,
+        draft_model=context.draft_model if draft else None,
+        enable_hidden_capture=draft,
         use_fused_linear_logprobs=context.use_fused_linear_logprobs,
         use_router_replay=replay,
         router_replay_train=replay and not forward_only,  # REPLAY_BACKWARD for recompute

@@ -6,6 +6,8 @@ step context's); model calls use small stand-in modules.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.unit import FakeGroup
@@ -149,8 +151,9 @@ def test_padding_mask_cp_slicing_needs_the_groups() -> None:
 def test_loss_post_processor_argument_errors() -> None:
     with pytest.raises(ValueError, match="num_microbatches"):
         LossPostProcessor(NLLLossFn(), None, num_microbatches=0)
-    with pytest.raises(NotImplementedError, match="defer_draft_normalization"):
-        LossPostProcessor(NLLLossFn(), None, defer_draft_normalization=True)
+    assert LossPostProcessor(
+        NLLLossFn(), None, defer_draft_normalization=True
+    ).defer_draft_normalization
 
 
 def test_fused_packed_loss_rejects_a_custom_prepare_fn() -> None:
@@ -264,8 +267,17 @@ def test_forward_step_rejects_unknown_post_processors_and_missing_components() -
     post = LogprobsPostProcessor(None)
     with pytest.raises(ValueError, match="`router_replay_train=True` needs `use_router_replay"):
         forward_with_post_processing_fn(never, _Model(), post, router_replay_train=True, groups=G)
-    with pytest.raises(NotImplementedError, match="draft-model"):
-        forward_with_post_processing_fn(never, _Model(), post, draft_model=object(), groups=G)
+    loss = LossPostProcessor(NLLLossFn(), None)
+    with pytest.raises(ValueError, match="`enable_hidden_capture=True` on the last pipeline stage "
+                       "needs the `draft_model`"):  # fmt: skip
+        forward_with_post_processing_fn(never, _Model(), loss, enable_hidden_capture=True, groups=G)
+    cp2 = dataclasses.replace(G, cp_size=2)
+    with pytest.raises(
+        ValueError, match="draft-model training needs context_parallel_size=1.*CP=2"
+    ):
+        forward_with_post_processing_fn(
+            never, _Model(), loss, enable_hidden_capture=True, groups=cp2
+        )
 
 
 class _Chunk(nn.Module):

@@ -1,0 +1,189 @@
+"""An EAGLE-3-style draft model (Li et al. 2025, "EAGLE-3", §3) built from megatron-core layers.
+
+The draft reads the policy's hidden states at a few chosen decoder layers ("aux" layers, EAGLE-3's
+low/mid/high features) and the embedding of the next token, and predicts the token after it:
+
+    f_t  = fc([h^{l_1}_t ; ... ; h^{l_k}_t])                        # [S, B, k H] -> [S, B, H]
+    x_t  = eh_proj([enorm(E[y_{t+1}]) ; hnorm(f_t)])                # [S, B, 2 H] -> [S, B, H]
+    z_t  = lm_head(final_norm(layer(x)_t))                          # [S, B, V]: token t + 2
+
+``layer`` is one megatron ``TransformerLayer`` (causal self-attention over the draft's own
+sequence, the packed-capable local spec), ``E`` the draft's own vocab-parallel embedding table,
+``lm_head`` its own column-parallel output layer (gathered: full-vocabulary logits, as the draft
+loss needs). Every projection is megatron's tensor-parallel linear, so the draft runs under the
+policy's TP layout; it has no pipeline stages (it lives on the policy's last stage). Weights are
+drawn like the tiny GPT's (:func:`~lightning_mcore_rl.models.tiny_gpt.full_parameter_value` by
+name, then this TP rank's shard): the same full weights under any layout.
+
+Notation: ``B`` sequences, ``S`` tokens (``T`` of a packed row, ``B = 1``), ``H`` hidden, ``V``
+vocabulary, ``k`` aux layers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from lightning_mcore_rl.megatron_defaults import local_spec_settings
+from lightning_mcore_rl.models.layout import layout_groups
+from lightning_mcore_rl.models.tiny_gpt import (
+    full_parameter_value,
+    full_shape,
+    tensor_parallel_shard,
+)
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+    from lightning_mcore_rl.train.groups import ParallelGroups
+
+
+class EagleDraftModel(MegatronModule):
+    """The draft (see the module docstring).
+
+    Args:
+        config: the draft's ``TransformerConfig`` (:func:`eagle_draft_config`).
+        vocab_size: ``V``, divisible by TP.
+        aux_layers: the policy's decoder layers (0-based global indices) whose outputs it reads.
+
+    Attributes:
+        aux_layers: as given (a tuple, ascending).
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, aux_layers: tuple[int, ...]):
+        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+        from megatron.core.transformer.spec_utils import build_module
+
+        from lightning_mcore_rl.data import get_packed_local_layer_spec
+
+        super().__init__(config=config)
+        hidden = config.hidden_size
+        self.aux_layers = tuple(aux_layers)
+        self.vocab_size = vocab_size
+        init = config.init_method
+
+        def linear(inputs: int, outputs: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(
+                inputs, outputs, config=config, init_method=init, bias=False, gather_output=True
+            )
+
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, init_method=init,
+                                                   config=config)  # fmt: skip
+        self.fc = linear(len(self.aux_layers) * hidden, hidden)
+        self.enorm = torch.nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+        self.hnorm = torch.nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+        self.eh_proj = linear(2 * hidden, hidden)
+        self.layer = build_module(get_packed_local_layer_spec(), config=config, layer_number=1)
+        self.final_layernorm = torch.nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+        self.lm_head = linear(hidden, vocab_size)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        next_input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> Tensor:
+        """Full-vocabulary draft logits.
+
+        Args:
+            hidden_states: ``[S, B, k H]`` the aux layers' outputs, concatenated in
+                :attr:`aux_layers` order (detached from the policy).
+            next_input_ids: ``[B, S]`` the token after each position (``y_{t+1}``; 0 past a
+                sequence's end).
+            attention_mask: ``[1, 1, S, S]`` causal mask (``None`` packed).
+            packed_seq_params: megatron ``PackedSeqParams`` of a packed row.
+
+        Returns:
+            ``[B, S, V]`` logits (token ``t + 2`` at position ``t``).
+        """
+        embeds = self.embed_tokens(next_input_ids).transpose(0, 1)  # [B, S, H] -> [S, B, H]
+        features, _ = self.fc(hidden_states)
+        x = torch.cat([self.enorm(embeds), self.hnorm(features)], dim=-1)  # [S, B, 2H]
+        x, _ = self.eh_proj(x)
+        x, _ = self.layer(
+            hidden_states=x, attention_mask=attention_mask, packed_seq_params=packed_seq_params
+        )
+        logits, _ = self.lm_head(self.final_layernorm(x))  # [S, B, V]
+        return logits.transpose(0, 1).contiguous()
+
+
+def eagle_draft_config(
+    policy_config: TransformerConfig, groups: ParallelGroups | None = None, **overrides: Any
+) -> TransformerConfig:
+    """The draft's config: one layer of the policy's width, heads and precision, dropout off,
+    the policy's TP size (no pipeline, no CP, no sequence parallelism: the draft runs on the last
+    stage over full sequences), ``calculate_per_token_loss`` like the policy's.
+
+    Args:
+        policy_config: the policy chunk's config.
+        groups: this rank's layout (``None``: one rank).
+        **overrides: other ``TransformerConfig`` fields (e.g. ``ffn_hidden_size``).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    groups = layout_groups(groups)
+    fields: dict[str, Any] = {
+        "num_layers": 1,
+        "hidden_size": policy_config.hidden_size,
+        "num_attention_heads": policy_config.num_attention_heads,
+        "ffn_hidden_size": policy_config.ffn_hidden_size,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tensor_model_parallel_size": groups.tp_size,
+        "params_dtype": policy_config.params_dtype,
+        "pipeline_dtype": policy_config.params_dtype,
+        "bf16": policy_config.bf16,
+        "calculate_per_token_loss": policy_config.calculate_per_token_loss,
+        **local_spec_settings(),
+    }
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def eagle_draft(
+    policy_config: TransformerConfig,
+    *,
+    vocab_size: int,
+    aux_layers: tuple[int, ...],
+    groups: ParallelGroups | None = None,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> EagleDraftModel:
+    """Build this rank's shard of the draft with layout-independent deterministic weights.
+
+    Args:
+        policy_config: the policy chunk's config (width, heads, precision).
+        vocab_size: ``V`` (the policy's).
+        aux_layers: the policy's decoder layers the draft reads (0-based global indices).
+        groups: this rank's layout (``None``: one rank).
+        seed: weight seed.
+        **config_overrides: see :func:`eagle_draft_config`.
+
+    Returns:
+        The draft (fp32 or the policy's ``params_dtype``; not wrapped).
+
+    Raises:
+        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers, or
+            ``vocab_size`` not divisible by TP.
+    """
+    layers = tuple(aux_layers)
+    total = policy_config.num_layers
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= i < total for i in layers):
+        raise ValueError(
+            f"`aux_layers` must be distinct decoder-layer indices in [0, {total}) of the policy, "
+            f"got {aux_layers!r}"
+        )
+    groups = layout_groups(groups)
+    if vocab_size % groups.tp_size != 0:
+        raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({groups.tp_size}).")
+    config = eagle_draft_config(policy_config, groups, **config_overrides)
+    draft = EagleDraftModel(config, vocab_size, tuple(sorted(layers)))
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            full = full_parameter_value(f"draft.{name}", full_shape(param, groups.tp_size), seed)
+            param.copy_(tensor_parallel_shard(full, param, groups.tp_rank, groups.tp_size))
+    return draft

@@ -1,0 +1,269 @@
+"""Online draft-model (EAGLE) training inside the policy's step: hidden capture, the draft's
+forward, and the draft's gradient finalisation.
+
+The forward step (:func:`~lightning_mcore_rl.train.forward_with_post_processing_fn` with
+``draft_model`` and ``enable_hidden_capture``) records, on the policy's last pipeline stage, the
+outputs of the decoder layers the draft reads (:func:`capture_layer_outputs`, detached: nothing
+the draft does reaches the policy's graph), runs the draft (:func:`draft_logits`) and puts its
+logits in the microbatch as ``student_logits [B, S, V]``; the
+:class:`~lightning_mcore_rl.losses.DraftLossWrapper` the
+:class:`~lightning_mcore_rl.train.LossPostProcessor` builds then adds ``loss_weight x`` the draft's
+soft cross entropy against the policy's (detached) next-position distribution. Packed
+microbatches run the draft on the packed row and unpack its logits (and, for the loss, the
+policy's) to the padded ``[B, S, ...]`` layout, so packed = padded.
+
+The draft is a separate megatron-DDP module outside the policy's chunks: after the schedule,
+:func:`finish_draft_gradients` all-reduces its gradients over DP (and, with
+``defer_draft_normalization``, divides them once by the step's global token count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mcore_rl.losses import MetricNormalizer
+from lightning_mcore_rl.train.chunks import unwrap_model
+from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.train.statistics import StepOutput
+
+
+def aux_layers(draft_model: torch.nn.Module) -> tuple[int, ...]:
+    """The policy decoder layers (global 0-based indices, ascending) a possibly wrapped draft
+    reads (its ``aux_layers``)."""
+    return tuple(int(i) for i in cast(Any, unwrap_model(draft_model)).aux_layers)
+
+
+def check_draft(model: torch.nn.Module, draft_model: Any, groups: ParallelGroups) -> None:
+    """What the draft path cannot serve, raised before the forward (identically on the ranks of
+    a stage).
+
+    Args:
+        model: the policy chunk of this forward.
+        draft_model: the draft (possibly DDP-wrapped) or ``None`` off the last stage.
+        groups: this rank's groups.
+
+    Raises:
+        ValueError: context parallelism; a last stage without a draft; an aux layer the last
+            stage does not hold (the draft reads layers of the last stage only).
+    """
+    if groups.cp_size > 1:
+        raise ValueError(
+            "draft-model training needs context_parallel_size=1 (the draft attends over whole "
+            f"sequences), got CP={groups.cp_size}"
+        )
+    inner = unwrap_model(model)
+    if not getattr(inner, "post_process", True):
+        return
+    if draft_model is None:
+        raise ValueError(
+            "`enable_hidden_capture=True` on the last pipeline stage needs the `draft_model` "
+            "(build it there: MCoreRLModule.build_draft_model)"
+        )
+    held = {int(layer.layer_number) - 1 for layer in inner.decoder.layers}  # type: ignore[union-attr]
+    aux = aux_layers(draft_model)
+    missing = sorted(set(aux) - held)
+    if missing:
+        raise ValueError(
+            f"the draft reads the policy's decoder layers {list(aux)}, but the last pipeline "
+            f"stage holds layers {sorted(held)} only (missing {missing}); choose `aux_layers` "
+            "among the last stage's layers"
+        )
+
+
+@contextlib.contextmanager
+def capture_layer_outputs(
+    model: torch.nn.Module, layers: Sequence[int], groups: ParallelGroups
+) -> Iterator[dict[int, Tensor]]:
+    """Record the outputs ``[S, B, H]`` of the policy's decoder layers ``layers`` (global 0-based
+    indices held by this chunk) during the block, detached. Under sequence parallelism a layer's
+    output is this TP rank's sequence slice; it is all-gathered over TP (megatron's rank order).
+
+    Args:
+        model: the policy chunk.
+        layers: the global layer indices to record.
+        groups: this rank's groups (the TP group).
+
+    Yields:
+        ``{layer index: [S, B, H]}``, filled by the forward.
+    """
+    captured: dict[int, Tensor] = {}
+    inner = unwrap_model(model)
+    sequence_parallel = bool(getattr(getattr(inner, "config", None), "sequence_parallel", False))
+    handles = []
+
+    def hook(index: int) -> Any:
+        def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden = (output[0] if isinstance(output, tuple) else output).detach()
+            if sequence_parallel and groups.tp_size > 1:
+                parts = [torch.empty_like(hidden) for _ in range(groups.tp_size)]
+                dist.all_gather(parts, hidden.contiguous(), group=groups.tp_group)
+                hidden = torch.cat(parts, dim=0)  # [S/TP, B, H] x TP -> [S, B, H]
+            captured[index] = hidden
+
+        return record
+
+    for layer in inner.decoder.layers:  # type: ignore[union-attr]
+        index = int(layer.layer_number) - 1
+        if index in layers:
+            handles.append(layer.register_forward_hook(hook(index)))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def next_token_ids(input_ids: Tensor, cu_seqlens_padded: Tensor | None) -> Tensor:
+    """``y_{t+1}`` at position ``t``: ``[B, S]`` shifted left by one, 0 at each row's (packed:
+    each span's) last position, so the shift never crosses a sequence boundary.
+
+    Args:
+        input_ids: ``[B, S]`` or the packed row ``[1, T]``.
+        cu_seqlens_padded: ``[B+1]`` span boundaries of a packed row (``None``: padded).
+
+    Returns:
+        The shifted ids, same shape.
+    """
+    shifted = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+    if cu_seqlens_padded is not None:
+        ends = cu_seqlens_padded[1:].long() - 1
+        shifted[0, ends[ends >= 0]] = 0
+    return shifted
+
+
+def unpack_rows(packed: Tensor, cu_seqlens_padded: Tensor, width: int) -> Tensor:
+    """The packed row ``[1, T, ...]`` back in the padded layout ``[B, S, ...]`` (each span's
+    first ``min(span, S)`` positions; zeros after), keeping autograd.
+
+    Args:
+        packed: ``[1, T, X]``.
+        cu_seqlens_padded: ``[B+1]`` span boundaries.
+        width: ``S``.
+
+    Returns:
+        ``[B, S, X]``.
+    """
+    rows = []
+    bounds = [int(b) for b in cu_seqlens_padded]
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        span = packed[0, start : min(end, start + width)]  # [s_i, X]
+        rows.append(torch.nn.functional.pad(span, (0, 0, 0, width - span.shape[0])))
+    return torch.stack(rows)
+
+
+def draft_logits(
+    draft_model: torch.nn.Module,
+    captured: dict[int, Tensor],
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    packed_seq_params: Any,
+    cu_seqlens_padded: Tensor | None,
+    width: int,
+) -> Tensor:
+    """Run the draft on the captured layer outputs: ``[B, S, V]`` logits in the padded layout.
+
+    Args:
+        draft_model: the draft (possibly wrapped); reads ``aux_layers`` in ascending order.
+        captured: :func:`capture_layer_outputs`' record of this forward.
+        input_ids: the model ids ``[B, S_pad]`` or the full packed row ``[1, T]``.
+        attention_mask: the policy forward's causal mask (``None`` packed).
+        packed_seq_params: megatron ``PackedSeqParams`` (``None`` padded).
+        cu_seqlens_padded: ``[B+1]`` span boundaries (``None`` padded).
+        width: ``S``, the microbatch's data width.
+
+    Returns:
+        ``[B, S, V]`` draft logits (token ``t + 2`` at position ``t``), with gradient to the
+        draft only.
+    """
+    hidden = torch.cat([captured[i] for i in aux_layers(draft_model)], dim=-1)  # [S, B, k H]
+    logits = draft_model(
+        hidden, next_token_ids(input_ids, cu_seqlens_padded), attention_mask, packed_seq_params
+    )
+    if cu_seqlens_padded is not None:
+        return unpack_rows(logits, cu_seqlens_padded, width)
+    return logits[:, :width]
+
+
+def draft_prepare_fn(prepare_fn: Callable[..., Any], cu_seqlens_padded: Tensor | None) -> Any:
+    """The draft term's input preparation: the policy logits in the padded layout of the
+    ``student_logits`` (a packed row unpacked, a padded row trimmed to the data width ``S``),
+    then ``prepare_fn`` (its ``DRAFT`` branch: the detached teacher rolled left by one).
+
+    Args:
+        prepare_fn: ``prepare_loss_input`` with the post-processor's bindings.
+        cu_seqlens_padded: ``[B+1]`` span boundaries of a packed microbatch (``None``: padded).
+
+    Returns:
+        ``prepare(logits, data, loss_fn, tp_rank, tp_group, cp_group) -> (loss_input, data)``.
+    """
+
+    def prepare(logits: Tensor, data: Any, loss_fn: Any, *groups: Any) -> Any:
+        width = int(data["input_ids"].shape[1])
+        if cu_seqlens_padded is not None:
+            logits = unpack_rows(logits, cu_seqlens_padded, width)  # [1, T, V_l] -> [B, S, V_l]
+        return prepare_fn(logits[:, :width], data, loss_fn, *groups)
+
+    return prepare
+
+
+def finish_draft_gradients(
+    draft_model: torch.nn.Module, global_valid_toks: Tensor | None = None
+) -> None:
+    """After the schedule: the draft's DP gradient all-reduce (megatron DDP
+    ``finish_grad_sync``), then, for ``defer_draft_normalization``, the one division of its
+    gradients by the step's global valid token count ``N_t`` (the microbatches back-propagated
+    raw sums).
+
+    Args:
+        draft_model: the megatron-DDP-wrapped draft.
+        global_valid_toks: ``N_t`` of the step to divide by (``None``: already normalised).
+    """
+    draft_model.finish_grad_sync()  # type: ignore[operator]
+    if global_valid_toks is None:
+        return
+    scale = 1.0 / float(max(float(global_valid_toks), 1.0))
+    with torch.no_grad():
+        for param in draft_model.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None:
+                grad.mul_(scale)
+
+
+DRAFT_METRIC_NORMALIZATIONS = {
+    "draft_loss": MetricNormalizer.TOKENS,
+    "draft_top1_agreement": MetricNormalizer.TOKENS,
+}
+"""The declared reductions of the draft's metrics (:class:`~lightning_mcore_rl.losses.DraftLossWrapper`:
+contributions to the token mean over the policy loss's count, whose scored positions they share)."""
+
+
+def normalise_deferred_draft_metrics(out: StepOutput, global_valid_toks: Tensor) -> StepOutput:
+    """``defer_draft_normalization``: the draft metrics were summed raw; divide them once by the
+    step's global valid token count (what each microbatch would have divided by)."""
+    count = max(float(global_valid_toks), 1.0)
+    metrics = dict(out.metrics)
+    for key in DRAFT_METRIC_NORMALIZATIONS:
+        if key in metrics:
+            metrics[key] = metrics[key] / count
+    return dataclasses.replace(out, metrics=metrics)
+
+
+__all__ = [
+    "DRAFT_METRIC_NORMALIZATIONS",
+    "aux_layers",
+    "capture_layer_outputs",
+    "check_draft",
+    "draft_logits",
+    "draft_prepare_fn",
+    "finish_draft_gradients",
+    "next_token_ids",
+    "normalise_deferred_draft_metrics",
+    "unpack_rows",
+]
