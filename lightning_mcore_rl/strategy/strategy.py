@@ -10,6 +10,7 @@ A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightni
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -39,6 +40,7 @@ from lightning_mcore_rl.strategy.config import (
     ReliabilityConfig,
     accept_flat_arguments,
 )
+from lightning_mcore_rl.strategy.draft import DraftState, build_draft, step_draft
 from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks
 from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
 from lightning_mcore_rl.strategy.optimizer import (
@@ -175,6 +177,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._wrapped = WrappedChunks()
         self._chunks: list[torch.nn.Module] = []
         self.teacher = HostedTeacher()  # the module's frozen teacher (strategy/teacher.py)
+        self.draft = DraftState()  # the module's EAGLE draft, trained in the step (draft.py)
         rel = self.reliability
         self.nonfinite_guard = NonFiniteGuard.from_config(rel)
         self.termination = TerminationRequest()  # SIGTERM at step boundaries (strategy/signals.py)
@@ -337,6 +340,13 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._chunks = self._wrapped.update(raw, bf16=plugin.bf16, ddp_config=ddp)
         if fitting:
             self.setup_optimizers(trainer)
+            self.draft = build_draft(
+                module, self.groups, ddp, self.megatron_optimizer.config,
+                float(trainer.gradient_clip_val or 0.0), bf16=plugin.bf16,
+            )  # fmt: skip
+            self._context = dataclasses.replace(
+                self._context, draft_model=self.draft.model, train_draft=self.draft.train_draft
+            )
         self.setup_precision_plugin()
 
     @override
@@ -382,7 +392,11 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         """Lightning's optimizer step; its end is the end of the step's wall time
         (``step_time``, :class:`~.agreement.StepBoundary`)."""
         try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            last = self.last_optimizer_step
+            if last is None or last.update_successful:  # the draft steps with its policy
+                step_draft(self.draft, self.groups)
+            return out
         finally:
             self.step_boundary.stop()
 

@@ -1,0 +1,133 @@
+"""The EAGLE draft a module trains next to its policy (``MCoreRLModule.build_draft_model``): built,
+wrapped and stepped by the strategy, trained inside the policy's step
+(:mod:`lightning_mcore_rl.train.draft`).
+
+The draft has its own megatron DDP wrapper and its own optimizer (Adam with the policy's
+``OptimizerConfig`` learning rate, betas, eps and weight decay; its own gradient norm and
+clipping at ``Trainer(gradient_clip_val=...)``): the policy's optimizer, clipping and grad norm
+never see it. It lives on the last pipeline stage only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from lightning_mcore_rl.train.groups import ParallelGroups
+
+
+@dataclass
+class DraftState:
+    """The strategy's draft: ``None`` fields on ranks without one (other pipeline stages, or no
+    draft at all).
+
+    Attributes:
+        train_draft: a draft is trained in this run (the same on every rank).
+        model: the megatron-DDP-wrapped draft (last pipeline stage), else ``None``.
+        optimizer: its torch Adam, else ``None``.
+        clip_grad: the global-norm clip of its gradients (0: none).
+        last_grad_norm: the pre-clip gradient norm of its latest step (``None`` before one).
+    """
+
+    train_draft: bool = False
+    model: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    clip_grad: float = 0.0
+    last_grad_norm: float | None = None
+
+
+def build_draft(
+    module: Any,
+    groups: ParallelGroups,
+    ddp_config: Any,
+    optimizer_config: Any,
+    clip_grad: float,
+    *,
+    bf16: bool,
+) -> DraftState:
+    """Ask ``module.build_draft_model()`` (on every rank; the draft is kept on the last pipeline
+    stage) and wrap it for training.
+
+    Args:
+        module: the ``MCoreRLModule`` (its chunks built).
+        groups: this rank's groups.
+        ddp_config: megatron's ``DistributedDataParallelConfig`` of the policy.
+        optimizer_config: the policy's megatron ``OptimizerConfig`` (the draft's Adam settings).
+        clip_grad: ``Trainer(gradient_clip_val=...)`` (0: no clipping).
+        bf16: the Trainer runs bf16 (not served for the draft yet).
+
+    Returns:
+        The :class:`DraftState` (``train_draft=False`` when the hook returns ``None``).
+
+    Raises:
+        TypeError: the hook returned something that is not a megatron module.
+        ValueError: a draft under bf16 precision.
+    """
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import MegatronModule
+
+    draft = module.build_draft_model()
+    if draft is None:
+        return DraftState()
+    if not isinstance(draft, MegatronModule):
+        raise TypeError(
+            f"{type(module).__name__}.build_draft_model() must return a megatron module (e.g. "
+            f"lightning_mcore_rl.models.draft.eagle_draft(...)) or None, got {type(draft).__name__}"
+        )
+    if bf16:
+        raise ValueError(
+            "draft-model training runs in fp32 only (its torch Adam has no fp32 master weights); "
+            "use Trainer(precision='32-true') or return None from build_draft_model()"
+        )
+    if not groups.is_pipeline_last_stage:
+        return DraftState(train_draft=True, clip_grad=clip_grad)
+    wrapped = DistributedDataParallel(draft.config, ddp_config, draft)
+    adam = torch.optim.Adam(
+        wrapped.parameters(),
+        lr=float(optimizer_config.lr),
+        betas=(float(optimizer_config.adam_beta1), float(optimizer_config.adam_beta2)),
+        eps=float(optimizer_config.adam_eps),
+        weight_decay=float(optimizer_config.weight_decay),
+    )
+    return DraftState(train_draft=True, model=wrapped, optimizer=adam, clip_grad=clip_grad)
+
+
+def draft_grad_norm(model: torch.nn.Module, groups: ParallelGroups) -> float:
+    """The L2 norm of the draft's full gradient: tensor-parallel shards' squares summed over TP,
+    replicated parameters counted once (their gradients are the same on every TP rank)."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for param in model.parameters():
+        square = cast(Any, param).main_grad.double().pow(2).sum()  # DDP's fp32 buffer view
+        if getattr(param, "tensor_model_parallel", False):
+            sharded += square
+        else:
+            replicated += square
+    if groups.tp_size > 1:
+        dist.all_reduce(sharded, group=groups.tp_group)
+    return math.sqrt(float(sharded + replicated))
+
+
+def step_draft(state: DraftState, groups: ParallelGroups) -> None:
+    """After the policy's optimizer step: the draft's grad norm, clipping and Adam step (ranks
+    without a draft do nothing). Gradients come from the DDP buffer (``main_grad``)."""
+    if state.model is None or state.optimizer is None:
+        return
+    norm = draft_grad_norm(state.model, groups)
+    state.last_grad_norm = norm
+    scale = 1.0
+    if state.clip_grad > 0 and norm > state.clip_grad:
+        scale = state.clip_grad / (norm + 1e-6)  # megatron's clip_grad_by_total_norm_fp32
+    for param in state.model.parameters():
+        grad = cast(Any, param).main_grad  # DDP's fp32 buffer view
+        param.grad = grad * scale if scale != 1.0 else grad
+    state.optimizer.step()
+    for param in state.model.parameters():
+        param.grad = None  # the DDP buffer is zeroed by the next step's pass
+
+
+__all__ = ["DraftState", "build_draft", "draft_grad_norm", "step_draft"]

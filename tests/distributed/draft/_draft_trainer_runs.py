@@ -1,0 +1,66 @@
+"""Rank function of the draft Trainer tests: the SFT recipe (tiny GPT, the counting task) with and
+without an EAGLE draft from ``build_draft_model``, every step's logged metrics and the draft's
+grad norm recorded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from helpers.trainer import cpu_trainer
+from lightning.pytorch import Callback
+
+from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.models.draft import eagle_draft
+from lightning_mcore_rl.recipes import SFTDataModule, SFTModule
+from lightning_mcore_rl.testing import destroy_megatron_state
+from lightning_mcore_rl.train.chunks import unwrap_model
+
+DATA_STEPS = 40
+"""The dataset of every run (the same rows whatever ``steps``)."""
+
+
+class DraftSFT(SFTModule):
+    """SFT with a draft reading the policy's last decoder layer (layer 1 of 2)."""
+
+    def build_draft_model(self) -> torch.nn.Module | None:
+        assert self.chunks is not None
+        config = unwrap_model(self.chunks[-1]).config
+        return eagle_draft(config, vocab_size=16, aux_layers=(1,), groups=self.parallel_groups)
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        row = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        norm = trainer.strategy.draft.last_grad_norm
+        row["draft_grad_norm"] = float("nan") if norm is None else norm
+        self.rows.append(row)
+
+
+def sft_rows(draft: bool, steps: int, tp: int = 1, pp: int = 1) -> list[dict[str, float]]:
+    """``steps`` SFT steps (16 rows per step, 8-row microbatches)."""
+    record = _Record()
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=8
+    )
+    trainer = cpu_trainer(
+        strategy=strategy, max_steps=steps, gradient_clip_val=1.0, num_sanity_val_steps=0,
+        callbacks=[record],
+    )  # fmt: skip
+    module = DraftSFT() if draft else SFTModule()
+    trainer.fit(module, datamodule=SFTDataModule(num_steps=DATA_STEPS))
+    destroy_megatron_state()
+    return record.rows
+
+
+def with_and_without(rank: int, steps: int) -> dict[str, list[dict[str, float]]]:
+    """TP=1: the recipe with a draft and without."""
+    return {"draft": sft_rows(True, steps), "plain": sft_rows(False, steps)}
+
+
+def layouts(rank: int, steps: int) -> dict[str, list[dict[str, float]]]:
+    """TP=2 and PP=2 with a draft."""
+    return {"tp2": sft_rows(True, steps, tp=2), "pp2": sft_rows(True, steps, pp=2)}
