@@ -10,7 +10,9 @@ never see it. It lives on the last pipeline stage only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -130,4 +132,83 @@ def step_draft(state: DraftState, groups: ParallelGroups) -> None:
         param.grad = None  # the DDP buffer is zeroed by the next step's pass
 
 
-__all__ = ["DraftState", "build_draft", "draft_grad_norm", "step_draft"]
+DRAFT_PREFIX = "draft."
+"""Head of the draft's entries in the checkpoint's model state (weights ``draft.<name>``, its Adam
+moments ``draft.adam.<exp_avg|exp_avg_sq>.<name>``, its step count ``draft.adam.step``); the
+ShardedTensor keys are the same, so they never collide with the policy's or a teacher's."""
+
+_ADAM = f"{DRAFT_PREFIX}adam."
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def draft_checkpoint_state(state: DraftState) -> dict[str, Any]:
+    """The draft's sharded checkpoint entries: its weights (megatron's ``sharded_state_dict``,
+    TP shards and replicas as megatron declares them) and its Adam state as ShardedTensors of the
+    same sharding (zeros before the first step, also the template a resume loads into). Empty on
+    ranks without a draft.
+
+    Args:
+        state: the strategy's draft.
+
+    Returns:
+        ``{key: ShardedTensor}``.
+    """
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+    if state.model is None or state.optimizer is None:
+        return {}
+    inner = state.model.module
+    weights = dict(inner.sharded_state_dict(prefix=DRAFT_PREFIX))
+    entries: dict[str, Any] = dict(weights)
+    step = torch.zeros(1, dtype=torch.float32)
+    for name, param in inner.named_parameters():
+        saved = state.optimizer.state.get(param, {})
+        weight = weights[f"{DRAFT_PREFIX}{name}"]
+        for moment in _MOMENTS:
+            value = saved.get(moment, torch.zeros_like(param))
+            key = f"{_ADAM}{moment}.{name}"
+            entries[key] = dataclasses.replace(weight, key=key, data=value)
+        if "step" in saved:
+            step = torch.as_tensor(saved["step"], dtype=torch.float32).reshape(1).clone()
+    entries[f"{_ADAM}step"] = make_sharded_tensor_for_checkpoint(step, f"{_ADAM}step")
+    return entries
+
+
+def load_draft_checkpoint_state(state: DraftState, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Load a loaded checkpoint's draft entries (plain tensors) into the draft and its Adam.
+
+    Args:
+        state: the strategy's draft.
+        state_dict: the checkpoint's model state (policy, teacher and draft entries).
+
+    Returns:
+        The entries that are not the draft's.
+    """
+    rest = {k: v for k, v in state_dict.items() if not k.startswith(DRAFT_PREFIX)}
+    if state.model is None or state.optimizer is None or len(rest) == len(state_dict):
+        return rest
+    inner = state.model.module
+    weights = {
+        k[len(DRAFT_PREFIX) :]: v
+        for k, v in state_dict.items()
+        if k.startswith(DRAFT_PREFIX) and not k.startswith(_ADAM)
+    }
+    inner.load_state_dict(weights)
+    step = torch.as_tensor(state_dict[f"{_ADAM}step"]).reshape(())
+    for name, param in inner.named_parameters():
+        state.optimizer.state[param] = {
+            "step": step.clone(),
+            **{m: state_dict[f"{_ADAM}{m}.{name}"].clone() for m in _MOMENTS},
+        }
+    return rest
+
+
+__all__ = [
+    "DRAFT_PREFIX",
+    "DraftState",
+    "build_draft",
+    "draft_checkpoint_state",
+    "draft_grad_norm",
+    "load_draft_checkpoint_state",
+    "step_draft",
+]

@@ -40,7 +40,13 @@ from lightning_mcore_rl.strategy.config import (
     ReliabilityConfig,
     accept_flat_arguments,
 )
-from lightning_mcore_rl.strategy.draft import DraftState, build_draft, step_draft
+from lightning_mcore_rl.strategy.draft import (
+    DraftState,
+    build_draft,
+    draft_checkpoint_state,
+    load_draft_checkpoint_state,
+    step_draft,
+)
 from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks
 from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
 from lightning_mcore_rl.strategy.optimizer import (
@@ -474,7 +480,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         policy = self._checkpoints().model_state()
-        return {**policy, **self.teacher.state_dict(self.lightning_module)}
+        teacher = self.teacher.state_dict(self.lightning_module)
+        return {**policy, **teacher, **draft_checkpoint_state(self.draft)}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -502,7 +509,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        policy = self.teacher.load_state_dict(self.lightning_module, checkpoint["state_dict"])
+        rest = load_draft_checkpoint_state(self.draft, checkpoint["state_dict"])
+        policy = self.teacher.load_state_dict(self.lightning_module, rest)
         self._checkpoints().load_model(policy, strict)
 
     @override

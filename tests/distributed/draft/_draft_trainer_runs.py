@@ -40,18 +40,32 @@ class _Record(Callback):
         self.rows.append(row)
 
 
-def sft_rows(draft: bool, steps: int, tp: int = 1, pp: int = 1) -> list[dict[str, float]]:
-    """``steps`` SFT steps (16 rows per step, 8-row microbatches)."""
+def sft_rows(
+    draft: bool,
+    steps: int,
+    tp: int = 1,
+    pp: int = 1,
+    root: str | None = None,
+    ckpt_path: str | None = None,
+) -> list[dict[str, float]]:
+    """``steps`` SFT steps (16 rows per step, 8-row microbatches); with ``root`` a checkpoint
+    every 2 steps (``{root}/step=<n>.ckpt``), resumed from ``ckpt_path`` when given."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     record = _Record()
+    callbacks: list[Callback] = [record]
+    if root is not None and ckpt_path is None:
+        callbacks.append(ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=2,
+                                         save_top_k=-1))  # fmt: skip
     strategy = MCoreRLStrategy(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=8
     )
     trainer = cpu_trainer(
         strategy=strategy, max_steps=steps, gradient_clip_val=1.0, num_sanity_val_steps=0,
-        callbacks=[record],
+        callbacks=callbacks, default_root_dir=root, enable_checkpointing=root is not None,
     )  # fmt: skip
     module = DraftSFT() if draft else SFTModule()
-    trainer.fit(module, datamodule=SFTDataModule(num_steps=DATA_STEPS))
+    trainer.fit(module, datamodule=SFTDataModule(num_steps=DATA_STEPS), ckpt_path=ckpt_path)
     destroy_megatron_state()
     return record.rows
 
@@ -64,3 +78,10 @@ def with_and_without(rank: int, steps: int) -> dict[str, list[dict[str, float]]]
 def layouts(rank: int, steps: int) -> dict[str, list[dict[str, float]]]:
     """TP=2 and PP=2 with a draft."""
     return {"tp2": sft_rows(True, steps, tp=2), "pp2": sft_rows(True, steps, pp=2)}
+
+
+def resumed(rank: int, root: str, steps: int) -> tuple[list[dict[str, float]], ...]:
+    """PP=2: ``steps`` steps saving every 2, then a new Trainer resumed from ``step=2.ckpt``."""
+    full = sft_rows(True, steps, pp=2, root=root)
+    again = sft_rows(True, steps, pp=2, root=root, ckpt_path=f"{root}/step=2.ckpt")
+    return full, again

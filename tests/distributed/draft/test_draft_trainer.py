@@ -4,13 +4,16 @@
   task the agreement with the policy's argmax rises and the draft loss falls as both train;
 * the policy's logged loss and grad norm are bitwise those of the run without a draft, at every
   step (the draft has its own optimizer and reads detached activations);
-* TP=2 and PP=2 log the TP=1 draft loss, agreement and draft grad norm within 1e-5.
+* TP=2 and PP=2 log the TP=1 draft loss, agreement and draft grad norm within 1e-5;
+* a PP=2 run resumed from its step-2 checkpoint (the draft's weights and Adam state saved with the
+  policy's) repeats steps 3-4 of the uninterrupted run bitwise, draft metrics and grad norm
+  included.
 """
 
 from __future__ import annotations
 
 import pytest
-from _draft_trainer_runs import layouts, with_and_without
+from _draft_trainer_runs import layouts, resumed, with_and_without
 
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -49,3 +52,18 @@ def test_tensor_and_pipeline_parallel_log_the_single_rank_draft(runs: dict) -> N
             got = [row[key] for row in rows]
             print(name, key, max(abs(a - b[key]) for a, b in zip(got, want, strict=True)))
             assert got == pytest.approx([row[key] for row in want], abs=1e-5), (name, key)
+
+
+TIMINGS = ("step_time", "tokens_per_sec", "samples_per_sec")
+
+
+def test_resume_restores_the_draft_exactly(tmp_path) -> None:
+    results = run_on_ranks(resumed, 2, str(tmp_path), 4, timeout=240)
+    full, again = results[1]  # the last stage holds the draft (its grad norm)
+    assert len(again) == 2
+
+    def values(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
+
+    assert "train_draft_loss" in again[0] and again[0]["draft_grad_norm"] > 0
+    assert values(again) == values(full[2:])
