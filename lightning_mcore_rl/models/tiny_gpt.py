@@ -118,8 +118,8 @@ def tiny_gpt(
         The ``GPTModel`` chunk (fp32 params, or bf16 if ``config.bf16``; not wrapped).
 
     Raises:
-        ValueError: ``config``'s TP/PP/VPP/CP sizes are not ``groups``', or ``vocab_size`` is
-            not divisible by TP.
+        ValueError: ``config``'s TP/PP/VPP/CP sizes are not ``groups``', ``vocab_size`` is
+            not divisible by TP, or multi-token prediction under PP > 1 without rope.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -136,6 +136,13 @@ def tiny_gpt(
         )
     model_class: type[GPTModel] = GPTModel
     extra: dict[str, Any] = {}
+    if config.mtp_num_layers and groups.pp_size > 1 and position_embedding_type != "rope":
+        raise ValueError(
+            f"`mtp_num_layers={config.mtp_num_layers}` with pipeline parallelism "
+            f"(PP={groups.pp_size}) needs `position_embedding_type='rope'`: the MTP layers on "
+            "the last stage keep their own copy of the learned position embeddings, which "
+            "megatron-core 0.16 does not keep in sync with the first stage's"
+        )
     if config.mtp_num_layers:  # megatron's MTP layers (last stage), trained without labels
         from lightning_mcore_rl.models.mtp import MTPGPTModel, build_mtp_block_spec
 

@@ -62,15 +62,19 @@ def make_batch() -> BatchedDataDict:
     )
 
 
-def _model(groups: Any = None) -> torch.nn.Module:
+def _model(groups: Any = None, rope: bool = False) -> torch.nn.Module:
     config = tiny_gpt_config(
         groups, calculate_per_token_loss=True, mtp_num_layers=DEPTHS,
         mtp_loss_scaling_factor=SCALE,
     )  # fmt: skip
-    return tiny_gpt(config, groups=groups, vocab_size=V, max_sequence_length=S)
+    position = "rope" if rope else "learned_absolute"
+    return tiny_gpt(
+        config, groups=groups, vocab_size=V, max_sequence_length=S,
+        position_embedding_type=position,
+    )  # fmt: skip
 
 
-def mtp_step(packed: bool, mbs: int) -> MTPStep:
+def mtp_step(packed: bool, mbs: int, rope: bool = False) -> MTPStep:
     """One training step of this rank's layout (megatron state initialised by the caller)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -79,7 +83,7 @@ def mtp_step(packed: bool, mbs: int) -> MTPStep:
     )
 
     groups = megatron_groups()
-    model = _model(groups)
+    model = _model(groups, rope)
     config = model.config
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
@@ -88,7 +92,9 @@ def mtp_step(packed: bool, mbs: int) -> MTPStep:
     loss_fn = ClippedPGLossFn(PG_CFG)
     context = StepContext(
         groups=groups,
-        microbatching=Microbatching(micro_batch_size=mbs, sequence_packing=packed),
+        microbatching=Microbatching(
+            micro_batch_size=mbs, sequence_packing=packed, equal_shapes=groups.pp_size > 1
+        ),
     )
     post = LossPostProcessor(loss_fn, {"sequence_packing": {"enabled": packed}})
     out = run_global_batch(
@@ -175,13 +181,24 @@ def single_rank_run(rank: int) -> dict[str, Any]:
         "padded_M1": mtp_step(packed=False, mbs=B),
         "padded_M2": mtp_step(packed=False, mbs=2),
         "packed_M2": mtp_step(packed=True, mbs=2),
+        "rope_M1": mtp_step(packed=False, mbs=B, rope=True),
     }
 
 
 def tensor_parallel_run(rank: int) -> dict[str, Any]:
-    """TP=2: padded and packed steps."""
+    """TP=2: padded and packed steps; then PP=2 with rope (learned positions are refused)."""
+    from lightning_mcore_rl.testing import destroy_megatron_state
+
     init_megatron_state(tensor_model_parallel_size=2)
-    return {
+    out: dict[str, Any] = {
         "padded_M2": mtp_step(packed=False, mbs=2),
         "packed_M2": mtp_step(packed=True, mbs=2),
     }
+    destroy_megatron_state()
+    init_megatron_state(pipeline_model_parallel_size=2)
+    out["pp2_rope_M2"] = mtp_step(packed=True, mbs=2, rope=True)
+    try:
+        _model(megatron_groups())
+    except ValueError as err:
+        out["pp2_learned_error"] = str(err)
+    return out

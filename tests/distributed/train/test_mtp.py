@@ -10,6 +10,8 @@
   through ``MTPLossAutoScaler``; the policy loss does not touch those parameters).
 * Two microbatches, sequence packing and TP=2 (real gloo ranks) give the same metrics and every
   gradient within 1e-5.
+* PP=2 (rope positions, packed) equals the single-rank rope step the same way; learned position
+  embeddings under PP are refused (megatron 0.16 keeps the MTP stage's copy out of sync).
 * Sampling (KV cache or full prefix) runs the main head only: the same log-probabilities as the
   tiny GPT without MTP layers, bitwise.
 """
@@ -79,6 +81,23 @@ def test_tensor_parallel_equals_single_rank(name: str) -> None:
     reference = _single()["padded_M1"]
     for rank_result in _tp2():
         _assert_same_step(rank_result[name], reference)
+
+
+def test_pipeline_parallel_equals_single_rank_with_rope() -> None:
+    reference = _single()["rope_M1"]
+    steps = [rank_result["pp2_rope_M2"] for rank_result in _tp2()]
+    grads: dict = {}
+    for step in steps:  # each stage's parameters; the tied word embedding is on both
+        grads.update(step.grads)
+    merged = MTPStep(steps[1].metrics, steps[1].loss, grads)
+    _assert_same_step(merged, reference)
+    assert steps[0].metrics == steps[1].metrics
+
+
+def test_pipeline_parallel_with_learned_positions_is_refused() -> None:
+    for rank_result in _tp2():
+        message = rank_result["pp2_learned_error"]
+        assert "needs `position_embedding_type='rope'`" in message and "PP=2" in message
 
 
 @pytest.mark.parametrize("kv_cache", [True, False])
