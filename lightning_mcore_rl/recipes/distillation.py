@@ -128,7 +128,7 @@ class DistillationModule(RecipeModule):
             ``V``: the task's, or the HF model's when either is one (two HF models must agree).
         rollout: the student's sampling settings and source (``backend``); its temperature is
             also applied to the student's and the teacher's logits in the loss
-            (``sampling_params``); ``max_staleness=0`` only.
+            (``sampling_params``); ``max_staleness=0`` and no top-k/top-p only.
         vocabulary: ``"topk"``: :class:`~lightning_mcore_rl.losses.DistillationLossFn` over the
             teacher's top-``topk`` ids; ``"full"``:
             :class:`~lightning_mcore_rl.losses.OPDFullLossFn` over the whole vocabulary.
@@ -161,6 +161,11 @@ class DistillationModule(RecipeModule):
             raise ValueError(
                 "DistillationModule has no reference policy: `full_loss.reference_policy_kl_"
                 f"penalty` must be 0, got {full_loss.reference_policy_kl_penalty}."
+            )
+        if rollout is not None and (rollout.top_k is not None or rollout.top_p < 1.0):
+            raise ValueError(
+                f"DistillationModule samples without top-k/top-p: `rollout.top_k` must be None and "
+                f"`rollout.top_p` 1.0, got {rollout.top_k} and {rollout.top_p}."
             )
         if rollout is not None and rollout.max_staleness != 0:
             raise ValueError(

@@ -92,6 +92,10 @@ class RolloutSpec:
         group_size: ``G`` completions per prompt.
         max_new_tokens: completion length.
         temperature: sampling temperature (the loss uses the same one).
+        top_k: sample from the ``top_k`` largest scaled logits only (``None``: all); the loss's
+            logprobs use the same filter (:meth:`training_params`).
+        top_p: then from the smallest set of the largest whose probability reaches ``top_p``
+            (``1.0``: all); vLLM's filters, in its order.
         seed: base seed; each step and data-parallel rank derives its own stream.
         backend: the rollout source (``docs/rollout.md``): ``"megatron"``, the embedded sampler
             on the training model; ``"hf"``, a ``transformers`` copy of an :class:`HFModelSpec`
@@ -117,10 +121,17 @@ class RolloutSpec:
     backend: RolloutChoice = "megatron"
     stop_at_eos: bool = True
     max_staleness: int = 0
+    top_k: int | None = None
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"`max_staleness` must be >= 0, got {self.max_staleness}")
+        self.training_params()  # checks temperature, top_k and top_p
+
+    def training_params(self) -> TrainingSamplingParams:
+        """The trainer's sampling parameters, the sampler's (temperature, top-k, top-p)."""
+        return TrainingSamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 DEFAULT_MODEL = TinyGPTSpec()
@@ -262,7 +273,7 @@ class GRPOModule(RecipeModule):
         rollout = replace(rollout) if rollout is not None else RolloutSpec()
         super().__init__(
             loss_fn=ClippedPGLossFn(loss),
-            sampling_params=TrainingSamplingParams(temperature=rollout.temperature),
+            sampling_params=rollout.training_params(),
         )
         self.kl_penalty = loss.reference_policy_kl_penalty
         self.loss_config = loss
@@ -625,10 +636,14 @@ def group_request(
             seed,
             stop_tokens(spec, tokenizer),
             pad if pad is not None else 0,
+            spec.top_k,
+            spec.top_p,
         )
         return ids.repeat_interleave(group, dim=0), sampling, lengths.repeat_interleave(group)
     assert isinstance(prompts, torch.Tensor)  # the counting task's loaders yield tensors
-    sampling = SamplingConfig(spec.max_new_tokens, spec.temperature, seed)
+    sampling = SamplingConfig(
+        spec.max_new_tokens, spec.temperature, seed, top_k=spec.top_k, top_p=spec.top_p
+    )
     return prompts.repeat_interleave(group, dim=0), sampling, None
 
 

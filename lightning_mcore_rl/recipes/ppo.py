@@ -231,7 +231,7 @@ class PPOModule(GRPOModule):
         task: the rewarded task.
         model: the policy (:class:`TinyGPTSpec` or :class:`HFModelSpec`); the value model is the
             same architecture with the same initial weights and a zero scalar head.
-        rollout: sampling settings (``backend="megatron"``, ``max_staleness=0`` only).
+        rollout: sampling settings (``backend="megatron"``, ``max_staleness=0``, no top-k/top-p).
         loss: the policy's ``ClippedPGLossFn`` settings; ``reference_policy_kl_penalty > 0``
             adds the reference KL to the loss or, with ``use_kl_in_reward``, subtracts it from
             the token rewards (NeMo RL's GAE semantics).
@@ -270,6 +270,11 @@ class PPOModule(GRPOModule):
                 f"PPOModule samples with the embedded sampler only: `rollout.backend` must be "
                 f"'megatron', got {rollout.backend!r} (the HF backend's refit exports a plain "
                 "GPT chunk, not the policy + value chunk)."
+            )
+        if rollout is not None and (rollout.top_k is not None or rollout.top_p < 1.0):
+            raise ValueError(
+                f"PPOModule samples without top-k/top-p: `rollout.top_k` must be None and "
+                f"`rollout.top_p` 1.0, got {rollout.top_k} and {rollout.top_p}."
             )
         if rollout is not None and rollout.max_staleness != 0:
             raise ValueError(

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_mcore_rl._compat import kv_cache_kwargs
 from lightning_mcore_rl.rollout.pending import OneRankRolloutSource
+from lightning_mcore_rl.rollout.sampler import draw_tokens
 from lightning_mcore_rl.rollout.source import SamplingConfig
 
 
@@ -99,8 +100,8 @@ class HFRolloutSource(OneRankRolloutSource):
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> Tensor | None:
         """Prefill, then one cached step per token. Token ``t`` is drawn from
-        ``softmax(logits_t / T)`` with a CPU generator seeded by ``sampling.seed``, as the
-        embedded sampler does. Left-padded prompts are masked out of the attention and
+        ``softmax(logits_t / T)`` (top-k/top-p filtered) with a CPU generator seeded by
+        ``sampling.seed``, as the embedded sampler does (:func:`~.sampler.draw_tokens`). Left-padded prompts are masked out of the attention and
         positions start at each prompt's first real token, so a row's tokens and logprobs do not
         depend on the padding (up to fp32 rounding); sampling ends when every row has stopped.
         Returns a MoE model's routing (:meth:`_routing`)."""
@@ -147,11 +148,12 @@ class HFRolloutSource(OneRankRolloutSource):
             logits_to_keep=1,
         )
         for pos in range(prompt_width, width):
-            scaled = out.logits[:, -1, :].float() / sampling.temperature  # [B, V]
-            log_probs = torch.log_softmax(scaled, dim=-1)
-            nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
+            nxt, picked = draw_tokens(
+                out.logits[:, -1, :], generator, sampling.temperature, sampling.top_k,
+                sampling.top_p,
+            )  # fmt: skip
             tokens[:, pos : pos + 1] = nxt
-            logprobs[:, pos : pos + 1] = log_probs.gather(1, nxt)
+            logprobs[:, pos : pos + 1] = picked
             stopped |= torch.isin(nxt[:, 0], stop_ids)
             if pos + 1 == width or bool(stopped.all()):
                 return

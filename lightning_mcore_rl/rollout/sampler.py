@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mcore_rl.ops import TrainingSamplingParams, apply_top_k_top_p
+
 
 class GenerationOutput(NamedTuple):
     """Prompts plus sampled completions.
@@ -181,6 +183,33 @@ def _last_logits(
 
 
 @torch.no_grad()
+def draw_tokens(
+    logits: Tensor,
+    generator: torch.Generator,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row from ``softmax(filter(logits / temperature))``, the filter vLLM's
+    top-k then top-p (:func:`~lightning_mcore_rl.ops.apply_top_k_top_p`, what the trainer's
+    ``TrainingSamplingParams`` reproduce).
+
+    Args:
+        logits: ``[B, V]`` full-vocabulary logits.
+        generator: the draw's CPU generator.
+        temperature, top_k, top_p: as :class:`~lightning_mcore_rl.ops.TrainingSamplingParams`.
+
+    Returns:
+        ``(tokens [B, 1]`` int64, ``logprobs [B, 1]`` fp32 under the filtered distribution``)``.
+    """
+    scaled = logits.float() / temperature
+    if top_k is not None or top_p < 1.0:
+        scaled, _ = apply_top_k_top_p(scaled, top_k, top_p)
+    log_probs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+    tokens = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
+    return tokens, log_probs.gather(1, tokens)
+
+
 def generate(
     model: torch.nn.Module,
     prompts: Tensor,
@@ -188,6 +217,8 @@ def generate(
     max_new_tokens: int,
     generator: torch.Generator,
     temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
     tp_group: Any = None,
     pp_group: Any = None,
     kv_cache: bool = False,
@@ -203,6 +234,8 @@ def generate(
         generator: CPU generator; seed it identically on the ranks of one TP group and differently
             across data-parallel ranks.
         temperature: > 0; logits are divided by it before sampling.
+        top_k, top_p: vLLM's filters after the temperature (:func:`draw_tokens`); the
+            logprobs are those of the filtered distribution.
         tp_group: tensor-parallel group (``None`` or size 1: logits are already full-vocab).
         pp_group: pipeline-parallel group (``None``: PP=1); every stage calls ``generate`` with
             its chunk and the same prompts, and all get the same output.
@@ -223,8 +256,7 @@ def generate(
         )
     if max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    TrainingSamplingParams(temperature, top_k, top_p)  # checks the three
     _check_model_config(model, pp_group)
     if record_routing:
         _check_recordable(getattr(model, "config", None))
@@ -247,9 +279,7 @@ def generate(
             nxt = torch.empty(tokens.shape[0], 1, dtype=torch.long)
             picked = torch.empty(tokens.shape[0], 1, dtype=torch.float32)
             if full is not None:  # the last stage draws
-                log_probs = torch.log_softmax(full / temperature, dim=-1)  # [B, V]
-                nxt = torch.multinomial(log_probs.exp(), 1, generator=generator)  # [B, 1]
-                picked = log_probs.gather(1, nxt)
+                nxt, picked = draw_tokens(full, generator, temperature, top_k, top_p)
             if pp_group is not None and dist.get_world_size(pp_group) > 1:
                 last = dist.get_process_group_ranks(pp_group)[-1]
                 dist.broadcast(nxt, src=last, group=pp_group)

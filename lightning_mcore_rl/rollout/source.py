@@ -15,6 +15,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.rollout.sampler import generate
 from lightning_mcore_rl.train.chunks import unwrap_model
 
@@ -25,11 +26,17 @@ class SamplingConfig:
 
     Attributes:
         max_new_tokens: ``N`` >= 1, the most tokens sampled per prompt.
-        temperature: > 0; tokens are drawn from ``softmax(logits / temperature)`` (no top-k/p).
+        temperature: > 0; tokens are drawn from ``softmax(logits / temperature)``, after the
+            filters below.
         seed: the seed of the draw; the same prompts, weights and seed give the same tokens.
         stop_token_ids: a completion ends with the first of these it samples (the stop token is
             part of the completion); none: every completion has ``N`` tokens.
         pad_token_id: the id put after a completion's stop token.
+        top_k: keep the ``top_k`` largest scaled logits (ties kept; ``None``: no filter).
+        top_p: then keep the smallest set of the largest whose probability reaches ``top_p``
+            (``1.0``: no filter). vLLM's filters, in its order; the logprobs are those of the
+            filtered, renormalised distribution (the trainer reproduces them with
+            :meth:`training_params`).
     """
 
     max_new_tokens: int
@@ -37,13 +44,18 @@ class SamplingConfig:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    top_k: int | None = None
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"`temperature` must be > 0, got {self.temperature}")
+        self.training_params()  # checks temperature, top_k and top_p
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def training_params(self) -> TrainingSamplingParams:
+        """The trainer's sampling parameters whose logprobs are this draw's."""
+        return TrainingSamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 class Rollout(NamedTuple):
@@ -236,6 +248,8 @@ class MegatronRolloutSource:
             max_new_tokens=sampling.max_new_tokens,
             generator=torch.Generator().manual_seed(sampling.seed),
             temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
             tp_group=self.tp_group,
             pp_group=self.pp_group,
             kv_cache=self.kv_cache,

@@ -217,8 +217,9 @@ class VLLMRolloutSource(OneRankRolloutSource):
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> None:
         """Each row's real prompt tokens go to the engine (no padding), with its own seed
-        derived from ``sampling.seed``; token ``t`` is drawn from ``softmax(logits_t / T)`` and
-        its logprob is vLLM's processed logprob (the same distribution). No routing."""
+        derived from ``sampling.seed``; token ``t`` is drawn from ``softmax(logits_t / T)``
+        after vLLM's top-k/top-p filters and its logprob is vLLM's processed logprob (the same
+        filtered distribution). No routing."""
         vllm = import_vllm()
         prompt_width = tokens.shape[1] - sampling.max_new_tokens
         requests = [
@@ -229,6 +230,8 @@ class VLLMRolloutSource(OneRankRolloutSource):
             vllm.SamplingParams(
                 max_tokens=sampling.max_new_tokens,
                 temperature=sampling.temperature,
+                top_k=sampling.top_k or 0,  # 0: vLLM's "no top-k"
+                top_p=sampling.top_p,
                 seed=sampling.seed * _SEED_STRIDE + i,
                 logprobs=0,  # the sampled token's
                 stop_token_ids=list(sampling.stop_token_ids),

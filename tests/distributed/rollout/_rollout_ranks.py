@@ -160,22 +160,34 @@ class _Rows(Callback):
 
 class _RecordingGRPO(GRPOModule):
     """Records each step's largest |generation_logprobs - prev_logprobs| on completion tokens
-    (the trainer's ``compute_logprobs`` vs the rollout source) before training on the batch."""
+    (the trainer's ``compute_logprobs`` vs the rollout source) before training on the batch, and
+    the smallest generation logprob."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.max_errors: list[float] = []
+        self.min_logprobs: list[float] = []
 
     def forward_backward(self, batch: Any, forward_only: bool = False) -> Any:
         mask = batch["token_mask"].bool()
         diff = (batch["generation_logprobs"] - batch["prev_logprobs"])[mask]
         self.max_errors.append(float(diff.abs().max()))
+        self.min_logprobs.append(float(batch["generation_logprobs"][mask].min()))
         return super().forward_backward(batch, forward_only)
 
 
-def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, pp: int, steps: int) -> dict[str, Any]:
-    """GRPO of the HF model with ``RolloutSpec(backend=backend)``: ``steps`` steps at
-    TP=``tp``, PP=``pp`` (DP = world / (TP PP)), temperature 0.8."""
+def grpo_run(
+    rank: int,
+    hf_dir: str,
+    backend: str,
+    tp: int,
+    pp: int,
+    steps: int,
+    filters: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """GRPO of the HF model with ``RolloutSpec(backend=backend, **filters)`` (``top_k``,
+    ``top_p``): ``steps`` steps at TP=``tp``, PP=``pp`` (DP = world / (TP PP)), temperature
+    0.8."""
     rows = _Rows()
     trainer = cpu_trainer(
         strategy=MCoreRLStrategy(
@@ -187,7 +199,9 @@ def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, pp: int, steps: int)
     )
     module = _RecordingGRPO(
         model=HFModelSpec(path=hf_dir),
-        rollout=RolloutSpec(group_size=2, max_new_tokens=4, temperature=0.8, backend=backend),
+        rollout=RolloutSpec(
+            group_size=2, max_new_tokens=4, temperature=0.8, backend=backend, **(filters or {})
+        ),
         lr=1e-2,
     )
     data = PromptDataModule(prompts_per_step=4, num_steps=steps)
@@ -195,7 +209,12 @@ def grpo_run(rank: int, hf_dir: str, backend: str, tp: int, pp: int, steps: int)
     source = module.rollout_source.source
     engines = (HFRolloutSource, VLLMRolloutSource)
     generator = source.is_generator if isinstance(source, engines) else None
-    return {"rows": rows.rows, "max_errors": module.max_errors, "generator": generator}
+    return {
+        "rows": rows.rows,
+        "max_errors": module.max_errors,
+        "min_logprobs": module.min_logprobs,
+        "generator": generator,
+    }
 
 
 class _StaleGRPO(GRPOModule):

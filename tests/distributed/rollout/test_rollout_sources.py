@@ -108,3 +108,23 @@ def test_grpo_refit_logprobs_match_compute_logprobs(tmp_path, backend, tp, pp, g
         assert abs(row["gen_train_ratio_min"] - 1) <= TOL
         assert abs(row["gen_train_ratio_max"] - 1) <= TOL
         assert row["grad_norm"] > 0  # the weights move, so each refit has new weights to copy
+
+
+FILTERS = {"top_k": 20, "top_p": 0.5}
+
+
+@pytest.mark.parametrize("backend", ["hf", "megatron"])
+def test_top_k_top_p_logprobs_match_the_filtered_compute_logprobs(tmp_path, backend):
+    """TP=2, ``top_k=20, top_p=0.5`` at T=0.8 (4 steps): the source's logprobs of the filtered,
+    renormalised distribution equal the trainer's ``compute_logprobs`` under the same filters
+    after every optimizer step. The filters act: the smallest sampled logprob stays above -3.5
+    (measured -1.79 to -2.46; unfiltered, the same run samples -5.78 to -6.00 at each step)."""
+    steps = 4
+    build_hf_model(hf_configs()["llama"], tmp_path, seed=1)
+    rank0, rank1 = run_on_ranks(
+        grpo_run, 2, str(tmp_path), backend, 2, 1, steps, FILTERS, timeout=300
+    )
+    assert rank0["rows"] == rank1["rows"]
+    print(f"{backend}: max |gen - prev| {rank0['max_errors']}, min {rank0['min_logprobs']}")
+    assert max(rank0["max_errors"] + rank1["max_errors"]) <= TOL
+    assert min(rank0["min_logprobs"]) > -3.5
