@@ -88,6 +88,11 @@ class StepContext:
     def __post_init__(self) -> None:
         if self.draft_model is not None and not self.train_draft:
             raise ValueError("StepContext: a `draft_model` needs `train_draft=True`")
+        if self.train_draft and self.use_fused_linear_logprobs:
+            raise ValueError(
+                "draft-model training needs the policy's logits (its teacher), which "
+                "`use_fused_linear_logprobs=True` never forms; turn one of them off"
+            )
 
 
 __all__ = ["Microbatching", "StepContext"]

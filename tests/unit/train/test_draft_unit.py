@@ -87,6 +87,10 @@ def test_draft_rejects_bad_aux_layers(aux: tuple[int, ...]) -> None:
         eagle_draft(tiny_gpt_config(num_layers=2), vocab_size=16, aux_layers=aux)
 
 
-def test_step_context_rejects_a_draft_without_train_draft() -> None:
+def test_step_context_rejects_a_draft_without_train_draft_or_with_fused_logprobs() -> None:
     with pytest.raises(ValueError, match="a `draft_model` needs `train_draft=True`"):
         StepContext(groups=ParallelGroups.single(), draft_model=torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="`use_fused_linear_logprobs=True` never forms"):
+        StepContext(
+            groups=ParallelGroups.single(), train_draft=True, use_fused_linear_logprobs=True
+        )
