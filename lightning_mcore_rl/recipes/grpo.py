@@ -95,7 +95,7 @@ class RolloutSpec:
         top_k: sample from the ``top_k`` largest scaled logits only (``None``: all); the loss's
             logprobs use the same filter (:meth:`training_params`).
         top_p: then from the smallest set of the largest whose probability reaches ``top_p``
-            (``1.0``: all); vLLM's filters, in its order.
+            (``1.0``: all); vLLM's filters, in its order. Not with ``max_staleness > 0``.
         seed: base seed; each step and data-parallel rank derives its own stream.
         backend: the rollout source (``docs/rollout.md``): ``"megatron"``, the embedded sampler
             on the training model; ``"hf"``, a ``transformers`` copy of an :class:`HFModelSpec`
@@ -127,7 +127,14 @@ class RolloutSpec:
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"`max_staleness` must be >= 0, got {self.max_staleness}")
-        self.training_params()  # checks temperature, top_k and top_p
+        params = self.training_params()  # checks temperature, top_k and top_p
+        if self.max_staleness and params.filters:
+            raise ValueError(
+                f"`max_staleness={self.max_staleness}` cannot be combined with `top_k="
+                f"{self.top_k}` / `top_p={self.top_p}`: a token sampled by older weights may lie "
+                "outside the current weights' filtered set, where its logprob is -inf and the "
+                "loss's ratio undefined; sample without filters, or synchronously."
+            )
 
     def training_params(self) -> TrainingSamplingParams:
         """The trainer's sampling parameters, the sampler's (temperature, top-k, top-p)."""

@@ -80,6 +80,8 @@ def test_same_prompts_compares_tensors_and_prompt_batches():
 def test_only_grpo_samples_ahead():
     with pytest.raises(ValueError, match="`max_staleness` must be >= 0, got -1"):
         RolloutSpec(max_staleness=-1)
+    with pytest.raises(ValueError, match="`max_staleness=1` cannot be combined with `top_k=5`"):
+        RolloutSpec(max_staleness=1, top_k=5)
     ahead = RolloutSpec(max_staleness=1)
     with pytest.raises(ValueError, match="PPOModule samples synchronously"):
         PPOModule(rollout=ahead)
