@@ -262,10 +262,12 @@ class DraftLossWrapper:
     (``LossInputType.DRAFT``). The draft term reaches only the student: the teacher is detached,
     so the policy's gradient is the wrapped loss's alone.
 
-    Metrics added: ``draft_loss`` (the soft cross entropy) and ``draft_top1_agreement`` (the
-    fraction of scored positions where the draft's argmax is the policy's: the acceptance-rate
-    proxy of speculative decoding), both ``sum over scored positions / draft_valid_toks`` (a
-    ``TOKENS`` contribution).
+    Metrics added, each ``sum over scored positions / draft_valid_toks`` (a ``TOKENS``
+    contribution): ``draft_loss`` (the soft cross entropy), ``draft_top1_agreement`` (the
+    draft's argmax is the policy's: greedy decoding's acceptance) and
+    ``draft_expected_acceptance`` (``sum_v min(p_v, q_v)`` of the policy's ``p`` and the draft's
+    ``q``: the probability that speculative sampling accepts the draft's token, Leviathan et al.
+    2023, §3.5).
 
     Args:
         loss_fn: The wrapped policy loss, called as ``loss_fn(logits, data, gvs, gvt, **kwargs)``.
@@ -342,17 +344,26 @@ class DraftLossWrapper:
         draft_loss, _ = self.draft_loss_fn(data, global_valid_seqs, count, **draft_input)
         metrics = dict(metrics)
         metrics["draft_loss"] = draft_loss.detach().clone()
-        metrics["draft_top1_agreement"] = _top1_agreement(draft_input, data, count)
+        metrics.update(_acceptance_metrics(draft_input, data, count))
         return loss + self.loss_weight * draft_loss, metrics
 
 
-def _top1_agreement(draft_input: dict[str, Any], data: BatchedDataDict, count: Any) -> Tensor:
-    """``sum_t m_t [argmax student_t = argmax teacher_t] / count`` over the draft loss's scored
-    positions (``m`` = rolled token mask x sample mask), detached."""
+def _acceptance_metrics(
+    draft_input: dict[str, Any], data: BatchedDataDict, count: Any
+) -> dict[str, Tensor]:
+    """``draft_top1_agreement = sum_t m_t [argmax q_t = argmax p_t] / count`` and
+    ``draft_expected_acceptance = sum_t m_t sum_v min(p_tv, q_tv) / count`` over the draft
+    loss's scored positions (``m`` = rolled token mask x sample mask; ``p`` the teacher's softmax,
+    ``q`` the student's, both ``[B, S, V]``), detached."""
     with torch.no_grad():
         student, teacher = draft_input["student_logits"], draft_input["teacher_logits"]
         same = (student.argmax(-1) == teacher.argmax(-1)).float()  # [B, S]
-        mask = draft_input["token_mask"].float() * torch.as_tensor(data["sample_mask"]).float()[
-            :, None
-        ].to(same.device)
-        return (same * mask).sum() / torch.as_tensor(count, dtype=torch.float32).clamp(min=1.0)
+        p, q = teacher.float().softmax(-1), student.float().softmax(-1)
+        accept = torch.minimum(p, q).sum(-1)  # [B, S]
+        sample_mask = torch.as_tensor(data["sample_mask"]).float().to(same.device)
+        mask = draft_input["token_mask"].float() * sample_mask[:, None]
+        denominator = torch.as_tensor(count, dtype=torch.float32).clamp(min=1.0)
+        return {
+            "draft_top1_agreement": (same * mask).sum() / denominator,
+            "draft_expected_acceptance": (accept * mask).sum() / denominator,
+        }

@@ -239,6 +239,7 @@ def finish_draft_gradients(
 DRAFT_METRIC_NORMALIZATIONS = {
     "draft_loss": MetricNormalizer.TOKENS,
     "draft_top1_agreement": MetricNormalizer.TOKENS,
+    "draft_expected_acceptance": MetricNormalizer.TOKENS,
 }
 """The declared reductions of the draft's metrics (:class:`~lightning_mcore_rl.losses.DraftLossWrapper`:
 contributions to the token mean over the policy loss's count, whose scored positions they share)."""

@@ -43,10 +43,11 @@ class DraftStep:
 
 @dataclass(frozen=True)
 class DraftReference:
-    """Plain torch on the TP=1 model: draft loss, top-1 agreement, draft grads."""
+    """Plain torch on the TP=1 model: draft loss, top-1 agreement, expected acceptance, grads."""
 
     loss: float
     agreement: float
+    acceptance: float
     grads: dict[str, torch.Tensor]
 
 
@@ -68,8 +69,11 @@ def make_batch() -> BatchedDataDict:
     )
 
 
-def _policy_config(groups: Any = None) -> Any:
-    return tiny_gpt_config(groups, num_layers=LAYERS, calculate_per_token_loss=True)
+def _policy_config(groups: Any = None, sequence_parallel: bool = False) -> Any:
+    return tiny_gpt_config(
+        groups, num_layers=LAYERS, calculate_per_token_loss=True,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
 
 
 def _full(tensor: torch.Tensor, param: torch.Tensor, groups: Any) -> torch.Tensor:
@@ -82,7 +86,7 @@ def _full(tensor: torch.Tensor, param: torch.Tensor, groups: Any) -> torch.Tenso
 
 
 def draft_step(
-    *, draft: bool, packed: bool = False, mbs: int = B, defer: bool = False
+    *, draft: bool, packed: bool = False, mbs: int = B, defer: bool = False, sp: bool = False
 ) -> DraftStep:
     """One training step of this rank's layout (megatron state initialised by the caller)."""
     from megatron.core.distributed import (
@@ -92,7 +96,7 @@ def draft_step(
     )
 
     groups = megatron_groups()
-    config = _policy_config(groups)
+    config = _policy_config(groups, sequence_parallel=sp)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     policy = tiny_gpt(config, groups=groups, vocab_size=V, max_sequence_length=S)
     chunk = DistributedDataParallel(config, ddp_config, policy)
@@ -103,7 +107,9 @@ def draft_step(
         draft_ddp = DistributedDataParallel(model.config, ddp_config, model)
     context = StepContext(
         groups=groups,
-        microbatching=Microbatching(mbs, sequence_packing=packed, equal_shapes=groups.pp_size > 1),
+        microbatching=Microbatching(
+            mbs, sequence_packing=packed, equal_shapes=groups.pp_size > 1, sequence_parallel=sp
+        ),
         draft_model=draft_ddp,
         train_draft=draft,
     )
@@ -137,7 +143,8 @@ def draft_reference() -> DraftReference:
     LN_h(f)] W_eh^T``, ``s = LN_f(layer(x)) W_head^T``. Loss: ``sum_t m_t H(softmax(z_{t+1}),
     softmax(s_t)) / N_t`` with ``m_t = token_mask[t+1] * sample_mask`` and ``N_t`` the policy
     loss's count ``sum(token_mask[:, 1:] * sample_mask)``; agreement the same mean of
-    ``[argmax s_t = argmax z_{t+1}]``.
+    ``[argmax s_t = argmax z_{t+1}]``, expected acceptance of ``sum_v min(softmax(z_{t+1}),
+    softmax(s_t))_v``.
     """
     policy = tiny_gpt(_policy_config(), vocab_size=V, max_sequence_length=S)
     draft: Any = eagle_draft(_policy_config(), vocab_size=V, aux_layers=AUX, seed=1)
@@ -164,9 +171,11 @@ def draft_reference() -> DraftReference:
     ce = -(teacher.softmax(-1) * s.log_softmax(-1)).sum(-1)  # [B, S]
     loss = (ce * m).sum() / n_t
     agreement = ((s.argmax(-1) == teacher.argmax(-1)).float() * m).sum() / n_t
+    overlap = torch.minimum(teacher.softmax(-1), s.detach().softmax(-1)).sum(-1)  # [B, S]
+    acceptance = (overlap * m).sum() / n_t
     (WEIGHT * loss).backward()
     grads = {n: p.grad.detach().clone() for n, p in draft.named_parameters()}
-    return DraftReference(float(loss), float(agreement), grads)
+    return DraftReference(float(loss), float(agreement), float(acceptance), grads)
 
 
 def single_rank_run(rank: int) -> dict[str, Any]:
@@ -184,9 +193,15 @@ def single_rank_run(rank: int) -> dict[str, Any]:
 
 
 def two_rank_run(rank: int) -> dict[str, Any]:
-    """TP=2 (padded, packed) and PP=2 (two microbatches, the draft on the last stage)."""
+    """TP=2 (padded, packed, with sequence parallelism) and PP=2 (two microbatches, the draft on
+    the last stage)."""
     init_megatron_state(tensor_model_parallel_size=2)
-    out = {"tp2": draft_step(draft=True), "tp2_packed": draft_step(draft=True, packed=True, mbs=2)}
+    out = {
+        "tp2": draft_step(draft=True),
+        "tp2_packed": draft_step(draft=True, packed=True, mbs=2),
+        "tp2_sp": draft_step(draft=True, sp=True),
+        "tp2_sp_packed": draft_step(draft=True, packed=True, mbs=2, sp=True),
+    }
     destroy_megatron_state()
     init_megatron_state(pipeline_model_parallel_size=2)
     out["pp2"] = draft_step(draft=True, mbs=2)

@@ -1,7 +1,8 @@
 """The EAGLE draft through the Trainer (``MCoreRLModule.build_draft_model``) on the SFT recipe:
 
-* ``train_draft_loss`` and ``train_draft_top1_agreement`` are logged every step; on the counting
-  task the agreement with the policy's argmax rises and the draft loss falls as both train;
+* ``train_draft_loss``, ``train_draft_top1_agreement`` and ``train_draft_expected_acceptance``
+  are logged every step; on the counting task the agreement with the policy's argmax rises and
+  the draft loss falls as both train;
 * the policy's logged loss and grad norm are bitwise those of the run without a draft, at every
   step (the draft has its own optimizer and reads detached activations);
 * TP=2 and PP=2 log the TP=1 draft loss, agreement and draft grad norm within 1e-5;
@@ -30,10 +31,13 @@ def test_draft_metrics_are_logged_and_improve(runs: dict) -> None:
     rows = runs["draft"]
     loss = [row["train_draft_loss"] for row in rows]
     agreement = [row["train_draft_top1_agreement"] for row in rows]
-    print("draft loss", loss, "agreement", agreement)
+    acceptance = [row["train_draft_expected_acceptance"] for row in rows]
+    print("draft loss", loss, "agreement", agreement, "acceptance", acceptance)
     assert len(loss) == STEPS
     assert loss[-1] < loss[0] - 0.3  # soft CE: it cannot go below the policy's entropy
     assert agreement[-1] > agreement[0] + 0.5
+    # both start near uniform (overlap ~0.9); the overlap then tracks a sharpening policy
+    assert all(0.5 < value <= 1.0 for value in acceptance)
     assert all(row["draft_grad_norm"] > 0 for row in rows)
 
 
@@ -48,7 +52,10 @@ def test_tensor_and_pipeline_parallel_log_the_single_rank_draft(runs: dict) -> N
     want = runs["draft"][:LAYOUT_STEPS]
     for name in ("tp2", "pp2"):
         rows = results[0][name] if name == "tp2" else results[1][name]  # PP: the last stage
-        for key in ("train_draft_loss", "train_draft_top1_agreement", "draft_grad_norm"):
+        for key in (
+            "train_draft_loss", "train_draft_top1_agreement", "train_draft_expected_acceptance",
+            "draft_grad_norm",
+        ):  # fmt: skip
             got = [row[key] for row in rows]
             print(name, key, max(abs(a - b[key]) for a, b in zip(got, want, strict=True)))
             assert got == pytest.approx([row[key] for row in want], abs=1e-5), (name, key)

@@ -1,12 +1,13 @@
 """Online EAGLE draft training in the policy's step (``StepContext(draft_model=...)``): a 4-layer tiny
 GPT trained with ClippedPG, the draft reading its decoder layers 2 and 3.
 
-* The draft loss and top-1 agreement equal a plain-torch reference on the same captured hidden
+* The draft loss, top-1 agreement and expected acceptance equal a plain-torch reference on the same captured hidden
   states within 1e-5, and so do the draft's gradients (fp32; the loss is a mean of ~30 soft
   cross entropies of ~4).
 * The policy's loss, metrics and every gradient (so its grad norm) are bitwise those of the step
   without a draft: the draft reads detached activations and a detached teacher.
-* Two microbatches, sequence packing, TP=2 and PP=2 (real gloo ranks) give the one-microbatch
+* Two microbatches, sequence packing, TP=2 (also with sequence parallelism: the captured layer
+  outputs are gathered over TP) and PP=2 (real gloo ranks) give the one-microbatch
   TP=1 draft loss and draft gradients (so draft grad norm) within 1e-5.
 * ``defer_draft_normalization=True`` gives the same metrics and the same SGD-updated draft weights
   as ``False`` within 1e-6.
@@ -23,7 +24,7 @@ from _draft_ranks import LR, DraftStep, single_rank_run, two_rank_run
 from lightning_mcore_rl.testing import run_on_ranks
 
 ATOL = 1e-5
-DRAFT_METRICS = ("draft_loss", "draft_top1_agreement")
+DRAFT_METRICS = ("draft_loss", "draft_top1_agreement", "draft_expected_acceptance")
 
 
 @functools.cache
@@ -62,6 +63,9 @@ def test_draft_loss_and_grads_equal_the_plain_torch_reference() -> None:
           step.metrics["draft_top1_agreement"], reference.agreement)  # fmt: skip
     assert step.metrics["draft_loss"] == pytest.approx(reference.loss, abs=ATOL)
     assert step.metrics["draft_top1_agreement"] == pytest.approx(reference.agreement, abs=ATOL)
+    acceptance = step.metrics["draft_expected_acceptance"]
+    assert acceptance == pytest.approx(reference.acceptance, abs=ATOL)
+    assert 0.0 < acceptance < 1.0
     assert reference.loss > 1.0  # ~ln(64) against a near-uniform teacher: not an empty mask
     assert _max_diff(step.draft_grads, reference.grads) <= ATOL
     assert _norm(reference.grads) > 1e-3
@@ -99,7 +103,7 @@ def test_microbatching_and_packing_do_not_change_the_draft(name: str) -> None:
     _assert_same_draft(_single()[name], _single()["on"])
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2_packed", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2_packed", "tp2_sp", "tp2_sp_packed", "pp2"])
 def test_tensor_and_pipeline_parallel_equal_single_rank(name: str) -> None:
     _assert_same_draft(_merged(name), _single()["on"])
 

@@ -5,6 +5,7 @@ sequence, unpacking a packed row, and the argument errors."""
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import pytest
@@ -51,6 +52,17 @@ def test_top1_agreement_is_the_token_mean_of_matching_argmaxes() -> None:
     z, data = _case()
     _, metrics = _wrapper(data, None)(z, data, 1.0, 2.0)
     assert float(metrics["draft_top1_agreement"]) == 0.5
+
+
+def test_expected_acceptance_is_the_token_mean_of_the_overlap() -> None:
+    # two classes: softmax([a, b]) = [sig(a - b), sig(b - a)]. Position 0: p = softmax([2, 0]),
+    # q = softmax([1, 0]): sum min = sig(1) + (1 - sig(2)). Position 1: p = softmax([0, 3]),
+    # q = softmax([1, 0]): sum min = sig(-3) + sig(-1). Mean over N_t = 2.
+    z, data = _case()
+    _, metrics = _wrapper(data, None)(z, data, 1.0, 2.0)
+    sig = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
+    expected = (sig(1) + 1 - sig(2) + sig(-3) + sig(-1)) / 2
+    assert float(metrics["draft_expected_acceptance"]) == pytest.approx(expected, rel=1e-6)
 
 
 def test_deferred_count_returns_raw_sums() -> None:
