@@ -152,6 +152,7 @@ def test_recipes_take_a_source_or_factory_and_record_its_name() -> None:
     assert distillation.hparams["teacher"]["backend"] == f"{__name__}.CountingSource"
     assert distillation.hparams["teacher"]["model"] == {
         "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seed": 0,
+        "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.1,
     }  # fmt: skip
     assert describe_choice("hf") == "hf"
     assert describe_choice(test_recipes_take_a_source_or_factory_and_record_its_name) == (
