@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.draft import eagle_draft
+from lightning_mcore_rl.models.eagle3 import eagle3_draft
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
@@ -86,7 +87,13 @@ def _full(tensor: torch.Tensor, param: torch.Tensor, groups: Any) -> torch.Tenso
 
 
 def draft_step(
-    *, draft: bool, packed: bool = False, mbs: int = B, defer: bool = False, sp: bool = False
+    *,
+    draft: bool,
+    packed: bool = False,
+    mbs: int = B,
+    defer: bool = False,
+    sp: bool = False,
+    eagle3: bool = False,
 ) -> DraftStep:
     """One training step of this rank's layout (megatron state initialised by the caller)."""
     from megatron.core.distributed import (
@@ -103,7 +110,8 @@ def draft_step(
     config.finalize_model_grads_func = finalize_model_grads
     draft_ddp = None
     if draft and groups.is_pipeline_last_stage:
-        model = eagle_draft(config, vocab_size=V, aux_layers=AUX, groups=groups, seed=1)
+        build = eagle3_draft if eagle3 else eagle_draft
+        model = build(config, vocab_size=V, aux_layers=AUX, groups=groups, seed=1)
         draft_ddp = DistributedDataParallel(model.config, ddp_config, model)
     context = StepContext(
         groups=groups,
