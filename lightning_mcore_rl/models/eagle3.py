@@ -12,7 +12,7 @@ The architecture (vLLM ``model_executor/models/llama_eagle3.py``, one decoder la
 ``q/k/v/gate/up`` are column-parallel (heads / FFN split over TP), ``o/down`` row-parallel,
 ``fc``/``lm_head`` column-parallel with gathered outputs, ``E`` vocab-parallel; rope is Llama's
 (non-interleaved halves, ``rope_theta``), positions restart at 0 in every packed sequence. The
-draft and target vocabularies are the same (``d2t`` zeros, ``t2d`` all true).
+draft and target vocabularies are the same (no ``d2t``/``t2d`` maps).
 
 Notation: ``B`` sequences, ``S`` tokens (packed: ``B = 1``, ``T`` tokens), ``H`` hidden, ``V``
 vocabulary, ``n`` heads (``n/tp`` local), ``d`` head size, ``F`` FFN size, ``k`` aux layers.
@@ -257,8 +257,9 @@ _HF_NAMES = {
 
 
 def eagle3_full_state(draft: torch.nn.Module, groups: ParallelGroups | None = None) -> dict:
-    """The draft's full (TP-gathered) weights under their EAGLE-3 names, plus ``d2t`` (zeros:
-    the draft vocabulary is the target's) and ``t2d`` (all true). Collective over TP.
+    """The draft's full (TP-gathered) weights under their EAGLE-3 names. No ``d2t``/``t2d``
+    vocabulary maps: the draft vocabulary is the target's, and vLLM has no map to load them into
+    then (``draft_vocab_size == vocab_size``). Collective over TP.
 
     Args:
         draft: the (possibly DDP-wrapped) :class:`Eagle3DraftModel`.
@@ -281,8 +282,6 @@ def eagle3_full_state(draft: torch.nn.Module, groups: ParallelGroups | None = No
             dist.all_gather(parts, value.contiguous(), group=groups.tp_group)
             value = torch.cat(parts, dim=cast(Any, param).partition_dim)
         state[_HF_NAMES[name]] = value.cpu().contiguous()
-    state["d2t"] = torch.zeros(inner.vocab_size, dtype=torch.int64)
-    state["t2d"] = torch.ones(inner.vocab_size, dtype=torch.bool)
     return state
 
 
