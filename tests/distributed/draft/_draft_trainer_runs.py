@@ -12,6 +12,7 @@ from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.models.draft import eagle_draft
+from lightning_mcore_rl.models.eagle3 import eagle3_draft, save_eagle3
 from lightning_mcore_rl.recipes import SFTDataModule, SFTModule
 from lightning_mcore_rl.testing import destroy_megatron_state
 from lightning_mcore_rl.train.chunks import unwrap_model
@@ -27,6 +28,15 @@ class DraftSFT(SFTModule):
         assert self.chunks is not None
         config = unwrap_model(self.chunks[-1]).config
         return eagle_draft(config, vocab_size=16, aux_layers=(1,), groups=self.parallel_groups)
+
+
+class Eagle3SFT(SFTModule):
+    """SFT with an EAGLE-3 draft (the exportable architecture) reading decoder layers 0 and 1."""
+
+    def build_draft_model(self) -> torch.nn.Module | None:
+        assert self.chunks is not None
+        config = unwrap_model(self.chunks[-1]).config
+        return eagle3_draft(config, vocab_size=16, aux_layers=(0, 1), groups=self.parallel_groups)
 
 
 class _Record(Callback):
@@ -85,3 +95,32 @@ def resumed(rank: int, root: str, steps: int) -> tuple[list[dict[str, float]], .
     full = sft_rows(True, steps, pp=2, root=root)
     again = sft_rows(True, steps, pp=2, root=root, ckpt_path=f"{root}/step=2.ckpt")
     return full, again
+
+
+def eagle3_export(rank: int, directory: str, steps: int, tp: int) -> list[dict[str, float]]:
+    """``steps`` SFT steps with :class:`Eagle3SFT` at ``tp``, then the trained draft exported to
+    ``directory`` (the draft's TP ranks take part, TP rank 0 writes)."""
+    record = _Record()
+    strategy = MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=8)
+    trainer = cpu_trainer(
+        strategy=strategy, max_steps=steps, gradient_clip_val=1.0, num_sanity_val_steps=0,
+        callbacks=[record],
+    )  # fmt: skip
+    trainer.fit(Eagle3SFT(), datamodule=SFTDataModule(num_steps=DATA_STEPS))
+    draft = trainer.strategy.draft.model
+    if draft is not None:
+        save_eagle3(draft, directory, groups=trainer.strategy.groups)
+    destroy_megatron_state()
+    return record.rows
+
+
+def initial_eagle3_export(rank: int, directory: str) -> None:
+    """The untrained :class:`Eagle3SFT` draft (the recipe's default tiny GPT config: 2 layers,
+    H = 64, 4 heads, V = 16; seed 0), exported to ``directory``."""
+    from lightning_mcore_rl.models.tiny_gpt import tiny_gpt_config
+    from lightning_mcore_rl.testing import init_megatron_state
+
+    init_megatron_state()
+    draft = eagle3_draft(tiny_gpt_config(), vocab_size=16, aux_layers=(0, 1))
+    save_eagle3(draft, directory)
+    destroy_megatron_state()
