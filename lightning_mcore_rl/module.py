@@ -148,11 +148,11 @@ class MCoreRLModule(LightningModule):
         Called once per fit on every rank after :meth:`build_chunk` (``self.chunks`` exists);
         return the same kind of answer everywhere, e.g. ``eagle_draft(self.chunks[-1].config,
         vocab_size=V, aux_layers=(i, j), groups=self.parallel_groups)``
-        (:mod:`lightning_mcore_rl.models.draft`; the aux layers must be decoder layers of the
-        last pipeline stage). The strategy keeps it on the last pipeline stage, wraps it in
+        (:mod:`lightning_mcore_rl.models.draft`; ``models.eagle3.eagle3_draft`` for a draft vLLM
+        and SGLang load; the aux layers must be decoder layers of the last pipeline stage). The strategy keeps it on the last pipeline stage, wraps it in
         megatron DDP, gives it its own Adam (the policy optimizer's settings, its own clipping
-        at ``gradient_clip_val``) and trains it in the policy's step: ``train_draft_loss`` and
-        ``train_draft_top1_agreement`` are logged; the policy's loss and gradients are unchanged
+        at ``gradient_clip_val``) and trains it in the policy's step: ``train_draft_loss``,
+        ``train_draft_top1_agreement`` and ``train_draft_expected_acceptance`` are logged; the policy's loss and gradients are unchanged
         (docs/speculative-decoding.md). The draft's weight in the loss is the loss
         post-processor's ``PolicyConfig.draft_loss_weight``.
         """
