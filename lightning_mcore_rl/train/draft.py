@@ -109,7 +109,8 @@ def capture_layer_outputs(
 
         return record
 
-    for layer in inner.decoder.layers:  # type: ignore[union-attr]
+    # no layers (no draft): no hooks, and no assumption that the chunk is a GPT with a decoder
+    for layer in inner.decoder.layers if layers else ():  # type: ignore[union-attr]
         index = int(layer.layer_number) - 1
         if index in layers:
             handles.append(layer.register_forward_hook(hook(index)))
