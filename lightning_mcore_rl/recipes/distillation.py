@@ -162,16 +162,8 @@ class DistillationModule(RecipeModule):
                 "DistillationModule has no reference policy: `full_loss.reference_policy_kl_"
                 f"penalty` must be 0, got {full_loss.reference_policy_kl_penalty}."
             )
-        if rollout is not None and (rollout.top_k is not None or rollout.top_p < 1.0):
-            raise ValueError(
-                f"DistillationModule samples without top-k/top-p: `rollout.top_k` must be None and "
-                f"`rollout.top_p` 1.0, got {rollout.top_k} and {rollout.top_p}."
-            )
-        if rollout is not None and rollout.max_staleness != 0:
-            raise ValueError(
-                "DistillationModule samples synchronously: `rollout.max_staleness` must be 0, "
-                f"got {rollout.max_staleness} (asynchronous rollouts are GRPOModule's)."
-            )
+        if rollout is not None:
+            rollout.check_synchronous("DistillationModule")
         # the mutable spec defaults are shared instances: each module keeps its own copy
         rollout = replace(rollout) if rollout is not None else RolloutSpec()
         loss_fn = (

@@ -140,6 +140,20 @@ class RolloutSpec:
         """The trainer's sampling parameters, the sampler's (temperature, top-k, top-p)."""
         return TrainingSamplingParams(self.temperature, self.top_k, self.top_p)
 
+    def check_synchronous(self, owner: str) -> None:
+        """``ValueError`` naming ``owner`` unless this spec samples synchronously and without
+        top-k/top-p (what PPO and distillation support)."""
+        if self.training_params().filters:
+            raise ValueError(
+                f"{owner} samples without top-k/top-p: `rollout.top_k` must be None and "
+                f"`rollout.top_p` 1.0, got {self.top_k} and {self.top_p}."
+            )
+        if self.max_staleness != 0:
+            raise ValueError(
+                f"{owner} samples synchronously: `rollout.max_staleness` must be 0, got "
+                f"{self.max_staleness} (asynchronous rollouts are GRPOModule's)."
+            )
+
 
 DEFAULT_MODEL = TinyGPTSpec()
 """``GRPOModule``'s default policy size (each module copies it)."""

@@ -271,16 +271,8 @@ class PPOModule(GRPOModule):
                 f"'megatron', got {rollout.backend!r} (the HF backend's refit exports a plain "
                 "GPT chunk, not the policy + value chunk)."
             )
-        if rollout is not None and (rollout.top_k is not None or rollout.top_p < 1.0):
-            raise ValueError(
-                f"PPOModule samples without top-k/top-p: `rollout.top_k` must be None and "
-                f"`rollout.top_p` 1.0, got {rollout.top_k} and {rollout.top_p}."
-            )
-        if rollout is not None and rollout.max_staleness != 0:
-            raise ValueError(
-                "PPOModule samples synchronously: `rollout.max_staleness` must be 0, got "
-                f"{rollout.max_staleness} (asynchronous rollouts are GRPOModule's)."
-            )
+        if rollout is not None:
+            rollout.check_synchronous("PPOModule")
         super().__init__(task, model, rollout, loss, lr, pass_at_k, reference_model=reference_model)
         self.loss_fn = PPOLossFn(
             ClippedPGLossFn(self.loss_config), MseValueLossFn(value_loss), vf_coef

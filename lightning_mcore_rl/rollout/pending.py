@@ -10,6 +10,7 @@ Shapes: ``B`` sequences, ``P`` prompt columns, ``N`` new tokens.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -153,7 +154,7 @@ class _Broadcast:
         return Rollout(tokens, mask, logprobs, self.lengths, routed)
 
 
-class OneRankRolloutSource:
+class OneRankRolloutSource(ABC):
     """A source whose generator, the first rank of ``group``, samples and broadcasts the
     rollout to the group; :meth:`submit` samples in a background thread.
 
@@ -165,17 +166,17 @@ class OneRankRolloutSource:
     src: int
 
     @property
+    @abstractmethod
     def is_generator(self) -> bool:
         """Whether this rank samples."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _draw(
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> Tensor | None:
         """On the generator: fill ``tokens``/``logprobs [B, P+N]`` from column ``P`` on, in
         place, for prompts of ``lengths [B]`` real tokens (left-padded); return the routing
         ``[B, P+N, L, K]`` of a MoE model, else ``None``."""
-        raise NotImplementedError
 
     def _start(
         self,

@@ -87,3 +87,7 @@ def test_only_grpo_samples_ahead():
         PPOModule(rollout=ahead)
     with pytest.raises(ValueError, match="DistillationModule samples synchronously"):
         DistillationModule(rollout=ahead)
+    with pytest.raises(ValueError, match="PPOModule samples without top-k/top-p: .* got 5 and 1.0"):
+        PPOModule(rollout=RolloutSpec(top_k=5))
+    with pytest.raises(ValueError, match="DistillationModule samples without top-k/top-p"):
+        DistillationModule(rollout=RolloutSpec(top_p=0.9))
