@@ -170,6 +170,25 @@ def eagle_draft(
         ValueError: ``aux_layers`` empty, repeated or outside the policy's layers, or
             ``vocab_size`` not divisible by TP.
     """
+    layers, groups = checked_draft_layout(policy_config, vocab_size, aux_layers, groups)
+    config = eagle_draft_config(policy_config, groups, **config_overrides)
+    draft = EagleDraftModel(config, vocab_size, layers)
+    fill_draft_weights(draft, "draft", groups, seed)
+    return draft
+
+
+def checked_draft_layout(
+    policy_config: TransformerConfig,
+    vocab_size: int,
+    aux_layers: tuple[int, ...],
+    groups: ParallelGroups | None,
+) -> tuple[tuple[int, ...], ParallelGroups]:
+    """A draft builder's checked arguments: the sorted ``aux_layers`` and this rank's layout.
+
+    Raises:
+        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers, or
+            ``vocab_size`` not divisible by TP.
+    """
     layers = tuple(aux_layers)
     total = policy_config.num_layers
     if not layers or len(set(layers)) != len(layers) or not all(0 <= i < total for i in layers):
@@ -177,13 +196,18 @@ def eagle_draft(
             f"`aux_layers` must be distinct decoder-layer indices in [0, {total}) of the policy, "
             f"got {aux_layers!r}"
         )
-    groups = layout_groups(groups)
-    if vocab_size % groups.tp_size != 0:
-        raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({groups.tp_size}).")
-    config = eagle_draft_config(policy_config, groups, **config_overrides)
-    draft = EagleDraftModel(config, vocab_size, tuple(sorted(layers)))
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            full = full_parameter_value(f"draft.{name}", full_shape(param, groups.tp_size), seed)
-            param.copy_(tensor_parallel_shard(full, param, groups.tp_rank, groups.tp_size))
-    return draft
+    layout = layout_groups(groups)
+    if vocab_size % layout.tp_size != 0:
+        raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({layout.tp_size}).")
+    return tuple(sorted(layers)), layout
+
+
+@torch.no_grad()
+def fill_draft_weights(
+    draft: torch.nn.Module, prefix: str, groups: ParallelGroups, seed: int
+) -> None:
+    """Give every parameter its layout-independent value, drawn by ``prefix.name`` as the tiny
+    GPT's are, and keep this rank's TP shard."""
+    for name, param in draft.named_parameters():
+        full = full_parameter_value(f"{prefix}.{name}", full_shape(param, groups.tp_size), seed)
+        param.copy_(tensor_parallel_shard(full, param, groups.tp_rank, groups.tp_size))

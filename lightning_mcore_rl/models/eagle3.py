@@ -29,13 +29,12 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from lightning_mcore_rl.models.draft import eagle_draft_config
-from lightning_mcore_rl.models.layout import layout_groups
-from lightning_mcore_rl.models.tiny_gpt import (
-    full_parameter_value,
-    full_shape,
-    tensor_parallel_shard,
+from lightning_mcore_rl.models.draft import (
+    checked_draft_layout,
+    eagle_draft_config,
+    fill_draft_weights,
 )
+from lightning_mcore_rl.models.layout import layout_groups
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -217,22 +216,10 @@ def eagle3_draft(
         ValueError: ``aux_layers`` empty, repeated or outside the policy's layers; ``vocab_size``
             or the heads not divisible by TP.
     """
-    layers = tuple(aux_layers)
-    total = policy_config.num_layers
-    if not layers or len(set(layers)) != len(layers) or not all(0 <= i < total for i in layers):
-        raise ValueError(
-            f"`aux_layers` must be distinct decoder-layer indices in [0, {total}) of the policy, "
-            f"got {aux_layers!r}"
-        )
-    groups = layout_groups(groups)
-    if vocab_size % groups.tp_size != 0:
-        raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({groups.tp_size}).")
+    layers, groups = checked_draft_layout(policy_config, vocab_size, aux_layers, groups)
     config = eagle_draft_config(policy_config, groups, **config_overrides)
-    draft = Eagle3DraftModel(config, vocab_size, tuple(sorted(layers)), rope_theta)
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            full = full_parameter_value(f"eagle3.{name}", full_shape(param, groups.tp_size), seed)
-            param.copy_(tensor_parallel_shard(full, param, groups.tp_rank, groups.tp_size))
+    draft = Eagle3DraftModel(config, vocab_size, layers, rope_theta)
+    fill_draft_weights(draft, "eagle3", groups, seed)
     return draft
 
 
