@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.batches import prompted_batch
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
@@ -54,20 +55,7 @@ class DraftReference:
 
 def make_batch() -> BatchedDataDict:
     """Right-padded rows, a ``PROMPT``-token prompt, one sample masked out."""
-    g = torch.Generator().manual_seed(5)
-    positions = torch.arange(S)[None, :]
-    lengths = torch.tensor(LENGTHS)
-    real = positions < lengths[:, None]
-    logprobs = -torch.log(torch.tensor(float(V))) + 0.1 * torch.randn(B, S, generator=g)
-    return BatchedDataDict(
-        input_ids=torch.randint(1, V, (B, S), generator=g) * real,
-        input_lengths=lengths,
-        token_mask=(real & (positions >= PROMPT)).float(),
-        sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]),
-        advantages=torch.randn(B, S, generator=g),
-        prev_logprobs=logprobs,
-        generation_logprobs=logprobs,
-    )
+    return prompted_batch(LENGTHS, S, V, PROMPT, seed=5)
 
 
 def _policy_config(groups: Any = None, sequence_parallel: bool = False) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from helpers.batches import prompted_batch
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
@@ -44,22 +45,8 @@ class MTPReference:
 
 
 def make_batch() -> BatchedDataDict:
-    """Right-padded rows, the first ``PROMPT`` tokens a prompt (``token_mask`` 0), one sample
-    masked out (``sample_mask`` 0)."""
-    g = torch.Generator().manual_seed(3)
-    positions = torch.arange(S)[None, :]
-    lengths = torch.tensor(LENGTHS)
-    real = positions < lengths[:, None]
-    logprobs = -torch.log(torch.tensor(float(V))) + 0.1 * torch.randn(B, S, generator=g)
-    return BatchedDataDict(
-        input_ids=torch.randint(1, V, (B, S), generator=g) * real,
-        input_lengths=lengths,
-        token_mask=(real & (positions >= PROMPT)).float(),
-        sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]),
-        advantages=torch.randn(B, S, generator=g),
-        prev_logprobs=logprobs,
-        generation_logprobs=logprobs,
-    )
+    """Right-padded rows, a ``PROMPT``-token prompt, one sample masked out."""
+    return prompted_batch(LENGTHS, S, V, PROMPT, seed=3)
 
 
 def _model(groups: Any = None, rope: bool = False) -> torch.nn.Module:
