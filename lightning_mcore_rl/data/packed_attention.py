@@ -7,8 +7,12 @@ CPU or on the local layer spec. :class:`PackedDotProductAttention` is a drop-in
 (``qkv_format="thd"``) it runs causal attention within each span
 ``[cu_seqlens_q[i], cu_seqlens_q[i+1])`` — block-diagonal causal attention, computed span by span
 with ``torch.nn.functional.scaled_dot_product_attention`` so the cost is ``sum(len_i^2)``, not
-``T^2``; without it (padded ``[sq, b, np, hn]`` input) it IS megatron's ``DotProductAttention``
-(an instance it holds), so padded runs are bitwise those of the plain local spec.
+``T^2``. Padded ``[sq, b, np, hn]`` input with a causal mask (the strategy's, or ``None``) runs
+the same ``scaled_dot_product_attention`` over the whole width with ``is_causal=True``: on CPU its
+flash kernel keeps a ``[b, np, sq]`` log-sum-exp for the backward instead of megatron's
+``[b, np, sq, sk]`` fp32 scores and probabilities (64 MiB per layer at ``b=8, np=8, s=512``). Any
+other mask, attention dropout in training, or ``config.attention_backend = AttnBackend.unfused``
+runs megatron's own ``DotProductAttention`` (an instance it holds), bitwise the plain local spec.
 
 Context parallelism (CP > 1, packed input only): each CP rank holds the zigzag shard of every span
 (a span of ``L`` tokens is cut into ``2*CP`` chunks; rank ``r`` holds chunks ``r`` and
@@ -29,12 +33,13 @@ windows looking ahead (``right != 0``) and non-vanilla softmax; these raise.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -60,7 +65,8 @@ class PackedDotProductAttention(MegatronModule):
     * padded: ``query [sq, b, np, hn]``, ``key/value [sk, b, ng, hn]`` -> ``[sq, b, np*hn]``
     * packed (thd): ``query [T, np, hn]``, ``key/value [T, ng, hn]`` -> ``[T, np*hn]``
 
-    Output ``o_t = sum_{s <= t, s in span(t)} softmax_s(scale * q_t . k_s) v_s``: tokens attend
+    Padded input runs SDPA when the mask is causal (module docstring), megatron's
+    ``DotProductAttention`` otherwise. Output ``o_t = sum_{s <= t, s in span(t)} softmax_s(scale * q_t . k_s) v_s``: tokens attend
     causally within their own span only (and ``s >= t - window_size[0]`` on a windowed layer).
     Padding is part of each span, so real tokens (which precede their span's padding) never see it. Under CP, ``T`` above is this rank's ``T/CP``
     tokens (its zigzag shard of every span) and ``t``, ``s`` are positions in the full span.
@@ -117,15 +123,15 @@ class PackedDotProductAttention(MegatronModule):
         self.num_heads = config.num_attention_heads // tp_size
         self.num_query_groups = config.num_query_groups // tp_size
         head_dim = config.kv_channels
-        scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-        if config.apply_query_key_layer_scaling:
-            scale /= self.layer_number  # megatron's DotProductAttention does the same
-        self.softmax_scale = scale
+        # megatron's DotProductAttention divides by the layer number under
+        # `apply_query_key_layer_scaling` and its softmax multiplies it back: the net is this
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.padded_sdpa = config.attention_backend != AttnBackend.unfused
         self.dense: DotProductAttention | None = None
-        if self.cp_group is None:  # padded input: exactly megatron's local attention
+        if self.cp_group is None:  # padded input megatron's softmax takes (non-causal masks)
             self.dense = DotProductAttention(
                 config, layer_number, attn_mask_type, attention_type, attention_dropout,
                 softmax_scale, cp_comm_type, pg_collection,
@@ -148,7 +154,8 @@ class PackedDotProductAttention(MegatronModule):
             key: ``[sk, b, ng, hn]``, or ``[T, ng, hn]`` when packed.
             value: same shape as ``key``.
             attention_mask: padded only: megatron's boolean mask ``[b|1, 1, sq, sk]``, True =
-                masked out; ``None`` gives causal attention. Ignored when packed.
+                masked out; ``None`` gives causal attention (on a causal layer). Ignored when
+                packed.
             attn_mask_type: overrides the layer's mask type.
             attention_bias: unsupported, must be ``None``.
             packed_seq_params: THD boundaries; ``cu_seqlens_q`` must equal ``cu_seqlens_kv``.
@@ -167,7 +174,44 @@ class PackedDotProductAttention(MegatronModule):
                 "input (`packed_seq_params`, i.e. sequence_packing=True); got padded input of "
                 f"shape {tuple(query.shape)}"
             )
+        if self._padded_is_causal(query, key, attention_mask, mask_type):
+            return self._forward_padded(query, key, value)
         return self.dense(query, key, value, attention_mask, attn_mask_type=mask_type)
+
+    def _padded_is_causal(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        mask_type: AttnMaskType,
+    ) -> bool:
+        """Whether padded input takes SDPA: a causal self-attention mask (``None`` on a causal
+        layer, or exactly ``triu(1)``), no dropout to draw, the backend not ``unfused``."""
+        sq, sk = query.shape[0], key.shape[0]
+        if not self.padded_sdpa or sq != sk or (self.training and self.dropout_p > 0.0):
+            return False
+        if attention_mask is None:
+            return mask_type == AttnMaskType.causal
+        if attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != (sq, sk):
+            return False
+        return torch.equal(
+            attention_mask, _masked_out_above_diagonal(sq, query.device).expand_as(attention_mask)
+        )
+
+    def _forward_padded(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal padded attention: ``query [s, b, np, hn]``, ``key/value [s, b, ng, hn]`` ->
+        ``[s, b, np*hn]`` (within the window on a windowed layer)."""
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if self.window_left is None:
+            out = self._attend(q, k, v, attn_mask=None, is_causal=True)
+        else:
+            span = torch.arange(query.shape[0], device=query.device)
+            out = self._attend(q, k, v, self._allowed(span, span), is_causal=False)
+        # [b, np, s, hn] -> [s, b, np*hn]
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _forward_packed(
         self,
@@ -273,6 +317,12 @@ class PackedDotProductAttention(MegatronModule):
             is_causal=is_causal,
             scale=self.softmax_scale,
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _masked_out_above_diagonal(seq_len: int, device: torch.device) -> torch.Tensor:
+    """megatron's causal mask ``[1, 1, s, s]``: True above the diagonal (masked out)."""
+    return torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
 
 
 def check_packed_core_attention(model: torch.nn.Module) -> None:
