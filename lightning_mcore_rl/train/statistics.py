@@ -154,14 +154,13 @@ def reduce_step_statistics(
 ) -> StepOutput:
     """Make one global batch's loss, metrics and counts identical on every rank.
 
-    On the last pipeline stage: the per-microbatch losses are summed over DP with the seed's
-    :func:`aggregate_training_statistics` (one all-reduce), every other metric is combined over
-    microbatches and reduced over DP by its rule in
-    :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (one fp64 all-gather of one vector, the
-    batch counts riding along, combined per entry by a
-    :class:`~lightning_mcore_rl.metrics.RuleReduction`; started asynchronously before the loss
-    all-reduce, so the two latencies overlap). The result is then broadcast over the pipeline
-    group (one broadcast, :func:`_broadcast_payload`). TP/CP ranks already agree.
+    On the last pipeline stage, ONE fp64 all-gather over DP of one vector (none at DP=1): every
+    metric combined over microbatches, to be reduced over DP by its rule in
+    :data:`~lightning_mcore_rl.losses.REDUCTION_RULES`, the batch counts and the per-microbatch
+    losses (summed over DP: what the seed's :func:`aggregate_training_statistics` all-reduce
+    gives, without a second collective), combined per entry by a
+    :class:`~lightning_mcore_rl.metrics.RuleReduction`. The result is then broadcast over the
+    pipeline group (one broadcast, :func:`_broadcast_payload`). TP/CP ranks already agree.
 
     Args:
         outputs: the schedule's per-microbatch metric dicts (last stage; ``[]`` elsewhere), each
@@ -205,9 +204,8 @@ def _reduce_on_last_stage(
     source: str,
     device: torch.device | str,
 ) -> dict[str, Any]:
-    """The last stage's part of :func:`reduce_step_statistics` (DP collectives only: the rule
-    vector's all-gather, started first and asynchronously, overlaps the loss all-reduce of
-    :func:`aggregate_training_statistics`)."""
+    """The last stage's part of :func:`reduce_step_statistics`: its one DP collective is the
+    rule vector's all-gather, the per-microbatch losses riding in it."""
     host = _materialise([dict(o) for o in outputs])
     local_losses = [float(o["loss"]) for o in host]
     metrics_only = [{k: v for k, v in o.items() if k != "loss"} for o in host]
@@ -229,20 +227,17 @@ def _reduce_on_last_stage(
         rules = {k: REDUCTION_RULES[MetricNormalizer(v)] for k, v in normalizations.items()}
         rules.pop("loss", None)
         local = {} if error else combine_microbatch_metrics(metrics_only, normalizations)
-    pending = _RuleGather.start(local, rules, counts, error is not None, groups, device)
-    _, global_loss = aggregate_training_statistics(
-        [], [torch.tensor(x, dtype=torch.float32, device=device) for x in local_losses],
-        groups.dp_group,
-    )  # fmt: skip
-    reduced = pending.finish()
+    reduced = _RuleGather.start(
+        local, rules, counts, local_losses, error is not None, groups, device
+    ).finish()
     if reduced is None:
         error = error or (
             f"{source} returned an undeclared metric on another data-parallel rank (see that "
             "rank's error)."
         )
         return {"error": error}
-    metrics, summed = reduced
-    loss = float(global_loss.double().sum())
+    metrics, summed, summed_losses = reduced
+    loss = math.fsum(summed_losses)
     if normalizations is None:  # per-microbatch means: average over microbatches and DP
         denominator = max(len(host), 1) * groups.dp_size
         loss /= denominator
@@ -298,20 +293,21 @@ def _rule_reduction(kinds: tuple[Combine, ...], device: torch.device) -> RuleRed
 
 @dataclass(frozen=True)
 class _RuleGather:
-    """The step's metric values (by rule) and counts as ONE fp64 vector, all-gathered over DP
-    asynchronously, then combined row by row (in DP rank order) by a
+    """The step's metric values (by rule), counts and per-microbatch losses as ONE fp64 vector,
+    all-gathered over DP, then combined row by row (in DP rank order) by a
     :class:`~lightning_mcore_rl.metrics.RuleReduction`.
 
     The vector also carries how many ranks hold each metric (a metric held by none is dropped;
     one held by some ranks is reduced over those) and an error flag: :meth:`finish` returns
-    ``None`` on every rank when any rank ``failed``.
+    ``None`` on every rank when any rank ``failed``. Every DP rank runs the same number of
+    microbatches (the step's input agreement), so the vectors have one length.
     """
 
     names: list[str]
     count_names: list[str]
+    losses: int  # microbatches: the losses' entries
     kinds: tuple[Combine, ...]
     rows: list[torch.Tensor]  # [dp] x [n]: every DP rank's vector once the gather is done
-    work: Any  # the async all-gather (``None`` for a DP group of one)
 
     @classmethod
     def start(
@@ -319,45 +315,49 @@ class _RuleGather:
         values: Mapping[str, float],
         rules: Mapping[str, ReductionRule],
         counts: Mapping[str, float],
+        losses: Sequence[float],
         failed: bool,
         groups: ParallelGroups,
         device: torch.device | str,
     ) -> _RuleGather:
-        """Build this rank's vector and start its all-gather (no wait)."""
+        """Build this rank's vector and all-gather it."""
         names = sorted(rules)
         count_names = sorted(counts)
         identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
         count_kinds: list[Combine] = [
             "max" if k == "response_length_max" else "sum" for k in count_names
         ]
-        kinds = [rules[k].combine for k in names] + count_kinds + ["sum"] * (len(names) + 1)
+        kinds = (
+            [rules[k].combine for k in names]
+            + count_kinds
+            + ["sum"] * (len(losses) + len(names) + 1)
+        )
         local = torch.tensor(
             [values.get(k, identity[rules[k].combine]) for k in names]
             + [counts[k] for k in count_names]
+            + list(losses)
             + [float(k in values) for k in names]
             + [float(failed)],
             dtype=torch.float64,
             device=device,
         )
-        if groups.dp_size == 1:
-            return cls(names, count_names, tuple(kinds), [local], None)
-        rows = [torch.empty_like(local) for _ in range(groups.dp_size)]
-        work = dist.all_gather(rows, local, group=groups.dp_group, async_op=True)
-        return cls(names, count_names, tuple(kinds), rows, work)
+        rows = [local]
+        if groups.dp_size > 1:
+            rows = [torch.empty_like(local) for _ in range(groups.dp_size)]
+            dist.all_gather(rows, local, group=groups.dp_group)
+        return cls(names, count_names, len(losses), tuple(kinds), rows)
 
-    def finish(self) -> tuple[dict[str, float], dict[str, float]] | None:
-        """Wait for the gather; ``(metrics, counts)`` reduced over DP, or ``None`` (failed)."""
-        if self.work is not None:
-            self.work.wait()
+    def finish(self) -> tuple[dict[str, float], dict[str, float], list[float]] | None:
+        """``(metrics, counts, losses)`` reduced over DP, or ``None`` (some rank failed)."""
         reduction = _rule_reduction(self.kinds, self.rows[0].device)
         reduction.reset()
         for row in self.rows:
             reduction.update(row)
         reduced = reduction.compute().cpu().tolist()  # the one host transfer
-        n, c = len(self.names), len(self.count_names)
+        n, c, m = len(self.names), len(self.count_names), self.losses
         if reduced[-1] > 0:
             return None
-        holders = reduced[n + c : 2 * n + c]
+        holders = reduced[n + c + m : 2 * n + c + m]
         metrics = {k: reduced[i] for i, k in enumerate(self.names) if holders[i] > 0}
         summed = {k: reduced[n + i] for i, k in enumerate(self.count_names)}
-        return metrics, summed
+        return metrics, summed, reduced[n + c : n + c + m]

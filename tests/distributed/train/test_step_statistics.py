@@ -1,7 +1,8 @@
 """``reduce_step_statistics`` at DP=2: every rule against a hand-derived value, identical on both
-ranks, in exactly two DP collectives (the rule vector's async all-gather, started before the
-seed's loss all-reduce), and an undeclared metric on one rank raising on both; at PP=2: the
-last stage's result on both stages in one broadcast (two for a payload over the buffer)."""
+ranks, in exactly ONE DP collective (the rule vector's all-gather, the per-microbatch losses
+riding in it), and an undeclared metric on one rank raising on both; at PP=2 (DP=1): the last
+stage's result on both stages in one broadcast (two for a payload over the buffer), no other
+collective."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def test_every_rule_reduces_to_the_hand_value_on_both_ranks() -> None:
         assert out.response_length_max == 5.0
 
 
-def test_two_dp_collectives_the_gather_started_first_and_async() -> None:
+def test_one_dp_collective_the_losses_riding_in_the_gather() -> None:
     for result in _results():
-        assert result["clean"].calls == [("all_gather", True, True), ("all_reduce", False, True)]
+        assert result["clean"].calls == [("all_gather", False, True)]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -52,7 +53,7 @@ def test_an_undeclared_metric_on_one_rank_raises_on_both(rank: int) -> None:
         assert "['surprise']" in recorded.error and "metric_normalizations" in recorded.error
     else:
         assert "another data-parallel rank" in recorded.error
-    assert recorded.calls == [("all_gather", True, True), ("all_reduce", False, True)]
+    assert recorded.calls == [("all_gather", False, True)]
 
 
 def test_pipeline_stages_get_the_last_stage_result_in_one_broadcast() -> None:
@@ -65,7 +66,7 @@ def test_pipeline_stages_get_the_last_stage_result_in_one_broadcast() -> None:
     }  # fmt: skip
     assert last.output.tokens == 11.0  # counts(1): the last stage (rank 1) holds them
     assert first.calls == [("broadcast", False, True)]
-    assert last.calls == [("all_reduce", False, True), ("broadcast", False, True)]
+    assert last.calls == [("broadcast", False, True)]
 
 
 def test_a_payload_over_the_buffer_takes_a_second_broadcast() -> None:
