@@ -104,31 +104,71 @@ def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
 
 
+_DIFFERENCE_CHUNK = 1 << 24
+"""Elements per piece of :func:`_difference_norms`' scratch buffer (64 MiB in fp32)."""
+
+
 def update_measures(
     snapshot: UpdateSnapshot, device: torch.device | str, group: Any
 ) -> tuple[float, float, float]:
     """After the update: ``(non-finite tensors, ||update||, ||parameters before||)`` over every
-    rank (ONE all-reduce SUM of three float64 numbers over ``group``).
+    rank (ONE all-reduce SUM of three float64 numbers over ``group``; one host transfer).
 
-    A tensor counts when its sum is not finite: any NaN/inf entry, or entries so large that
-    their sum overflows (an overflowing update as well). The norms are over the model
-    parameters (replicated copies counted once per rank, which leaves their ratio a faithful
-    measure of the update's relative size); a norm that overflows is inf, which fails too.
+    A tensor counts when it holds a NaN/inf entry or entries so large that a sum over them
+    overflows (an overflowing update as well): a model parameter when the norm of its change is
+    not finite, every other tensor (main parameters, optimizer state) when its sum is not. The
+    norms are over the model parameters (replicated copies counted once per rank, which leaves
+    their ratio a faithful measure of the update's relative size), each tensor's in fp32; a
+    norm that overflows is inf, which fails too.
     """
-    live = [t.detach() for t in snapshot.tensors + snapshot.state_tensors() if t.numel()]
-    sums = [t.sum() for t in live]  # NaN/inf propagate (a float32 overflow counts as well)
-    bad = float((~torch.isfinite(torch.stack([x.float().cpu() for x in sums]))).sum())
     params = [p.detach() for p in snapshot.params]
     before = snapshot.copies[: len(params)]
-    deltas = torch._foreach_norm(torch._foreach_sub(params, before))
-    norms = torch._foreach_norm(before)
-    delta_sq = float(sum(float(d) ** 2 for d in deltas))
-    norm_sq = float(sum(float(n) ** 2 for n in norms))
-    numbers = torch.tensor([bad, delta_sq, norm_sq], dtype=torch.float64, device=device)
+    others = snapshot.tensors[len(params) :] + snapshot.state_tensors()
+    checked = [t.detach().sum().float() for t in others if t.numel()]  # NaN/inf propagate
+    numbers = torch.zeros(3, dtype=torch.float64, device=device)
+    if params:
+        changes = _difference_norms(params, before)
+        checked.append(changes)
+        numbers[1] = changes.double().square().sum().to(numbers)
+        norms = torch._foreach_norm(before, 2, torch.float32)
+        numbers[2] = torch.stack(norms).double().square().sum().to(numbers)
+    if checked:
+        flat = torch.cat([x.reshape(-1) for x in checked])
+        numbers[0] = (~torch.isfinite(flat)).sum().to(numbers)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(numbers, op=dist.ReduceOp.SUM, group=group)
-    count, delta_sq, norm_sq = (float(x) for x in numbers.cpu())
+    count, delta_sq, norm_sq = numbers.cpu().tolist()
     return count, math.sqrt(delta_sq), math.sqrt(norm_sq)
+
+
+@torch.no_grad()
+def _difference_norms(
+    after: Sequence[Tensor], before: Sequence[Tensor], chunk: int = _DIFFERENCE_CHUNK
+) -> Tensor:
+    """``[len(after)]`` fp32 norms ``||after_i - before_i||``, through ONE scratch buffer of at
+    most ``chunk`` elements (per dtype and device), not a fresh copy of every difference (one
+    more copy of the parameters at the optimizer step's peak)."""
+    scratch: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+    norms = []
+    for a, b in zip(after, before, strict=True):
+        flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+        size = min(flat_a.numel(), chunk)
+        buffer = scratch.get((a.dtype, a.device))
+        if buffer is None or buffer.numel() < size:
+            buffer = scratch[(a.dtype, a.device)] = torch.empty(
+                size, dtype=a.dtype, device=a.device
+            )
+        pieces = []
+        for start in range(0, flat_a.numel(), chunk):
+            end = min(start + chunk, flat_a.numel())
+            piece = torch.sub(flat_a[start:end], flat_b[start:end], out=buffer[: end - start])
+            pieces.append(torch.linalg.vector_norm(piece, dtype=torch.float32))
+        norms.append(
+            torch.linalg.vector_norm(torch.stack(pieces))
+            if pieces
+            else a.new_zeros((), dtype=torch.float32)
+        )
+    return torch.stack(norms) if norms else torch.zeros(0)
 
 
 def update_failure(

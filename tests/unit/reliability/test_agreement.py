@@ -21,7 +21,12 @@ from lightning_mcore_rl.strategy.agreement import (
     agreed_verdict,
 )
 from lightning_mcore_rl.strategy.nonfinite import CollapseWarning, NonFiniteGuard
-from lightning_mcore_rl.strategy.update_check import UpdateSnapshot, update_failure
+from lightning_mcore_rl.strategy.update_check import (
+    UpdateSnapshot,
+    _difference_norms,
+    update_failure,
+    update_measures,
+)
 from lightning_mcore_rl.train.validation import (
     BatchSpec,
     batch_fingerprint,
@@ -126,6 +131,33 @@ def test_a_snapshot_restores_parameters_and_adam_state_bitwise():
     assert all(torch.equal(p, a) for p, a in zip(params, after_one, strict=True))
     state = member.optimizer.state[params[0]]
     assert all(torch.equal(state[k], v) for k, v in moments.items())  # step, exp_avg, exp_avg_sq
+
+
+def test_update_measures_equal_plain_torch_and_count_non_finite_tensors():
+    """One rank, no process group: the non-finite count, ||update|| and ||parameters before||
+    against plain torch (fp64), the difference norms also in pieces smaller than a tensor."""
+    member, params = _adam()
+    _step(member, params)
+    snap = UpdateSnapshot.take(member, params)
+    before = [p.detach().double().clone() for p in params]
+    _step(member, params)
+    count, delta, norm = update_measures(snap, "cpu", None)
+    after = [p.detach().double() for p in params]
+    expected_delta = math.sqrt(
+        sum(float((a - b).square().sum()) for a, b in zip(after, before, strict=True))
+    )
+    expected_norm = math.sqrt(sum(float(b.square().sum()) for b in before))
+    assert count == 0.0
+    assert delta == pytest.approx(expected_delta, rel=1e-6)
+    assert norm == pytest.approx(expected_norm, rel=1e-6)
+    pieces = _difference_norms(params, snap.copies[: len(params)], chunk=5)  # 6 and 4 elements
+    whole = _difference_norms(params, snap.copies[: len(params)])
+    torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=0.0)
+    with torch.no_grad():
+        params[1][2] = math.inf
+    member.optimizer.state[params[0]]["exp_avg"][0, 1] = math.nan
+    count, delta, _ = update_measures(snap, "cpu", None)
+    assert count == 2.0 and math.isinf(delta)
 
 
 def test_the_update_failure_rule():
