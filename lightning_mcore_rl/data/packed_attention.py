@@ -66,7 +66,8 @@ class PackedDotProductAttention(MegatronModule):
     * packed (thd): ``query [T, np, hn]``, ``key/value [T, ng, hn]`` -> ``[T, np*hn]``
 
     Padded input runs SDPA when the mask is causal (module docstring), megatron's
-    ``DotProductAttention`` otherwise. Output ``o_t = sum_{s <= t, s in span(t)} softmax_s(scale * q_t . k_s) v_s``: tokens attend
+    ``DotProductAttention`` otherwise. Output
+    ``o_t = sum_{s <= t, s in span(t)} softmax_s(scale * q_t . k_s) v_s``: tokens attend
     causally within their own span only (and ``s >= t - window_size[0]`` on a windowed layer).
     Padding is part of each span, so real tokens (which precede their span's padding) never see it. Under CP, ``T`` above is this rank's ``T/CP``
     tokens (its zigzag shard of every span) and ``t``, ``s`` are positions in the full span.
@@ -131,7 +132,7 @@ class PackedDotProductAttention(MegatronModule):
         )
         self.padded_sdpa = config.attention_backend != AttnBackend.unfused
         self.dense: DotProductAttention | None = None
-        if self.cp_group is None:  # padded input megatron's softmax takes (non-causal masks)
+        if self.cp_group is None:  # padded input with any other mask: megatron's local attention
             self.dense = DotProductAttention(
                 config, layer_number, attn_mask_type, attention_type, attention_dropout,
                 softmax_scale, cp_comm_type, pg_collection,
@@ -186,17 +187,22 @@ class PackedDotProductAttention(MegatronModule):
         mask_type: AttnMaskType,
     ) -> bool:
         """Whether padded input takes SDPA: a causal self-attention mask (``None`` on a causal
-        layer, or exactly ``triu(1)``), no dropout to draw, the backend not ``unfused``."""
+        layer, :func:`shared_causal_mask` — the strategy's —, or on CPU any mask equal to it), no
+        dropout to draw, the backend not ``unfused``. Off the CPU only the shared mask counts: a
+        value check would wait for the device in every layer."""
         sq, sk = query.shape[0], key.shape[0]
         if not self.padded_sdpa or sq != sk or (self.training and self.dropout_p > 0.0):
             return False
         if attention_mask is None:
             return mask_type == AttnMaskType.causal
-        if attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != (sq, sk):
+        causal = shared_causal_mask(sq, attention_mask.device)
+        if attention_mask is causal:
+            return True
+        if attention_mask.device.type != "cpu" or attention_mask.dtype != torch.bool:
             return False
-        return torch.equal(
-            attention_mask, _masked_out_above_diagonal(sq, query.device).expand_as(attention_mask)
-        )
+        if attention_mask.dim() != 4 or attention_mask.shape[-3:] != (1, sq, sk):
+            return False
+        return torch.equal(attention_mask, causal.expand_as(attention_mask))
 
     def _forward_padded(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -320,8 +326,10 @@ class PackedDotProductAttention(MegatronModule):
 
 
 @functools.lru_cache(maxsize=8)
-def _masked_out_above_diagonal(seq_len: int, device: torch.device) -> torch.Tensor:
-    """megatron's causal mask ``[1, 1, s, s]``: True above the diagonal (masked out)."""
+def shared_causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    """megatron's causal mask ``[1, 1, s, s]``, True above the diagonal (masked out): ONE
+    tensor per ``(s, device)``, shared (never modify it in place), so that the attention knows
+    it without reading it."""
     return torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
 
 

@@ -129,6 +129,7 @@ def _core_attention_cases(rank: int) -> dict[str, dict[str, torch.Tensor]]:
 
     from lightning_mcore_rl.data import PackedDotProductAttention
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt_config
+    from lightning_mcore_rl.train import causal_attention_mask
 
     init_megatron_state()
     s, b, heads, groups, dim = 16, 3, 4, 2, 16
@@ -140,6 +141,7 @@ def _core_attention_cases(rank: int) -> dict[str, dict[str, torch.Tensor]]:
     padding = causal | (torch.arange(s) >= 11)[None, None, None, :]  # keys past 11 masked too
     cases = {
         "causal_none": ({}, None),
+        "shared_mask": ({}, causal_attention_mask(s)),  # the strategy's: known without reading
         "causal_mask": ({}, causal),
         "causal_mask_per_row": ({}, causal.expand(b, 1, s, s)),
         "window": ({"window_size": (3, 0)}, causal),
@@ -169,14 +171,15 @@ def _core_attention_cases(rank: int) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_padded_sdpa_matches_megatron_dot_product_attention() -> None:
-    """Causal padded input (mask ``None``, ``[1|b, 1, s, s]`` causal, a sliding window, query-key
-    layer scaling) runs SDPA and equals megatron's ``DotProductAttention`` within fp32 rounding
+    """Causal padded input (mask ``None``, the strategy's shared causal mask, another ``[1|b, 1,
+    s, s]`` causal mask, a sliding window, query-key layer scaling) runs SDPA and equals megatron's ``DotProductAttention`` within fp32 rounding
     (measured <= 7.2e-7 on the outputs and gradients); a non-causal mask and the ``unfused``
     backend run megatron's attention itself (bitwise)."""
     (out,) = run_on_ranks(_core_attention_cases, 1)
     takes_sdpa = {name: bool(case["sdpa"]) for name, case in out.items()}
     assert takes_sdpa == {
         "causal_none": True,
+        "shared_mask": True,
         "causal_mask": True,
         "causal_mask_per_row": True,
         "window": True,
