@@ -29,7 +29,9 @@ from lightning_mcore_rl.train.draft import (
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
+    batch_first_applies,
     check_fused_chunks,
+    lm_head_batch_first,
     lm_head_returns_hidden,
     output_weight,
     reject_filtering,
@@ -188,6 +190,9 @@ def model_forward(
         use_fused_linear_logprobs: On the last stage, return the final hidden states (after the
             final norm) instead of logits: the output layer is bypassed for this forward
             (:func:`~lightning_mcore_rl.train.fused.lm_head_returns_hidden`).
+            Otherwise a last stage computes its logits batch-first
+            (:func:`~lightning_mcore_rl.train.fused.lm_head_batch_first`: the same logits
+            without ``GPTModel``'s ``[B, S, V_l]`` copy) where it applies.
         labels_cp_sharded: Target labels: the model then returns per-token losses
             (direct prepacked SFT).
         loss_mask_cp_sharded: Loss mask passed with ``labels_cp_sharded``.
@@ -228,7 +233,11 @@ def model_forward(
     if (defer_fp32_logits or fused) and _in_float16_module(model):
         kwargs["fp32_output"] = False  # Float16Module would upcast the whole last-stage output
     timer = straggler_timer() if straggler_timer is not None else contextlib.nullcontext()
-    bypass = lm_head_returns_hidden(model) if fused else contextlib.nullcontext()
+    bypass: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if fused:
+        bypass = lm_head_returns_hidden(model)
+    elif labels_cp_sharded is None and _is_last_stage(model) and batch_first_applies(model):
+        bypass = lm_head_batch_first(model)  # no [B, S, V_l] copy of the logits
     with timer, bypass:
         output = model(input_ids_cp_sharded, position_ids, attention_mask, **kwargs)
     if isinstance(output, tuple):

@@ -7,10 +7,12 @@ post-processors turn ``hidden x W_out^T / T`` into token logprobs with the chunk
 forward and backward).
 
 megatron-core 0.16's ``GPTModel`` has no hook between its final norm and its output layer, so
-:func:`lm_head_returns_hidden` is the ONE place that bridges it: for one forward of one chunk the
+:func:`_output_layer_forward` is the ONE place that bridges it: for one forward of one chunk the
 chunk's ``output_layer`` gets an *instance* ``forward`` (this module object only, never the class,
-never a global) that returns its input and records the weight ``GPTModel`` handed it; it is
-removed on exit, also when the forward raises. The output layer stays the same module, so its
+never a global); it is removed on exit, also when the forward raises. Two bridges use it:
+:func:`lm_head_returns_hidden` (the fused path: the layer returns its input and checks the weight
+``GPTModel`` handed it) and :func:`lm_head_batch_first` (the plain path: the logits computed
+batch-first, so ``GPTModel``'s final ``transpose(0, 1).contiguous()`` copies nothing). The output layer stays the same module, so its
 hooks (megatron DDP's parameter-gather pre-hook, captures) still run. megatron-core >= 0.18
 adds an ``output_processor`` hook to ``GPTModel``; on that version this context manager is what
 gets replaced, nothing else.
@@ -97,13 +99,30 @@ def check_fused_chunks(chunks: Sequence[torch.nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def lm_head_returns_hidden(model: torch.nn.Module) -> Iterator[None]:
+def _output_layer_forward(model: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """For the block, ``model``'s output layer runs ``forward`` (an instance attribute, removed
+    on exit, also on error); its module hooks still run around it.
+
+    Raises:
+        RuntimeError: The output layer is already bypassed (nested use).
+    """
+    layer = cast(Any, unwrap_model(model)).output_layer
+    if "forward" in vars(layer):
+        raise RuntimeError("the output layer of this chunk is already bypassed (nested use)")
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def lm_head_returns_hidden(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
     """For the block, ``model``'s output layer returns its input: the chunk outputs ``[B, S, H]``.
 
     The pass-through gathers the input over TP under sequence parallelism (``[S/TP, B, H]`` ->
     ``[S, B, H]``; backward: the local slice, because the fused kernel's backward already
     all-reduces the input gradient over TP) and checks that the weight ``GPTModel`` passed is
-    :func:`output_weight`. The instance ``forward`` is removed on exit, also on error.
+    :func:`output_weight`.
 
     Args:
         model: A (wrapped) ``GPTModel`` last-stage chunk.
@@ -115,8 +134,6 @@ def lm_head_returns_hidden(model: torch.nn.Module) -> Iterator[None]:
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     layer = cast(Any, unwrap_model(model)).output_layer
-    if "forward" in vars(layer):
-        raise RuntimeError("the output layer of this chunk is already bypassed (nested use)")
     expected = output_weight(model)
 
     def passthrough(
@@ -134,11 +151,54 @@ def lm_head_returns_hidden(model: torch.nn.Module) -> Iterator[None]:
             )
         return input_, None
 
-    layer.forward = passthrough
-    try:
-        yield
-    finally:
-        del layer.forward
+    return _output_layer_forward(model, passthrough)
+
+
+def batch_first_applies(model: torch.nn.Module) -> bool:
+    """Whether :func:`lm_head_batch_first` can serve ``model``: a ``GPTModel`` last stage whose
+    output layer does not gather a sequence-parallel input (it gathers along dim 0, the
+    sequence) and without multi-token prediction (its loss reads the head's ``[S, B, V_l]``
+    output inside ``GPTModel``)."""
+    inner = unwrap_model(model)
+    layer = getattr(inner, "output_layer", None)
+    if layer is None or not getattr(inner, "post_process", False):
+        return False
+    config = getattr(inner, "config", None)
+    return not getattr(layer, "sequence_parallel", False) and (
+        config is None or config.mtp_num_layers is None
+    )
+
+
+def lm_head_batch_first(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """For the block, ``model``'s plain LM head computes its logits batch-first.
+
+    ``GPTModel`` hands its output layer ``[S, B, H]`` hidden states and returns
+    ``logits.transpose(0, 1).contiguous()``: a second ``[B, S, V_l]`` copy of the logits in
+    the forward (and of their gradient in the backward). Here the layer's own ``forward`` (the
+    same weights, TP communication and gradient accumulation) multiplies a ``[B, S, H]`` copy of
+    the hidden states and returns the ``[B, S, V_l]`` logits as their ``[S, B, V_l]``
+    transpose, which ``GPTModel``'s transpose turns back into the contiguous logits without a
+    copy. Every logit is the same dot product as before (bitwise equal); the output weight's
+    gradient sums the tokens in another order (fp32 rounding: one ulp measured). Only where
+    :func:`batch_first_applies`.
+
+    Args:
+        model: A (wrapped) ``GPTModel`` last-stage chunk.
+    """
+    layer = cast(Any, unwrap_model(model)).output_layer
+    forward = type(layer).forward
+
+    def batch_first(
+        input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[Tensor, Any]:
+        # [S, B, H] -> [B, S, H] (megatron's weight-gradient GEMM views its input flat)
+        hidden = input_.transpose(0, 1).contiguous()
+        logits, bias = forward(
+            layer, hidden, weight=weight, runtime_gather_output=runtime_gather_output
+        )
+        return logits.transpose(0, 1), bias  # [B, S, V_l] as [S, B, V_l]
+
+    return _output_layer_forward(model, batch_first)
 
 
 @dataclass(frozen=True)

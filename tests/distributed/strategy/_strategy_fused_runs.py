@@ -58,7 +58,12 @@ class FusedGRPOModule(PackedGRPOModule):
         return chunk
 
     def _record_head(self, layer: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        self.head_modes.add("fused" if "forward" in vars(layer) else "logits")
+        # the fused path's instance forward is the pass-through; the logits path runs the class
+        # forward or, batch-first (train/fused.py:lm_head_batch_first), an instance forward
+        forward = vars(layer).get("forward")
+        self.head_modes.add(
+            "fused" if getattr(forward, "__name__", "") == "passthrough" else "logits"
+        )
 
 
 def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, list[str]]:
