@@ -6,7 +6,8 @@ loss, on two CPU ranks (``--ranks``; ``--device cuda``: one GPU per rank), under
 * ``trainer_chunked`` the same with ``PolicyConfig(logprob_chunk_size=...)`` from the module's
   ``loss_post_processor`` hook (chunked vocab-parallel logprobs);
 * ``hf_ddp``    the ``transformers`` model under torch DDP (gloo) with the losses TRL / HF Trainer
-  run: ``F.cross_entropy`` for NLL, ``log_softmax`` over the full vocabulary + ``gather`` for
+  run: the model's own loss for NLL (``labels=``, ``ForCausalLMLoss``, summed with
+  ``num_items_in_batch=1``), ``log_softmax`` over the full vocabulary + ``gather`` for
   ClippedPG;
 * ``bare``      the bare megatron loop: megatron DDP + megatron Adam + ``run_global_batch``;
 * ``trainer_recompute`` / ``hf_ddp_recompute``: ``trainer`` / ``hf_ddp`` with full activation
@@ -219,7 +220,6 @@ def run_hf_ddp(
     import contextlib
 
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     from transformers import LlamaForCausalLM
 
@@ -255,14 +255,12 @@ def run_hf_ddp(
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with autocast():
-            logits = ddp(input_ids=ids).logits[:, :-1]  # [B, S-1, V] fp32 (bf16 autocast)
-            if loss == "nll":  # cross_entropy / log_softmax autocast to fp32
-                local = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]),
-                    labels.reshape(-1),
-                    reduction="sum",
-                )
-            else:
+            if loss == "nll":  # transformers' own loss (ForCausalLMLoss), summed over tokens
+                full = torch.full_like(ids, -100)  # [B, S]: the model shifts the labels itself
+                full[:, 1:] = labels
+                local = ddp(input_ids=ids, labels=full, num_items_in_batch=1).loss
+            else:  # log_softmax autocasts to fp32
+                logits = ddp(input_ids=ids).logits[:, :-1]  # [B, S-1, V]
                 curr = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
                 ratio = torch.exp(curr - batch["prev_logprobs"][:, 1:])
                 adv = batch["advantages"][:, 1:]
