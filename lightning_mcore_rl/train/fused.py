@@ -12,8 +12,8 @@ chunk's ``output_layer`` gets an *instance* ``forward`` (this module object only
 never a global); it is removed on exit, also when the forward raises. Two bridges use it:
 :func:`lm_head_returns_hidden` (the fused path: the layer returns its input and checks the weight
 ``GPTModel`` handed it) and :func:`lm_head_batch_first` (the plain path: the logits computed
-batch-first, so ``GPTModel``'s final ``transpose(0, 1).contiguous()`` copies nothing). The output layer stays the same module, so its
-hooks (megatron DDP's parameter-gather pre-hook, captures) still run. megatron-core >= 0.18
+batch-first, so ``GPTModel``'s final ``transpose(0, 1).contiguous()`` copies nothing). The
+output layer stays the same module, so its hooks (megatron DDP's parameter-gather pre-hook, captures) still run. megatron-core >= 0.18
 adds an ``output_processor`` hook to ``GPTModel``; on that version this context manager is what
 gets replaced, nothing else.
 
@@ -155,18 +155,18 @@ def lm_head_returns_hidden(model: torch.nn.Module) -> contextlib.AbstractContext
 
 
 def batch_first_applies(model: torch.nn.Module) -> bool:
-    """Whether :func:`lm_head_batch_first` can serve ``model``: a ``GPTModel`` last stage whose
-    output layer does not gather a sequence-parallel input (it gathers along dim 0, the
-    sequence) and without multi-token prediction (its loss reads the head's ``[S, B, V_l]``
-    output inside ``GPTModel``)."""
-    inner = unwrap_model(model)
+    """Whether :func:`lm_head_batch_first` can serve ``model``: a last stage whose output layer
+    is megatron's ``ColumnParallelLinear`` (not a replaced head, e.g. the reward model's scalar
+    head), without sequence parallelism (the layer gathers its input along dim 0, the sequence)
+    and without multi-token prediction (its loss reads the head's ``[S, B, V_l]`` output inside
+    ``GPTModel``)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    inner = cast(Any, unwrap_model(model))
     layer = getattr(inner, "output_layer", None)
-    if layer is None or not getattr(inner, "post_process", False):
+    if not isinstance(layer, ColumnParallelLinear) or not getattr(inner, "post_process", False):
         return False
-    config = getattr(inner, "config", None)
-    return not getattr(layer, "sequence_parallel", False) and (
-        config is None or config.mtp_num_layers is None
-    )
+    return not layer.sequence_parallel and not inner.config.mtp_num_layers
 
 
 def lm_head_batch_first(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:

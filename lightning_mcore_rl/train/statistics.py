@@ -227,9 +227,7 @@ def _reduce_on_last_stage(
         rules = {k: REDUCTION_RULES[MetricNormalizer(v)] for k, v in normalizations.items()}
         rules.pop("loss", None)
         local = {} if error else combine_microbatch_metrics(metrics_only, normalizations)
-    reduced = _RuleGather.start(
-        local, rules, counts, local_losses, error is not None, groups, device
-    ).finish()
+    reduced = _reduce_over_dp(local, rules, counts, local_losses, error is not None, groups, device)
     if reduced is None:
         error = error or (
             f"{source} returned an undeclared metric on another data-parallel rank (see that "
@@ -291,73 +289,57 @@ def _rule_reduction(kinds: tuple[Combine, ...], device: torch.device) -> RuleRed
     return RuleReduction(kinds, device=device, sync=False)
 
 
-@dataclass(frozen=True)
-class _RuleGather:
-    """The step's metric values (by rule), counts and per-microbatch losses as ONE fp64 vector,
-    all-gathered over DP, then combined row by row (in DP rank order) by a
-    :class:`~lightning_mcore_rl.metrics.RuleReduction`.
+def _reduce_over_dp(
+    values: Mapping[str, float],
+    rules: Mapping[str, ReductionRule],
+    counts: Mapping[str, float],
+    losses: Sequence[float],
+    failed: bool,
+    groups: ParallelGroups,
+    device: torch.device | str,
+) -> tuple[dict[str, float], dict[str, float], list[float]] | None:
+    """``(metrics, counts, losses)`` reduced over DP, or ``None`` on every rank when any rank
+    ``failed``.
 
-    The vector also carries how many ranks hold each metric (a metric held by none is dropped;
-    one held by some ranks is reduced over those) and an error flag: :meth:`finish` returns
-    ``None`` on every rank when any rank ``failed``. Every DP rank runs the same number of
-    microbatches (the step's input agreement), so the vectors have one length.
+    This rank's metric values (by rule), counts and per-microbatch losses go into ONE fp64
+    vector, all-gathered over DP (no collective at DP=1) and combined row by row (in DP rank
+    order) by a :class:`~lightning_mcore_rl.metrics.RuleReduction`. The vector also carries how
+    many ranks hold each metric (a metric held by none is dropped; one held by some ranks is
+    reduced over those) and the error flag. The vectors have one length on every DP rank: the
+    step runs the same number of microbatches on each (equal rows, checked by the input
+    agreement; token-budget counts agreed by MAX).
     """
-
-    names: list[str]
-    count_names: list[str]
-    losses: int  # microbatches: the losses' entries
-    kinds: tuple[Combine, ...]
-    rows: list[torch.Tensor]  # [dp] x [n]: every DP rank's vector once the gather is done
-
-    @classmethod
-    def start(
-        cls,
-        values: Mapping[str, float],
-        rules: Mapping[str, ReductionRule],
-        counts: Mapping[str, float],
-        losses: Sequence[float],
-        failed: bool,
-        groups: ParallelGroups,
-        device: torch.device | str,
-    ) -> _RuleGather:
-        """Build this rank's vector and all-gather it."""
-        names = sorted(rules)
-        count_names = sorted(counts)
-        identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
-        count_kinds: list[Combine] = [
-            "max" if k == "response_length_max" else "sum" for k in count_names
-        ]
-        kinds = (
-            [rules[k].combine for k in names]
-            + count_kinds
-            + ["sum"] * (len(losses) + len(names) + 1)
-        )
-        local = torch.tensor(
-            [values.get(k, identity[rules[k].combine]) for k in names]
-            + [counts[k] for k in count_names]
-            + list(losses)
-            + [float(k in values) for k in names]
-            + [float(failed)],
-            dtype=torch.float64,
-            device=device,
-        )
-        rows = [local]
-        if groups.dp_size > 1:
-            rows = [torch.empty_like(local) for _ in range(groups.dp_size)]
-            dist.all_gather(rows, local, group=groups.dp_group)
-        return cls(names, count_names, len(losses), tuple(kinds), rows)
-
-    def finish(self) -> tuple[dict[str, float], dict[str, float], list[float]] | None:
-        """``(metrics, counts, losses)`` reduced over DP, or ``None`` (some rank failed)."""
-        reduction = _rule_reduction(self.kinds, self.rows[0].device)
-        reduction.reset()
-        for row in self.rows:
-            reduction.update(row)
-        reduced = reduction.compute().cpu().tolist()  # the one host transfer
-        n, c, m = len(self.names), len(self.count_names), self.losses
-        if reduced[-1] > 0:
-            return None
-        holders = reduced[n + c + m : 2 * n + c + m]
-        metrics = {k: reduced[i] for i, k in enumerate(self.names) if holders[i] > 0}
-        summed = {k: reduced[n + i] for i, k in enumerate(self.count_names)}
-        return metrics, summed, reduced[n + c : n + c + m]
+    names = sorted(rules)
+    count_names = sorted(counts)
+    identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+    count_kinds: list[Combine] = [
+        "max" if k == "response_length_max" else "sum" for k in count_names
+    ]
+    kinds = (
+        [rules[k].combine for k in names] + count_kinds + ["sum"] * (len(losses) + len(names) + 1)
+    )
+    local = torch.tensor(
+        [values.get(k, identity[rules[k].combine]) for k in names]
+        + [counts[k] for k in count_names]
+        + list(losses)
+        + [float(k in values) for k in names]
+        + [float(failed)],
+        dtype=torch.float64,
+        device=device,
+    )
+    rows = [local]
+    if groups.dp_size > 1:
+        rows = [torch.empty_like(local) for _ in range(groups.dp_size)]
+        dist.all_gather(rows, local, group=groups.dp_group)
+    reduction = _rule_reduction(tuple(kinds), local.device)
+    reduction.reset()
+    for row in rows:
+        reduction.update(row)
+    reduced = reduction.compute().cpu().tolist()  # the one host transfer
+    n, c, m = len(names), len(count_names), len(losses)
+    if reduced[-1] > 0:
+        return None
+    holders = reduced[n + c + m : 2 * n + c + m]
+    metrics = {k: reduced[i] for i, k in enumerate(names) if holders[i] > 0}
+    summed = {k: reduced[n + i] for i, k in enumerate(count_names)}
+    return metrics, summed, reduced[n + c : n + c + m]

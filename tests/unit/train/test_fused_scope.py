@@ -243,12 +243,23 @@ def _batch_first_rank(rank: int, tied: bool) -> dict[str, Any]:
         "no_copy": (ours["no_copy"], theirs["no_copy"]),
         "applies": batch_first_applies(model),
         "restored": "forward" not in vars(model.output_layer),
+        "applies_to_scalar_head": batch_first_applies(_with_scalar_head(groups)),
         "applies_under_sp": batch_first_applies(
             tiny_gpt(
                 tiny_gpt_config(groups, sequence_parallel=True), groups=groups, vocab_size=VOCAB
             )
         ),
     }
+
+
+def _with_scalar_head(groups: Any) -> torch.nn.Module:
+    """A tiny ``GPTModel`` whose output layer is the reward model's ``[H] -> 1`` head."""
+    from lightning_mcore_rl.recipes.reward_model import ScalarHead
+    from lightning_mcore_rl.testing import tiny_gpt, tiny_gpt_config
+
+    model = tiny_gpt(tiny_gpt_config(groups), groups=groups, vocab_size=VOCAB)
+    model.output_layer = ScalarHead(64, torch.float32)
+    return model
 
 
 def _nothing() -> Any:
@@ -262,10 +273,11 @@ def test_batch_first_lm_head_is_bitwise_megatron_without_the_logits_copy(tied: b
     """At TP=2: the same logits bit for bit, the gradients within fp32 rounding (the output
     weight's gradient sums the tokens in another order: measured 1.9e-6, one fp32 ulp at the
     largest entries, 15-18; bound 1e-6 of the largest), and the logits ``GPTModel`` returns ARE the head's output (no ``[B, S, V/TP]`` copy),
-    where megatron's own head copies them; not applied under sequence parallelism."""
+    where megatron's own head copies them; not applied under sequence parallelism or to a head
+    that is not megatron's ``ColumnParallelLinear``."""
     for out in run_on_ranks(_batch_first_rank, 2, tied, timeout=120):
         assert out["logits_equal"]
         assert out["grad_max_diff"] <= 1e-6 * out["grad_max"]
         assert out["no_copy"] == (True, False)
         assert out["applies"] and out["restored"]
-        assert not out["applies_under_sp"]
+        assert not out["applies_under_sp"] and not out["applies_to_scalar_head"]
