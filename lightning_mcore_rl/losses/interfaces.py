@@ -83,6 +83,12 @@ class LossFunction(Protocol):
             (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), and a missing one
             raises naming the key and the loss class. A loss without the attribute declares
             none (its missing keys then fail inside the step).
+        token_local_gradient: Optional (read with ``getattr``, default ``False``): ``True``
+            declares that the loss's gradient with respect to token ``t``'s logprob depends on
+            that token's logprob (and the data) only, never on another token's. The fused LM
+            head then computes its gradients in the forward (one pass, no recomputed logits:
+            :mod:`~lightning_mcore_rl.ops.fused_linear`); its backward checks the declaration
+            and recomputes where it does not hold.
     """
 
     loss_type: LossType

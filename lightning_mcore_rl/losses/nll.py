@@ -50,6 +50,9 @@ class NLLLossFn:
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGPROB
     input_keys = ("token_mask",)
+    token_local_gradient = True
+    """``-m_t / N_t`` at every token: the fused head's one pass applies
+    (:class:`~lightning_mcore_rl.losses.LossFunction`)."""
 
     def __init__(self, use_fused_linear_logprobs: bool = False) -> None:
         self.use_fused_linear_logprobs = use_fused_linear_logprobs

@@ -139,6 +139,13 @@ class ClippedPGLossFn:
         self.metric_normalizations = self._normalizations()
 
     @property
+    def token_local_gradient(self) -> bool:
+        """Every term's gradient at a token reads that token's logprob only, except GSPO's
+        sequence-level ratio (a mean over the sequence's tokens): the fused head's one pass
+        applies (:class:`~lightning_mcore_rl.losses.LossFunction`)."""
+        return not self.cfg.sequence_level_importance_ratios
+
+    @property
     def input_keys(self) -> tuple[str, ...]:
         """The ``data`` keys of the class docstring this configuration reads."""
         cfg = self.cfg

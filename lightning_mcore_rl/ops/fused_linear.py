@@ -7,11 +7,21 @@ so each block of the weight gradient is written once and no fp32 ``[V_l, H]`` ac
 shard ``[V_l, H]`` of a column-parallel output layer; ``hidden`` is replicated over TP (gather it
 first under sequence parallelism). Top-k/top-p filtering needs whole vocab rows and is not fused:
 use the logits path (:func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`).
+
+One pass (``logprob_gradient``): when the caller can say, chunk by chunk, what gradient the loss
+will send to each token's logprob (a loss whose gradient at token ``t`` depends on token ``t``'s
+logprob only), the forward also computes the head's gradients from each logits block while it
+exists, and the backward recomputes nothing: three GEMMs of the head per step instead of four,
+at the cost of an fp32 ``[V_l, H]`` accumulator held from the forward to the backward. The
+backward checks the gradient it receives against the one predicted (up to one scalar: the
+schedule's loss scaling); where they differ it warns and recomputes, so the gradients are always
+the loss's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 import torch
@@ -40,6 +50,21 @@ from lightning_mcore_rl.ops.vocab_parallel import global_logsumexp, localise_ids
 
 _SUM = dist.ReduceOp.SUM
 _DEFAULT_CHUNK_BYTES = 64 * 2**20  # one fp32 [chunk, V_l] block of logits
+_PREDICTION_RTOL = 1e-5
+"""How far (relative to its largest entry) the logprob gradient the backward receives may be
+from ``scale x`` the predicted one for the one-pass gradients to stand: the two are the same
+autograd formulas evaluated on the same values (measured <= 2 ulp apart, ~2.4e-7), so this only
+separates rounding from a loss that is not token-local."""
+
+LogprobGradient = Callable[[torch.Tensor], torch.Tensor]
+"""``gradient(logprobs [T]) -> dL/dlogprobs [T]`` for the one-pass head: called after each chunk
+with the logprobs computed so far (0 where not yet computed); entries of the finished chunk must
+be final (a token-local loss)."""
+
+
+class OnePassMismatchWarning(UserWarning):
+    """The gradient a one-pass fused head received was not the predicted one (the loss is not
+    token-local): its backward recomputed the logits (exact, but the forward's work was spent)."""
 
 
 class FusedLinearLogprobsOutput(NamedTuple):
@@ -72,6 +97,11 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     forward chunk): ``dz_v = (g_lp (1[v == y] - p_v) - g_H p_v (log p_v + H)) / tau``, then
     ``dW[block] = dz^T h`` (written once) and ``dh += dz W[block]``; the all-reduce SUM of ``dh``
     over TP is the column-parallel input gradient.
+
+    With ``logprob_gradient`` (no entropy): each chunk's logprobs are all-reduced over TP as they
+    are made, ``g_lp`` of the chunk is predicted from them, and ``dh[chunk] = dz W`` and
+    ``dW += dz^T h[chunk]`` are computed from the block in hand (:meth:`_OnePass.chunk`); the
+    backward scales them by the received gradient's ratio to the prediction.
     """
 
     @staticmethod
@@ -85,6 +115,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         temperature: float,
         with_entropy: bool,
         tp_group: Any,
+        logprob_gradient: LogprobGradient | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         owned, local = localise_ids(target, vocab_start, vocab_start + weight.shape[0])
         tokens = hidden.shape[0]
@@ -93,6 +124,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         entropy = torch.zeros(
             tokens if with_entropy else 0, dtype=logprobs.dtype, device=hidden.device
         )
+        one_pass = _OnePass(hidden, weight) if logprob_gradient is not None else None
         for start, stop in seq_chunks(tokens, chunk_size):
             z = _chunk_logits(hidden, weight, start, stop, temperature)
             chunk_lse = global_logsumexp(z, tp_group)
@@ -101,11 +133,22 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             logprobs[start:stop] = z.gather(-1, local[start:stop].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[start:stop] = -(z.exp() * z).sum(dim=-1)
-        logprobs = torch.where(owned, logprobs, torch.zeros_like(logprobs))
-        all_reduce(logprobs, tp_group, _SUM)
+            if one_pass is not None:
+                assert logprob_gradient is not None
+                chunk = logprobs[start:stop]
+                chunk.copy_(torch.where(owned[start:stop], chunk, torch.zeros_like(chunk)))
+                all_reduce(chunk, tp_group, _SUM)
+                g = logprob_gradient(logprobs)[start:stop]  # [0, stop) final, the rest 0
+                one_pass.chunk(z, g, owned[start:stop], local[start:stop], start, temperature)
+        if one_pass is None:
+            logprobs = torch.where(owned, logprobs, torch.zeros_like(logprobs))
+            all_reduce(logprobs, tp_group, _SUM)
+        else:
+            all_reduce(one_pass.grad_hidden, tp_group, _SUM)
         all_reduce(entropy, tp_group, _SUM)
         ctx.save_for_backward(hidden, weight, local, owned, lse, entropy)
         ctx.params = (chunk_size, temperature, with_entropy, tp_group)
+        ctx.one_pass = one_pass
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -116,6 +159,11 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
         chunk_size, temperature, with_entropy, tp_group = ctx.params
+        one_pass, ctx.one_pass = ctx.one_pass, None
+        if one_pass is not None:
+            grads = one_pass.finish(upcast(grad_logprobs), hidden.dtype, weight.dtype)
+            if grads is not None:
+                return *grads, *([None] * 7)
         tokens, local_vocab = hidden.shape[0], weight.shape[0]
         g_lp = upcast(grad_logprobs).unsqueeze(-1)  # [T, 1]
         g_ent = upcast(grad_entropy).unsqueeze(-1) if with_entropy else None
@@ -145,7 +193,86 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             grad_weight[start:stop] = torch.matmul(dz_w.t(), hidden)
             grad_hidden.add_(torch.matmul(dz_w, w_block))
         all_reduce(grad_hidden, tp_group, _SUM)
-        return grad_hidden.to(hidden.dtype), grad_weight, *([None] * 6)
+        return grad_hidden.to(hidden.dtype), grad_weight, *([None] * 7)
+
+
+class _OnePass:
+    """The head's gradients computed in the forward, for a predicted ``g_lp`` (one pass).
+
+    Args:
+        hidden: ``[T, H]`` the kernel's input (the weight gradient's other operand).
+        weight: ``[V_l, H]``.
+
+    Attributes:
+        grad_hidden: ``[T, H]`` fp32, ``sum_v dz_tv W_v`` (all-reduced over TP after the last
+            chunk).
+        grad_weight: ``[V_l, H]`` fp32 accumulator of ``dz^T h`` over the chunks.
+        predicted: ``[T]`` fp32 ``g_lp`` the gradients were computed for.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        self.hidden, self.weight = hidden, weight
+        dtype = compute_dtype(hidden.dtype)
+        self.grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+        self.grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        self.predicted = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device)
+
+    def chunk(
+        self,
+        logp: torch.Tensor,
+        g: torch.Tensor,
+        owned: torch.Tensor,
+        local: torch.Tensor,
+        start: int,
+        temperature: float,
+    ) -> None:
+        """Tokens ``[start, start + n)``: ``logp`` ``[n, V_l]`` fp32 log-probabilities (consumed:
+        it becomes ``dz``), ``g`` ``[n]`` their predicted ``g_lp``, ``owned``/``local`` ``[n]``
+        their targets in this shard."""
+        stop = start + logp.shape[0]
+        g_col = upcast(g).unsqueeze(-1)  # [n, 1]
+        self.predicted[start:stop] = g_col.squeeze(-1)
+        dz = logp.exp_().mul_(-g_col)  # -g p
+        dz.scatter_add_(-1, local.unsqueeze(-1), torch.where(owned.unsqueeze(-1), g_col, 0.0))
+        if temperature != 1.0:
+            dz.div_(temperature)
+        dz_w = dz.to(self.weight.dtype)
+        self.grad_hidden[start:stop] = torch.matmul(dz_w, self.weight)
+        self.grad_weight.add_(torch.matmul(dz_w.t(), self.hidden[start:stop]))
+
+    def finish(
+        self, received: torch.Tensor, hidden_dtype: torch.dtype, weight_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(dh, dW)`` for the received ``g_lp`` ``[T]``, or ``None`` (warned) when it is not
+        ``scale x`` the prediction (:data:`_PREDICTION_RTOL`)."""
+        scale = prediction_scale(received, self.predicted)
+        if scale is None:
+            warnings.warn(
+                "The one-pass fused LM head received another logprob gradient than the one "
+                "predicted in its forward (the loss's gradient at a token depends on other "
+                "tokens' logprobs): its backward recomputes the logits. A loss that declares "
+                "`token_local_gradient = True` must not.",
+                OnePassMismatchWarning,
+                stacklevel=2,
+            )
+            return None
+        grad_hidden, grad_weight = self.grad_hidden, self.grad_weight
+        if scale != 1.0:
+            grad_hidden.mul_(scale)
+            grad_weight.mul_(scale)
+        return grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype)
+
+
+def prediction_scale(received: torch.Tensor, predicted: torch.Tensor) -> float | None:
+    """The ``s`` with ``received ~= s * predicted`` (least squares, fp64), or ``None`` when the
+    residual exceeds :data:`_PREDICTION_RTOL` of ``max |received|`` (one host transfer)."""
+    a, p = received.double(), predicted.double()
+    pp = torch.dot(p, p)
+    scale = torch.where(pp > 0, torch.dot(a, p) / pp.clamp_min(1e-300), torch.zeros_like(pp))
+    residual = (a - scale * p).abs().max() if a.numel() else torch.zeros_like(pp)
+    bound = _PREDICTION_RTOL * (a.abs().max() if a.numel() else torch.zeros_like(pp))
+    scale_value, residual_value, bound_value = torch.stack([scale, residual, bound]).tolist()
+    return scale_value if residual_value <= bound_value else None
 
 
 def _check_fused_args(
@@ -189,6 +316,7 @@ def fused_linear_logprobs(
     chunk_size: int | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    logprob_gradient: LogprobGradient | None = None,
 ) -> FusedLinearLogprobsOutput:
     """Logprobs of ``target`` under ``softmax(hidden @ weight.T / temperature)``, fused and chunked.
 
@@ -203,9 +331,15 @@ def fused_linear_logprobs(
             in 64 MiB.
         temperature: logits are divided by it (> 0).
         return_entropy: also return the per-token entropy (differentiable, for an entropy bonus).
+        logprob_gradient: one pass (module docstring): the gradient the loss will send to the
+            logprobs, predicted chunk by chunk (:data:`LogprobGradient`); not with
+            ``return_entropy``. Only where the result's backward will run (training).
 
     Returns:
         :class:`FusedLinearLogprobsOutput`; gradients flow to ``hidden`` and ``weight``.
+
+    Raises:
+        ValueError: ``logprob_gradient`` with ``return_entropy``; malformed operands.
     """
     check_ndim(hidden, 2, "hidden", "[T, H]")
     tp_size = _check_fused_args(
@@ -214,11 +348,17 @@ def fused_linear_logprobs(
     if tuple(target.shape) != (hidden.shape[0],):
         raise ValueError(f"`target` must be [T] = [{hidden.shape[0]}], got {tuple(target.shape)}")
     check_token_ids(target, weight.shape[0] * tp_size, "target")
+    if logprob_gradient is not None and return_entropy:
+        raise ValueError(
+            "`logprob_gradient` (one pass) cannot serve `return_entropy=True`: the entropy's "
+            "gradient is not predicted"
+        )
     if chunk_size is None:
         chunk_size = max(1, _DEFAULT_CHUNK_BYTES // (4 * weight.shape[0]))
     logprobs, entropy = _FusedLinearLogprobs.apply(
-        hidden, weight, target, vocab_start_index, chunk_size, temperature, return_entropy, tp_group
-    )
+        hidden, weight, target, vocab_start_index, chunk_size, temperature, return_entropy,
+        tp_group, logprob_gradient,
+    )  # fmt: skip
     return FusedLinearLogprobsOutput(logprobs, entropy if return_entropy else None)
 
 
@@ -240,12 +380,14 @@ def from_hidden_to_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_start_index: int,
     vocab_end_index: int, tp_group: Any, cp_group: Any = ..., chunk_size: int | None = ...,
     sampling_params: TrainingSamplingParams | None = ..., *, return_entropy: Literal[False] = ...,
+    logprob_gradient: LogprobGradient | None = ...,
 ) -> torch.Tensor: ...  # fmt: skip
 @overload
 def from_hidden_to_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_start_index: int,
     vocab_end_index: int, tp_group: Any, cp_group: Any = ..., chunk_size: int | None = ...,
     sampling_params: TrainingSamplingParams | None = ..., *, return_entropy: Literal[True],
+    logprob_gradient: None = ...,
 ) -> FusedLinearLogprobsOutput: ...  # fmt: skip
 def from_hidden_to_logprobs(
     hidden: torch.Tensor,
@@ -259,6 +401,7 @@ def from_hidden_to_logprobs(
     sampling_params: TrainingSamplingParams | None = None,
     *,
     return_entropy: bool = False,
+    logprob_gradient: LogprobGradient | None = None,
 ) -> torch.Tensor | FusedLinearLogprobsOutput:
     """Dense next-token logprobs from hidden states (fused counterpart of the logits path).
 
@@ -273,6 +416,9 @@ def from_hidden_to_logprobs(
         chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
         sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
         return_entropy: also return the entropy of the distribution scoring each next token.
+        logprob_gradient: one pass (module docstring), CP = 1 only:
+            ``gradient(logprobs [B, S-1]) -> dL/dlogprobs [B, S-1]``, called after each chunk
+            with the logprobs computed so far (0 elsewhere).
 
     Returns:
         ``[B, S-1]`` fp32, as :func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`;
@@ -280,6 +426,11 @@ def from_hidden_to_logprobs(
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
+    if logprob_gradient is not None and cp_size > 1:
+        raise ValueError(
+            f"`logprob_gradient` (one pass) needs CP = 1, got a cp_group of size {cp_size}: the "
+            "loss reads logprobs gathered over CP"
+        )
     check_ndim(hidden, 3, "hidden", "[B, S/CP, H]")
     tp_size = _check_fused_args(
         hidden, weight, vocab_start_index, vocab_end_index, tp_group, chunk_size, temperature
@@ -287,11 +438,14 @@ def from_hidden_to_logprobs(
     batch, local_seq, width = hidden.shape
     check_dense_layout(local_seq, batch, target, cp_size, weight.shape[0] * tp_size)
     entropy: list[torch.Tensor] = []
+    flat_gradient = None
+    if logprob_gradient is not None:
+        flat_gradient = _dense_gradient(logprob_gradient, batch, local_seq, target.shape[1])
 
     def kernel(local_target: torch.Tensor) -> torch.Tensor:
         flat = fused_linear_logprobs(
             hidden.reshape(-1, width), weight, local_target.reshape(-1), vocab_start_index,
-            vocab_end_index, tp_group, chunk_size, temperature, return_entropy,
+            vocab_end_index, tp_group, chunk_size, temperature, return_entropy, flat_gradient,
         )  # fmt: skip
         if flat.entropy is not None:
             entropy.append(flat.entropy.view(batch, local_seq))
@@ -304,6 +458,21 @@ def from_hidden_to_logprobs(
     return FusedLinearLogprobsOutput(
         logprobs, run_dense(lambda _: entropy[0], target, local_seq, cp_group)
     )
+
+
+def _dense_gradient(
+    gradient: LogprobGradient, batch: int, local_seq: int, width: int
+) -> LogprobGradient:
+    """``gradient`` over ``[B, S-1]`` as the kernel's ``[T]`` one (CP = 1: ``T = B * S_l``, row
+    ``b``'s tokens at ``b * S_l + t``; the columns past ``S - 1`` get 0)."""
+
+    def flat(logprobs: torch.Tensor) -> torch.Tensor:
+        rows = logprobs.view(batch, local_seq)[:, : width - 1]
+        out = torch.zeros(batch, local_seq, dtype=logprobs.dtype, device=logprobs.device)
+        out[:, : width - 1] = gradient(rows)
+        return out.view(-1)
+
+    return flat
 
 
 @overload

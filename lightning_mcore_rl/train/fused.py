@@ -36,6 +36,7 @@ from lightning_mcore_rl.losses.loss_input import _pack_input_ids
 from lightning_mcore_rl.losses.loss_input._common import _group_rank, _group_size, _needs_entropy
 from lightning_mcore_rl.ops import (
     FusedLinearLogprobsOutput,
+    LogprobGradient,
     TrainingSamplingParams,
     from_hidden_to_logprobs,
     from_hidden_to_logprobs_packed_sequences,
@@ -233,6 +234,7 @@ class FusedLMHead:
         cp_group: Any,
         chunk_size: int | None,
         with_entropy: bool,
+        logprob_gradient: LogprobGradient | None = None,
     ) -> FusedLinearLogprobsOutput:
         """Next-token logprobs (and entropy) ``[B, S-1]`` of dense rows.
 
@@ -244,6 +246,8 @@ class FusedLMHead:
             cp_group: CP group (``None``: CP = 1).
             chunk_size: tokens per kernel chunk (``None``: 64 MiB of fp32 logits).
             with_entropy: Also return the positive entropy ``[B, S-1]``.
+            logprob_gradient: the one pass (:func:`one_pass_loss`): the loss's gradient with
+                respect to the ``[B, S-1]`` logprobs; not with ``with_entropy``, CP = 1.
         """
         args = (
             self.as_input(hidden), self.weight, input_ids, *self.vocab_range(tp_rank), tp_group,
@@ -251,7 +255,8 @@ class FusedLMHead:
         )  # fmt: skip
         if with_entropy:
             return from_hidden_to_logprobs(*args, return_entropy=True)
-        return FusedLinearLogprobsOutput(from_hidden_to_logprobs(*args), None)
+        lp = from_hidden_to_logprobs(*args, logprob_gradient=logprob_gradient)
+        return FusedLinearLogprobsOutput(lp, None)
 
     def packed(
         self,
@@ -319,6 +324,58 @@ def fused_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> PrepareFn:
         return _loss_input(out), data
 
     return prepare
+
+
+def one_pass_applies(loss_fn: LossFunction, cp_size: int) -> bool:
+    """Whether :func:`one_pass_loss` serves ``loss_fn``: it declares ``token_local_gradient``
+    (:class:`~lightning_mcore_rl.losses.LossFunction`), needs no entropy (whose gradient the
+    one pass does not predict) and CP = 1 (the loss reads logprobs gathered over CP)."""
+    local = bool(getattr(loss_fn, "token_local_gradient", False))
+    return local and not _needs_entropy(loss_fn) and cp_size == 1
+
+
+LossCall = Callable[[Tensor, BatchedDataDict, Any, Any], tuple[Tensor, dict[str, Tensor]]]
+
+
+def one_pass_loss(
+    head: FusedLMHead, chunk_size: int | None, loss_fn: LossFunction, tp_rank: int, tp_group: Any
+) -> LossCall:
+    """``f(hidden, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`` of dense
+    rows through the fused head's one pass: the head's gradients are computed in the forward
+    for the gradient ``loss_fn`` sends to each token's logprob, predicted chunk by chunk by
+    ``loss_fn``'s own autograd on the logprobs made so far (:mod:`~lightning_mcore_rl.ops.fused_linear`).
+    Where :func:`one_pass_applies` (CP = 1). Without autograd (a forward-only pass) it is
+    the plain fused call.
+
+    Args:
+        head: The microbatch's LM head.
+        chunk_size: Tokens per kernel chunk.
+        loss_fn: A token-local ``LOGPROB`` loss without entropy.
+        tp_rank: TP rank.
+        tp_group: TP group.
+    """
+
+    def call(
+        hidden: Tensor, data: BatchedDataDict, global_valid_seqs: Any, global_valid_toks: Any
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        def gradient(logprobs: Tensor) -> Tensor:  # [B, S-1] -> dL/dlogprobs [B, S-1]
+            with torch.enable_grad():
+                leaf = logprobs.detach().requires_grad_()
+                loss, _ = loss_fn(
+                    data, global_valid_seqs, global_valid_toks, next_token_logprobs=leaf
+                )
+                (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+            return torch.zeros_like(leaf) if grad is None else grad
+
+        ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
+        training = torch.is_grad_enabled() and hidden.requires_grad
+        out = head.dense(
+            hidden, ids, tp_rank, tp_group, None, chunk_size, False,
+            logprob_gradient=gradient if training else None,
+        )  # fmt: skip
+        return loss_fn(data, global_valid_seqs, global_valid_toks, **_loss_input(out))
+
+    return call
 
 
 def fused_packed_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> PrepareFn:

@@ -32,6 +32,8 @@ from lightning_mcore_rl.train.fused import (
     FusedLMHead,
     fused_packed_prepare_fn,
     fused_prepare_fn,
+    one_pass_applies,
+    one_pass_loss,
     reject_filtering,
 )
 from lightning_mcore_rl.train.groups import OutputProcessor
@@ -63,7 +65,10 @@ class LossPostProcessor:
             for full-vocabulary on-policy distillation, keyed by teacher index.
         use_fused_linear_logprobs: The model output is the last stage's final hidden states; the
             ``LOGPROB`` loss input (logprobs, entropy) comes from hidden x output weight (the
-            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits.
+            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits. Dense
+            (unpacked) rows of a loss that declares ``token_local_gradient`` (no entropy,
+            CP = 1) take the one pass (:func:`~lightning_mcore_rl.train.fused.one_pass_loss`):
+            the head's gradients are computed in the forward, nothing is recomputed.
 
     Raises:
         ValueError: ``use_fused_linear_logprobs`` with a loss that needs logits (not
@@ -211,6 +216,10 @@ class LossPostProcessor:
                     "`sequence_packing` off"
                 )
             return SequencePackingLossWrapper(self.loss_fn, prepare_fn, *cu, *group_args)
+        if lm_head is not None and one_pass_applies(self.loss_fn, groups.cp_size):
+            return one_pass_loss(
+                lm_head, self.cfg.logprob_chunk_size, self.loss_fn, groups.tp_rank, groups.tp_group
+            )
         return functools.partial(
             wrap_loss_fn_with_input_preparation, loss_fn=self.loss_fn, prepare_fn=prepare_fn,
             vocab_parallel_rank=groups.tp_rank, vocab_parallel_group=groups.tp_group,

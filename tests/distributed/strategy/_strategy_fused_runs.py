@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 from _strategy_packing_runs import PackedGRPOModule, RecordedRun, fit_recorded, max_run_diffs
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossFn
-from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.ops import TrainingSamplingParams, fused_linear
 from lightning_mcore_rl.strategy import LogprobKernelConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
@@ -34,11 +35,16 @@ class FusedCase:
         spec: the megatron layout and loop sizes.
         tied: tie the output layer to the word embedding.
         entropy_coef: ClippedPG entropy bonus (> 0 exercises the fused entropy).
+        packing: sequence packing; ``False``: padded rows, where ClippedPG (token-local)
+            without entropy takes the fused head's one pass.
+        gspo: GSPO's sequence-level ratio (not token-local: no one pass).
     """
 
     spec: RunSpec
     tied: bool = False
     entropy_coef: float = 0.0
+    packing: bool = True
+    gspo: bool = False
 
 
 class FusedGRPOModule(PackedGRPOModule):
@@ -47,7 +53,14 @@ class FusedGRPOModule(PackedGRPOModule):
 
     def __init__(self, case: FusedCase) -> None:
         super().__init__(tied=case.tied)
-        self.loss_fn = ClippedPGLossFn({**PG_CFG, "entropy_coef": case.entropy_coef})
+        self.loss_fn = ClippedPGLossFn(
+            {
+                **PG_CFG,
+                "entropy_coef": case.entropy_coef,
+                "sequence_level_importance_ratios": case.gspo,
+                "token_level_loss": not case.gspo,  # GSPO needs a sequence-level loss
+            }
+        )
         self._sampling_params = TrainingSamplingParams(temperature=TEMPERATURE)
         self.head_modes: set[str] = set()
 
@@ -66,13 +79,25 @@ class FusedGRPOModule(PackedGRPOModule):
         )
 
 
-def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, list[str]]:
+def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, list[str], int]:
+    """The fit, how its output layer ran, and how many backwards of the fused head used the
+    gradients its one pass computed in the forward (counted around ``_OnePass.finish``)."""
     module = FusedGRPOModule(case)
-    run = fit_recorded(
-        case.spec, world_size, module, RolloutRows(case.spec.rows), packing=True,
-        logprobs=LogprobKernelConfig(use_fused_linear_logprobs=fused),
-    )  # fmt: skip
-    return run, sorted(module.head_modes)
+    finish = fused_linear._OnePass.finish
+    used: list[bool] = []
+
+    def counted(one_pass: Any, *args: Any) -> Any:
+        grads = finish(one_pass, *args)
+        used.append(grads is not None)
+        return grads
+
+    with mock.patch.object(fused_linear._OnePass, "finish", counted):
+        run = fit_recorded(
+            case.spec, world_size, module, RolloutRows(case.spec.rows), packing=case.packing,
+            logprobs=LogprobKernelConfig(use_fused_linear_logprobs=fused),
+        )  # fmt: skip
+    assert all(used), "a one-pass backward fell back to recomputing"
+    return run, sorted(module.head_modes), len(used)
 
 
 @dataclass(frozen=True)
@@ -85,6 +110,7 @@ class FusedResult:
     losses: list[float]
     metric_names: list[str]
     head_modes: dict[str, list[str]]
+    one_pass: int
 
 
 def fused_vs_logits_rank(rank: int, cases: tuple[FusedCase, ...]) -> list[FusedResult]:
@@ -94,14 +120,15 @@ def fused_vs_logits_rank(rank: int, cases: tuple[FusedCase, ...]) -> list[FusedR
     results = []
     for case in cases:
         destroy_megatron_state()
-        plain, plain_modes = _fit(case, world_size, fused=False)
-        fused, fused_modes = _fit(case, world_size, fused=True)
+        plain, plain_modes, _ = _fit(case, world_size, fused=False)
+        fused, fused_modes, one_pass = _fit(case, world_size, fused=True)
         results.append(
             FusedResult(
                 diffs=max_run_diffs(fused, plain),
                 losses=[m["train_loss"] for m in fused.metrics],
                 metric_names=sorted(fused.metrics[0]),
                 head_modes={"logits": plain_modes, "fused": fused_modes},
+                one_pass=one_pass,
             )
         )
     return results
