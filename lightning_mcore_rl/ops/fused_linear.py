@@ -426,11 +426,7 @@ def from_hidden_to_logprobs(
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
-    if logprob_gradient is not None and cp_size > 1:
-        raise ValueError(
-            f"`logprob_gradient` (one pass) needs CP = 1, got a cp_group of size {cp_size}: the "
-            "loss reads logprobs gathered over CP"
-        )
+    _check_one_pass_cp(logprob_gradient, cp_size)
     check_ndim(hidden, 3, "hidden", "[B, S/CP, H]")
     tp_size = _check_fused_args(
         hidden, weight, vocab_start_index, vocab_end_index, tp_group, chunk_size, temperature
@@ -440,7 +436,10 @@ def from_hidden_to_logprobs(
     entropy: list[torch.Tensor] = []
     flat_gradient = None
     if logprob_gradient is not None:
-        flat_gradient = _dense_gradient(logprob_gradient, batch, local_seq, target.shape[1])
+        flat_gradient = _row_gradient(
+            logprob_gradient,
+            lambda lp: run_dense(lambda _: lp.view(batch, local_seq), target, local_seq, None),
+        )
 
     def kernel(local_target: torch.Tensor) -> torch.Tensor:
         flat = fused_linear_logprobs(
@@ -460,17 +459,28 @@ def from_hidden_to_logprobs(
     )
 
 
-def _dense_gradient(
-    gradient: LogprobGradient, batch: int, local_seq: int, width: int
+def _check_one_pass_cp(logprob_gradient: LogprobGradient | None, cp_size: int) -> None:
+    if logprob_gradient is not None and cp_size > 1:
+        raise ValueError(
+            f"`logprob_gradient` (one pass) needs CP = 1, got a cp_group of size {cp_size}: the "
+            "loss reads logprobs gathered over CP"
+        )
+
+
+def _row_gradient(
+    gradient: LogprobGradient, to_rows: Callable[[torch.Tensor], torch.Tensor]
 ) -> LogprobGradient:
-    """``gradient`` over ``[B, S-1]`` as the kernel's ``[T]`` one (CP = 1: ``T = B * S_l``, row
-    ``b``'s tokens at ``b * S_l + t``; the columns past ``S - 1`` get 0)."""
+    """``gradient`` over the ``[B, S-1]`` rows as the kernel's ``[T]`` one: ``to_rows`` is the
+    (linear) map from the kernel's logprobs to the rows (:func:`run_dense` / :func:`run_packed`
+    at CP = 1), and its adjoint, by autograd, carries the rows' gradient back to the tokens
+    (0 for tokens no row reads)."""
 
     def flat(logprobs: torch.Tensor) -> torch.Tensor:
-        rows = logprobs.view(batch, local_seq)[:, : width - 1]
-        out = torch.zeros(batch, local_seq, dtype=logprobs.dtype, device=logprobs.device)
-        out[:, : width - 1] = gradient(rows)
-        return out.view(-1)
+        with torch.enable_grad():
+            leaf = logprobs.detach().requires_grad_()
+            rows = to_rows(leaf)
+            (grad,) = torch.autograd.grad(rows, leaf, grad_outputs=gradient(rows.detach()))
+        return grad
 
     return flat
 
@@ -482,6 +492,7 @@ def from_hidden_to_logprobs_packed_sequences(
     vocab_start_index: int, vocab_end_index: int, tp_group: Any, cp_group: Any = ...,
     chunk_size: int | None = ..., sampling_params: TrainingSamplingParams | None = ...,
     target_is_pre_rolled: bool = ..., *, return_entropy: Literal[False] = ...,
+    logprob_gradient: LogprobGradient | None = ...,
 ) -> torch.Tensor: ...  # fmt: skip
 @overload
 def from_hidden_to_logprobs_packed_sequences(
@@ -490,6 +501,7 @@ def from_hidden_to_logprobs_packed_sequences(
     vocab_start_index: int, vocab_end_index: int, tp_group: Any, cp_group: Any = ...,
     chunk_size: int | None = ..., sampling_params: TrainingSamplingParams | None = ...,
     target_is_pre_rolled: bool = ..., *, return_entropy: Literal[True],
+    logprob_gradient: None = ...,
 ) -> FusedLinearLogprobsOutput: ...  # fmt: skip
 def from_hidden_to_logprobs_packed_sequences(
     hidden: torch.Tensor,
@@ -506,6 +518,7 @@ def from_hidden_to_logprobs_packed_sequences(
     target_is_pre_rolled: bool = False,
     *,
     return_entropy: bool = False,
+    logprob_gradient: LogprobGradient | None = None,
 ) -> torch.Tensor | FusedLinearLogprobsOutput:
     """Packed (THD) next-token logprobs from hidden states, with per-sequence rolls and CP gathers.
 
@@ -523,6 +536,7 @@ def from_hidden_to_logprobs_packed_sequences(
         sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
         target_is_pre_rolled: see ``target``.
         return_entropy: also return the entropy of the distribution scoring each next token.
+        logprob_gradient: one pass, as in :func:`from_hidden_to_logprobs` (CP = 1).
 
     Returns:
         ``[B, S-1]`` fp32, as the packed logits path; with ``return_entropy`` a
@@ -530,6 +544,7 @@ def from_hidden_to_logprobs_packed_sequences(
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
+    _check_one_pass_cp(logprob_gradient, cp_size)
     check_ndim(hidden, 3, "hidden", "[1, T/CP, H]")
     if hidden.shape[0] != 1:
         raise ValueError(f"packed `hidden` must have batch dim 1, got {tuple(hidden.shape)}")
@@ -541,11 +556,25 @@ def from_hidden_to_logprobs_packed_sequences(
     check_packed_target(target, local_len, cp_size, cu, target_is_pre_rolled)
     check_token_ids(target, weight.shape[0] * tp_size, "target")
     entropy: list[torch.Tensor] = []
+    flat_gradient = None
+    if logprob_gradient is not None:
+        flat_gradient = _row_gradient(
+            logprob_gradient,
+            lambda lp: run_packed(
+                lambda _: lp.unsqueeze(0),
+                target,
+                cu,
+                local_len,
+                unpacked_seqlen,
+                None,
+                target_is_pre_rolled,
+            ),  # fmt: skip
+        )
 
     def kernel(local_target: torch.Tensor) -> torch.Tensor:
         flat = fused_linear_logprobs(
             hidden[0], weight, local_target[0], vocab_start_index, vocab_end_index, tp_group,
-            chunk_size, temperature, return_entropy,
+            chunk_size, temperature, return_entropy, flat_gradient,
         )  # fmt: skip
         if flat.entropy is not None:
             entropy.append(flat.entropy.unsqueeze(0))

@@ -246,8 +246,8 @@ class FusedLMHead:
             cp_group: CP group (``None``: CP = 1).
             chunk_size: tokens per kernel chunk (``None``: 64 MiB of fp32 logits).
             with_entropy: Also return the positive entropy ``[B, S-1]``.
-            logprob_gradient: the one pass (:func:`one_pass_loss`): the loss's gradient with
-                respect to the ``[B, S-1]`` logprobs; not with ``with_entropy``, CP = 1.
+            logprob_gradient: the one pass (:func:`fused_prepare_fn`): the loss's gradient
+                with respect to the ``[B, S-1]`` logprobs; not with ``with_entropy``, CP = 1.
         """
         args = (
             self.as_input(hidden), self.weight, input_ids, *self.vocab_range(tp_rank), tp_group,
@@ -270,6 +270,7 @@ class FusedLMHead:
         chunk_size: int | None,
         with_entropy: bool,
         target_is_pre_rolled: bool,
+        logprob_gradient: LogprobGradient | None = None,
     ) -> FusedLinearLogprobsOutput:
         """Next-token logprobs (and entropy) ``[B, S-1]`` of one packed THD row.
 
@@ -284,6 +285,7 @@ class FusedLMHead:
             chunk_size: tokens per kernel chunk.
             with_entropy: Also return the positive entropy ``[B, S-1]``.
             target_is_pre_rolled: See ``target``.
+            logprob_gradient: the one pass, as in :meth:`dense`.
         """
         args = (
             self.as_input(hidden), self.weight, target, cu_seqlens_padded, width,
@@ -294,7 +296,7 @@ class FusedLMHead:
                 *args, target_is_pre_rolled=target_is_pre_rolled, return_entropy=True
             )
         lp = from_hidden_to_logprobs_packed_sequences(
-            *args, target_is_pre_rolled=target_is_pre_rolled
+            *args, target_is_pre_rolled=target_is_pre_rolled, logprob_gradient=logprob_gradient
         )
         return FusedLinearLogprobsOutput(lp, None)
 
@@ -308,11 +310,63 @@ def _loss_input(out: FusedLinearLogprobsOutput) -> dict[str, Any]:
 
 PrepareFn = Callable[..., tuple[dict[str, Any], BatchedDataDict]]
 
+ValidCounts = tuple[Any, Any]
+"""``(global_valid_seqs, global_valid_toks)`` of the pass: what the loss is called with."""
 
-def fused_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> PrepareFn:
+
+def one_pass_applies(loss_fn: LossFunction, cp_size: int) -> bool:
+    """Whether the fused head's one pass serves ``loss_fn``: it declares
+    ``token_local_gradient`` (:class:`~lightning_mcore_rl.losses.LossFunction`), needs no
+    entropy (whose gradient the one pass does not predict) and CP = 1 (the loss reads logprobs
+    gathered over CP)."""
+    local = bool(getattr(loss_fn, "token_local_gradient", False))
+    return local and not _needs_entropy(loss_fn) and cp_size == 1
+
+
+def _logprob_gradient(
+    hidden: Tensor,
+    data: BatchedDataDict,
+    loss_fn: LossFunction,
+    cp_group: Any,
+    valid_counts: ValidCounts | None,
+) -> LogprobGradient | None:
+    """The one pass's predictor of ``loss_fn``'s gradient with respect to the ``[B, S-1]``
+    logprobs: ``loss_fn``'s own autograd on the logprobs made so far (the kernel calls it
+    after each chunk, :mod:`~lightning_mcore_rl.ops.fused_linear`); ``None`` where the one pass
+    does not apply (:func:`one_pass_applies`, no ``valid_counts``) or no backward follows (a
+    forward-only pass)."""
+    if valid_counts is None or not (torch.is_grad_enabled() and hidden.requires_grad):
+        return None
+    if not one_pass_applies(loss_fn, _group_size(cp_group)):
+        return None
+    global_valid_seqs, global_valid_toks = valid_counts
+
+    def gradient(logprobs: Tensor) -> Tensor:  # [B, S-1] -> dL/dlogprobs [B, S-1]
+        with torch.enable_grad():
+            leaf = logprobs.detach().requires_grad_()
+            loss, _ = loss_fn(data, global_valid_seqs, global_valid_toks, next_token_logprobs=leaf)
+            (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+        return torch.zeros_like(leaf) if grad is None else grad
+
+    return gradient
+
+
+def fused_prepare_fn(
+    head: FusedLMHead, chunk_size: int | None, valid_counts: ValidCounts | None = None
+) -> PrepareFn:
     """``prepare_fn(hidden, data, loss_fn, tp_rank, tp_group, cp_group)`` of a ``LOGPROB`` loss:
     the fused counterpart of :func:`~lightning_mcore_rl.losses.prepare_loss_input` for the
-    dense wrappers and the per-sequence packed wrapper (``hidden [B, S/CP, H]``)."""
+    dense wrappers and the per-sequence packed wrapper (``hidden [B, S/CP, H]``).
+
+    Args:
+        head: The microbatch's LM head.
+        chunk_size: Tokens per kernel chunk.
+        valid_counts: The pass's global valid counts: with them the head takes its one pass
+            where it applies (:func:`one_pass_applies`, training): the loss's gradient is
+            predicted in the forward and the head's gradients computed there. Only where the
+            prepared call is the microbatch's one kernel call (each call holds an fp32
+            ``[V_l, H]`` gradient until its backward).
+    """
 
     def prepare(
         hidden: Tensor, data: BatchedDataDict, loss_fn: LossFunction, tp_rank: int | None,
@@ -320,68 +374,23 @@ def fused_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> PrepareFn:
     ) -> tuple[dict[str, Any], BatchedDataDict]:  # fmt: skip
         rank = _group_rank(tp_group) if tp_rank is None else tp_rank
         ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
-        out = head.dense(hidden, ids, rank, tp_group, cp_group, chunk_size, _needs_entropy(loss_fn))
+        gradient = _logprob_gradient(hidden, data, loss_fn, cp_group, valid_counts)
+        out = head.dense(
+            hidden, ids, rank, tp_group, cp_group, chunk_size, _needs_entropy(loss_fn),
+            logprob_gradient=gradient,
+        )  # fmt: skip
         return _loss_input(out), data
 
     return prepare
 
 
-def one_pass_applies(loss_fn: LossFunction, cp_size: int) -> bool:
-    """Whether :func:`one_pass_loss` serves ``loss_fn``: it declares ``token_local_gradient``
-    (:class:`~lightning_mcore_rl.losses.LossFunction`), needs no entropy (whose gradient the
-    one pass does not predict) and CP = 1 (the loss reads logprobs gathered over CP)."""
-    local = bool(getattr(loss_fn, "token_local_gradient", False))
-    return local and not _needs_entropy(loss_fn) and cp_size == 1
-
-
-LossCall = Callable[[Tensor, BatchedDataDict, Any, Any], tuple[Tensor, dict[str, Tensor]]]
-
-
-def one_pass_loss(
-    head: FusedLMHead, chunk_size: int | None, loss_fn: LossFunction, tp_rank: int, tp_group: Any
-) -> LossCall:
-    """``f(hidden, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`` of dense
-    rows through the fused head's one pass: the head's gradients are computed in the forward
-    for the gradient ``loss_fn`` sends to each token's logprob, predicted chunk by chunk by
-    ``loss_fn``'s own autograd on the logprobs made so far (:mod:`~lightning_mcore_rl.ops.fused_linear`).
-    Where :func:`one_pass_applies` (CP = 1). Without autograd (a forward-only pass) it is
-    the plain fused call.
-
-    Args:
-        head: The microbatch's LM head.
-        chunk_size: Tokens per kernel chunk.
-        loss_fn: A token-local ``LOGPROB`` loss without entropy.
-        tp_rank: TP rank.
-        tp_group: TP group.
-    """
-
-    def call(
-        hidden: Tensor, data: BatchedDataDict, global_valid_seqs: Any, global_valid_toks: Any
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        def gradient(logprobs: Tensor) -> Tensor:  # [B, S-1] -> dL/dlogprobs [B, S-1]
-            with torch.enable_grad():
-                leaf = logprobs.detach().requires_grad_()
-                loss, _ = loss_fn(
-                    data, global_valid_seqs, global_valid_toks, next_token_logprobs=leaf
-                )
-                (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
-            return torch.zeros_like(leaf) if grad is None else grad
-
-        ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
-        training = torch.is_grad_enabled() and hidden.requires_grad
-        out = head.dense(
-            hidden, ids, tp_rank, tp_group, None, chunk_size, False,
-            logprob_gradient=gradient if training else None,
-        )  # fmt: skip
-        return loss_fn(data, global_valid_seqs, global_valid_toks, **_loss_input(out))
-
-    return call
-
-
-def fused_packed_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> PrepareFn:
+def fused_packed_prepare_fn(
+    head: FusedLMHead, chunk_size: int | None, valid_counts: ValidCounts | None = None
+) -> PrepareFn:
     """``prepare_fn(hidden, data, loss_fn, cu_q, cu_qp, tp_rank, tp_group, cp_group)`` of the
     one-pass packed wrapper (``hidden [1, T/CP, H]``): the fused counterpart of
-    :func:`~lightning_mcore_rl.losses.prepare_packed_loss_input`."""
+    :func:`~lightning_mcore_rl.losses.prepare_packed_loss_input`; ``valid_counts`` as in
+    :func:`fused_prepare_fn`."""
 
     def prepare(
         hidden: Tensor, data: BatchedDataDict, loss_fn: LossFunction,
@@ -393,9 +402,10 @@ def fused_packed_prepare_fn(head: FusedLMHead, chunk_size: int | None) -> Prepar
         ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
         cu_qp = [int(v) for v in cu_seqlens_q_padded]
         targets = _pack_input_ids(ids, cu_seqlens_q, cu_qp, cp_rank, cp_size, roll_shift=-1)
+        gradient = _logprob_gradient(hidden, data, loss_fn, cp_group, valid_counts)
         out = head.packed(
             hidden, targets, cu_qp, ids.shape[1], rank, tp_group, cp_group, chunk_size,
-            _needs_entropy(loss_fn), target_is_pre_rolled=True,
+            _needs_entropy(loss_fn), target_is_pre_rolled=True, logprob_gradient=gradient,
         )  # fmt: skip
         return _loss_input(out), data
 

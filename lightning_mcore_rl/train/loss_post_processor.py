@@ -30,10 +30,9 @@ from lightning_mcore_rl.train.draft import draft_prepare_fn
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
+    ValidCounts,
     fused_packed_prepare_fn,
     fused_prepare_fn,
-    one_pass_applies,
-    one_pass_loss,
     reject_filtering,
 )
 from lightning_mcore_rl.train.groups import OutputProcessor
@@ -65,10 +64,11 @@ class LossPostProcessor:
             for full-vocabulary on-policy distillation, keyed by teacher index.
         use_fused_linear_logprobs: The model output is the last stage's final hidden states; the
             ``LOGPROB`` loss input (logprobs, entropy) comes from hidden x output weight (the
-            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits. Dense
-            (unpacked) rows of a loss that declares ``token_local_gradient`` (no entropy,
-            CP = 1) take the one pass (:func:`~lightning_mcore_rl.train.fused.one_pass_loss`):
-            the head's gradients are computed in the forward, nothing is recomputed.
+            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits. A loss that
+            declares ``token_local_gradient`` (no entropy, CP = 1) takes the head's one pass on
+            dense rows and with ``fuse_loss`` (one kernel call per microbatch;
+            :func:`~lightning_mcore_rl.train.fused.fused_prepare_fn`): the head's gradients are
+            computed in the forward, nothing is recomputed.
 
     Raises:
         ValueError: ``use_fused_linear_logprobs`` with a loss that needs logits (not
@@ -150,9 +150,13 @@ class LossPostProcessor:
             )
         return m
 
-    def _bound_prepare_fn(self, lm_head: FusedLMHead | None) -> Callable[..., Any]:
+    def _bound_prepare_fn(
+        self, lm_head: FusedLMHead | None, valid_counts: ValidCounts | None = None
+    ) -> Callable[..., Any]:
+        """The loss input's preparation; ``valid_counts``: the fused head may take its one pass
+        (only where the prepared call is the microbatch's one kernel call)."""
         if lm_head is not None:
-            return fused_prepare_fn(lm_head, self.cfg.logprob_chunk_size)
+            return fused_prepare_fn(lm_head, self.cfg.logprob_chunk_size, valid_counts)
         if self.prepare_fn is not None:
             return self.prepare_fn
         return functools.partial(
@@ -167,8 +171,9 @@ class LossPostProcessor:
         packed_seq_params: Any,
         groups: pg.ParallelGroups,
         lm_head: FusedLMHead | None,
+        valid_counts: ValidCounts,
     ) -> Any:
-        wrapper = self._policy_wrapper(data_dict, packed_seq_params, groups, lm_head)
+        wrapper = self._policy_wrapper(data_dict, packed_seq_params, groups, lm_head, valid_counts)
         if "student_logits" not in data_dict:
             return wrapper
         packed = self.cfg.sequence_packing and packed_seq_params is not None
@@ -190,8 +195,8 @@ class LossPostProcessor:
         packed_seq_params: Any,
         groups: pg.ParallelGroups,
         lm_head: FusedLMHead | None,
+        valid_counts: ValidCounts,
     ) -> Any:
-        prepare_fn = self._bound_prepare_fn(lm_head)
         group_args = (groups.tp_rank, groups.tp_group, groups.cp_group)
         if self.cfg.sequence_packing and packed_seq_params is not None:
             cu = (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded)
@@ -202,7 +207,7 @@ class LossPostProcessor:
                     prepare_packed_loss_input, sampling_params=self.sampling_params,
                     chunk_size=self.cfg.logprob_chunk_size,
                 ) if lm_head is None else fused_packed_prepare_fn(
-                    lm_head, self.cfg.logprob_chunk_size
+                    lm_head, self.cfg.logprob_chunk_size, valid_counts
                 )  # fmt: skip
                 return SequencePackingFusionLossWrapper(
                     self.loss_fn, fused_prepare, *cu, *group_args
@@ -215,11 +220,10 @@ class LossPostProcessor:
                     "(one loss call per packed microbatch, as `recipes.DPOModule` does) or turn "
                     "`sequence_packing` off"
                 )
+            # one kernel call per sequence: no one pass (each would hold its own [V_l, H])
+            prepare_fn = self._bound_prepare_fn(lm_head)
             return SequencePackingLossWrapper(self.loss_fn, prepare_fn, *cu, *group_args)
-        if lm_head is not None and one_pass_applies(self.loss_fn, groups.cp_size):
-            return one_pass_loss(
-                lm_head, self.cfg.logprob_chunk_size, self.loss_fn, groups.tp_rank, groups.tp_group
-            )
+        prepare_fn = self._bound_prepare_fn(lm_head, valid_counts)
         return functools.partial(
             wrap_loss_fn_with_input_preparation, loss_fn=self.loss_fn, prepare_fn=prepare_fn,
             vocab_parallel_rank=groups.tp_rank, vocab_parallel_group=groups.tp_group,
@@ -283,7 +287,8 @@ class LossPostProcessor:
         if prepacked_loss_mask is not None:
             wrapper = self._direct_packed_sft(prepacked_loss_mask)
         else:
-            wrapper = self._wrapper(data_dict, packed_seq_params, groups, lm_head)
+            valid_counts = (global_valid_seqs, global_valid_toks)
+            wrapper = self._wrapper(data_dict, packed_seq_params, groups, lm_head, valid_counts)
         fused = self.use_fused_linear_logprobs and prepacked_loss_mask is None
 
         def loss_and_metrics(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:

@@ -7,7 +7,7 @@ weights, same sampler order), at temperature 2."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from unittest import mock
 
@@ -23,6 +23,7 @@ from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.ops import TrainingSamplingParams, fused_linear
 from lightning_mcore_rl.strategy import LogprobKernelConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
+from lightning_mcore_rl.train import LossPostProcessor
 
 TEMPERATURE = 2.0
 
@@ -37,6 +38,9 @@ class FusedCase:
         entropy_coef: ClippedPG entropy bonus (> 0 exercises the fused entropy).
         packing: sequence packing; ``False``: padded rows, where ClippedPG (token-local)
             without entropy takes the fused head's one pass.
+        fuse_loss: packed rows through one loss call per microbatch (the module's
+            ``loss_post_processor`` with ``PolicyConfig(fuse_loss=True)``, as ``DPOModule``
+            builds it), where the one pass applies too.
         gspo: GSPO's sequence-level ratio (not token-local: no one pass).
     """
 
@@ -44,7 +48,14 @@ class FusedCase:
     tied: bool = False
     entropy_coef: float = 0.0
     packing: bool = True
+    fuse_loss: bool = False
     gspo: bool = False
+
+    @property
+    def one_pass(self) -> bool:
+        """Whether the fused run's head takes its one pass (ClippedPG is token-local)."""
+        one_call = not self.packing or self.fuse_loss  # one kernel call per microbatch
+        return one_call and not self.gspo and self.entropy_coef == 0
 
 
 class FusedGRPOModule(PackedGRPOModule):
@@ -63,6 +74,13 @@ class FusedGRPOModule(PackedGRPOModule):
         )
         self._sampling_params = TrainingSamplingParams(temperature=TEMPERATURE)
         self.head_modes: set[str] = set()
+        self.fuse_loss = case.fuse_loss
+
+    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
+        post = super().loss_post_processor(num_microbatches)
+        if self.fuse_loss:
+            post.cfg = replace(post.cfg, fuse_loss=True)
+        return post
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         chunk = super().build_chunk(vp_stage)

@@ -7,9 +7,11 @@ per-step ``train_loss``, every logged metric, megatron's grad norms and ``comput
 real tokens (fp32, within 1e-5), untied and tied embeddings (tied under PP: the last stage's own
 copy of the embedding), with and without an entropy bonus, at TP=2, PP=2 (1F1B), CP=2 and TP=2
 with sequence parallelism. What the fused path cannot serve raises ``ValueError`` on every rank.
-On padded rows ClippedPG (token-local, no entropy) takes the fused head's one pass: its
-gradients computed in the forward, every backward used them (none fell back), and the run
-matches the logits run to the same tolerance; GSPO (not token-local) does not take it.
+On padded rows and packed rows with one loss call per microbatch (``fuse_loss``), ClippedPG
+(token-local, no entropy) takes the fused head's one pass: its gradients computed in the
+forward, every backward used them (none fell back), and the run matches the logits run to the
+same tolerance; GSPO (not token-local) does not take it, nor do packed rows with a loss call
+per sequence.
 
 Measured max |fused - logits| over 2 steps: metrics <= 6.0e-8, grad norms <= 7.9e-8,
 logprobs <= 9.6e-7."""
@@ -35,11 +37,10 @@ def _check(*cases: FusedCase) -> None:
         for case, r in zip(cases, rank_results, strict=True):
             last_stage = rank == 1 or case.spec.pp == 1  # PP=2: rank 1 is the last stage
             print(f"{case}: max |fused - logits| {r.diffs}, one-pass backwards {r.one_pass}")
-            one_pass = not case.packing and not case.gspo and case.entropy_coef == 0
             # every training microbatch of the last stage: (global batch / DP) / mbs per step
             dp = 2 // (case.spec.tp * case.spec.pp * case.spec.cp)
             microbatches = STEPS * SPEC.global_batch // dp // SPEC.mbs
-            assert r.one_pass == (microbatches if one_pass and last_stage else 0), r.one_pass
+            assert r.one_pass == (microbatches if case.one_pass and last_stage else 0), r.one_pass
             assert max(r.diffs.values()) <= ATOL, (case, r.diffs)
             assert len(set(r.losses)) == STEPS  # it trains
             assert ("train_entropy" in r.metric_names) == (case.entropy_coef > 0)
@@ -66,6 +67,7 @@ def test_fused_one_pass_on_padded_rows_matches_logits() -> None:
         FusedCase(replace(SPEC, tp=2), packing=False),
         FusedCase(replace(SPEC, pp=2), packing=False, tied=True),
         FusedCase(replace(SPEC, tp=2), packing=False, gspo=True),
+        FusedCase(replace(SPEC, tp=2), fuse_loss=True),
     )
 
 
