@@ -13,8 +13,8 @@ from lightning_mcore_rl.ops.context_parallel import (
 )
 from lightning_mcore_rl.ops.fused_linear import (
     FusedLinearLogprobsOutput,
+    GradientPredictionWarning,
     LogprobGradient,
-    OnePassMismatchWarning,
     from_hidden_to_logprobs,
     from_hidden_to_logprobs_packed_sequences,
     fused_linear_logprobs,
@@ -47,8 +47,8 @@ from lightning_mcore_rl.ops.vocab_parallel import (
 __all__ = [
     "DistillationTopkLogprobs",
     "FusedLinearLogprobsOutput",
+    "GradientPredictionWarning",
     "LogprobGradient",
-    "OnePassMismatchWarning",
     "ReverseKLOutput",
     "TrainingSamplingParams",
     "allgather_cp_sharded_tensor",

@@ -8,7 +8,7 @@ shard ``[V_l, H]`` of a column-parallel output layer; ``hidden`` is replicated o
 first under sequence parallelism). Top-k/top-p filtering needs whole vocab rows and is not fused:
 use the logits path (:func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`).
 
-One pass (``logprob_gradient``): when the caller can say, chunk by chunk, what gradient the loss
+Gradient in the forward (``logprob_gradient``): when the caller can say, chunk by chunk, what gradient the loss
 will send to each token's logprob (a loss whose gradient at token ``t`` depends on token ``t``'s
 logprob only), the forward also computes the head's gradients from each logits block while it
 exists, and the backward recomputes nothing: three GEMMs of the head per step instead of four,
@@ -52,18 +52,18 @@ _SUM = dist.ReduceOp.SUM
 _DEFAULT_CHUNK_BYTES = 64 * 2**20  # one fp32 [chunk, V_l] block of logits
 _PREDICTION_RTOL = 1e-5
 """How far (relative to its largest entry) the logprob gradient the backward receives may be
-from ``scale x`` the predicted one for the one-pass gradients to stand: the two are the same
+from ``scale x`` the predicted one for the forward's gradients to stand: the two are the same
 autograd formulas evaluated on the same values (measured <= 2 ulp apart, ~2.4e-7), so this only
 separates rounding from a loss that is not token-local."""
 
 LogprobGradient = Callable[[torch.Tensor], torch.Tensor]
-"""``gradient(logprobs [T]) -> dL/dlogprobs [T]`` for the one-pass head: called after each chunk
+"""``gradient(logprobs [T]) -> dL/dlogprobs [T]`` for the head's gradient in the forward: called after each chunk
 with the logprobs computed so far (0 where not yet computed); entries of the finished chunk must
 be final (a token-local loss)."""
 
 
-class OnePassMismatchWarning(UserWarning):
-    """The gradient a one-pass fused head received was not the predicted one (the loss is not
+class GradientPredictionWarning(UserWarning):
+    """The gradient a fused head with its gradient in the forward received was not the predicted one (the loss is not
     token-local): its backward recomputed the logits (exact, but the forward's work was spent)."""
 
 
@@ -100,7 +100,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
 
     With ``logprob_gradient`` (no entropy): each chunk's logprobs are all-reduced over TP as they
     are made, ``g_lp`` of the chunk is predicted from them, and ``dh[chunk] = dz W`` and
-    ``dW += dz^T h[chunk]`` are computed from the block in hand (:meth:`_OnePass.chunk`); the
+    ``dW += dz^T h[chunk]`` are computed from the block in hand (:meth:`_ForwardGradients.chunk`); the
     backward scales them by the received gradient's ratio to the prediction.
     """
 
@@ -124,7 +124,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         entropy = torch.zeros(
             tokens if with_entropy else 0, dtype=logprobs.dtype, device=hidden.device
         )
-        one_pass = _OnePass(hidden, weight) if logprob_gradient is not None else None
+        in_forward = _ForwardGradients(hidden, weight) if logprob_gradient is not None else None
         for start, stop in seq_chunks(tokens, chunk_size):
             z = _chunk_logits(hidden, weight, start, stop, temperature)
             chunk_lse = global_logsumexp(z, tp_group)
@@ -133,22 +133,22 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             logprobs[start:stop] = z.gather(-1, local[start:stop].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[start:stop] = -(z.exp() * z).sum(dim=-1)
-            if one_pass is not None:
+            if in_forward is not None:
                 assert logprob_gradient is not None
                 chunk = logprobs[start:stop]
                 chunk.copy_(torch.where(owned[start:stop], chunk, torch.zeros_like(chunk)))
                 all_reduce(chunk, tp_group, _SUM)
                 g = logprob_gradient(logprobs)[start:stop]  # [0, stop) final, the rest 0
-                one_pass.chunk(z, g, owned[start:stop], local[start:stop], start, temperature)
-        if one_pass is None:
+                in_forward.chunk(z, g, owned[start:stop], local[start:stop], start, temperature)
+        if in_forward is None:
             logprobs = torch.where(owned, logprobs, torch.zeros_like(logprobs))
             all_reduce(logprobs, tp_group, _SUM)
         else:
-            all_reduce(one_pass.grad_hidden, tp_group, _SUM)
+            all_reduce(in_forward.grad_hidden, tp_group, _SUM)
         all_reduce(entropy, tp_group, _SUM)
         ctx.save_for_backward(hidden, weight, local, owned, lse, entropy)
         ctx.params = (chunk_size, temperature, with_entropy, tp_group)
-        ctx.one_pass = one_pass
+        ctx.in_forward = in_forward
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -159,9 +159,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
         chunk_size, temperature, with_entropy, tp_group = ctx.params
-        one_pass, ctx.one_pass = ctx.one_pass, None
-        if one_pass is not None:
-            grads = one_pass.finish(upcast(grad_logprobs), hidden.dtype, weight.dtype)
+        in_forward, ctx.in_forward = ctx.in_forward, None
+        if in_forward is not None:
+            grads = in_forward.finish(upcast(grad_logprobs), hidden.dtype, weight.dtype)
             if grads is not None:
                 return *grads, *([None] * 7)
         tokens, local_vocab = hidden.shape[0], weight.shape[0]
@@ -196,8 +196,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), grad_weight, *([None] * 7)
 
 
-class _OnePass:
-    """The head's gradients computed in the forward, for a predicted ``g_lp`` (one pass).
+class _ForwardGradients:
+    """The head's gradients computed in the forward, for a predicted ``g_lp``.
 
     Args:
         hidden: ``[T, H]`` the kernel's input (the weight gradient's other operand).
@@ -248,11 +248,11 @@ class _OnePass:
         scale = prediction_scale(received, self.predicted)
         if scale is None:
             warnings.warn(
-                "The one-pass fused LM head received another logprob gradient than the one "
+                "The fused LM head, its gradients computed in the forward, received another logprob gradient than the one "
                 "predicted in its forward (the loss's gradient at a token depends on other "
                 "tokens' logprobs): its backward recomputes the logits. A loss that declares "
                 "`token_local_gradient = True` must not.",
-                OnePassMismatchWarning,
+                GradientPredictionWarning,
                 stacklevel=2,
             )
             return None
@@ -331,7 +331,7 @@ def fused_linear_logprobs(
             in 64 MiB.
         temperature: logits are divided by it (> 0).
         return_entropy: also return the per-token entropy (differentiable, for an entropy bonus).
-        logprob_gradient: one pass (module docstring): the gradient the loss will send to the
+        logprob_gradient: gradient in the forward (module docstring): the gradient the loss will send to the
             logprobs, predicted chunk by chunk (:data:`LogprobGradient`); not with
             ``return_entropy``. Only where the result's backward will run (training).
 
@@ -350,7 +350,7 @@ def fused_linear_logprobs(
     check_token_ids(target, weight.shape[0] * tp_size, "target")
     if logprob_gradient is not None and return_entropy:
         raise ValueError(
-            "`logprob_gradient` (one pass) cannot serve `return_entropy=True`: the entropy's "
+            "`logprob_gradient` (gradient in the forward) cannot serve `return_entropy=True`: the entropy's "
             "gradient is not predicted"
         )
     if chunk_size is None:
@@ -416,7 +416,7 @@ def from_hidden_to_logprobs(
         chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
         sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
         return_entropy: also return the entropy of the distribution scoring each next token.
-        logprob_gradient: one pass (module docstring), CP = 1 only:
+        logprob_gradient: gradient in the forward (module docstring), CP = 1 only:
             ``gradient(logprobs [B, S-1]) -> dL/dlogprobs [B, S-1]``, called after each chunk
             with the logprobs computed so far (0 elsewhere).
 
@@ -426,7 +426,7 @@ def from_hidden_to_logprobs(
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
-    _check_one_pass_cp(logprob_gradient, cp_size)
+    _check_forward_gradient_cp(logprob_gradient, cp_size)
     check_ndim(hidden, 3, "hidden", "[B, S/CP, H]")
     tp_size = _check_fused_args(
         hidden, weight, vocab_start_index, vocab_end_index, tp_group, chunk_size, temperature
@@ -459,10 +459,10 @@ def from_hidden_to_logprobs(
     )
 
 
-def _check_one_pass_cp(logprob_gradient: LogprobGradient | None, cp_size: int) -> None:
+def _check_forward_gradient_cp(logprob_gradient: LogprobGradient | None, cp_size: int) -> None:
     if logprob_gradient is not None and cp_size > 1:
         raise ValueError(
-            f"`logprob_gradient` (one pass) needs CP = 1, got a cp_group of size {cp_size}: the "
+            f"`logprob_gradient` (gradient in the forward) needs CP = 1, got a cp_group of size {cp_size}: the "
             "loss reads logprobs gathered over CP"
         )
 
@@ -536,7 +536,7 @@ def from_hidden_to_logprobs_packed_sequences(
         sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
         target_is_pre_rolled: see ``target``.
         return_entropy: also return the entropy of the distribution scoring each next token.
-        logprob_gradient: one pass, as in :func:`from_hidden_to_logprobs` (CP = 1).
+        logprob_gradient: gradient in the forward, as in :func:`from_hidden_to_logprobs` (CP = 1).
 
     Returns:
         ``[B, S-1]`` fp32, as the packed logits path; with ``return_entropy`` a
@@ -544,7 +544,7 @@ def from_hidden_to_logprobs_packed_sequences(
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
-    _check_one_pass_cp(logprob_gradient, cp_size)
+    _check_forward_gradient_cp(logprob_gradient, cp_size)
     check_ndim(hidden, 3, "hidden", "[1, T/CP, H]")
     if hidden.shape[0] != 1:
         raise ValueError(f"packed `hidden` must have batch dim 1, got {tuple(hidden.shape)}")

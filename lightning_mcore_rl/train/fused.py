@@ -246,7 +246,7 @@ class FusedLMHead:
             cp_group: CP group (``None``: CP = 1).
             chunk_size: tokens per kernel chunk (``None``: 64 MiB of fp32 logits).
             with_entropy: Also return the positive entropy ``[B, S-1]``.
-            logprob_gradient: the one pass (:func:`fused_prepare_fn`): the loss's gradient
+            logprob_gradient: the gradient in the forward (:func:`fused_prepare_fn`): the loss's gradient
                 with respect to the ``[B, S-1]`` logprobs; not with ``with_entropy``, CP = 1.
         """
         args = (
@@ -285,7 +285,7 @@ class FusedLMHead:
             chunk_size: tokens per kernel chunk.
             with_entropy: Also return the positive entropy ``[B, S-1]``.
             target_is_pre_rolled: See ``target``.
-            logprob_gradient: the one pass, as in :meth:`dense`.
+            logprob_gradient: the gradient in the forward, as in :meth:`dense`.
         """
         args = (
             self.as_input(hidden), self.weight, target, cu_seqlens_padded, width,
@@ -314,10 +314,10 @@ ValidCounts = tuple[Any, Any]
 """``(global_valid_seqs, global_valid_toks)`` of the pass: what the loss is called with."""
 
 
-def one_pass_applies(loss_fn: LossFunction, cp_size: int) -> bool:
-    """Whether the fused head's one pass serves ``loss_fn``: it declares
+def gradient_in_forward_applies(loss_fn: LossFunction, cp_size: int) -> bool:
+    """Whether the fused head computes its gradients in the forward for ``loss_fn``: it declares
     ``token_local_gradient`` (:class:`~lightning_mcore_rl.losses.LossFunction`), needs no
-    entropy (whose gradient the one pass does not predict) and CP = 1 (the loss reads logprobs
+    entropy (whose gradient is not predicted) and CP = 1 (the loss reads logprobs
     gathered over CP)."""
     local = bool(getattr(loss_fn, "token_local_gradient", False))
     return local and not _needs_entropy(loss_fn) and cp_size == 1
@@ -330,14 +330,14 @@ def _logprob_gradient(
     cp_group: Any,
     valid_counts: ValidCounts | None,
 ) -> LogprobGradient | None:
-    """The one pass's predictor of ``loss_fn``'s gradient with respect to the ``[B, S-1]``
+    """The predictor of ``loss_fn``'s gradient with respect to the ``[B, S-1]``
     logprobs: ``loss_fn``'s own autograd on the logprobs made so far (the kernel calls it
-    after each chunk, :mod:`~lightning_mcore_rl.ops.fused_linear`); ``None`` where the one pass
-    does not apply (:func:`one_pass_applies`, no ``valid_counts``) or no backward follows (a
+    after each chunk, :mod:`~lightning_mcore_rl.ops.fused_linear`); ``None`` where the gradient in the
+    forward does not apply (:func:`gradient_in_forward_applies`, no ``valid_counts``) or no backward follows (a
     forward-only pass)."""
     if valid_counts is None or not (torch.is_grad_enabled() and hidden.requires_grad):
         return None
-    if not one_pass_applies(loss_fn, _group_size(cp_group)):
+    if not gradient_in_forward_applies(loss_fn, _group_size(cp_group)):
         return None
     global_valid_seqs, global_valid_toks = valid_counts
 
@@ -361,8 +361,8 @@ def fused_prepare_fn(
     Args:
         head: The microbatch's LM head.
         chunk_size: Tokens per kernel chunk.
-        valid_counts: The pass's global valid counts: with them the head takes its one pass
-            where it applies (:func:`one_pass_applies`, training): the loss's gradient is
+        valid_counts: The pass's global valid counts: with them the head computes its gradients in the
+            forward where it applies (:func:`gradient_in_forward_applies`, training): the loss's gradient is
             predicted in the forward and the head's gradients computed there. Only where the
             prepared call is the microbatch's one kernel call (each call holds an fp32
             ``[V_l, H]`` gradient until its backward).

@@ -65,7 +65,7 @@ class LossPostProcessor:
         use_fused_linear_logprobs: The model output is the last stage's final hidden states; the
             ``LOGPROB`` loss input (logprobs, entropy) comes from hidden x output weight (the
             ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits. A loss that
-            declares ``token_local_gradient`` (no entropy, CP = 1) takes the head's one pass on
+            declares ``token_local_gradient`` (no entropy, CP = 1) has the head's gradients computed in the forward on
             dense rows and with ``fuse_loss`` (one kernel call per microbatch;
             :func:`~lightning_mcore_rl.train.fused.fused_prepare_fn`): the head's gradients are
             computed in the forward, nothing is recomputed.
@@ -153,7 +153,7 @@ class LossPostProcessor:
     def _bound_prepare_fn(
         self, lm_head: FusedLMHead | None, valid_counts: ValidCounts | None = None
     ) -> Callable[..., Any]:
-        """The loss input's preparation; ``valid_counts``: the fused head may take its one pass
+        """The loss input's preparation; ``valid_counts``: the fused head may compute its gradients in the forward
         (only where the prepared call is the microbatch's one kernel call)."""
         if lm_head is not None:
             return fused_prepare_fn(lm_head, self.cfg.logprob_chunk_size, valid_counts)
@@ -220,7 +220,7 @@ class LossPostProcessor:
                     "(one loss call per packed microbatch, as `recipes.DPOModule` does) or turn "
                     "`sequence_packing` off"
                 )
-            # one kernel call per sequence: no one pass (each would hold its own [V_l, H])
+            # one kernel call per sequence: no gradient in the forward (each would hold a [V_l, H])
             prepare_fn = self._bound_prepare_fn(lm_head)
             return SequencePackingLossWrapper(self.loss_fn, prepare_fn, *cu, *group_args)
         prepare_fn = self._bound_prepare_fn(lm_head, valid_counts)

@@ -37,11 +37,11 @@ class FusedCase:
         tied: tie the output layer to the word embedding.
         entropy_coef: ClippedPG entropy bonus (> 0 exercises the fused entropy).
         packing: sequence packing; ``False``: padded rows, where ClippedPG (token-local)
-            without entropy takes the fused head's one pass.
+            without entropy has the fused head's gradients computed in the forward.
         fuse_loss: packed rows through one loss call per microbatch (the module's
             ``loss_post_processor`` with ``PolicyConfig(fuse_loss=True)``, as ``DPOModule``
-            builds it), where the one pass applies too.
-        gspo: GSPO's sequence-level ratio (not token-local: no one pass).
+            builds it), where they are computed in the forward too.
+        gspo: GSPO's sequence-level ratio (not token-local: recomputing backward).
     """
 
     spec: RunSpec
@@ -52,8 +52,8 @@ class FusedCase:
     gspo: bool = False
 
     @property
-    def one_pass(self) -> bool:
-        """Whether the fused run's head takes its one pass (ClippedPG is token-local)."""
+    def gradient_in_forward(self) -> bool:
+        """Whether the fused run's head computes its gradients in the forward (ClippedPG is token-local)."""
         one_call = not self.packing or self.fuse_loss  # one kernel call per microbatch
         return one_call and not self.gspo and self.entropy_coef == 0
 
@@ -99,22 +99,22 @@ class FusedGRPOModule(PackedGRPOModule):
 
 def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, list[str], int]:
     """The fit, how its output layer ran, and how many backwards of the fused head used the
-    gradients its one pass computed in the forward (counted around ``_OnePass.finish``)."""
+    gradients it computed in the forward (counted around ``_ForwardGradients.finish``)."""
     module = FusedGRPOModule(case)
-    finish = fused_linear._OnePass.finish
+    finish = fused_linear._ForwardGradients.finish
     used: list[bool] = []
 
-    def counted(one_pass: Any, *args: Any) -> Any:
-        grads = finish(one_pass, *args)
+    def counted(forward_gradients: Any, *args: Any) -> Any:
+        grads = finish(forward_gradients, *args)
         used.append(grads is not None)
         return grads
 
-    with mock.patch.object(fused_linear._OnePass, "finish", counted):
+    with mock.patch.object(fused_linear._ForwardGradients, "finish", counted):
         run = fit_recorded(
             case.spec, world_size, module, RolloutRows(case.spec.rows), packing=case.packing,
             logprobs=LogprobKernelConfig(use_fused_linear_logprobs=fused),
         )  # fmt: skip
-    assert all(used), "a one-pass backward fell back to recomputing"
+    assert all(used), "a backward fell back to recomputing"
     return run, sorted(module.head_modes), len(used)
 
 
@@ -128,7 +128,7 @@ class FusedResult:
     losses: list[float]
     metric_names: list[str]
     head_modes: dict[str, list[str]]
-    one_pass: int
+    forward_gradients: int
 
 
 def fused_vs_logits_rank(rank: int, cases: tuple[FusedCase, ...]) -> list[FusedResult]:
@@ -139,14 +139,14 @@ def fused_vs_logits_rank(rank: int, cases: tuple[FusedCase, ...]) -> list[FusedR
     for case in cases:
         destroy_megatron_state()
         plain, plain_modes, _ = _fit(case, world_size, fused=False)
-        fused, fused_modes, one_pass = _fit(case, world_size, fused=True)
+        fused, fused_modes, forward_gradients = _fit(case, world_size, fused=True)
         results.append(
             FusedResult(
                 diffs=max_run_diffs(fused, plain),
                 losses=[m["train_loss"] for m in fused.metrics],
                 metric_names=sorted(fused.metrics[0]),
                 head_modes={"logits": plain_modes, "fused": fused_modes},
-                one_pass=one_pass,
+                forward_gradients=forward_gradients,
             )
         )
     return results

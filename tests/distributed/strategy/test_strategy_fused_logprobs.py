@@ -8,7 +8,7 @@ real tokens (fp32, within 1e-5), untied and tied embeddings (tied under PP: the 
 copy of the embedding), with and without an entropy bonus, at TP=2, PP=2 (1F1B), CP=2 and TP=2
 with sequence parallelism. What the fused path cannot serve raises ``ValueError`` on every rank.
 On padded rows and packed rows with one loss call per microbatch (``fuse_loss``), ClippedPG
-(token-local, no entropy) takes the fused head's one pass: its gradients computed in the
+(token-local, no entropy) has the fused head's gradients computed in the forward: every backward
 forward, every backward used them (none fell back), and the run matches the logits run to the
 same tolerance; GSPO (not token-local) does not take it, nor do packed rows with a loss call
 per sequence.
@@ -36,11 +36,14 @@ def _check(*cases: FusedCase) -> None:
     for rank, rank_results in enumerate(results):
         for case, r in zip(cases, rank_results, strict=True):
             last_stage = rank == 1 or case.spec.pp == 1  # PP=2: rank 1 is the last stage
-            print(f"{case}: max |fused - logits| {r.diffs}, one-pass backwards {r.one_pass}")
+            print(
+                f"{case}: max |fused - logits| {r.diffs}, backwards on forward gradients {r.forward_gradients}"
+            )
             # every training microbatch of the last stage: (global batch / DP) / mbs per step
             dp = 2 // (case.spec.tp * case.spec.pp * case.spec.cp)
             microbatches = STEPS * SPEC.global_batch // dp // SPEC.mbs
-            assert r.one_pass == (microbatches if case.one_pass and last_stage else 0), r.one_pass
+            expected = microbatches if case.gradient_in_forward and last_stage else 0
+            assert r.forward_gradients == expected, r.forward_gradients
             assert max(r.diffs.values()) <= ATOL, (case, r.diffs)
             assert len(set(r.losses)) == STEPS  # it trains
             assert ("train_entropy" in r.metric_names) == (case.entropy_coef > 0)
@@ -62,7 +65,7 @@ def test_fused_matches_logits_cp2_and_sequence_parallel() -> None:
     )
 
 
-def test_fused_one_pass_on_padded_rows_matches_logits() -> None:
+def test_fused_gradient_in_forward_matches_logits() -> None:
     _check(
         FusedCase(replace(SPEC, tp=2), packing=False),
         FusedCase(replace(SPEC, pp=2), packing=False, tied=True),

@@ -1,4 +1,4 @@
-"""The fused LM head's one pass (``logprob_gradient``): the head's gradients computed in the
+"""The fused LM head's gradient in the forward (``logprob_gradient``): the head's gradients computed in the
 forward for a predicted logprob gradient, against plain autograd through the full logits.
 
 fp64 (rounding-free comparison): a token-local clipped policy-gradient loss gives the autograd
@@ -18,7 +18,7 @@ import torch
 from helpers.unit import FakeGroup
 
 from lightning_mcore_rl.ops import (
-    OnePassMismatchWarning,
+    GradientPredictionWarning,
     from_hidden_to_logprobs,
     fused_linear_logprobs,
 )
@@ -70,7 +70,7 @@ def _reference(
 
 @pytest.mark.parametrize("chunk", [1, 5, T])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_one_pass_gradients_equal_autograd(chunk: int, temperature: float) -> None:
+def test_forward_gradients_equal_autograd(chunk: int, temperature: float) -> None:
     loss = _clipped_pg()
     ref_lp, ref_grads = _reference(loss, temperature, scale=3.0)
     hidden, weight, target = _operands()
@@ -96,7 +96,7 @@ def test_a_loss_that_is_not_token_local_warns_and_recomputes_exactly() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         grads = torch.autograd.grad(loss(out.logprobs), (hidden, weight))
-    assert [w.category for w in caught] == [OnePassMismatchWarning]
+    assert [w.category for w in caught] == [GradientPredictionWarning]
     for got, want in zip(grads, ref_grads, strict=True):
         assert torch.allclose(got, want, rtol=1e-10, atol=0)
 
@@ -135,7 +135,7 @@ def test_prediction_scale() -> None:
     assert prediction_scale(off, predicted) is None
 
 
-def test_one_pass_refuses_entropy_and_context_parallelism() -> None:
+def test_gradient_in_forward_refuses_entropy_and_context_parallelism() -> None:
     hidden, weight, target = _operands()
     gradient = _gradient_of(_clipped_pg())
     with pytest.raises(ValueError, match="return_entropy"):
