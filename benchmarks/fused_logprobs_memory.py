@@ -22,9 +22,12 @@ belongs to another pipeline stage, so it gets no gradient here). The input is on
 * ``plain_chunked_fp32``: ``plain_chunked`` with ``defer_fp32_logits=False``: ``Float16Module``
   upcasts the whole output to fp32 logits (the strategy's path before the deferral).
 * ``fused``: ``use_fused_linear_logprobs=True`` (the output layer bypassed, logprobs from hidden x
-  weight in 64 MiB fp32 blocks).
+  weight in 64 MiB fp32 blocks), one kernel call per sequence; its backward recomputes the blocks.
+* ``fused_in_forward``: ``fused`` with ``PolicyConfig(fuse_loss=True)``: one kernel call over the
+  packed row, and ``NLLLossFn`` being token-local, the head's gradients are computed in the
+  forward (``docs/training-step.md``, "The gradient in the forward"): nothing is recomputed.
 
-All six compute the same loss (the mean next-token NLL); it is printed as a check. Each variant
+All seven compute the same loss (the mean next-token NLL); it is printed as a check. Each variant
 runs in its own fresh gloo rank (``run_on_ranks``), one at a time. Memory: glibc's mmap threshold
 is pinned at 64 KiB (freed tensors leave RSS); ``VmHWM`` is reset through ``/proc/self/clear_refs``
 once the model and the batch are built, and "peak extra" is the peak RSS of the step minus the
@@ -58,6 +61,7 @@ VARIANTS = (
     "plain_chunked_one_pass",
     "plain_chunked_fp32",
     "fused",
+    "fused_in_forward",
 )
 
 
@@ -110,12 +114,13 @@ def _step_rank(rank: int, variant: str, cfg: dict) -> dict[str, float]:
     )  # fmt: skip
     batch = process_global_batch(data, ps.get_data_parallel_group(), docs, sequence_packing=True)
     mb = batch.microbatches[0]
-    fused = variant == "fused"
+    fused = variant.startswith("fused")
     chunk = cfg["chunk"] if variant.startswith("plain_chunked") else None
     policy = PolicyConfig(
-        sequence_packing=True, fuse_loss=variant == "plain_chunked_one_pass",
+        sequence_packing=True,
+        fuse_loss=variant in ("plain_chunked_one_pass", "fused_in_forward"),
         logprob_chunk_size=chunk,
-    )  # fmt: skip
+    )
     post = LossPostProcessor(NLLLossFn(), policy, 1, use_fused_linear_logprobs=fused)
     setting = False if variant == "plain_chunked_fp32" else None  # None: the strategy default
     defer = defers_fp32_logits(setting, post, None)  # as the step resolves it
