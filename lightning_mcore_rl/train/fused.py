@@ -345,6 +345,8 @@ def _logprob_gradient(
         with torch.enable_grad():
             leaf = logprobs.detach().requires_grad_()
             loss, _ = loss_fn(data, global_valid_seqs, global_valid_toks, next_token_logprobs=leaf)
+            if not loss.requires_grad:  # the loss does not read the logprobs
+                return torch.zeros_like(leaf)
             (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
         return torch.zeros_like(leaf) if grad is None else grad
 

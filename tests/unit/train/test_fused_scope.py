@@ -281,3 +281,16 @@ def test_batch_first_lm_head_is_bitwise_megatron_without_the_logits_copy(tied: b
         assert out["no_copy"] == (True, False)
         assert out["applies"] and out["restored"]
         assert not out["applies_under_sp"] and not out["applies_to_scalar_head"]
+
+
+def test_gradient_in_forward_applies_to_declared_token_local_losses_only() -> None:
+    from lightning_mcore_rl.losses import NLLLossFn
+    from lightning_mcore_rl.train.fused import gradient_in_forward_applies
+
+    gspo = ClippedPGLossFn({"sequence_level_importance_ratios": True, "token_level_loss": False})
+    assert gradient_in_forward_applies(NLLLossFn(), cp_size=1)
+    assert gradient_in_forward_applies(ClippedPGLossFn(), cp_size=1)
+    assert not gradient_in_forward_applies(ClippedPGLossFn(), cp_size=2)  # CP gathers logprobs
+    assert not gradient_in_forward_applies(ClippedPGLossFn({"entropy_coef": 0.01}), cp_size=1)
+    assert not gradient_in_forward_applies(gspo, cp_size=1)  # a sequence-level ratio
+    assert not gradient_in_forward_applies(MseValueLossFn(), cp_size=1)  # not declared
