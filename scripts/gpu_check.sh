@@ -34,9 +34,10 @@ export PYTHONUNBUFFERED=1
     echo "gpu tests rc=$?"
   fi
   if [[ " $SECTIONS " == *" bench "* ]]; then
-    # megatron CE vs the logits path (deferred bf16 and fp32 logits) vs fused, peak CUDA memory
+    # megatron CE vs the logits path (deferred bf16 and fp32 logits) vs fused (recomputing
+    # backward, and its gradient in the forward), peak CUDA memory and time
     timeout 150 python3 benchmarks/fused_logprobs_memory.py --device cuda --tokens 8192 \
-      --variants megatron_ce plain_chunked plain_chunked_fp32 fused
+      --variants megatron_ce plain_chunked plain_chunked_fp32 fused fused_in_forward
     echo "fused_logprobs_memory rc=$?"
     # the peer benchmark's interpreter: the image's packages plus the carried transformers
     PEER_PY=python3
