@@ -22,10 +22,11 @@ belongs to another pipeline stage, so it gets no gradient here). The input is on
 * ``plain_chunked_fp32``: ``plain_chunked`` with ``defer_fp32_logits=False``: ``Float16Module``
   upcasts the whole output to fp32 logits (the strategy's path before the deferral).
 * ``fused``: ``use_fused_linear_logprobs=True`` (the output layer bypassed, logprobs from hidden x
-  weight in 64 MiB fp32 blocks), one kernel call per sequence; its backward recomputes the blocks.
-* ``fused_in_forward``: ``fused`` with ``PolicyConfig(fuse_loss=True)``: one kernel call over the
-  packed row, and ``NLLLossFn`` being token-local, the head's gradients are computed in the
-  forward (``docs/training-step.md``, "The gradient in the forward"): nothing is recomputed.
+  weight in 64 MiB fp32 blocks, one kernel call over the packed row); its backward recomputes the
+  blocks.
+* ``fused_in_forward``: ``fused`` with ``fused_gradient_in_forward=True``: ``NLLLossFn`` being
+  token-local, the head's gradients are computed in the forward (``docs/training-step.md``, "The
+  gradient in the forward"): nothing is recomputed.
 
 All seven compute the same loss (the mean next-token NLL); it is printed as a check. Each variant
 runs in its own fresh gloo rank (``run_on_ranks``), one at a time. Memory: glibc's mmap threshold
@@ -118,8 +119,9 @@ def _step_rank(rank: int, variant: str, cfg: dict) -> dict[str, float]:
     chunk = cfg["chunk"] if variant.startswith("plain_chunked") else None
     policy = PolicyConfig(
         sequence_packing=True,
-        fuse_loss=variant in ("plain_chunked_one_pass", "fused_in_forward"),
+        fuse_loss=variant == "plain_chunked_one_pass",
         logprob_chunk_size=chunk,
+        fused_gradient_in_forward=variant == "fused_in_forward",
     )
     post = LossPostProcessor(NLLLossFn(), policy, 1, use_fused_linear_logprobs=fused)
     setting = False if variant == "plain_chunked_fp32" else None  # None: the strategy default

@@ -16,7 +16,11 @@ loss, on two CPU ranks (``--ranks``; ``--device cuda``: one GPU per rank), under
 * ``trainer_fused``: ``trainer`` with ``MCoreRLStrategy(use_fused_linear_logprobs=True)``: the
   last stage returns its final hidden states and the logprobs come from hidden x output weight
   in fp32 blocks (the ``[tokens, V]`` logits are never built).
-* ``trainer_fused_bf16`` / ``hf_ddp_bf16``: the same under bf16 on both sides:
+* ``trainer_fused_fwd_grad``: ``trainer_fused`` with
+  ``LogprobKernelConfig(fused_gradient_in_forward=True)``: both losses are token-local, so the
+  head's gradients are computed in the forward and nothing is recomputed in the backward.
+* ``trainer_fused_bf16`` / ``trainer_fused_fwd_grad_bf16`` / ``hf_ddp_bf16``: the same under
+  bf16 on both sides:
   ``Trainer(precision="bf16-mixed")`` (bf16 weights in ``Float16Module``, fp32 main weights in
   megatron's optimizer) vs transformers' model in fp32 under ``torch.autocast(bfloat16)`` for the
   forward and the loss (what ``transformers.Trainer(bf16=True)`` runs: bf16 matmuls, fp32
@@ -69,6 +73,8 @@ STACKS = (
     "trainer_fused",
     "trainer_fused_bf16",
     "hf_ddp_bf16",
+    "trainer_fused_fwd_grad",
+    "trainer_fused_fwd_grad_bf16",
 )
 # full activation recompute of every layer on both sides (megatron ``recompute_granularity="full"``,
 # transformers ``activation_checkpointing_enable()``): only with --stacks ... *_recompute
@@ -353,13 +359,16 @@ def run_trainer(
     recompute: bool = False,
     fused: bool = False,
     bf16: bool = False,
+    fwd_grad: bool = False,
 ) -> dict[str, Any]:
     """``Trainer(strategy=MCoreRLStrategy())``, DP = ``--ranks``, one microbatch per rank;
-    ``fused``: ``use_fused_linear_logprobs=True``; ``bf16``: ``precision="bf16-mixed"``."""
+    ``fused``: ``use_fused_linear_logprobs=True``; ``bf16``: ``precision="bf16-mixed"``;
+    ``fwd_grad``: ``fused_gradient_in_forward=True``."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
     from lightning_mcore_rl import MCoreRLStrategy
+    from lightning_mcore_rl.strategy import LogprobKernelConfig
 
     batch = rank_batch(args, rank)
     rows = [{k: v[i] for k, v in batch.items()} for i in range(args.rows_per_rank)]
@@ -370,7 +379,10 @@ def run_trainer(
         devices=args.ranks,
         precision="bf16-mixed" if bf16 else "32-true",
         strategy=MCoreRLStrategy(
-            micro_batch_size=args.rows_per_rank, use_fused_linear_logprobs=fused
+            micro_batch_size=args.rows_per_rank,
+            logprobs=LogprobKernelConfig(
+                use_fused_linear_logprobs=fused, fused_gradient_in_forward=fwd_grad
+            ),
         ),
         max_steps=steps,
         logger=False,
@@ -472,6 +484,7 @@ def worker(args: argparse.Namespace) -> None:
         result = run_trainer(
             args, args.loss, rank, chunk, recompute=stack == "trainer_recompute",
             fused=stack.startswith("trainer_fused"), bf16=stack.endswith("_bf16"),
+            fwd_grad="_fwd_grad" in stack,
         )  # fmt: skip
     cuda = args.device == "cuda"
     record = {

@@ -86,7 +86,8 @@ class LossFunction(Protocol):
         token_local_gradient: Optional (read with ``getattr``, default ``False``): ``True``
             declares that the loss's gradient with respect to token ``t``'s logprob depends on
             that token's logprob (and the data) only, never on another token's. The fused LM
-            head then computes its gradients in the forward (no recomputed logits:
+            head can then compute its gradients in the forward
+            (``LogprobKernelConfig(fused_gradient_in_forward=True)``, no recomputed logits:
             :mod:`~lightning_mcore_rl.ops.fused_linear`); its backward checks the declaration
             and recomputes where it does not hold.
     """

@@ -51,7 +51,7 @@ class NLLLossFn:
     input_type = LossInputType.LOGPROB
     input_keys = ("token_mask",)
     token_local_gradient = True
-    """``-m_t / N_t`` at every token: the fused head computes its gradients in the forward
+    """``-m_t / N_t`` at every token: the fused head can compute its gradients in the forward
     (:class:`~lightning_mcore_rl.losses.LossFunction`)."""
 
     def __init__(self, use_fused_linear_logprobs: bool = False) -> None:

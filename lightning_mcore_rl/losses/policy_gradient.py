@@ -141,8 +141,8 @@ class ClippedPGLossFn:
     @property
     def token_local_gradient(self) -> bool:
         """Every term's gradient at a token reads that token's logprob only, except GSPO's
-        sequence-level ratio (a mean over the sequence's tokens): elsewhere the fused head
-        computes its gradients in the forward (:class:`~lightning_mcore_rl.losses.LossFunction`)."""
+        sequence-level ratio (a mean over the sequence's tokens): elsewhere the fused head can
+        compute its gradients in the forward (:class:`~lightning_mcore_rl.losses.LossFunction`)."""
         return not self.cfg.sequence_level_importance_ratios
 
     @property

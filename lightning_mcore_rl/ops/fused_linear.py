@@ -238,7 +238,10 @@ class _ForwardGradients:
             dz.div_(temperature)
         dz_w = dz.to(self.weight.dtype)
         self.grad_hidden[start:stop] = torch.matmul(dz_w, self.weight)
-        self.grad_weight.add_(torch.matmul(dz_w.t(), self.hidden[start:stop]))
+        if dz_w.dtype == self.grad_weight.dtype:  # fp32: accumulated in place, no product
+            self.grad_weight.addmm_(dz_w.t(), self.hidden[start:stop])
+        else:  # bf16: the product at bf16 GEMM speed, summed in fp32
+            self.grad_weight.add_(torch.matmul(dz_w.t(), self.hidden[start:stop]))
 
     def finish(
         self, received: torch.Tensor, hidden_dtype: torch.dtype, weight_dtype: torch.dtype

@@ -175,6 +175,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self._policy = PolicyConfig(
             sequence_packing=sequence_packing,
             logprob_chunk_size=self.logprobs.logprob_chunk_size,
+            fused_gradient_in_forward=self.logprobs.fused_gradient_in_forward,
         )
         self._default_precision = MCorePrecision()
         self._groups: ParallelGroups | None = None

@@ -24,6 +24,9 @@ class PolicyConfig:
     """Sequence chunk of the logprob/top-k kernels (``None``: unchunked)."""
     draft_loss_weight: float = 1.0
     """Weight of the draft-model loss (``draft.loss_weight``)."""
+    fused_gradient_in_forward: bool = False
+    """The fused LM head computes its gradients in the forward for a token-local loss
+    (``LogprobKernelConfig.fused_gradient_in_forward``; not a NeMo RL policy key)."""
 
     def __post_init__(self) -> None:
         """Validate the chunk size."""

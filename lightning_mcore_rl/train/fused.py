@@ -357,8 +357,8 @@ def fused_prepare_fn(
     head: FusedLMHead, chunk_size: int | None, valid_counts: ValidCounts | None = None
 ) -> PrepareFn:
     """``prepare_fn(hidden, data, loss_fn, tp_rank, tp_group, cp_group)`` of a ``LOGPROB`` loss:
-    the fused counterpart of :func:`~lightning_mcore_rl.losses.prepare_loss_input` for the
-    dense wrappers and the per-sequence packed wrapper (``hidden [B, S/CP, H]``).
+    the fused counterpart of :func:`~lightning_mcore_rl.losses.prepare_loss_input` for dense
+    rows (``hidden [B, S/CP, H]``; packed rows take :func:`fused_packed_prepare_fn`).
 
     Args:
         head: The microbatch's LM head.

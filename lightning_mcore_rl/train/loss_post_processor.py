@@ -64,11 +64,12 @@ class LossPostProcessor:
             for full-vocabulary on-policy distillation, keyed by teacher index.
         use_fused_linear_logprobs: The model output is the last stage's final hidden states; the
             ``LOGPROB`` loss input (logprobs, entropy) comes from hidden x output weight (the
-            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits. A loss that
-            declares ``token_local_gradient`` (no entropy, CP = 1) has the head's gradients computed in the forward on
-            dense rows and with ``fuse_loss`` (one kernel call per microbatch;
-            :func:`~lightning_mcore_rl.train.fused.fused_prepare_fn`): the head's gradients are
-            computed in the forward, nothing is recomputed.
+            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits. Packed
+            rows then always run one kernel call per microbatch (the ``fuse_loss`` form, same
+            result). With ``cfg.fused_gradient_in_forward`` a loss that declares
+            ``token_local_gradient`` (no entropy, CP = 1) has the head's gradients computed in
+            the forward (:func:`~lightning_mcore_rl.train.fused.fused_prepare_fn`): nothing is
+            recomputed.
 
     Raises:
         ValueError: ``use_fused_linear_logprobs`` with a loss that needs logits (not
@@ -171,7 +172,7 @@ class LossPostProcessor:
         packed_seq_params: Any,
         groups: pg.ParallelGroups,
         lm_head: FusedLMHead | None,
-        valid_counts: ValidCounts,
+        valid_counts: ValidCounts | None,
     ) -> Any:
         wrapper = self._policy_wrapper(data_dict, packed_seq_params, groups, lm_head, valid_counts)
         if "student_logits" not in data_dict:
@@ -195,12 +196,14 @@ class LossPostProcessor:
         packed_seq_params: Any,
         groups: pg.ParallelGroups,
         lm_head: FusedLMHead | None,
-        valid_counts: ValidCounts,
+        valid_counts: ValidCounts | None,
     ) -> Any:
         group_args = (groups.tp_rank, groups.tp_group, groups.cp_group)
         if self.cfg.sequence_packing and packed_seq_params is not None:
             cu = (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded)
-            if self.cfg.fuse_loss:
+            # the fused head runs one kernel call per packed row whatever `fuse_loss` says: per
+            # sequence it would save no logits, and it would lose the gradient in the forward
+            if self.cfg.fuse_loss or lm_head is not None:
                 if self.prepare_fn is not None:
                     raise ValueError("`fuse_loss=True` cannot use a custom `prepare_fn`")
                 fused_prepare = functools.partial(
@@ -220,9 +223,9 @@ class LossPostProcessor:
                     "(one loss call per packed microbatch, as `recipes.DPOModule` does) or turn "
                     "`sequence_packing` off"
                 )
-            # one kernel call per sequence: no gradient in the forward (each would hold a [V_l, H])
-            prepare_fn = self._bound_prepare_fn(lm_head)
-            return SequencePackingLossWrapper(self.loss_fn, prepare_fn, *cu, *group_args)
+            return SequencePackingLossWrapper(
+                self.loss_fn, self._bound_prepare_fn(None), *cu, *group_args
+            )
         prepare_fn = self._bound_prepare_fn(lm_head, valid_counts)
         return functools.partial(
             wrap_loss_fn_with_input_preparation, loss_fn=self.loss_fn, prepare_fn=prepare_fn,
@@ -287,7 +290,9 @@ class LossPostProcessor:
         if prepacked_loss_mask is not None:
             wrapper = self._direct_packed_sft(prepacked_loss_mask)
         else:
-            valid_counts = (global_valid_seqs, global_valid_toks)
+            valid_counts = None  # the fused head's gradient in the forward needs them
+            if self.cfg.fused_gradient_in_forward:
+                valid_counts = (global_valid_seqs, global_valid_toks)
             wrapper = self._wrapper(data_dict, packed_seq_params, groups, lm_head, valid_counts)
         fused = self.use_fused_linear_logprobs and prepacked_loss_mask is None
 

@@ -7,7 +7,7 @@ weights, same sampler order), at temperature 2."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -23,7 +23,6 @@ from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.ops import TrainingSamplingParams, fused_linear
 from lightning_mcore_rl.strategy import LogprobKernelConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
-from lightning_mcore_rl.train import LossPostProcessor
 
 TEMPERATURE = 2.0
 
@@ -36,26 +35,24 @@ class FusedCase:
         spec: the megatron layout and loop sizes.
         tied: tie the output layer to the word embedding.
         entropy_coef: ClippedPG entropy bonus (> 0 exercises the fused entropy).
-        packing: sequence packing; ``False``: padded rows, where ClippedPG (token-local)
-            without entropy has the fused head's gradients computed in the forward.
-        fuse_loss: packed rows through one loss call per microbatch (the module's
-            ``loss_post_processor`` with ``PolicyConfig(fuse_loss=True)``, as ``DPOModule``
-            builds it), where they are computed in the forward too.
+        packing: sequence packing (``False``: padded rows).
         gspo: GSPO's sequence-level ratio (not token-local: recomputing backward).
+        gradient_in_forward: the fused run with ``fused_gradient_in_forward=True``.
     """
 
     spec: RunSpec
     tied: bool = False
     entropy_coef: float = 0.0
     packing: bool = True
-    fuse_loss: bool = False
     gspo: bool = False
+    gradient_in_forward: bool = False
 
     @property
-    def gradient_in_forward(self) -> bool:
-        """Whether the fused run's head computes its gradients in the forward (ClippedPG is token-local)."""
-        one_call = not self.packing or self.fuse_loss  # one kernel call per microbatch
-        return one_call and not self.gspo and self.entropy_coef == 0
+    def expects_forward_gradients(self) -> bool:
+        """Whether the fused run's head computes its gradients in the forward (ClippedPG is
+        token-local)."""
+        local = not self.gspo and self.entropy_coef == 0 and self.spec.cp == 1
+        return self.gradient_in_forward and local
 
 
 class FusedGRPOModule(PackedGRPOModule):
@@ -74,13 +71,6 @@ class FusedGRPOModule(PackedGRPOModule):
         )
         self._sampling_params = TrainingSamplingParams(temperature=TEMPERATURE)
         self.head_modes: set[str] = set()
-        self.fuse_loss = case.fuse_loss
-
-    def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
-        post = super().loss_post_processor(num_microbatches)
-        if self.fuse_loss:
-            post.cfg = replace(post.cfg, fuse_loss=True)
-        return post
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
         chunk = super().build_chunk(vp_stage)
@@ -112,7 +102,10 @@ def _fit(case: FusedCase, world_size: int, fused: bool) -> tuple[RecordedRun, li
     with mock.patch.object(fused_linear._ForwardGradients, "finish", counted):
         run = fit_recorded(
             case.spec, world_size, module, RolloutRows(case.spec.rows), packing=case.packing,
-            logprobs=LogprobKernelConfig(use_fused_linear_logprobs=fused),
+            logprobs=LogprobKernelConfig(
+                use_fused_linear_logprobs=fused,
+                fused_gradient_in_forward=fused and case.gradient_in_forward,
+            ),
         )  # fmt: skip
     assert all(used), "a backward fell back to recomputing"
     return run, sorted(module.head_modes), len(used)

@@ -163,6 +163,19 @@ def test_groups_reach_the_strategy():
             "`LogprobKernelConfig.logprob_chunk_size` must be a positive int or None, got 0",
         ),
         (
+            lambda: LogprobKernelConfig(fused_gradient_in_forward=True),
+            ValueError,
+            r"`LogprobKernelConfig.fused_gradient_in_forward=True` needs "
+            r"`use_fused_linear_logprobs=True`",
+        ),
+        (
+            lambda: LogprobKernelConfig(
+                use_fused_linear_logprobs=True, fused_gradient_in_forward=1
+            ),
+            TypeError,
+            "`LogprobKernelConfig.fused_gradient_in_forward` must be a bool, got int",
+        ),
+        (
             lambda: MCoreRLStrategy(logprobs={}),
             TypeError,
             "`logprobs` must be a LogprobKernelConfig or None, got dict",
