@@ -19,8 +19,12 @@ loss, on two CPU ranks (``--ranks``; ``--device cuda``: one GPU per rank), under
 * ``trainer_fused_fwd_grad``: ``trainer_fused`` with
   ``LogprobKernelConfig(fused_gradient_in_forward=True)``: both losses are token-local, so the
   head's gradients are computed in the forward and nothing is recomputed in the backward.
-* ``trainer_fused_bf16`` / ``trainer_fused_fwd_grad_bf16`` / ``hf_ddp_bf16``: the same under
-  bf16 on both sides:
+* ``trainer_fused_fwd_grad_zero``: ``trainer_fused_fwd_grad`` with megatron's distributed
+  optimizer (``MegatronDDPConfig(use_distributed_optimizer=True)``: Adam state and main weights
+  sharded over the DP ranks, ZeRO-1). Not the issue's comparison (the HF peer is plain DDP);
+  it shows what the set-up memory is made of.
+* ``trainer_fused_bf16`` / ``trainer_fused_fwd_grad_bf16`` / ``trainer_fused_fwd_grad_zero_bf16``
+  / ``hf_ddp_bf16``: the same under bf16 on both sides:
   ``Trainer(precision="bf16-mixed")`` (bf16 weights in ``Float16Module``, fp32 main weights in
   megatron's optimizer) vs transformers' model in fp32 under ``torch.autocast(bfloat16)`` for the
   forward and the loss (what ``transformers.Trainer(bf16=True)`` runs: bf16 matmuls, fp32
@@ -75,6 +79,8 @@ STACKS = (
     "hf_ddp_bf16",
     "trainer_fused_fwd_grad",
     "trainer_fused_fwd_grad_bf16",
+    "trainer_fused_fwd_grad_zero",
+    "trainer_fused_fwd_grad_zero_bf16",
 )
 # full activation recompute of every layer on both sides (megatron ``recompute_granularity="full"``,
 # transformers ``activation_checkpointing_enable()``): only with --stacks ... *_recompute
@@ -360,15 +366,17 @@ def run_trainer(
     fused: bool = False,
     bf16: bool = False,
     fwd_grad: bool = False,
+    zero: bool = False,
 ) -> dict[str, Any]:
     """``Trainer(strategy=MCoreRLStrategy())``, DP = ``--ranks``, one microbatch per rank;
     ``fused``: ``use_fused_linear_logprobs=True``; ``bf16``: ``precision="bf16-mixed"``;
-    ``fwd_grad``: ``fused_gradient_in_forward=True``."""
+    ``fwd_grad``: ``fused_gradient_in_forward=True``; ``zero``: megatron's distributed
+    optimizer."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
     from lightning_mcore_rl import MCoreRLStrategy
-    from lightning_mcore_rl.strategy import LogprobKernelConfig
+    from lightning_mcore_rl.strategy import LogprobKernelConfig, MegatronDDPConfig
 
     batch = rank_batch(args, rank)
     rows = [{k: v[i] for k, v in batch.items()} for i in range(args.rows_per_rank)]
@@ -380,6 +388,7 @@ def run_trainer(
         precision="bf16-mixed" if bf16 else "32-true",
         strategy=MCoreRLStrategy(
             micro_batch_size=args.rows_per_rank,
+            ddp=MegatronDDPConfig(use_distributed_optimizer=zero),
             logprobs=LogprobKernelConfig(
                 use_fused_linear_logprobs=fused, fused_gradient_in_forward=fwd_grad
             ),
@@ -484,7 +493,7 @@ def worker(args: argparse.Namespace) -> None:
         result = run_trainer(
             args, args.loss, rank, chunk, recompute=stack == "trainer_recompute",
             fused=stack.startswith("trainer_fused"), bf16=stack.endswith("_bf16"),
-            fwd_grad="_fwd_grad" in stack,
+            fwd_grad="_fwd_grad" in stack, zero="_zero" in stack,
         )  # fmt: skip
     cuda = args.device == "cuda"
     record = {
