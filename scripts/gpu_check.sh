@@ -48,7 +48,8 @@ export PYTHONUNBUFFERED=1
     fi
     if "$PEER_PY" -c "import transformers, psutil" 2>/dev/null; then
       timeout 330 "$PEER_PY" benchmarks/peer_update_step.py --device cuda --ranks 1 \
-        --stacks hf_ddp trainer_fused hf_ddp_bf16 trainer_fused_bf16 --steps 3
+        --stacks hf_ddp trainer_fused trainer_fused_fwd_grad hf_ddp_bf16 trainer_fused_bf16 \
+        trainer_fused_fwd_grad_bf16 --steps 3
       echo "peer_update_step rc=$?"
     else
       echo "peer_update_step skipped: transformers/psutil not importable (carry .whl/peer)"
