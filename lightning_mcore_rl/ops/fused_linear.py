@@ -8,14 +8,14 @@ shard ``[V_l, H]`` of a column-parallel output layer; ``hidden`` is replicated o
 first under sequence parallelism). Top-k/top-p filtering needs whole vocab rows and is not fused:
 use the logits path (:func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`).
 
-Gradient in the forward (``logprob_gradient``): when the caller can say, chunk by chunk, what gradient the loss
-will send to each token's logprob (a loss whose gradient at token ``t`` depends on token ``t``'s
-logprob only), the forward also computes the head's gradients from each logits block while it
-exists, and the backward recomputes nothing: three GEMMs of the head per step instead of four,
-at the cost of an fp32 ``[V_l, H]`` accumulator held from the forward to the backward. The
-backward checks the gradient it receives against the one predicted (up to one scalar: the
-schedule's loss scaling); where they differ it warns and recomputes, so the gradients are always
-the loss's own.
+Gradient in the forward (``logprob_gradient``): when the caller can say, chunk by chunk, what
+gradient the loss will send to each token's logprob (a loss whose gradient at token ``t``
+depends on token ``t``'s logprob only), the forward also computes the head's gradients from each
+logits block while it exists, and the backward recomputes nothing: three GEMMs of the head per
+step instead of four, at the cost of an fp32 ``[V_l, H]`` accumulator held from the forward to
+the backward and one accumulation into it per chunk. The backward checks the gradient it
+receives against the one predicted (up to one scalar: the schedule's loss scaling); where they
+differ it warns and recomputes, so the gradients are always the loss's own.
 """
 
 from __future__ import annotations
@@ -57,14 +57,15 @@ autograd formulas evaluated on the same values (measured <= 2 ulp apart, ~2.4e-7
 separates rounding from a loss that is not token-local."""
 
 LogprobGradient = Callable[[torch.Tensor], torch.Tensor]
-"""``gradient(logprobs [T]) -> dL/dlogprobs [T]`` for the head's gradient in the forward: called after each chunk
-with the logprobs computed so far (0 where not yet computed); entries of the finished chunk must
-be final (a token-local loss)."""
+"""``gradient(logprobs [T]) -> dL/dlogprobs [T]`` for the head's gradient in the forward: called
+after each chunk with the logprobs computed so far (0 where not yet computed); entries of the
+finished chunk must be final (a token-local loss)."""
 
 
 class GradientPredictionWarning(UserWarning):
-    """The gradient a fused head with its gradient in the forward received was not the predicted one (the loss is not
-    token-local): its backward recomputed the logits (exact, but the forward's work was spent)."""
+    """The logprob gradient a fused head received was not the one its forward predicted (the loss
+    is not token-local): its backward recomputed the logits (exact, but the forward's work was
+    spent)."""
 
 
 class FusedLinearLogprobsOutput(NamedTuple):
@@ -100,8 +101,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
 
     With ``logprob_gradient`` (no entropy): each chunk's logprobs are all-reduced over TP as they
     are made, ``g_lp`` of the chunk is predicted from them, and ``dh[chunk] = dz W`` and
-    ``dW += dz^T h[chunk]`` are computed from the block in hand (:meth:`_ForwardGradients.chunk`); the
-    backward scales them by the received gradient's ratio to the prediction.
+    ``dW += dz^T h[chunk]`` are computed from the block in hand
+    (:meth:`_ForwardGradients.chunk`); the backward scales them by the received gradient's
+    ratio to the prediction.
     """
 
     @staticmethod
@@ -251,9 +253,9 @@ class _ForwardGradients:
         scale = prediction_scale(received, self.predicted)
         if scale is None:
             warnings.warn(
-                "The fused LM head, its gradients computed in the forward, received another logprob gradient than the one "
-                "predicted in its forward (the loss's gradient at a token depends on other "
-                "tokens' logprobs): its backward recomputes the logits. A loss that declares "
+                "The fused LM head received another logprob gradient than the one its forward "
+                "predicted (the loss's gradient at a token depends on other tokens' logprobs): "
+                "its backward recomputes the logits. A loss that declares "
                 "`token_local_gradient = True` must not.",
                 GradientPredictionWarning,
                 stacklevel=2,
@@ -334,8 +336,8 @@ def fused_linear_logprobs(
             in 64 MiB.
         temperature: logits are divided by it (> 0).
         return_entropy: also return the per-token entropy (differentiable, for an entropy bonus).
-        logprob_gradient: gradient in the forward (module docstring): the gradient the loss will send to the
-            logprobs, predicted chunk by chunk (:data:`LogprobGradient`); not with
+        logprob_gradient: gradient in the forward (module docstring): the gradient the loss will
+            send to the logprobs, predicted chunk by chunk (:data:`LogprobGradient`); not with
             ``return_entropy``. Only where the result's backward will run (training).
 
     Returns:
@@ -353,8 +355,8 @@ def fused_linear_logprobs(
     check_token_ids(target, weight.shape[0] * tp_size, "target")
     if logprob_gradient is not None and return_entropy:
         raise ValueError(
-            "`logprob_gradient` (gradient in the forward) cannot serve `return_entropy=True`: the entropy's "
-            "gradient is not predicted"
+            "`logprob_gradient` (gradient in the forward) cannot serve `return_entropy=True`: "
+            "the entropy's gradient is not predicted"
         )
     if chunk_size is None:
         chunk_size = max(1, _DEFAULT_CHUNK_BYTES // (4 * weight.shape[0]))
@@ -465,8 +467,8 @@ def from_hidden_to_logprobs(
 def _check_forward_gradient_cp(logprob_gradient: LogprobGradient | None, cp_size: int) -> None:
     if logprob_gradient is not None and cp_size > 1:
         raise ValueError(
-            f"`logprob_gradient` (gradient in the forward) needs CP = 1, got a cp_group of size {cp_size}: the "
-            "loss reads logprobs gathered over CP"
+            f"`logprob_gradient` (gradient in the forward) needs CP = 1, got a cp_group of size "
+            f"{cp_size}: the loss reads logprobs gathered over CP"
         )
 
 

@@ -246,8 +246,9 @@ class FusedLMHead:
             cp_group: CP group (``None``: CP = 1).
             chunk_size: tokens per kernel chunk (``None``: 64 MiB of fp32 logits).
             with_entropy: Also return the positive entropy ``[B, S-1]``.
-            logprob_gradient: the gradient in the forward (:func:`fused_prepare_fn`): the loss's gradient
-                with respect to the ``[B, S-1]`` logprobs; not with ``with_entropy``, CP = 1.
+            logprob_gradient: the gradient in the forward (:func:`fused_prepare_fn`): the loss's
+                gradient with respect to the ``[B, S-1]`` logprobs; not with ``with_entropy``,
+                CP = 1.
         """
         args = (
             self.as_input(hidden), self.weight, input_ids, *self.vocab_range(tp_rank), tp_group,
@@ -332,9 +333,9 @@ def _logprob_gradient(
 ) -> LogprobGradient | None:
     """The predictor of ``loss_fn``'s gradient with respect to the ``[B, S-1]``
     logprobs: ``loss_fn``'s own autograd on the logprobs made so far (the kernel calls it
-    after each chunk, :mod:`~lightning_mcore_rl.ops.fused_linear`); ``None`` where the gradient in the
-    forward does not apply (:func:`gradient_in_forward_applies`, no ``valid_counts``) or no backward follows (a
-    forward-only pass)."""
+    after each chunk, :mod:`~lightning_mcore_rl.ops.fused_linear`); ``None`` where the gradient
+    in the forward does not apply (:func:`gradient_in_forward_applies`, no ``valid_counts``) or
+    no backward follows (a forward-only pass)."""
     if valid_counts is None or not (torch.is_grad_enabled() and hidden.requires_grad):
         return None
     if not gradient_in_forward_applies(loss_fn, _group_size(cp_group)):
@@ -363,11 +364,11 @@ def fused_prepare_fn(
     Args:
         head: The microbatch's LM head.
         chunk_size: Tokens per kernel chunk.
-        valid_counts: The pass's global valid counts: with them the head computes its gradients in the
-            forward where it applies (:func:`gradient_in_forward_applies`, training): the loss's gradient is
-            predicted in the forward and the head's gradients computed there. Only where the
-            prepared call is the microbatch's one kernel call (each call holds an fp32
-            ``[V_l, H]`` gradient until its backward).
+        valid_counts: The pass's global valid counts (``None``: the option is off): with them
+            the head computes its gradients in the forward where it applies
+            (:func:`gradient_in_forward_applies`, training), for the loss's gradient predicted
+            there. Only where the prepared call is the microbatch's one kernel call (each call
+            holds an fp32 ``[V_l, H]`` gradient until its backward).
     """
 
     def prepare(

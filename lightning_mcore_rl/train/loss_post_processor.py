@@ -154,8 +154,9 @@ class LossPostProcessor:
     def _bound_prepare_fn(
         self, lm_head: FusedLMHead | None, valid_counts: ValidCounts | None = None
     ) -> Callable[..., Any]:
-        """The loss input's preparation; ``valid_counts``: the fused head may compute its gradients in the forward
-        (only where the prepared call is the microbatch's one kernel call)."""
+        """The loss input's preparation; ``valid_counts``: the fused head may compute its
+        gradients in the forward (only where the prepared call is the microbatch's one kernel
+        call)."""
         if lm_head is not None:
             return fused_prepare_fn(lm_head, self.cfg.logprob_chunk_size, valid_counts)
         if self.prepare_fn is not None:

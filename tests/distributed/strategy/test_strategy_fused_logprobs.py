@@ -38,7 +38,8 @@ def _check(*cases: FusedCase) -> None:
         for case, r in zip(cases, rank_results, strict=True):
             last_stage = rank == 1 or case.spec.pp == 1  # PP=2: rank 1 is the last stage
             print(
-                f"{case}: max |fused - logits| {r.diffs}, backwards on forward gradients {r.forward_gradients}"
+                f"{case}: max |fused - logits| {r.diffs}, "
+                f"backwards on forward gradients {r.forward_gradients}"
             )
             # every training microbatch of the last stage: (global batch / DP) / mbs per step
             dp = 2 // (case.spec.tp * case.spec.pp * case.spec.cp)

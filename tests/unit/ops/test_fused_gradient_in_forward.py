@@ -1,5 +1,6 @@
-"""The fused LM head's gradient in the forward (``logprob_gradient``): the head's gradients computed in the
-forward for a predicted logprob gradient, against plain autograd through the full logits.
+"""The fused LM head's gradient in the forward (``logprob_gradient``): the head's gradients
+computed in the forward for a predicted logprob gradient, against plain autograd through the
+full logits.
 
 fp64 (rounding-free comparison): a token-local clipped policy-gradient loss gives the autograd
 gradients to 1e-12 at any chunking and temperature, also when the schedule scales the loss (the
