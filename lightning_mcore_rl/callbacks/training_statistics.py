@@ -75,8 +75,9 @@ class TrainingStatistics(Callback):
     back the token count); other Python numbers become float32, as ``self.log`` makes them.
 
     Args:
-        prog_bar: metric names also shown in the progress bar (through ``self.log(...,
-            logger=False)``; a timing metric is not shown).
+        prog_bar: metric names also shown in the progress bar (put in
+            ``trainer.progress_bar_metrics``, the dict ``self.log(..., prog_bar=True)`` fills
+            and Lightning's progress bars read; a timing metric is not shown).
     """
 
     def __init__(self, prog_bar: tuple[str, ...] = ("train_loss",)) -> None:
@@ -121,11 +122,12 @@ class TrainingStatistics(Callback):
         # the public dict other callbacks read (Lightning's own multiprocessing launcher updates it
         # the same way); no `self.log` bookkeeping per key
         trainer.callback_metrics.update(values)
-        shown = [k for k in self.prog_bar if k in values]
-        if shown and trainer.progress_bar_callback is not None:  # ~0.7 ms per key: only if shown
-            for key in shown:
-                pl_module.log(key, values[key], prog_bar=True, logger=False, on_step=True,
-                              on_epoch=False, batch_size=1)  # fmt: skip
+        if trainer.progress_bar_callback is not None:
+            # the dict the progress bar reads (what `self.log(prog_bar=True)` fills, as a float),
+            # updated directly: `self.log` costs ~0.65 ms per key and step
+            trainer.progress_bar_metrics.update(
+                {k: values[k].item() for k in self.prog_bar if k in values}
+            )
         if _logs_step(trainer):
             timed = not strategy.nonfinite_guard.step_skipped
             self._pending = _Row(trainer.global_step - 1, trainer.current_epoch, values,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -24,6 +25,29 @@ AGGREGATIONS: dict[str, type[Metric]] = {
 :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (``combine`` and ``across_batches``)."""
 
 _IDENTITY: dict[str, float] = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+
+
+@functools.lru_cache(maxsize=16)
+def _rule_masks(kinds: tuple[Combine, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(is_min, is_max)`` ``[n]`` bool masks of ``kinds`` on ``device``."""
+    is_min = torch.tensor([k == "min" for k in kinds], dtype=torch.bool, device=device)
+    is_max = torch.tensor([k == "max" for k in kinds], dtype=torch.bool, device=device)
+    return is_min, is_max
+
+
+def combine_rows(rows: Tensor, kinds: Sequence[Combine]) -> Tensor:
+    """``[R, n]`` -> ``[n]``: column ``j`` combined over the ``R`` rows by ``kinds[j]`` (the sum,
+    the min or the max of the column).
+
+    Raises:
+        ValueError: ``rows`` is not ``[R, len(kinds)]``.
+    """
+    if rows.dim() != 2 or rows.shape[1] != len(kinds):
+        raise ValueError(f"`rows` must have shape [R, {len(kinds)}], got {tuple(rows.shape)}")
+    is_min, is_max = _rule_masks(tuple(kinds), rows.device)
+    return torch.where(
+        is_min, rows.min(dim=0).values, torch.where(is_max, rows.max(dim=0).values, rows.sum(dim=0))
+    )
 
 
 def _all_gather_same_shape(tensor: Tensor, group: Any | None = None) -> list[Tensor]:
@@ -77,11 +101,7 @@ class RuleReduction(Metric):
         """``[world, n]`` gathered states -> ``[n]``: each column by its rule."""
         if stacked.dim() == 1:  # a single process: nothing was gathered
             return stacked
-        return torch.where(
-            self._masks["min"],
-            stacked.min(dim=0).values,
-            torch.where(self._masks["max"], stacked.max(dim=0).values, stacked.sum(dim=0)),
-        )
+        return combine_rows(stacked, self.kinds)
 
     def update(self, values: Tensor) -> None:
         """Combine ``values [n]`` into the state, each entry by its rule."""

@@ -88,7 +88,7 @@ def agreed_verdict(table: torch.Tensor) -> int:
     Raises:
         BatchMismatchError: see :func:`check_agreement`.
     """
-    verdict = int(table[:, _VERDICT].max())
+    verdict = max(row[_VERDICT] for row in table.tolist())
     if verdict != INVALID:
         check_agreement(table)
     return verdict
@@ -103,7 +103,8 @@ def check_agreement(table: torch.Tensor) -> None:
     Raises:
         BatchMismatchError: naming the ranks and their rows, widths or fingerprints.
     """
-    rows = [int(n) for n in table[:, _ROWS]]
+    entries: list[list[int]] = table.tolist()  # one host read, then plain ints
+    rows = [entry[_ROWS] for entry in entries]
     if len(set(rows)) > 1:
         listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(rows))
         raise BatchMismatchError(
@@ -112,10 +113,10 @@ def check_agreement(table: torch.Tensor) -> None:
             "its tensor/context/pipeline-parallel ranks). Shard the data with a "
             "DistributedSampler over the data-parallel ranks and equal batch sizes."
         )
-    for replica in sorted({int(r) for r in table[:, _REPLICA]}):
-        ranks = [r for r in range(len(table)) if int(table[r, _REPLICA]) == replica]
+    for replica in sorted({entry[_REPLICA] for entry in entries}):
+        ranks = [r for r, entry in enumerate(entries) if entry[_REPLICA] == replica]
         for column, what in ((_WIDTH, "widths S"), (_FINGERPRINT, "contents (fingerprints)")):
-            values = [int(table[r, column]) for r in ranks]
+            values = [entries[r][column] for r in ranks]
             if len(set(values)) > 1:
                 shown = ", ".join(
                     f"rank {r}: {v:#x}" if column == _FINGERPRINT else f"rank {r}: {v}"
@@ -186,9 +187,10 @@ class StepBoundary:
             return
         self._open = False
         self._elapsed_ns = 0
-        slowest = int(table[:, _STEP_TIME].max())
+        entries = table.tolist()
+        slowest = max(entry[_STEP_TIME] for entry in entries)
         self.previous_step_time = slowest / 1e9 if slowest > 0 else None
-        self.termination.act(int(table[:, _SIGNAL].max()))
+        self.termination.act(max(entry[_SIGNAL] for entry in entries))
 
     def finish(self, device: torch.device | str, group: Any) -> float | None:
         """The last step's wall time, the slowest rank's: ONE all-reduce (MAX) over ``group``

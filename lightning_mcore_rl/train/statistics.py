@@ -5,7 +5,6 @@ step's :func:`reduce_step_statistics`, which follows the rule table of
 
 from __future__ import annotations
 
-import functools
 import math
 import pickle
 from collections.abc import Mapping, Sequence
@@ -22,7 +21,7 @@ from lightning_mcore_rl.losses import (
     ReductionRule,
     combine_microbatch_metrics,
 )
-from lightning_mcore_rl.metrics import RuleReduction
+from lightning_mcore_rl.metrics import combine_rows
 from lightning_mcore_rl.metrics.reduction import Combine
 from lightning_mcore_rl.train.groups import ParallelGroups
 
@@ -158,8 +157,8 @@ def reduce_step_statistics(
     metric combined over microbatches, to be reduced over DP by its rule in
     :data:`~lightning_mcore_rl.losses.REDUCTION_RULES`, the batch counts and the per-microbatch
     losses (summed over DP: what the seed's :func:`aggregate_training_statistics` all-reduce
-    gives, without a second collective), combined per entry by a
-    :class:`~lightning_mcore_rl.metrics.RuleReduction`. The result is then broadcast over the
+    gives, without a second collective), combined per entry by its rule
+    (:func:`~lightning_mcore_rl.metrics.combine_rows`). The result is then broadcast over the
     pipeline group (one broadcast, :func:`_broadcast_payload`). TP/CP ranks already agree.
 
     Args:
@@ -281,14 +280,6 @@ def _broadcast_payload(
     return cast(dict[str, Any], pickle.loads(received[8:total]))  # noqa: S301 - our own ranks
 
 
-@functools.lru_cache(maxsize=8)
-def _rule_reduction(kinds: tuple[Combine, ...], device: torch.device) -> RuleReduction:
-    """One local :class:`~lightning_mcore_rl.metrics.RuleReduction` per layout of the step's
-    vector, reset every step (building a torchmetrics ``Metric`` per step costs ~1 ms under the
-    CPU emulation)."""
-    return RuleReduction(kinds, device=device, sync=False)
-
-
 def _reduce_over_dp(
     values: Mapping[str, float],
     rules: Mapping[str, ReductionRule],
@@ -303,7 +294,7 @@ def _reduce_over_dp(
 
     This rank's metric values (by rule), counts and per-microbatch losses go into ONE fp64
     vector, all-gathered over DP (no collective at DP=1) and combined row by row (in DP rank
-    order) by a :class:`~lightning_mcore_rl.metrics.RuleReduction`. The vector also carries how
+    order) by :func:`~lightning_mcore_rl.metrics.combine_rows`. The vector also carries how
     many ranks hold each metric (a metric held by none is dropped; one held by some ranks is
     reduced over those) and the error flag. The vectors have one length on every DP rank: the
     step runs the same number of microbatches on each (equal rows, checked by the input
@@ -331,11 +322,7 @@ def _reduce_over_dp(
     if groups.dp_size > 1:
         rows = [torch.empty_like(local) for _ in range(groups.dp_size)]
         dist.all_gather(rows, local, group=groups.dp_group)
-    reduction = _rule_reduction(tuple(kinds), local.device)
-    reduction.reset()
-    for row in rows:
-        reduction.update(row)
-    reduced = reduction.compute().cpu().tolist()  # the one host transfer
+    reduced = combine_rows(torch.stack(rows), kinds).cpu().tolist()  # the one host transfer
     n, c, m = len(names), len(count_names), len(losses)
     if reduced[-1] > 0:
         return None

@@ -58,9 +58,11 @@ class TokensPerSample(TrainingStatistics):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step on one rank: ``callback_metrics`` after it and this rank's batch counts."""
+    """One step on one rank: ``callback_metrics`` and ``progress_bar_metrics`` after it and
+    this rank's batch counts."""
 
     metrics: dict[str, float]
+    progress_bar: dict[str, Any]
     tokens: float  # sum of input_lengths
     samples: int
     response_lengths: list[float]  # token_mask tokens per sample (every sample_mask is 1)
@@ -109,6 +111,7 @@ class StepRecorder(Callback):
         self.steps.append(
             StepRecord(
                 metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+                progress_bar=dict(trainer.progress_bar_metrics),
                 tokens=float(batch["input_lengths"].sum()),
                 samples=int(batch["input_ids"].shape[0]),
                 response_lengths=batch["token_mask"].sum(-1).tolist(),
@@ -135,13 +138,15 @@ class FitRecord:
         return dict(rows)
 
 
-def _fit(spec: RunSpec, loggers: list[Logger], callbacks: list[Callback]) -> FitRecord:
+def _fit(
+    spec: RunSpec, loggers: list[Logger], callbacks: list[Callback], progress_bar: bool = False
+) -> FitRecord:
     world_size = int(os.environ["WORLD_SIZE"])
     events: list[tuple[str, int, dict[str, float]]] = []
     recorder = StepRecorder(events)
     trainer = make_trainer(
         spec, world_size, logger=[*loggers, RecordingLogger(events)],
-        callbacks=[*callbacks, recorder], log_every_n_steps=1,
+        callbacks=[*callbacks, recorder], log_every_n_steps=1, enable_progress_bar=progress_bar,
     )  # fmt: skip
     module = PGModule()
     loader = DataLoader(RolloutRows(spec.rows), batch_size=spec.local_batch(world_size))
@@ -163,8 +168,8 @@ def _fit(spec: RunSpec, loggers: list[Logger], callbacks: list[Callback]) -> Fit
 
 def statistics_rank(rank: int, root: str) -> dict[str, FitRecord]:
     """Three fits: TP=2 into W&B (offline) + TensorBoard + CSV with the module's default
-    callback; DP=2 into CSV with a ``TrainingStatistics`` subclass; TP=2 into CSV with the
-    default instance passed explicitly."""
+    callback; DP=2 into CSV with a ``TrainingStatistics`` subclass and Lightning's progress bar;
+    TP=2 into CSV with the default instance passed explicitly."""
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=root)
     base = Path(root)
     wandb = WandbLogger(offline=True, save_dir=str(base / "wandb"), project="stats")
@@ -173,7 +178,7 @@ def statistics_rank(rank: int, root: str) -> dict[str, FitRecord]:
     if rank == 0:  # flush and close the run (the rank process exits without waiting for wandb)
         wandb.experiment.finish()
     csv = CSVLogger(str(base), name="dp2_subclass", version="")
-    out["dp2"] = _fit(DP2, [csv], [TokensPerSample()])
+    out["dp2"] = _fit(DP2, [csv], [TokensPerSample()], progress_bar=True)
     csv = CSVLogger(str(base), name="tp2_explicit", version="")
     out["explicit"] = _fit(TP2, [csv], [TrainingStatistics()])
     return out

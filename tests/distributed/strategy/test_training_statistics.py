@@ -244,6 +244,18 @@ def test_subclass_metric_and_explicit_instance_values(runs: Runs) -> None:
             assert explicit.metrics[key] == auto.metrics[key], key
 
 
+def test_the_progress_bar_shows_each_steps_train_loss(runs: Runs) -> None:
+    """``TrainingStatistics(prog_bar=("train_loss",))`` (the default): the value the progress
+    bar reads is each step's ``train_loss`` as a float, on every rank; the fits without a
+    progress bar get nothing there."""
+    results, _ = runs
+    for rank in results:
+        for step in rank["dp2"].steps:
+            assert step.progress_bar == {"train_loss": step.metrics["train_loss"]}
+            assert isinstance(step.progress_bar["train_loss"], float)
+        assert all(step.progress_bar == {} for step in rank["tp2"].steps)
+
+
 # ---------------------------------------------------------------- throughput, response lengths
 
 

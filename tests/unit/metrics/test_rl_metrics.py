@@ -13,6 +13,7 @@ from lightning_mcore_rl.metrics import (
     PassAtK,
     RuleReduction,
     StandardDeviation,
+    combine_rows,
     pass_at_k,
 )
 
@@ -58,6 +59,14 @@ def test_rule_reduction_combines_each_entry_by_its_rule():
     assert metric.compute().tolist() == [1.5, -1.0, 3.0]
     with pytest.raises(ValueError, match=r"`values` must have shape \(3,\)"):
         metric.update(torch.zeros(2))
+
+
+def test_combine_rows_reduces_each_column_by_its_rule():
+    rows = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 1.0], [0.25, 4.0, -2.0]], dtype=torch.float64)
+    assert combine_rows(rows, ["sum", "min", "max"]).tolist() == [1.75, -1.0, 3.0]
+    assert combine_rows(rows[:1], ["max", "sum", "min"]).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"`rows` must have shape \[R, 2\], got \(3, 3\)"):
+        combine_rows(rows, ["sum", "min"])
 
 
 def test_every_rule_has_a_torchmetrics_aggregation():
