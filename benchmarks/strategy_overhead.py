@@ -20,8 +20,12 @@ in alternating order: ``control / bare`` is what two identical loops differ by h
 resolution; it should be 1).
 
 A Trainer step is the time between two consecutive ``on_train_batch_start`` minus the bare steps
-run in between: it includes data loading, every hook, the logging, the progress bar and
-Lightning's loop. The breakdown (medians, ms, each rank) splits each step at megatron's
+run in between and a barrier after them: it includes data loading, every hook, the logging, the
+progress bar and Lightning's loop. The barrier (timed as ``sync``, counted in no loop) lines the
+ranks up again after the bare steps: their last collective is megatron's gradient all-reduce, and
+without the barrier the ranks' drift over the two unsynchronised optimizer steps that follow it
+(~26 ms of compute) was waited for in the Trainer's first collective and counted as the
+Trainer's fixed cost (before 2026-12-05). The breakdown (medians, ms, each rank) splits each step at megatron's
 forward-backward schedule (``schedule``: the function ``get_forward_backward_func()`` returns,
 timed by a wrapper) and megatron's optimizer step (``optimizer``); ``fixed`` = step - schedule -
 optimizer is what each loop adds around megatron. For the Trainer, ``fixed`` is split further by
@@ -200,9 +204,16 @@ class _BareSteps(Callback):
         self.setups = {name: build_training(clip_grad=1.0, **model) for name in BARE_LOOPS}
 
     def on_train_batch_end(self, *args: Any) -> None:
+        import torch.distributed as dist
+
         order = BARE_LOOPS if self.step % 2 == 0 else BARE_LOOPS[::-1]
         for name in order:
             self._bare_step(name)
+        self.recorder.prefix = "sync_"  # the ranks lined up again, counted in no loop
+        self.recorder.mark("start")
+        dist.barrier()
+        self.recorder.mark("end")
+        self.recorder.prefix = ""
         self.step += 1
 
     def _bare_step(self, name: str) -> None:
@@ -324,7 +335,7 @@ def _per_step(
     marks: Marks, parts: dict[str, dict[int, float]]
 ) -> dict[str, dict[str, list[float]]]:
     """Seconds per step of each phase of the three loops (steps ``0..N-2``: a Trainer step ends
-    at the next one's start, minus the bare steps run in between)."""
+    at the next one's start, minus the bare steps and the barrier run in between)."""
     loops: dict[str, dict[str, list[float]]] = {
         name: {
             "step": _spans(marks, f"{name}_start", f"{name}_end"),
@@ -333,7 +344,8 @@ def _per_step(
         }
         for name in BARE_LOOPS
     }
-    between = [sum(steps) for steps in zip(*(loops[n]["step"] for n in BARE_LOOPS), strict=True)]
+    spans = [loops[n]["step"] for n in BARE_LOOPS] + [_spans(marks, "sync_start", "sync_end")]
+    between = [sum(steps) for steps in zip(*spans, strict=True)]
     trainer_step = [
         b - a - bare
         for a, b, bare in zip(marks["start"][:-1], marks["start"][1:], between, strict=False)
