@@ -152,8 +152,10 @@ def test_gradient_in_forward_refuses_entropy_and_context_parallelism() -> None:
 
 def test_bf16_forward_gradients_are_as_close_to_fp64_as_the_recomputing_backward() -> None:
     """bf16 operands: both backwards round (bf16 GEMMs). Measured, relative to the fp64 gradient
-    norm: 4.3e-3 / 4.7e-3 (hidden / weight) with the gradient in the forward, 4.5e-3 / 4.1e-3
-    recomputing. Bound: 1e-2, and within 1.5x of the recomputing backward's own error."""
+    norm: 4.3e-3 / 3.4e-3 (hidden / weight) with the gradient in the forward, 4.5e-3 / 4.1e-3
+    recomputing. Bound: 1e-2, and within 1.5x of the recomputing backward's own error; the
+    weight's at most the recomputing backward's: it is accumulated in fp32 from the fp32 ``dz``
+    (the recomputing backward multiplies ``dz`` rounded to bf16), rounded once at the end."""
     gen = torch.Generator().manual_seed(3)
     tokens, hidden_size, vocab = 300, 64, 1000
     hidden = torch.randn(tokens, hidden_size, dtype=torch.float64, generator=gen)
@@ -173,7 +175,11 @@ def test_bf16_forward_gradients_are_as_close_to_fp64_as_the_recomputing_backward
 
     ref = grads(torch.float64, in_forward=False)
     forward, recompute = grads(torch.bfloat16, True), grads(torch.bfloat16, False)
+    errors = []
     for got, base, want in zip(forward, recompute, ref, strict=True):
-        error = float((got - want).norm() / want.norm())
+        error, base_error = (float((x - want).norm() / want.norm()) for x in (got, base))
         assert error <= 1e-2
-        assert error <= 1.5 * float((base - want).norm() / want.norm())
+        assert error <= 1.5 * base_error
+        errors.append((error, base_error))
+    weight_error, weight_base_error = errors[1]
+    assert weight_error <= weight_base_error
