@@ -23,7 +23,11 @@ loss, on two CPU ranks (``--ranks``; ``--device cuda``: one GPU per rank), under
   optimizer (``MegatronDDPConfig(use_distributed_optimizer=True)``: Adam state and main weights
   sharded over the DP ranks, ZeRO-1). Not the issue's comparison (the HF peer is plain DDP);
   it shows what the set-up memory is made of.
+* ``trainer_fused_fwd_grad_noverify``: ``trainer_fused_fwd_grad`` with
+  ``ReliabilityConfig(verify_updates=False)``: no update check, so no copy of the parameters and
+  Adam state before megatron's update (what that reliability default costs).
 * ``trainer_fused_bf16`` / ``trainer_fused_fwd_grad_bf16`` / ``trainer_fused_fwd_grad_zero_bf16``
+  / ``trainer_fused_fwd_grad_noverify_bf16``
   / ``hf_ddp_bf16``: the same under bf16 on both sides:
   ``Trainer(precision="bf16-mixed")`` (bf16 weights in ``Float16Module``, fp32 main weights in
   megatron's optimizer) vs transformers' model in fp32 under ``torch.autocast(bfloat16)`` for the
@@ -81,6 +85,8 @@ STACKS = (
     "trainer_fused_fwd_grad_bf16",
     "trainer_fused_fwd_grad_zero",
     "trainer_fused_fwd_grad_zero_bf16",
+    "trainer_fused_fwd_grad_noverify",
+    "trainer_fused_fwd_grad_noverify_bf16",
 )
 # full activation recompute of every layer on both sides (megatron ``recompute_granularity="full"``,
 # transformers ``activation_checkpointing_enable()``): only with --stacks ... *_recompute
@@ -367,16 +373,21 @@ def run_trainer(
     bf16: bool = False,
     fwd_grad: bool = False,
     zero: bool = False,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """``Trainer(strategy=MCoreRLStrategy())``, DP = ``--ranks``, one microbatch per rank;
     ``fused``: ``use_fused_linear_logprobs=True``; ``bf16``: ``precision="bf16-mixed"``;
     ``fwd_grad``: ``fused_gradient_in_forward=True``; ``zero``: megatron's distributed
-    optimizer."""
+    optimizer; ``verify``: ``ReliabilityConfig(verify_updates=...)``."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
     from lightning_mcore_rl import MCoreRLStrategy
-    from lightning_mcore_rl.strategy import LogprobKernelConfig, MegatronDDPConfig
+    from lightning_mcore_rl.strategy import (
+        LogprobKernelConfig,
+        MegatronDDPConfig,
+        ReliabilityConfig,
+    )
 
     batch = rank_batch(args, rank)
     rows = [{k: v[i] for k, v in batch.items()} for i in range(args.rows_per_rank)]
@@ -389,6 +400,7 @@ def run_trainer(
         strategy=MCoreRLStrategy(
             micro_batch_size=args.rows_per_rank,
             ddp=MegatronDDPConfig(use_distributed_optimizer=zero),
+            reliability=ReliabilityConfig(verify_updates=verify),
             logprobs=LogprobKernelConfig(
                 use_fused_linear_logprobs=fused, fused_gradient_in_forward=fwd_grad
             ),
@@ -494,6 +506,7 @@ def worker(args: argparse.Namespace) -> None:
             args, args.loss, rank, chunk, recompute=stack == "trainer_recompute",
             fused=stack.startswith("trainer_fused"), bf16=stack.endswith("_bf16"),
             fwd_grad="_fwd_grad" in stack, zero="_zero" in stack,
+            verify="_noverify" not in stack,
         )  # fmt: skip
     cuda = args.device == "cuda"
     record = {
