@@ -65,8 +65,9 @@ class RuleReduction(Metric):
     ``min`` or ``max``), in ONE synchronisation: the single state is all-gathered once
     (``[world, n]``) and each column reduced by its rule.
 
-    The step statistics use it with the data-parallel group (TP/PP ranks of one replica hold the
-    same values, so the world group would count them several times).
+    Over statistics that TP/PP ranks of one replica share, pass the data-parallel group (the
+    world group would count them several times). The training step's statistics gather their
+    vector themselves and combine the rows with :func:`combine_rows`, the same rules.
 
     Args:
         kinds: the rule of each entry.
@@ -92,8 +93,6 @@ class RuleReduction(Metric):
             dist_sync_fn=_all_gather_same_shape,
         )
         self.kinds = tuple(kinds)
-        masks = {k: torch.tensor([x == k for x in self.kinds], dtype=torch.bool) for k in _IDENTITY}
-        self._masks = {k: m.to(device) for k, m in masks.items()}
         identity = torch.tensor([_IDENTITY[k] for k in self.kinds], dtype=torch.float64)
         self.add_state("values", default=identity.to(device), dist_reduce_fx=self._reduce_columns)
 
@@ -110,12 +109,11 @@ class RuleReduction(Metric):
             raise ValueError(
                 f"`values` must have shape {tuple(self.values.shape)}, got {tuple(values.shape)}"
             )
+        is_min, is_max = _rule_masks(self.kinds, self.values.device)
         combined = torch.where(
-            self._masks["min"],
+            is_min,
             torch.minimum(self.values, values),
-            torch.where(
-                self._masks["max"], torch.maximum(self.values, values), self.values + values
-            ),
+            torch.where(is_max, torch.maximum(self.values, values), self.values + values),
         )
         self.values = combined
 

@@ -293,8 +293,8 @@ def _reduce_over_dp(
     ``failed``.
 
     This rank's metric values (by rule), counts and per-microbatch losses go into ONE fp64
-    vector, all-gathered over DP (no collective at DP=1) and combined row by row (in DP rank
-    order) by :func:`~lightning_mcore_rl.metrics.combine_rows`. The vector also carries how
+    vector, all-gathered over DP (no collective at DP=1), each entry combined over the gathered
+    rows by its rule (:func:`~lightning_mcore_rl.metrics.combine_rows`). The vector also carries how
     many ranks hold each metric (a metric held by none is dropped; one held by some ranks is
     reduced over those) and the error flag. The vectors have one length on every DP rank: the
     step runs the same number of microbatches on each (equal rows, checked by the input
