@@ -19,9 +19,11 @@ optimizer-state change: megatron's update is not run, which is megatron's own
   (:func:`~lightning_mcore_rl.strategy.optimizer.megatron_step`) between ``prepare_grads`` and
   the clipping — NaN/inf in any gradient on any rank, or a norm that overflows, skips the step
   before anything is clipped or updated;
-* the update (:meth:`NonFiniteGuard.reject_update`, after megatron's update): non-finite
-  weights or optimizer state, or an update too large for the parameters
-  (:mod:`~lightning_mcore_rl.strategy.update_check`), undo the update and skip the step.
+* the update: non-finite weights or optimizer state, or an update too large for the
+  parameters, skip the step — found before megatron's update for torch's Adam/AdamW/SGD
+  (:meth:`NonFiniteGuard.reject_before_update`, :mod:`~lightning_mcore_rl.strategy.update_preview`:
+  the update is not run), else after it (:meth:`NonFiniteGuard.reject_update`,
+  :mod:`~lightning_mcore_rl.strategy.update_check`: the update is undone).
 
 A gradient norm of exactly 0 for ``collapse_warning_steps`` steps in a row warns
 (:class:`CollapseWarning`): the model learns nothing (e.g. saturated by a huge learning rate).
@@ -49,6 +51,7 @@ from lightning_mcore_rl.strategy.update_check import (
     update_failure,
     update_measures,
 )
+from lightning_mcore_rl.strategy.update_preview import preview_measures, previewable
 
 NonFinitePolicy = Literal["skip", "raise"]
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
@@ -120,7 +123,8 @@ class NonFiniteGuard:
             :class:`NonFiniteError` after ``max_consecutive_skips`` consecutive skips;
             ``"raise"``: raise :class:`NonFiniteError` at the first one.
         max_consecutive_skips: consecutive skipped steps tolerated under ``"skip"``.
-        verify_updates: check every update (:meth:`reject_update`) and undo a failing one.
+        verify_updates: check every update (:meth:`reject_before_update`, else
+            :meth:`reject_update`); a failing one is not run, or undone.
         max_update_ratio: an update whose norm exceeds this multiple of the parameters' norm
             fails (``None``: only non-finite values fail).
         collapse_warning_steps: warn after this many consecutive steps with a gradient norm of
@@ -256,9 +260,29 @@ class NonFiniteGuard:
         self._skip(f"a non-finite gradient (megatron's global grad norm: {grad_norm})")
         return True
 
+    def reject_before_update(self, optimizer: Any) -> bool:
+        """Before megatron's update, its gradients prepared and clipped: True (the update not
+        run, the step skipped) when the update torch's Adam/AdamW/SGD would make leaves a NaN/inf
+        weight or optimizer-state entry on any rank, or exceeds ``max_update_ratio``
+        (:mod:`~lightning_mcore_rl.strategy.update_preview`; one all-reduce, the same decision
+        on every rank). False, and nothing run, when updates are not verified or the inner
+        optimizer cannot be previewed (then :meth:`snapshot` and :meth:`reject_update`)."""
+        if not self.verify_updates or not previewable(optimizer):
+            return False
+        cause = update_failure(
+            preview_measures(optimizer, self.device, self.group), self.max_update_ratio
+        )
+        if cause is None:
+            return False
+        self._skip(f"{cause}; the update was not applied (parameters and optimizer state kept)")
+        return True
+
     def snapshot(self, optimizer: Any, params: Any) -> UpdateSnapshot | None:
-        """Before megatron's update: what it writes, copied (``None``: updates not verified)."""
-        return UpdateSnapshot.take(optimizer, params) if self.verify_updates else None
+        """Before megatron's update: what it writes, copied (``None``: updates not verified,
+        or verified before the update by :meth:`reject_before_update`)."""
+        if not self.verify_updates or previewable(optimizer):
+            return None
+        return UpdateSnapshot.take(optimizer, params)
 
     def reject_update(self, snapshot: UpdateSnapshot | None) -> bool:
         """After megatron's update: True (undone from ``snapshot``, the step skipped) when it

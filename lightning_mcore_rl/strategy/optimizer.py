@@ -153,9 +153,11 @@ def megatron_step(
 ) -> MegatronStepResult:
     """Megatron's ``MegatronOptimizer.step()`` by its public parts, consulting the non-finite
     ``guard`` (:class:`~lightning_mcore_rl.strategy.nonfinite.NonFiniteGuard`, ``None``: none)
-    between megatron's gradient norm and the update (``guard.skip_on_grad_norm(norm)``) and
-    around the update (``guard.snapshot(optimizer, params)`` before it,
-    ``guard.reject_update(snapshot)`` after it: a rejected update is undone).
+    between megatron's gradient norm and the update (``guard.skip_on_grad_norm(norm)``), and
+    to verify the update: before it on the clipped gradients (``guard.reject_before_update``: a
+    rejected update is not run), or, for an inner optimizer that cannot be previewed, around it
+    (``guard.snapshot(optimizer, params)`` before it, ``guard.reject_update(snapshot)`` after it:
+    a rejected update is undone).
 
     The same operations in the same order as megatron's ``step()`` of ``FP32Optimizer``,
     ``MixedPrecisionOptimizer`` and ``ChainedOptimizer`` (``prepare_grads``, ``get_grad_norm``,
@@ -180,16 +182,18 @@ def megatron_step(
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(member, "is_stub_optimizer", False) or member.config.clip_grad <= 0.0:
             continue
-        params = member.get_parameters()
-        if params:
+        member_params = member.get_parameters()
+        if member_params:
             clip_grad_by_total_norm_fp32(
-                params,
+                member_params,
                 max_norm=member.config.clip_grad,
                 total_norm=grad_norm,
                 use_decoupled_grad=member.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
     config = optimizer.config
     num_zeros = int(optimizer.count_zeros()) if config.log_num_zeros_in_grad else None
+    if guard is not None and guard.reject_before_update(optimizer):
+        return MegatronStepResult(False, grad_norm, num_zeros)
     snapshot = guard.snapshot(optimizer, params) if guard is not None else None
     updated = bool(optimizer.step_with_ready_grads())
     if updated and guard is not None and guard.reject_update(snapshot):

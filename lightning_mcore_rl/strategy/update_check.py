@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def _members(optimizer: Any) -> list[Any]:
+def optimizer_members(optimizer: Any) -> list[Any]:
     """Megatron's optimizer members (a ``ChainedOptimizer``'s, else itself), stubs left out."""
     members = getattr(optimizer, "chained_optimizers", [optimizer])
     return [m for m in members if not getattr(m, "is_stub_optimizer", False)]
@@ -57,7 +57,7 @@ class UpdateSnapshot:
         tensors = list(params)
         seen = {id(p) for p in tensors}
         states = []
-        for member in _members(optimizer):
+        for member in optimizer_members(optimizer):
             inner = member.optimizer
             for group in inner.param_groups:
                 for p in group["params"]:
@@ -135,6 +135,12 @@ def update_measures(
     if checked:
         flat = torch.cat([x.reshape(-1) for x in checked])
         numbers[0] = (~torch.isfinite(flat)).sum().to(numbers)
+    return reduce_measures(numbers, group)
+
+
+def reduce_measures(numbers: Tensor, group: Any) -> tuple[float, float, float]:
+    """``[non-finite tensors, ||update||^2, ||parameters||^2]`` (float64) of this rank summed
+    over ``group`` (ONE all-reduce, one host transfer) -> ``(count, ||update||, ||parameters||)``."""
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(numbers, op=dist.ReduceOp.SUM, group=group)
     count, delta_sq, norm_sq = numbers.cpu().tolist()
@@ -192,4 +198,10 @@ def update_failure(
     return None
 
 
-__all__ = ["UpdateSnapshot", "update_failure", "update_measures"]
+__all__ = [
+    "UpdateSnapshot",
+    "optimizer_members",
+    "reduce_measures",
+    "update_failure",
+    "update_measures",
+]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from _reliability_runs import (
     GRPO,
+    VOCAB,
     Rollouts,
     S,
     Snapshots,
@@ -28,9 +29,10 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossFn
+from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
 from lightning_mcore_rl.rollout import ModularCountingTask
-from lightning_mcore_rl.strategy import ReliabilityConfig
+from lightning_mcore_rl.strategy import MegatronDDPConfig, ReliabilityConfig
 
 MAX_POSITIONS = 64  # tiny_gpt's default max_sequence_length (learned positions)
 
@@ -185,6 +187,85 @@ def corrupt_adam_rank(rank: int) -> dict[str, Any]:
             bitwise_equal(b, a) for b, a in zip(snaps.before, snaps.after, strict=False)
         ],  # fmt: skip
     }
+
+
+# ---------------------------------------------------------------------- bf16 updates
+
+
+class NotPreviewedAdamW(torch.optim.AdamW):
+    """Stands in for an inner optimizer the update preview does not know (Transformer Engine's
+    fused Adam, which cannot run here): the update check copies the state and undoes."""
+
+
+class EveryCopy(Callback):
+    """Per step: skipped?, and the model's (bf16) parameters, megatron's fp32 main parameters
+    and the Adam state bitwise unchanged over it? ``swap``: the inner optimizers become
+    :class:`NotPreviewedAdamW` at fit start."""
+
+    def __init__(self, swap: bool) -> None:
+        self.swap = swap
+        self.steps: list[tuple[bool, bool]] = []
+        self.before: list[torch.Tensor] = []
+
+    def _inner(self, trainer: Trainer) -> list[Any]:
+        optimizer = trainer.strategy.megatron_optimizer
+        return [m.optimizer for m in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+    def _state(self, trainer: Trainer) -> list[torch.Tensor]:
+        params = [p.detach().clone() for c in trainer.strategy.model_chunks for p in c.parameters()]
+        for inner in self._inner(trainer):
+            params += [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+            params += [v.clone() for s in inner.state.values() for v in s.values()
+                       if torch.is_tensor(v)]  # fmt: skip
+        return params
+
+    def on_train_start(self, trainer: Trainer, module: Any) -> None:
+        if self.swap:
+            for inner in self._inner(trainer):
+                inner.__class__ = NotPreviewedAdamW
+
+    def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
+        self.before = self._state(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
+        skipped = bool(trainer.strategy.nonfinite_guard.step_skipped)
+        self.steps.append((skipped, bitwise_equal(self.before, self._state(trainer))))
+
+
+class HugeLR(GRPO):
+    def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
+        config = tiny_gpt_config(self.parallel_groups, calculate_per_token_loss=True, bf16=True)
+        return tiny_gpt(
+            config, groups=self.parallel_groups, vocab_size=VOCAB, seed=0, vp_stage=vp_stage
+        )
+
+    def configure_optimizers(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(optimizer="adam", lr=1e8, adam_eps=1e-4, weight_decay=0.0)
+
+
+def bf16_huge_lr_rank(rank: int) -> dict[str, Any]:
+    """DP=2 under ``bf16-mixed``, lr=1e8, 2 steps, three fits: the distributed optimizer
+    (previewed), plain DDP (previewed), plain DDP with :class:`NotPreviewedAdamW` (snapshot)."""
+    out = {}
+    for name, distributed, swap in (("zero", True, False), ("ddp", False, False),
+                                    ("snapshot", False, True)):  # fmt: skip
+        record = EveryCopy(swap)
+        strategy = MCoreRLStrategy(
+            micro_batch_size=1,
+            ddp=MegatronDDPConfig(use_distributed_optimizer=distributed),
+            reliability=ReliabilityConfig(max_consecutive_skips=3),
+        )
+        trainer = _trainer(2, strategy, callbacks=[record], precision="bf16-mixed")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(HugeLR(), DataLoader(Rollouts(8), batch_size=2))
+        out[name] = {
+            "steps": record.steps,
+            "warnings": [str(w.message) for w in caught if "Skipped" in str(w.message)],
+        }
+    return out
 
 
 # ---------------------------------------------------------------------- collapse

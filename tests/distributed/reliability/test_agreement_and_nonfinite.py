@@ -8,6 +8,7 @@ import math
 import re
 
 from _agreement_runs import (
+    bf16_huge_lr_rank,
     collapse_rank,
     corrupt_adam_rank,
     dp_rows_rank,
@@ -90,8 +91,24 @@ def test_non_finite_weights_from_a_corrupt_adam_state_on_one_rank_are_undone_on_
         assert out["unchanged"][1], rank  # bitwise, the corrupt moment restored as it was
         assert re.search(r"NonFiniteError: 2 consecutive training steps skipped .*non-finite "
                          r"weights or optimizer state after the update \(\d+ tensors with "
-                         r"NaN/inf over all ranks\); the update was undone", out["error"]), \
+                         r"NaN/inf over all ranks\); the update was not applied", out["error"]), \
             out["error"]  # fmt: skip
+
+
+def test_bf16_updates_are_rejected_before_they_run_or_undone_after():
+    """bf16-mixed, lr=1e8 at DP=2: with torch's AdamW (ZeRO shards and plain DDP) the update is
+    previewed and never run; with an inner optimizer the preview does not know, it runs and is
+    undone. Either way the bf16 weights, fp32 main weights and Adam state end each step bitwise
+    as they began."""
+    results = run_on_ranks(bf16_huge_lr_rank, 2, timeout=240)
+    for rank, out in enumerate(results):
+        for name, how in (("zero", "not applied"), ("ddp", "not applied"),
+                          ("snapshot", "undone")):  # fmt: skip
+            assert out[name]["steps"] == [(True, True), (True, True)], (rank, name, out[name])
+            warnings = out[name]["warnings"]
+            assert len(warnings) == 2 and all("the learning rate overflows" in w and
+                                              f"the update was {how}" in w for w in warnings), \
+                (rank, name, warnings)  # fmt: skip
 
 
 def test_a_zero_gradient_norm_for_n_steps_warns_once():
