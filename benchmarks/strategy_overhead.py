@@ -278,9 +278,11 @@ PARTS: tuple[tuple[str, str, str], ...] = (
     ("statistics", "lightning_mcore_rl.train.step:reduce_step_statistics",
      "the step's statistics reduction (DP all-gather + all-reduce, PP broadcast)"),
     ("update_check", "lightning_mcore_rl.strategy.nonfinite:update_measures",
-     "the update check's norms + all-reduce (in the optimizer span)"),
+     "the update check after the update: norms + all-reduce (in the optimizer span)"),
     ("update_snapshot", "lightning_mcore_rl.strategy.nonfinite:UpdateSnapshot.take",
      "the update check's copy of the parameters and state (in the optimizer span)"),
+    ("update_preview", "lightning_mcore_rl.strategy.nonfinite:preview_measures",
+     "the update check before the update: its preview + all-reduce (in the optimizer span)"),
     ("lr_schedulers", "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop."
      "update_lr_schedulers", "Lightning's scheduler stepping"),
     ("step_time_max", "lightning_mcore_rl.callbacks.training_statistics:_slowest",

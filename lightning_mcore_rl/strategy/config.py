@@ -134,10 +134,12 @@ class ReliabilityConfig:
             ``skipped_steps``), or ``"raise"`` at the first one.
         max_consecutive_skips: under ``"skip"``, stop with an error after this many
             consecutive skipped steps.
-        verify_updates: after every optimizer update, check the weights and optimizer state
-            finite and the update's size (``max_update_ratio``) on every rank; a failing
-            update is undone (parameters and optimizer state restored from a copy taken before
-            it: one copy of them in memory) and the step skipped under ``nonfinite``.
+        verify_updates: check every optimizer update on every rank: the weights and optimizer
+            state it leaves finite, its size within ``max_update_ratio``. For torch's
+            Adam/AdamW/SGD the update is previewed before it runs (no copy of the state) and a
+            failing one is not run; any other inner optimizer is snapshotted (one copy of the
+            parameters and optimizer state in memory) and a failing update undone. Either way
+            the step is skipped under ``nonfinite``.
         max_update_ratio: an update whose global norm exceeds this multiple of the parameters'
             global norm fails (an lr that overflows: 1e8 leaves finite weights whose next
             forward is NaN); ``None``: only non-finite values fail.

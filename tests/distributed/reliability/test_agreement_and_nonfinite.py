@@ -66,9 +66,9 @@ def test_a_nan_reward_on_one_rank_skips_the_step_on_both():
     assert any("another data-parallel rank" in w for w in results[0]["warnings"])
 
 
-def test_an_overflowing_lr_is_undone_bitwise_and_stops_after_the_limit():
+def test_an_overflowing_lr_is_rejected_and_stops_after_the_limit():
     """lr=1e8 leaves finite weights (|w| ~ 1e8) whose next forward is NaN (the issue's
-    `torch.multinomial` crash): the update is rejected by its size and undone."""
+    `torch.multinomial` crash): the update is rejected by its size, before it runs."""
     results = run_on_ranks(huge_lr_rank, 2, timeout=240)
     for rank, out in enumerate(results):
         assert re.search(r"NonFiniteError: 3 consecutive training steps skipped .*"
@@ -84,11 +84,11 @@ def test_an_overflowing_lr_is_undone_bitwise_and_stops_after_the_limit():
     assert results[0]["error"] == results[1]["error"]
 
 
-def test_non_finite_weights_from_a_corrupt_adam_state_on_one_rank_are_undone_on_both():
+def test_non_finite_weights_from_a_corrupt_adam_state_on_one_rank_are_rejected_on_both():
     results = run_on_ranks(corrupt_adam_rank, 2, timeout=240)
     for rank, out in enumerate(results):
         assert [s[0] for s in out["steps"]] == [False, True], rank
-        assert out["unchanged"][1], rank  # bitwise, the corrupt moment restored as it was
+        assert out["unchanged"][1], rank  # bitwise: the update not run, the corrupt moment kept
         assert re.search(r"NonFiniteError: 2 consecutive training steps skipped .*non-finite "
                          r"weights or optimizer state after the update \(\d+ tensors with "
                          r"NaN/inf over all ranks\); the update was not applied", out["error"]), \
