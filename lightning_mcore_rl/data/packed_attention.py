@@ -309,11 +309,10 @@ class PackedDotProductAttention(MegatronModule):
         attn_mask: torch.Tensor | None,
         is_causal: bool,
     ) -> torch.Tensor:
-        """SDPA on ``q [b, np, sq, hn]``, ``k/v [b, ng, sk, hn]`` (groups repeated to ``np``)."""
-        if self.num_heads != self.num_query_groups:
-            repeats = self.num_heads // self.num_query_groups
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
+        """SDPA on ``q [b, np, sq, hn]``, ``k/v [b, ng, sk, hn]``. Grouped queries go to SDPA as
+        they are (``enable_gqa``): keys and values are not repeated to ``np`` heads, so the
+        backward holds them at ``ng`` heads (at the peer benchmark's 8/4 heads, 8 MiB less per
+        layer at 4096 fp32 tokens)."""
         return torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
@@ -322,6 +321,7 @@ class PackedDotProductAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=is_causal,
             scale=self.softmax_scale,
+            enable_gqa=self.num_heads != self.num_query_groups,
         )
 
 
