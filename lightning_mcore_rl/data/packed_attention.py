@@ -310,9 +310,11 @@ class PackedDotProductAttention(MegatronModule):
         is_causal: bool,
     ) -> torch.Tensor:
         """SDPA on ``q [b, np, sq, hn]``, ``k/v [b, ng, sk, hn]``. Grouped queries go to SDPA as
-        they are (``enable_gqa``): keys and values are not repeated to ``np`` heads, so the
-        backward holds them at ``ng`` heads (at the peer benchmark's 8/4 heads, 8 MiB less per
-        layer at 4096 fp32 tokens)."""
+        they are (``enable_gqa``): keys and values are not repeated to ``np`` heads. What SDPA
+        keeps for its backward is compact (:func:`_own_storage`): the value, a view into
+        ``linear_qkv``'s whole output, would keep all of it. At the peer benchmark's 8/4 heads
+        and 4096 fp32 tokens the layer keeps 16 MiB for q, k, v instead of 24."""
+        q, k, v = (_own_storage(x) for x in (q, k, v))
         return torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
@@ -323,6 +325,14 @@ class PackedDotProductAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=self.num_heads != self.num_query_groups,
         )
+
+
+def _own_storage(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied when it views a larger storage (a slice of a fused projection's output),
+    so that saving it for the backward does not keep the rest of that storage."""
+    if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 @functools.lru_cache(maxsize=8)
@@ -359,7 +369,9 @@ def check_packed_core_attention(model: torch.nn.Module) -> None:
 
 
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
-    """megatron's local GPT layer spec with :class:`PackedDotProductAttention` as core attention.
+    """megatron's local GPT layer spec with :class:`PackedDotProductAttention` as core attention
+    and, in a dense layer, :class:`~lightning_mcore_rl.models.gated_mlp.GatedMLP` as its MLP
+    (megatron's ``MLP``, whose SwiGLU keeps only ``linear_fc1``'s output for the backward).
 
     Args:
         **kwargs: forwarded to ``get_gpt_layer_local_spec`` (e.g. ``qk_layernorm``).
@@ -368,7 +380,12 @@ def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
         The layer ``ModuleSpec`` (pass it to ``GPTModel(transformer_layer_spec=...)``).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.mlp import MLP
+
+    from lightning_mcore_rl.models.gated_mlp import GatedMLP
 
     spec = get_gpt_layer_local_spec(**kwargs)
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    if spec.submodules.mlp.module is MLP:  # a dense layer (a MoE layer keeps megatron's experts)
+        spec.submodules.mlp.module = GatedMLP
     return spec

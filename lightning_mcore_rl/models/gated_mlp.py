@@ -1,0 +1,102 @@
+"""A SwiGLU MLP whose backward keeps only the first linear's output, without Transformer Engine.
+
+megatron-core's unfused gated MLP (``MLP.forward`` with ``bias_activation_fusion=False``, the
+local spec's path on CPU and on a GPU without TE) computes ``silu(gate) * (up + glu_linear_offset)``
+op by op, so autograd keeps, per layer, beside ``linear_fc1``'s output ``[s, b, 2F]``: the
+``silu(gate)`` output and the ``up + 0.0`` copy (``[s, b, F]`` each). :class:`GatedMLP` runs the
+same MLP with :func:`swiglu`, one autograd function that keeps only ``linear_fc1``'s output and
+recomputes the sigmoid in its backward: ``2 * s * b * F`` elements less per layer (44 MiB per
+layer at 4096 fp32 tokens and F=1408, the peer benchmark's Llama). The forward is bitwise
+megatron's; the backward evaluates the same formulas as torch's ``silu`` backward, in fp32.
+
+megatron's own extension point carries it: ``MLPSubmodules.activation_func`` (a module applied to
+the whole ``linear_fc1`` output), which ``MLP`` uses under ``config.use_te_activation_func``.
+:class:`GatedMLP` sets that flag on its own copy of the config, and only for a plain SwiGLU
+(:func:`lean_swiglu_applies`); the model's config is not changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """``[..., 2F] -> [..., F]``: ``silu(x[..., :F]) * x[..., F:]``, keeping only ``x``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        gate, up = torch.chunk(x, 2, dim=-1)
+        ctx.save_for_backward(x)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        gate, up = (t.float() for t in torch.chunk(x, 2, dim=-1))
+        grad = grad.float()
+        sigmoid = torch.sigmoid(gate)
+        # torch's silu backward: dy * sigmoid * (1 + x * (1 - sigmoid)), with dy = grad * up
+        d_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+        d_up = grad * F.silu(gate)
+        return torch.cat([d_gate, d_up], dim=-1).to(x.dtype)
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """SwiGLU of ``x [..., 2F]`` (gate half first, megatron's ``linear_fc1`` layout, also per
+    TP shard) -> ``[..., F]``; its backward keeps only ``x``."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"swiglu needs an even last dimension (gate and up), got {x.shape}")
+    return _SwiGLUFunction.apply(x)
+
+
+class SwiGLU(MegatronModule):
+    """:func:`swiglu` as the module ``MLPSubmodules.activation_func`` builds (``config=``); a
+    ``MegatronModule`` without parameters (its ``sharded_state_dict`` is empty)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[..., 2F] -> [..., F]``."""
+        return swiglu(x)
+
+
+def lean_swiglu_applies(config: Any) -> bool:
+    """Whether ``config``'s MLP is a plain SwiGLU that megatron would run unfused: gated, silu,
+    no bias-activation fusion (megatron's fused kernel keeps only its input already), no TE
+    activation, no clamp, ``glu_linear_offset`` 0."""
+    return bool(
+        config.gated_linear_unit
+        and config.activation_func is F.silu
+        and not config.bias_activation_fusion
+        and not config.use_te_activation_func
+        and getattr(config, "activation_func_clamp_value", None) is None
+        and getattr(config, "glu_linear_offset", 0.0) == 0.0
+        and not config.activation_func_fp8_input_store
+    )
+
+
+class GatedMLP(MLP):
+    """megatron's ``MLP`` with :class:`SwiGLU` as its activation where
+    :func:`lean_swiglu_applies` (else exactly megatron's ``MLP``, ``activation_func`` left out).
+    Same parameters, checkpoint keys and forward."""
+
+    def __init__(self, config: Any, submodules: MLPSubmodules, *args: Any, **kwargs: Any) -> None:
+        if lean_swiglu_applies(config):
+            config = copy.copy(config)  # this module's own view; the model's config unchanged
+            config.use_te_activation_func = True
+            submodules = dataclasses.replace(submodules, activation_func=SwiGLU)
+        else:
+            submodules = dataclasses.replace(submodules, activation_func=None)
+        super().__init__(config, submodules, *args, **kwargs)
+
+
+__all__ = ["GatedMLP", "SwiGLU", "lean_swiglu_applies", "swiglu"]
