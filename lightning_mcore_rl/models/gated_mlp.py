@@ -7,7 +7,8 @@ op by op, so autograd keeps, per layer, beside ``linear_fc1``'s output ``[s, b, 
 same MLP with :func:`swiglu`, one autograd function that keeps only ``linear_fc1``'s output and
 recomputes the sigmoid in its backward: ``2 * s * b * F`` elements less per layer (44 MiB per
 layer at 4096 fp32 tokens and F=1408, the peer benchmark's Llama). The forward is bitwise
-megatron's; the backward evaluates the same formulas as torch's ``silu`` backward, in fp32.
+megatron's; the backward evaluates the same formulas as torch's ``silu`` backward, in fp32, in
+blocks of rows (so that its temporaries stay small).
 
 megatron's own extension point carries it: ``MLPSubmodules.activation_func`` (a module applied to
 the whole ``linear_fc1`` output), which ``MLP`` uses under ``config.use_te_activation_func``.
@@ -27,6 +28,14 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
+_CPU_BLOCK = 1 << 20
+"""Elements of ``[rows, F]`` per block of :func:`swiglu`'s backward on CPU: its half-dozen fp32
+temporaries are 4 MiB each (the whole ``[tokens, F]`` at once would add more transient memory in
+the first layer's backward, the step's peak, than the saved activations save)."""
+
+_DEVICE_BLOCK = 1 << 24
+"""The same on an accelerator (64 MiB per fp32 temporary; fewer, larger kernel launches)."""
+
 
 class _SwiGLUFunction(torch.autograd.Function):
     """``[..., 2F] -> [..., F]``: ``silu(x[..., :F]) * x[..., F:]``, keeping only ``x``."""
@@ -39,14 +48,22 @@ class _SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
+        """``[..., F] -> [..., 2F]`` in blocks of rows, in fp32, rounded once to ``x``'s dtype."""
         (x,) = ctx.saved_tensors
-        gate, up = (t.float() for t in torch.chunk(x, 2, dim=-1))
-        grad = grad.float()
-        sigmoid = torch.sigmoid(gate)
-        # torch's silu backward: dy * sigmoid * (1 + x * (1 - sigmoid)), with dy = grad * up
-        d_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
-        d_up = grad * F.silu(gate)
-        return torch.cat([d_gate, d_up], dim=-1).to(x.dtype)
+        width = x.shape[-1] // 2
+        rows_x, rows_grad = x.reshape(-1, 2 * width), grad.reshape(-1, width)
+        out = torch.empty_like(rows_x)
+        block = _CPU_BLOCK if x.device.type == "cpu" else _DEVICE_BLOCK
+        step = max(1, block // width)
+        for start in range(0, rows_x.shape[0], step):
+            rows = slice(start, start + step)
+            gate, up = torch.chunk(rows_x[rows].float(), 2, dim=-1)
+            g = rows_grad[rows].float()
+            sigmoid = torch.sigmoid(gate)
+            out[rows, width:] = F.silu(gate).mul_(g)
+            # torch's silu backward: dy * sigmoid * (1 + x * (1 - sigmoid)), dy = grad * up
+            out[rows, :width] = (g * up).mul_(sigmoid).mul_(gate * (1 - sigmoid) + 1)
+        return out.view_as(x)
 
 
 def swiglu(x: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_mcore_rl.models import gated_mlp
 from lightning_mcore_rl.models.gated_mlp import swiglu
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -38,10 +39,12 @@ def _grad(fn: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.grad
 
 
-def test_swiglu_is_bitwise_forward_keeps_only_its_input_and_matches_autograd() -> None:
+def test_swiglu_is_bitwise_forward_keeps_only_its_input_and_matches_autograd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """fp32 ``[6, 5, 2F=14]``: the forward bitwise the unfused one; the backward within fp32
-    rounding of autograd's (the same formulas); only ``x`` is kept (autograd keeps ``x`` and
-    ``silu(gate)``)."""
+    rounding of autograd's (the same formulas), and bitwise the same in blocks of 2 rows as in
+    one; only ``x`` is kept (autograd keeps ``x`` and ``silu(gate)``)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(6, 5, 14, generator=generator) * 3
     weight = torch.randn(6, 5, 7, generator=generator)
@@ -49,9 +52,10 @@ def test_swiglu_is_bitwise_forward_keeps_only_its_input_and_matches_autograd() -
     reference, reference_kept = _saved_bytes(_unfused, x.clone().requires_grad_())
     assert torch.equal(ours, reference)
     assert kept == x.numel() * 4 and reference_kept == kept + x.numel() // 2 * 4
-    torch.testing.assert_close(
-        _grad(swiglu, x, weight), _grad(_unfused, x, weight), rtol=1e-6, atol=1e-6
-    )
+    whole = _grad(swiglu, x, weight)
+    torch.testing.assert_close(whole, _grad(_unfused, x, weight), rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(gated_mlp, "_CPU_BLOCK", 16)  # 16 // F=7: blocks of 2 of the 30 rows
+    assert torch.equal(_grad(swiglu, x, weight), whole)
     with pytest.raises(ValueError, match="even last dimension"):
         swiglu(torch.zeros(2, 3))
 
