@@ -369,9 +369,11 @@ def check_packed_core_attention(model: torch.nn.Module) -> None:
 
 
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
-    """megatron's local GPT layer spec with :class:`PackedDotProductAttention` as core attention
-    and, in a dense layer, :class:`~lightning_mcore_rl.models.gated_mlp.GatedMLP` as its MLP
-    (megatron's ``MLP``, whose SwiGLU keeps only ``linear_fc1``'s output for the backward).
+    """megatron's local GPT layer spec with :class:`PackedDotProductAttention` as core attention,
+    in a dense layer :class:`~lightning_mcore_rl.models.gated_mlp.GatedMLP` as its MLP
+    (megatron's ``MLP``, whose SwiGLU keeps only ``linear_fc1``'s output for the backward), and
+    :class:`~lightning_mcore_rl.models.rms_norm.LocalNorm` for the layer's norms (an RMSNorm whose
+    backward keeps only its input; megatron's ``WrappedTorchNorm`` for a LayerNorm).
 
     Args:
         **kwargs: forwarded to ``get_gpt_layer_local_spec`` (e.g. ``qk_layernorm``).
@@ -381,11 +383,19 @@ def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from lightning_mcore_rl.models.gated_mlp import GatedMLP
+    from lightning_mcore_rl.models.rms_norm import LocalNorm
 
     spec = get_gpt_layer_local_spec(**kwargs)
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = PackedDotProductAttention
     if spec.submodules.mlp.module is MLP:  # a dense layer (a MoE layer keeps megatron's experts)
         spec.submodules.mlp.module = GatedMLP
+    for owner, name in ((spec.submodules, "input_layernorm"),
+                        (spec.submodules, "pre_mlp_layernorm"),
+                        (attention, "q_layernorm"), (attention, "k_layernorm")):  # fmt: skip
+        if getattr(owner, name, None) is WrappedTorchNorm:  # megatron's, not Apex's fused norm
+            setattr(owner, name, LocalNorm)
     return spec

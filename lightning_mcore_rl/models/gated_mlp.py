@@ -8,7 +8,7 @@ same MLP with :func:`swiglu`, one autograd function that keeps only ``linear_fc1
 recomputes the sigmoid in its backward: ``2 * s * b * F`` elements less per layer (44 MiB per
 layer at 4096 fp32 tokens and F=1408, the peer benchmark's Llama). The forward is bitwise
 megatron's; the backward evaluates the same formulas as torch's ``silu`` backward, in fp32, in
-blocks of rows (so that its temporaries stay small).
+blocks of rows (:mod:`~lightning_mcore_rl.models.row_blocks`: its temporaries stay small).
 
 megatron's own extension point carries it: ``MLPSubmodules.activation_func`` (a module applied to
 the whole ``linear_fc1`` output), which ``MLP`` uses under ``config.use_te_activation_func``.
@@ -28,13 +28,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-_CPU_BLOCK = 1 << 20
-"""Elements of ``[rows, F]`` per block of :func:`swiglu`'s backward on CPU: its half-dozen fp32
-temporaries are 4 MiB each (the whole ``[tokens, F]`` at once would add more transient memory in
-the first layer's backward, the step's peak, than the saved activations save)."""
-
-_DEVICE_BLOCK = 1 << 24
-"""The same on an accelerator (64 MiB per fp32 temporary; fewer, larger kernel launches)."""
+from lightning_mcore_rl.models.row_blocks import row_slices
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -53,10 +47,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         width = x.shape[-1] // 2
         rows_x, rows_grad = x.reshape(-1, 2 * width), grad.reshape(-1, width)
         out = torch.empty_like(rows_x)
-        block = _CPU_BLOCK if x.device.type == "cpu" else _DEVICE_BLOCK
-        step = max(1, block // width)
-        for start in range(0, rows_x.shape[0], step):
-            rows = slice(start, start + step)
+        for rows in row_slices(rows_x.shape[0], width, x.device):
             gate, up = torch.chunk(rows_x[rows].float(), 2, dim=-1)
             g = rows_grad[rows].float()
             sigmoid = torch.sigmoid(gate)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_mcore_rl.models import gated_mlp
+from lightning_mcore_rl.models import row_blocks
 from lightning_mcore_rl.models.gated_mlp import swiglu
 from lightning_mcore_rl.testing import run_on_ranks
 
@@ -54,7 +54,7 @@ def test_swiglu_is_bitwise_forward_keeps_only_its_input_and_matches_autograd(
     assert kept == x.numel() * 4 and reference_kept == kept + x.numel() // 2 * 4
     whole = _grad(swiglu, x, weight)
     torch.testing.assert_close(whole, _grad(_unfused, x, weight), rtol=1e-6, atol=1e-6)
-    monkeypatch.setattr(gated_mlp, "_CPU_BLOCK", 16)  # 16 // F=7: blocks of 2 of the 30 rows
+    monkeypatch.setattr(row_blocks, "CPU_BLOCK", 16)  # 16 // F=7: blocks of 2 of the 30 rows
     assert torch.equal(_grad(swiglu, x, weight), whole)
     with pytest.raises(ValueError, match="even last dimension"):
         swiglu(torch.zeros(2, 3))
