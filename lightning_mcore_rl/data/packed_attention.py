@@ -391,8 +391,11 @@ def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(**kwargs)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = PackedDotProductAttention
-    if spec.submodules.mlp.module is MLP:  # a dense layer (a MoE layer keeps megatron's experts)
-        spec.submodules.mlp.module = GatedMLP
+    mlp = spec.submodules.mlp
+    if mlp.module is MLP and mlp.submodules == GatedMLP.local_submodules():
+        # a dense layer (a MoE layer keeps megatron's experts); a class, not a ModuleSpec:
+        # TransformerLayer warns "Unknown MLP type" for a spec of any MLP class but its own
+        spec.submodules.mlp = GatedMLP
     for owner, name in ((spec.submodules, "input_layernorm"),
                         (spec.submodules, "pre_mlp_layernorm"),
                         (attention, "q_layernorm"), (attention, "k_layernorm")):  # fmt: skip

@@ -95,9 +95,25 @@ def lean_swiglu_applies(config: Any) -> bool:
 class GatedMLP(MLP):
     """megatron's ``MLP`` with :class:`SwiGLU` as its activation where
     :func:`lean_swiglu_applies` (else exactly megatron's ``MLP``, ``activation_func`` left out).
-    Same parameters, checkpoint keys and forward."""
+    Same parameters, checkpoint keys and forward.
 
-    def __init__(self, config: Any, submodules: MLPSubmodules, *args: Any, **kwargs: Any) -> None:
+    In a layer spec it stands as a class (``submodules.mlp = GatedMLP``), with the local spec's
+    linear layers (:meth:`local_submodules`) by default. A class, unlike a ``ModuleSpec``, is
+    built without ``tp_group``: the linear layers take megatron's global tensor-parallel group,
+    as every model of this project is built on.
+    """
+
+    @staticmethod
+    def local_submodules() -> MLPSubmodules:
+        """The local spec's MLP linear layers (megatron's own, no Transformer Engine)."""
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+    def __init__(
+        self, config: Any, submodules: MLPSubmodules | None = None, *args: Any, **kwargs: Any
+    ) -> None:
+        submodules = self.local_submodules() if submodules is None else submodules
         if lean_swiglu_applies(config):
             config = copy.copy(config)  # this module's own view; the model's config unchanged
             config.use_te_activation_func = True

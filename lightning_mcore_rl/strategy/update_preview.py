@@ -78,52 +78,61 @@ def preview_measures(
     if not previewable(optimizer):
         raise ValueError("preview_measures needs torch Adam/AdamW/SGD inner optimizers")
     block = block_elements(device) if block is None else block
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    delta_sq = torch.zeros((), dtype=torch.float64, device=device)
-    norm_sq = torch.zeros((), dtype=torch.float64, device=device)
+    norms: list[Tensor] = []  # ||p||, every parameter
+    deltas: list[Tensor] = []  # ||update of p||, every parameter with a gradient
+    sums: list[Tensor] = []  # the sum of each new state tensor
     with torch.no_grad():
         for member in optimizer_members(optimizer):
             inner = member.optimizer
             for options in inner.param_groups:
                 for p in options["params"]:
-                    p_norm, p_delta, bad = _preview_param(inner, options, p, block)
-                    norm_sq += p_norm.double().square().to(device)
-                    delta_sq += p_delta.double().square().to(device)
-                    count += bad.to(device)
-    return reduce_measures(torch.stack([count, delta_sq, norm_sq]), group)
+                    _preview_param(inner, options, p, block, norms, deltas, sums)
+        numbers = torch.zeros(3, dtype=torch.float64, device=device)
+        if deltas:
+            changes = torch.stack(deltas)
+            checked = torch.cat([changes, torch.stack(sums)]) if sums else changes
+            numbers[0] = (~torch.isfinite(checked)).sum().to(numbers)
+            numbers[1] = changes.double().square().sum().to(numbers)
+        if norms:
+            numbers[2] = torch.stack(norms).double().square().sum().to(numbers)
+    return reduce_measures(numbers, group)
 
 
 def _preview_param(
-    inner: Any, options: dict[str, Any], p: Tensor, block: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(||p||, ||update of p||, non-finite tensors)`` of one parameter (fp32 scalars)."""
+    inner: Any,
+    options: dict[str, Any],
+    p: Tensor,
+    block: int,
+    norms: list[Tensor],
+    deltas: list[Tensor],
+    sums: list[Tensor],
+) -> None:
+    """Append ``||p||`` to ``norms`` and, when ``p`` has a gradient, the norm of its update to
+    ``deltas`` and the sum of each of its new state tensors to ``sums`` (fp32 scalars)."""
     flat = p.detach().reshape(-1)
     grad = None if p.grad is None else p.grad.detach().reshape(-1)
     state = inner.state.get(p, {})
-    norms: list[Tensor] = []
-    deltas: list[Tensor] = []
-    sums: list[Tensor] = []
-    for start in range(0, flat.numel(), block):
+    rule = _sgd_block if isinstance(inner, torch.optim.SGD) else _adam_block
+    block_norms: list[Tensor] = []
+    block_deltas: list[Tensor] = []
+    block_sums: list[list[Tensor]] = []
+    for start in range(0, max(flat.numel(), 1), block):
         where = slice(start, min(start + block, flat.numel()))
-        norms.append(torch.linalg.vector_norm(flat[where], dtype=torch.float32))
+        block_norms.append(torch.linalg.vector_norm(flat[where], dtype=torch.float32))
         if grad is None:
             continue
-        if isinstance(inner, torch.optim.SGD):
-            delta, new_state = _sgd_block(flat[where], grad[where], state, where, options)
-        else:
-            delta, new_state = _adam_block(flat[where], grad[where], state, where, options, inner)
-        deltas.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
-        sums.extend(s.sum(dtype=torch.float32).reshape(1) for s in new_state)
-    zero = torch.zeros((), dtype=torch.float32, device=p.device)
-    p_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else zero
-    if not deltas:  # no gradient (torch leaves the parameter as it is) or no elements
-        return p_norm, zero, zero
-    p_delta = torch.linalg.vector_norm(torch.stack(deltas))
-    bad = (~torch.isfinite(p_delta)).float()
-    if sums:  # [blocks * tensors] -> one sum per state tensor
-        per_tensor = torch.cat(sums).reshape(len(deltas), -1).sum(dim=0)
-        bad = bad + (~torch.isfinite(per_tensor)).sum().float()
-    return p_norm, p_delta, bad
+        delta, new_state = rule(flat[where], grad[where], state, where, options, inner)
+        block_deltas.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
+        block_sums.append([t.sum(dtype=torch.float32) for t in new_state])
+    norms.append(_combined(block_norms))
+    if block_deltas:
+        deltas.append(_combined(block_deltas))
+        sums.extend(torch.stack(column).sum() for column in zip(*block_sums, strict=True))
+
+
+def _combined(norms: list[Tensor]) -> Tensor:
+    """The norm of a tensor from the norms of its blocks."""
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _state_block(state: dict[str, Any], key: str, where: slice) -> Tensor | None:
@@ -149,23 +158,22 @@ def _adam_block(
             g = g.add(p, alpha=decay)
     exp_avg = _state_block(state, "exp_avg", where)
     exp_avg_sq = _state_block(state, "exp_avg_sq", where)
-    m = torch.zeros_like(p) if exp_avg is None else exp_avg.clone()
-    v = torch.zeros_like(p) if exp_avg_sq is None else exp_avg_sq.clone()
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    m = torch.lerp(torch.zeros_like(p) if exp_avg is None else exp_avg, g, 1.0 - beta1)
+    v = (torch.zeros_like(p) if exp_avg_sq is None else exp_avg_sq).mul(beta2)
+    v.addcmul_(g, g, value=1.0 - beta2)
     new_state = [m, v]
     second = v
     if options.get("amsgrad", False):
         previous = _state_block(state, "max_exp_avg_sq", where)
         second = v if previous is None else torch.maximum(previous, v)
         new_state.append(second)
-    denom = (second.sqrt() / math.sqrt(1.0 - beta2**step)).add_(options["eps"])
+    denom = torch.sqrt(second).div_(math.sqrt(1.0 - beta2**step)).add_(options["eps"])
     step_size = lr / (1.0 - beta1**step)
     return torch.addcdiv(new_p, m, denom, value=-step_size).sub_(p), new_state
 
 
 def _sgd_block(
-    p: Tensor, g: Tensor, state: dict[str, Any], where: slice, options: dict[str, Any]
+    p: Tensor, g: Tensor, state: dict[str, Any], where: slice, options: dict[str, Any], _: Any
 ) -> tuple[Tensor, list[Tensor]]:
     """``(new - old value, [new momentum_buffer] or [])`` of one block of a parameter: torch's
     ``SGD`` step."""
