@@ -370,9 +370,9 @@ def check_packed_core_attention(model: torch.nn.Module) -> None:
 
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
     """megatron's local GPT layer spec with :class:`PackedDotProductAttention` as core attention,
-    in a dense layer :class:`~lightning_mcore_rl.models.gated_mlp.GatedMLP` as its MLP
+    in a dense layer :class:`~lightning_mcore_rl.data.gated_mlp.GatedMLP` as its MLP
     (megatron's ``MLP``, whose SwiGLU keeps only ``linear_fc1``'s output for the backward), and
-    :class:`~lightning_mcore_rl.models.rms_norm.LocalNorm` for the layer's norms (an RMSNorm whose
+    :class:`~lightning_mcore_rl.data.rms_norm.LocalNorm` for the layer's norms (an RMSNorm whose
     backward keeps only its input; megatron's ``WrappedTorchNorm`` for a LayerNorm).
 
     Args:
@@ -385,8 +385,8 @@ def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from lightning_mcore_rl.models.gated_mlp import GatedMLP
-    from lightning_mcore_rl.models.rms_norm import LocalNorm
+    from lightning_mcore_rl.data.gated_mlp import GatedMLP
+    from lightning_mcore_rl.data.rms_norm import LocalNorm
 
     spec = get_gpt_layer_local_spec(**kwargs)
     attention = spec.submodules.self_attention.submodules

@@ -2,9 +2,10 @@
 
 The update check's fallback: for torch's Adam/AdamW/SGD the update is verified before it runs
 (:mod:`~lightning_mcore_rl.strategy.update_preview`, no copy); any other inner optimizer's
-update (Transformer Engine's or Apex's fused Adam) is checked here. Megatron's update runs between :meth:`UpdateSnapshot.take` (a copy of everything the update
-writes: the model parameters, each optimizer member's main parameters and its per-parameter
-state — Adam's moments and step) and :func:`update_measures` (ONE all-reduce over the world
+update (Transformer Engine's or Apex's fused Adam) is checked here. Megatron's update runs
+between :meth:`UpdateSnapshot.take` (a copy of everything the update writes: the model
+parameters, each optimizer member's main parameters and its per-parameter state — Adam's
+moments and step) and :func:`update_measures` (ONE all-reduce over the world
 group of ``[non-finite tensors, ||update||^2, ||parameters||^2]``, so every rank takes the same
 decision). A failing update — a NaN/inf weight or optimizer-state entry anywhere (an lr that
 overflows, a corrupt Adam moment, bf16 overflow), or an update more than ``max_update_ratio``
@@ -142,7 +143,8 @@ def update_measures(
 
 def reduce_measures(numbers: Tensor, group: Any) -> tuple[float, float, float]:
     """``[non-finite tensors, ||update||^2, ||parameters||^2]`` (float64) of this rank summed
-    over ``group`` (ONE all-reduce, one host transfer) -> ``(count, ||update||, ||parameters||)``."""
+    over ``group`` (ONE all-reduce, one host transfer) -> ``(count, ||update||,
+    ||parameters||)``."""
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(numbers, op=dist.ReduceOp.SUM, group=group)
     count, delta_sq, norm_sq = numbers.cpu().tolist()

@@ -13,9 +13,9 @@ update is never run and nothing needs to be restored.
 What it costs against :class:`~lightning_mcore_rl.strategy.update_check.UpdateSnapshot`: no copy
 of the parameters and optimizer state (14 bytes per parameter under ``bf16-mixed`` with Adam),
 only the scratch of one block of a parameter (:func:`block_elements`: 65536 elements on CPU,
-16M on an accelerator), and one more pass of the optimizer's arithmetic. The norms are those of the main parameters the optimizer
-updates (fp32 under ``bf16-mixed``; the distributed optimizer's shards), which megatron copies to
-the model's parameters after the update.
+16M on an accelerator), and one more pass of the optimizer's arithmetic. The norms are those of
+the main parameters the optimizer updates (fp32 under ``bf16-mixed``; the distributed optimizer's
+shards), which megatron copies to the model's parameters after the update.
 
 Any other inner optimizer (Transformer Engine's or Apex's fused Adam, megatron's CPU-offloading
 ``HybridDeviceOptimizer``, a subclass) is not previewed: :func:`previewable` is False and the
