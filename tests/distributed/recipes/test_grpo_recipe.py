@@ -91,7 +91,13 @@ def test_tp2_rl_loop_matches_tp1(kl: float):
             got, want = result.rows[step], ref.rows[step]
             assert got["reward"] == want["reward"]
             assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-6)
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+            # Step 0 runs identical weights: only TP's split reductions round differently
+            # (measured <= 2.3e-7 relative). Later steps run weights Adam moved by rounding-level
+            # different gradients, which m/sqrt(v) amplifies where a gradient is near zero:
+            # measured up to 2.97e-5 (AMD EPYC, AVX2 kernels), 1.78e-5 (Intel Xeon, AVX-512),
+            # 1.9e-6 (ATEN_CPU_CAPABILITY=default); 2e-4 leaves a 6.7x margin.
+            rel = 1e-6 if step == 0 else 2e-4
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=rel)
 
 
 @pytest.mark.timeout(300)  # measured 35-64 s at load 15-21 (2 cores): 120 s is too close
