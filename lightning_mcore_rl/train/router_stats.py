@@ -216,7 +216,10 @@ def enabled_router_losses(config: Any) -> tuple[str, ...]:
     coeffs = config.moe_aux_loss_coeff
     types = [types] if isinstance(types, str) else list(types)
     coeffs = [coeffs] * len(types) if isinstance(coeffs, (int, float)) else list(coeffs)
-    kinds = dict(zip(types, coeffs, strict=True))
+    kinds: dict[str, float] = {}
+    for kind, coeff in zip(types, coeffs, strict=True):
+        # megatron's Router.get_aux_loss_coeff looks a type up with list.index: the first wins
+        kinds.setdefault(kind, coeff)
     names = [
         loss
         for kind, loss in zip(

@@ -35,7 +35,7 @@ def _draft_loss_input(
         parts = [torch.empty_like(teacher) for _ in range(tp)]
         torch.distributed.all_gather(parts, teacher.contiguous(), group=vocab_parallel_group)
         teacher = torch.cat(parts, dim=-1)
-    teacher = teacher.roll(-1, dims=1)
+    teacher = _roll_left(teacher)
     if d2t is not None:
         reverse_mapping = torch.arange(d2t.shape[0], device=d2t.device) + d2t
         teacher = teacher[..., reverse_mapping]
@@ -44,8 +44,17 @@ def _draft_loss_input(
     return {
         "teacher_logits": teacher,
         "student_logits": data["student_logits"],
-        "token_mask": cast(Tensor, data["token_mask"]).roll(-1, dims=1),
+        "token_mask": _roll_left(cast(Tensor, data["token_mask"])),
     }
+
+
+def _roll_left(tensor: Tensor) -> Tensor:
+    """``tensor`` shifted left by one position along dim 1, the last position zeroed."""
+    # A plain roll would bring position 0 into the last slot, scoring the last token against the
+    # first one's logits (NeMo RL's roll_tensor zeroes it, docs/behaviour-reference.md §4.7).
+    rolled = tensor.roll(-1, dims=1)
+    rolled[:, -1] = 0
+    return rolled
 
 
 def _plain_distillation_topk_logprobs(

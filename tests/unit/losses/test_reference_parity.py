@@ -20,6 +20,7 @@ from lightning_mcore_rl.data import BatchedDataDict, get_pack_sequence_parameter
 from lightning_mcore_rl.losses import (
     DistillationLossFn,
     DPOLossFn,
+    DraftCrossEntropyLossFn,
     DraftLossWrapper,
     NLLLossFn,
     PreferenceLossFn,
@@ -233,6 +234,32 @@ def test_draft_wrapper_accepts_the_reference_keywords() -> None:
     )
     assert metrics["draft_loss"].item() == pytest.approx(DRAFT_CE, rel=1e-6)
     assert loss.item() == pytest.approx(-LN(0.75) + 0.5 * DRAFT_CE, rel=1e-6)
+
+
+def test_draft_shift_zeroes_the_rolled_in_last_position() -> None:
+    # B = 1, S = 3, V = 2, token_mask all ones. Policy logits p0 = ln[.25, .75], p1 = [0, 0],
+    # p2 = ln[.25, .75]; the teacher is shifted left: position 0 <- p1 (softmax [.5, .5]),
+    # position 1 <- p2 ([.25, .75]), position 2 <- 0 with mask 0 (NeMo RL's roll_tensor; a
+    # plain roll brought p0 and mask 1 there). Student: ln[.75, .25], ln[.5, .5], ln[.9, .1].
+    # CE_0 = -(.5 ln .75 + .5 ln .25) = .5 ln(16/3); CE_1 = -(.25 ln .5 + .75 ln .5) = ln 2;
+    # draft_loss = (CE_0 + CE_1) / N_t with N_t = 2.
+    log = torch.log
+    policy = torch.stack([log(torch.tensor([0.25, 0.75])), torch.zeros(2)])
+    policy = torch.cat([policy, log(torch.tensor([[0.25, 0.75]]))])[None]
+    student = log(torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.9, 0.1]]))[None]
+    data = BatchedDataDict(
+        input_ids=torch.tensor([[0, 1, 1]]),
+        token_mask=torch.ones(1, 3),
+        sample_mask=torch.tensor([1.0]),
+        student_logits=student,
+    )
+    prepared = prepare_loss_input(policy, data, DraftCrossEntropyLossFn())[0]
+    assert prepared["token_mask"].tolist() == [[1.0, 1.0, 0.0]]
+    assert torch.equal(prepared["teacher_logits"][0, 2], torch.zeros(2))
+    _, metrics = DraftCrossEntropyLossFn()(data, 1.0, 2.0, **prepared)
+    expected = (0.5 * LN(16 / 3) + LN(2)) / 2
+    assert metrics["loss"].item() == pytest.approx(expected, rel=1e-6)
+    assert policy[0, 0].tolist() == pytest.approx([LN(0.25), LN(0.75)])  # input not modified
 
 
 def test_loss_post_processor_wraps_draft_batches_with_the_reference_arguments() -> None:

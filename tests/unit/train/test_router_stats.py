@@ -34,6 +34,13 @@ def test_enabled_router_losses_follow_megatron_types_and_coefficients():
     assert enabled_router_losses(both) == ("global_load_balancing_loss", "z_loss")
 
 
+def test_a_repeated_router_loss_type_takes_its_first_coefficient_as_megatron_does():
+    # megatron's Router.get_aux_loss_coeff: routing_type.index("aux_loss") -> 0 -> coeffs[0]
+    assert enabled_router_losses(_config(["aux_loss", "aux_loss"], [0.0, 0.1])) == ()
+    first = _config(["aux_loss", "aux_loss"], [0.1, 0.0])
+    assert enabled_router_losses(first) == ("load_balancing_loss",)
+
+
 def test_statistic_metrics_on_hand_made_tables():
     layout = StatsLayout(tp_cp=2, topk=2)
     tokens = torch.tensor([[3.0, 5.0], [4.0, 4.0]], dtype=torch.float64)  # [layers, E]
