@@ -30,7 +30,7 @@ def _status_mib(field: str) -> float:
 
 def _load_rank(rank: int, directory: str, tp: int) -> dict[str, float]:
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(tensor_model_parallel_size=tp)

@@ -33,9 +33,8 @@ def rank_step(_rank: int, ep: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_mcore_rl.models.tiny_gpt import is_expert_parameter
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups, unwrap_model
     from lightning_mcore_rl.testing.training import build_training, make_microbatches, train_step
-    from lightning_mcore_rl.train.chunks import unwrap_model
 
     init_megatron_state(expert_model_parallel_size=ep)
     setup = build_training(

@@ -433,7 +433,7 @@ def run_bare(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]:
 
     from lightning_mcore_rl.cpu import cpu_emulation
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
     from lightning_mcore_rl.train import (
         LossPostProcessor,

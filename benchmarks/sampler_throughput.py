@@ -59,8 +59,8 @@ def _sampler_rank(rank: int, layout: str, directory: str, prompts: torch.Tensor,
     """``{kv_cache: (best seconds, GenerationOutput)}`` of the embedded sampler on the HF Llama at
     ``layout`` on this rank (tokens and logprobs ``[B, P+N]``), without and with the KV cache."""
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.rollout import generate
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     tp, pp = LAYOUTS[layout]

@@ -38,7 +38,7 @@ from lightning_mcore_rl.models.tiny_gpt import (
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-    from lightning_mcore_rl.train.groups import ParallelGroups
+    from lightning_mcore_rl.parallel import ParallelGroups
 
 
 class EagleDraftModel(MegatronModule):

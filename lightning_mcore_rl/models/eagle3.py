@@ -39,7 +39,7 @@ from lightning_mcore_rl.models.layout import layout_groups
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-    from lightning_mcore_rl.train.groups import ParallelGroups
+    from lightning_mcore_rl.parallel import ParallelGroups
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 """The ``architectures`` entry vLLM and SGLang dispatch EAGLE-3 drafts on."""
@@ -257,7 +257,7 @@ def eagle3_full_state(draft: torch.nn.Module, groups: ParallelGroups | None = No
     """
     import torch.distributed as dist
 
-    from lightning_mcore_rl.train.chunks import unwrap_model
+    from lightning_mcore_rl.parallel import unwrap_model
 
     groups = layout_groups(groups)
     inner = cast(Eagle3DraftModel, unwrap_model(draft))
@@ -274,7 +274,7 @@ def eagle3_full_state(draft: torch.nn.Module, groups: ParallelGroups | None = No
 
 def eagle3_hf_config(draft: torch.nn.Module, max_position_embeddings: int) -> dict[str, Any]:
     """The ``config.json`` of the EAGLE-3 directory (a Llama config vLLM/SGLang read)."""
-    from lightning_mcore_rl.train.chunks import unwrap_model
+    from lightning_mcore_rl.parallel import unwrap_model
 
     inner = cast(Eagle3DraftModel, unwrap_model(draft))
     config = inner.config

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 
 if TYPE_CHECKING:
-    from lightning_mcore_rl.train.groups import ParallelGroups
+    from lightning_mcore_rl.parallel import ParallelGroups
 
 _SIZES = (
     ("tensor_model_parallel_size", "tp_size"),
@@ -23,7 +23,7 @@ _SIZES = (
 
 def layout_groups(groups: ParallelGroups | None) -> ParallelGroups:
     """``groups``, or the single-rank layout (:meth:`ParallelGroups.single`) for ``None``."""
-    from lightning_mcore_rl.train.groups import ParallelGroups
+    from lightning_mcore_rl.parallel import ParallelGroups
 
     return ParallelGroups.single() if groups is None else groups
 

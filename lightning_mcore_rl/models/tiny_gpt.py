@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import ModuleSpec, TransformerConfig
 
-    from lightning_mcore_rl.train.groups import ParallelGroups
+    from lightning_mcore_rl.parallel import ParallelGroups
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")

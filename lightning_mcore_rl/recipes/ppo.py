@@ -47,6 +47,7 @@ from lightning_mcore_rl.losses import (
     prepare_loss_input,
 )
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.parallel import unwrap_model
 from lightning_mcore_rl.recipes.common import DEFAULT_TASK, HFModelSpec, TinyGPTSpec
 from lightning_mcore_rl.recipes.grpo import (
     DEFAULT_GRPO_LOSS,
@@ -57,7 +58,6 @@ from lightning_mcore_rl.recipes.grpo import (
     RolloutSpec,
 )
 from lightning_mcore_rl.rollout import ModularCountingTask
-from lightning_mcore_rl.train.chunks import unwrap_model
 
 DEFAULT_VALUE_LOSS = MseValueLossConfig(cliprange=0.2)
 """``PPOModule``'s default value loss: PPO's value clipping at 0.2 around the old values."""

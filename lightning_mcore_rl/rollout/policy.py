@@ -32,7 +32,7 @@ from lightning_mcore_rl.rollout.vllm_source import VLLMRolloutSource
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.train.groups import ParallelGroups
+    from lightning_mcore_rl.parallel import ParallelGroups
 
 RolloutBackend = Literal["megatron", "hf", "vllm"]
 """``"megatron"``: the embedded sampler on the training chunk (:class:`MegatronRolloutSource`);

@@ -162,7 +162,7 @@ def _last_logits(
         ranks = dist.get_process_group_ranks(pp_group)
         stage = ranks.index(dist.get_rank())
     if stage > 0:
-        from lightning_mcore_rl.train.chunks import unwrap_model as unwrap
+        from lightning_mcore_rl.parallel import unwrap_model as unwrap
 
         core = unwrap(model)
         config: Any = core.config

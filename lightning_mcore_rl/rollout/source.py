@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.parallel import unwrap_model
 from lightning_mcore_rl.rollout.sampler import generate
-from lightning_mcore_rl.train.chunks import unwrap_model
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_rl.parallel import unwrap_model
 from lightning_mcore_rl.strategy import checksums as sums
 from lightning_mcore_rl.strategy import optimizer_regroup as regroup
 from lightning_mcore_rl.strategy.config import CheckpointConfig
-from lightning_mcore_rl.train.chunks import unwrap_model
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.parallel import ParallelGroups
 
 
 @dataclass

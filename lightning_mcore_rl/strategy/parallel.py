@@ -1,15 +1,15 @@
-"""Trainer-free set-up of megatron's parallel state for a :class:`ParallelSizes` layout, and the
-package's ONE read of it (:func:`megatron_groups`, called from the strategy's
-``setup_environment``)."""
+"""Trainer-free set-up of megatron's parallel state for a :class:`ParallelSizes` layout (read back
+once through `megatron_groups`, from the strategy's ``setup_environment``)."""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from lightning_mcore_rl.parallel import ParallelGroups, megatron_groups
 from lightning_mcore_rl.strategy.config import (
     CheckpointConfig,
     LogprobKernelConfig,
@@ -19,9 +19,6 @@ from lightning_mcore_rl.strategy.config import (
     ReliabilityConfig,
 )
 
-if TYPE_CHECKING:
-    from lightning_mcore_rl.train import ParallelGroups
-
 DEFAULT_SEED = 1234
 
 
@@ -30,7 +27,7 @@ def init_model_parallel(
 ) -> ParallelGroups:
     """``initialize_model_parallel`` once per process (a later call with the same layout reuses
     it), megatron's RNG tracker seeded with ``seed_everything``'s seed (``PL_GLOBAL_SEED``,
-    default 1234); returns this rank's :class:`~lightning_mcore_rl.train.ParallelGroups`.
+    default 1234); returns this rank's `ParallelGroups`.
 
     ``timeout`` (the strategy's process-group timeout) bounds every collective of every group
     megatron creates (TP, PP, DP, CP, model-parallel, embedding, ...): megatron builds
@@ -76,38 +73,6 @@ def init_model_parallel(
     model_parallel_cuda_manual_seed(int(os.environ.get("PL_GLOBAL_SEED", DEFAULT_SEED)))
     torch.set_rng_state(rng_state)
     return megatron_groups()
-
-
-def megatron_groups() -> ParallelGroups:
-    """This rank's :class:`~lightning_mcore_rl.train.ParallelGroups` from megatron's initialised
-    ``parallel_state`` (the package's one read of it outside ``testing/``)."""
-    from megatron.core import parallel_state as ps
-
-    from lightning_mcore_rl.train import ParallelGroups
-
-    return ParallelGroups(
-        tp_group=ps.get_tensor_model_parallel_group(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
-        dp_group=ps.get_data_parallel_group(),
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        cp_group=ps.get_context_parallel_group(),
-        cp_rank=ps.get_context_parallel_rank(),
-        cp_size=ps.get_context_parallel_world_size(),
-        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
-        mp_group=ps.get_model_parallel_group(),
-        ep_group=ps.get_expert_model_parallel_group(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        ep_size=ps.get_expert_model_parallel_world_size(),
-        etp_group=ps.get_expert_tensor_parallel_group(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(),
-        etp_size=ps.get_expert_tensor_parallel_world_size(),
-    )
 
 
 def check_strategy_args(

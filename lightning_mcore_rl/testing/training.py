@@ -16,7 +16,7 @@ import torch
 
 from lightning_mcore_rl._compat import init_distributed_optimizer_state_for_load
 from lightning_mcore_rl.models.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
+from lightning_mcore_rl.parallel import unwrap_model as _unwrap
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -64,7 +64,7 @@ def build_training(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
 
     groups = megatron_groups()
     config = tiny_gpt_config(groups, bf16=bf16, **config_kwargs)
@@ -180,7 +180,7 @@ def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch
     import torch.distributed as dist
 
     from lightning_mcore_rl.models.tiny_gpt import is_expert_parameter
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
 
     groups = megatron_groups()
     result: dict[str, torch.Tensor] = {}

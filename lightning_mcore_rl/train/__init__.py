@@ -18,6 +18,7 @@ Shapes: ``B`` sequences, ``S`` width, ``T`` packed tokens, ``V_l = V/TP``, ``CP`
 size; model output ``[B, S/CP, V_l]`` (padded) or ``[1, T/CP, V_l]`` (packed).
 """
 
+from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
 from lightning_mcore_rl.train.context import Microbatching, StepContext
 from lightning_mcore_rl.train.forward import (
@@ -28,7 +29,6 @@ from lightning_mcore_rl.train.forward import (
 )
 from lightning_mcore_rl.train.groups import (
     CP_NEEDS_PACKING,
-    ParallelGroups,
     should_reduce_loss_across_context_parallel,
     strip_context_parallel_local_loss_metric,
 )

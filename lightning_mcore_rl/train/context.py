@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train.config import PolicyConfig
-from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import check_microbatching
 
 

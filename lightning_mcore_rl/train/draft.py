@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mcore_rl.losses import MetricNormalizer
-from lightning_mcore_rl.train.chunks import unwrap_model
-from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.parallel import ParallelGroups, unwrap_model
 from lightning_mcore_rl.train.statistics import StepOutput
 
 

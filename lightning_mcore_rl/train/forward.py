@@ -19,7 +19,8 @@ from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp_rank
-from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
+from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
+from lightning_mcore_rl.parallel import unwrap_model as _unwrap
 from lightning_mcore_rl.train.draft import (
     aux_layers,
     capture_layer_outputs,
@@ -36,7 +37,6 @@ from lightning_mcore_rl.train.fused import (
     output_weight,
     reject_filtering,
 )
-from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.mtp import mtp_loss_weights, with_mtp_metrics
 from lightning_mcore_rl.train.post_processors import (
@@ -121,8 +121,8 @@ def _prepare_padding_mask_for_model(
         model: The model chunk (possibly wrapped).
         padding_mask: ``[B, S/CP]`` (``[B, S]`` if the model slices CP itself) or ``None``.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
-        groups: This rank's groups (their CP rank/size slice the mask); needed only with
-            ``model_slices_context_parallel_inputs``.
+        groups: This rank's groups (their CP rank/size slice the mask); read only with
+            ``model_slices_context_parallel_inputs`` (``None``: megatron's initialised state).
 
     Returns:
         The mask in the layout the model's layers see (``[B, S/CP/TP]`` under SP), or ``None``.
@@ -134,11 +134,7 @@ def _prepare_padding_mask_for_model(
     from megatron.core.utils import get_model_config
 
     if model_slices_context_parallel_inputs:
-        if groups is None:
-            raise ValueError(
-                "`model_slices_context_parallel_inputs=True` needs `groups` (the pass's "
-                "ParallelGroups) to CP-slice the padding mask; got groups=None"
-            )
+        groups = resolve_groups(groups)  # the seed API's callers pass none
         if groups.cp_size > 1:
             padding_mask = get_tokens_on_this_cp_rank(
                 padding_mask, groups.cp_rank, groups.cp_size, seq_dim=1
@@ -312,7 +308,7 @@ def forward_with_post_processing_fn(
     router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
     *,
-    groups: ParallelGroups,
+    groups: ParallelGroups | None = None,
     num_microbatches: int | None = None,
 ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, dict[str, Any]]]]:
     """Megatron's ``forward_step_func``: forward one processed microbatch, bind its post-processor.
@@ -344,7 +340,8 @@ def forward_with_post_processing_fn(
             ``not eval_mode``); ``False`` clears the action after the forward. Requires
             ``use_router_replay``.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
-        groups: This rank's groups, handed to the post-processor (and the CP/TP helpers).
+        groups: This rank's groups, handed to the post-processor (and the CP/TP helpers);
+            ``None``: read from megatron's initialised state (the seed API's callers).
         num_microbatches: ``M`` of the pass, handed to a :class:`LossPostProcessor` (its
             loss scale); ``None``: the one it was built with.
 
@@ -359,6 +356,7 @@ def forward_with_post_processing_fn(
             ``routed_experts`` in the microbatch; what the draft path cannot serve
             (:func:`~lightning_mcore_rl.train.draft.check_draft`).
     """
+    groups = resolve_groups(groups)  # the seed API's callers pass none
     if not isinstance(post_processing_fn, KNOWN_POST_PROCESSORS):
         raise TypeError(
             f"Unknown post-processing function type {type(post_processing_fn).__name__}; "

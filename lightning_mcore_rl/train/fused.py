@@ -41,7 +41,7 @@ from lightning_mcore_rl.ops import (
     from_hidden_to_logprobs,
     from_hidden_to_logprobs_packed_sequences,
 )
-from lightning_mcore_rl.train.chunks import unwrap_model
+from lightning_mcore_rl.parallel import unwrap_model
 
 FUSED_NEEDS_LOGITS = (
     "{what} needs the [tokens, V/TP] logits, which the fused linear logprobs path never builds; "

@@ -24,7 +24,7 @@ from lightning_mcore_rl.losses import (
 from lightning_mcore_rl.ops import (
     TrainingSamplingParams,
 )
-from lightning_mcore_rl.train import groups as pg
+from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
 from lightning_mcore_rl.train.draft import draft_prepare_fn
 from lightning_mcore_rl.train.fused import (
@@ -171,7 +171,7 @@ class LossPostProcessor:
         self,
         data_dict: BatchedDataDict,
         packed_seq_params: Any,
-        groups: pg.ParallelGroups,
+        groups: ParallelGroups,
         lm_head: FusedLMHead | None,
         valid_counts: ValidCounts | None,
     ) -> Any:
@@ -195,7 +195,7 @@ class LossPostProcessor:
         self,
         data_dict: BatchedDataDict,
         packed_seq_params: Any,
-        groups: pg.ParallelGroups,
+        groups: ParallelGroups,
         lm_head: FusedLMHead | None,
         valid_counts: ValidCounts | None,
     ) -> Any:
@@ -264,7 +264,7 @@ class LossPostProcessor:
         prepacked_loss_mask: Tensor | None = None,
         lm_head: FusedLMHead | None = None,
         *,
-        groups: pg.ParallelGroups,
+        groups: ParallelGroups | None = None,
         num_microbatches: int | None = None,
     ) -> OutputProcessor:
         """Bind one microbatch: returns ``f(output) -> (scaled_loss, metrics)``.
@@ -277,7 +277,8 @@ class LossPostProcessor:
             prepacked_loss_mask: ``[1, T/CP]`` mask when the model returned per-token losses
                 (direct prepacked SFT); the loss is then CP-local.
             lm_head: Output weight and temperature (fused path, last stage), else ``None``.
-            groups: This rank's groups.
+            groups: This rank's groups (``None``: read from megatron's initialised parallel
+                state, for callers of the seed API that pass none).
             num_microbatches: the pass's ``M`` (see :meth:`scale_loss`).
 
         Returns:
@@ -287,6 +288,7 @@ class LossPostProcessor:
         Raises:
             ValueError: see :meth:`scale_loss` (raised here, before the forward's output).
         """
+        groups = resolve_groups(groups)  # the seed API's callers pass none
         m = self._microbatches(num_microbatches)
         if prepacked_loss_mask is not None:
             wrapper = self._direct_packed_sft(prepacked_loss_mask)

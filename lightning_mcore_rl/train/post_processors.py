@@ -29,6 +29,7 @@ from lightning_mcore_rl.ops import (
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
 )
+from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.train import groups as pg
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
 from lightning_mcore_rl.train.fused import FusedLMHead, reject_filtering
@@ -67,7 +68,7 @@ class LogprobsPostProcessor:
         data_dict: BatchedDataDict,
         input_ids: Tensor,
         cu: Any,
-        g: pg.ParallelGroups,
+        g: ParallelGroups,
         lm_head: FusedLMHead | None,
     ) -> Tensor:
         ids = cast(Tensor, data_dict["input_ids"])  # [B, S] by the BatchedDataDict contract
@@ -111,7 +112,7 @@ class LogprobsPostProcessor:
         original_seq_length: int,
         lm_head: FusedLMHead | None = None,
         *,
-        groups: pg.ParallelGroups,
+        groups: ParallelGroups | None = None,
     ) -> OutputProcessor:
         """Bind one microbatch: returns ``f(output) -> (0, {"logprobs": [B, S]})``.
 
@@ -121,12 +122,15 @@ class LogprobsPostProcessor:
             cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
             original_seq_length: Width before dense padding; the output is cut to it.
             lm_head: Output weight and temperature (fused path, last stage), else ``None``.
-            groups: This rank's groups.
+            groups: This rank's groups (``None``: read from megatron's initialised parallel
+                state, for callers of the seed API that pass none).
 
         Returns:
             The callable; ``logprobs[:, 0] = 0`` and ``logprobs[:, t] = log p(x_t | x_<t)``.
             Padding positions hold unmasked values (mask them with ``token_mask``).
         """
+
+        groups = resolve_groups(groups)  # the seed API's callers pass none
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
             with torch.no_grad():
@@ -164,7 +168,7 @@ class TopkLogitsPostProcessor:
         cu_seqlens_padded: Tensor | Sequence[int] | None,
         original_seq_length: int,
         *,
-        groups: pg.ParallelGroups,
+        groups: ParallelGroups | None = None,
     ) -> OutputProcessor:
         """Bind one microbatch: ``f(output) -> (0, {"topk_logits", "topk_indices": [B, S, k]})``.
 
@@ -172,11 +176,13 @@ class TopkLogitsPostProcessor:
             data_dict: The microbatch (``input_lengths [B]`` when packed).
             cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
             original_seq_length: Width before dense padding.
-            groups: This rank's groups.
+            groups: This rank's groups (``None``: read from megatron's initialised parallel
+                state, for callers of the seed API that pass none).
 
         Returns:
             The callable; entries are position-aligned with the inputs (no shift).
         """
+        groups = resolve_groups(groups)  # the seed API's callers pass none
         g = groups
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
@@ -233,7 +239,7 @@ class TeacherFullPayloadPostProcessor:
         self.logprobs = LogprobsPostProcessor(self.cfg, sampling_params)
 
     def _local_payload(
-        self, output: Tensor, hidden_states: Tensor | None, g: pg.ParallelGroups
+        self, output: Tensor, hidden_states: Tensor | None, g: ParallelGroups
     ) -> Tensor:
         if self.payload == "hidden_states":
             if hidden_states is None:
@@ -265,7 +271,7 @@ class TeacherFullPayloadPostProcessor:
         original_seq_length: int,
         hidden_states: Tensor | None = None,
         *,
-        groups: pg.ParallelGroups,
+        groups: ParallelGroups | None = None,
     ) -> OutputProcessor:
         """Bind one microbatch: ``f(output) -> (0, {"logprobs": [B, S], "teacher_full_payload":
         [B, S, D]})``.
@@ -276,11 +282,13 @@ class TeacherFullPayloadPostProcessor:
             cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
             original_seq_length: Width before dense padding.
             hidden_states: Captured pre-LM-head states ``[S/CP, B, H]`` (hidden-state payload).
-            groups: This rank's groups.
+            groups: This rank's groups (``None``: read from megatron's initialised parallel
+                state, for callers of the seed API that pass none).
 
         Returns:
             The callable.
         """
+        groups = resolve_groups(groups)  # the seed API's callers pass none
         logprobs = self.logprobs(
             data_dict, input_ids, cu_seqlens_padded, original_seq_length, groups=groups
         )

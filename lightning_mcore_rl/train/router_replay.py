@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from lightning_mcore_rl.train.chunks import unwrap_model
+from lightning_mcore_rl.parallel import unwrap_model
 
 ROUTED_EXPERTS = "routed_experts"
 """Batch key of the recorded routing ``[B, S, L, K]``."""

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train.router_replay import moe_layer_numbers, sequence_parallel_slice
 
 ROUTER_LOSS_NAMES = (

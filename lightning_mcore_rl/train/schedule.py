@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.train.forward import (
     check_fused_linear_logprobs,
     forward_with_post_processing_fn,
 )
-from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 from lightning_mcore_rl.train.router_replay import router_replay_pass
@@ -95,7 +95,7 @@ def megatron_forward_backward(
     router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
     *,
-    groups: ParallelGroups,
+    groups: ParallelGroups | None = None,
 ) -> list[dict[str, Any]]:
     """Run Megatron's forward-backward schedule (no pipelining, 1F1B or interleaved).
 
@@ -126,11 +126,13 @@ def megatron_forward_backward(
         router_replay_train: See :func:`forward_with_post_processing_fn`.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
         groups: This rank's groups, passed to the forward step and every post-processor
-            (with ``num_microbatches``, which a :class:`LossPostProcessor` scales by).
+            (with ``num_microbatches``, which a :class:`LossPostProcessor` scales by);
+            ``None``: read from megatron's initialised state (the seed API's callers).
 
     Returns:
         Per-microbatch metric dicts on the last pipeline stage, ``[]`` elsewhere.
     """
+    groups = resolve_groups(groups)  # the seed API's callers pass none
     forward_step = functools.partial(
         forward_with_post_processing_fn,
         post_processing_fn=post_processing_fn,

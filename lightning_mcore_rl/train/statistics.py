@@ -23,7 +23,7 @@ from lightning_mcore_rl.losses import (
 )
 from lightning_mcore_rl.metrics import combine_rows
 from lightning_mcore_rl.metrics.reduction import Combine
-from lightning_mcore_rl.train.groups import ParallelGroups
+from lightning_mcore_rl.parallel import ParallelGroups
 
 
 def _materialise(all_mb_metrics: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.data.packed_attention import check_packed_core_attention
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train.context import Microbatching, StepContext
 from lightning_mcore_rl.train.draft import (
     DRAFT_METRIC_NORMALIZATIONS,
@@ -40,7 +41,6 @@ from lightning_mcore_rl.train.draft import (
     normalise_deferred_draft_metrics,
 )
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
-from lightning_mcore_rl.train.groups import ParallelGroups
 from lightning_mcore_rl.train.logits_dtype import defers_fp32_logits
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,

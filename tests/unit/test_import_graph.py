@@ -1,6 +1,7 @@
 """The package's import graph (ast, counting imports inside functions): no cycle, and the
-layering rule — the step's layers (``train/``, ``losses/``, ``ops/``, ``data/``, ``models/``)
-never import the Lightning layer (``strategy/``, ``callbacks/``, ``recipes/``, ``module.py``).
+layer order of docs/architecture.md — every import points to the same layer or one below it
+(``parallel/`` < ``ops/`` < ``data/`` < ``models/`` < ``losses/`` < ``train/`` < the Lightning
+layer < the RL layer), and nothing in the package imports ``testing/``.
 
 An edge ``a -> b`` is every ``import`` / ``from ... import`` statement of ``a`` (module level or
 inside a function, relative ones resolved; ``from pkg import name`` is an edge to ``pkg.name``
@@ -22,6 +23,22 @@ PACKAGE = "lightning_mcore_rl"
 ROOT = Path(lightning_mcore_rl.__file__).parent
 STEP_LAYERS = ("train", "losses", "ops", "data", "models")
 LIGHTNING_LAYER = ("strategy", "callbacks", "recipes", "module")
+# Bottom up; a module may import its own layer and those below. The first row are leaf helpers
+# (version shims, megatron's defaults, the rank-error types, metric reductions); "" is the
+# package's __init__, which registers the strategy, and the `lmrl` entry point that imports it.
+LAYER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("_compat", "megatron_defaults", "rank_errors", "metrics"),
+    ("cpu",),
+    ("parallel",),
+    ("ops",),
+    ("data",),
+    ("models",),
+    ("losses",),
+    ("train",),
+    ("strategy", "callbacks", "module"),
+    ("rollout", "algorithms", "rewards", "recipes"),
+    ("", "cli"),
+)
 
 
 def _module_name(path: Path) -> str:
@@ -135,10 +152,37 @@ def test_the_step_layers_never_import_the_lightning_layer(layer: str) -> None:
     assert not bad, bad
 
 
-# Where megatron's parallel_state may be imported: the strategy's one read (``parallel.py``),
+def _rank(layer: str) -> int:
+    return next(i for i, row in enumerate(LAYER_ORDER) if layer in row)
+
+
+def test_every_layer_of_the_package_has_a_place_in_the_order() -> None:
+    missing = sorted({_layer(m) for m in MODULES} - {"testing"} - set().union(*LAYER_ORDER))
+    assert not missing, f"layers without a place in LAYER_ORDER: {missing}"
+
+
+def test_imports_point_down_the_layer_order_and_never_into_testing() -> None:
+    bad = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if _layer(module) != "testing"
+        for target in targets
+        if _layer(target) == "testing" or _rank(_layer(target)) > _rank(_layer(module))
+    )
+    assert not bad, bad
+
+
+# Where megatron's parallel_state may be imported: the one read (``parallel/groups.py``, for the
+# strategy and the seed API's callers without groups), the strategy's set-up (``parallel.py``),
 # the single-process export (builds its own TP=PP=1 state), the test infrastructure and the CPU
 # backend. Everything else (the model builders included) takes ``ParallelGroups`` arguments.
-PARALLEL_STATE_READERS = ("strategy.parallel", "strategy.export", "testing", "cpu")
+PARALLEL_STATE_READERS = (
+    "parallel.groups",
+    "strategy.parallel",
+    "strategy.export",
+    "testing",
+    "cpu",
+)
 _STATE_MODULES = {"megatron.core.parallel_state", "megatron.core.mpu"}
 
 

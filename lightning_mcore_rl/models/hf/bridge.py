@@ -39,7 +39,7 @@ from lightning_mcore_rl.models.layout import (
     parallel_config_fields,
 )
 from lightning_mcore_rl.models.tiny_gpt import is_expert_parameter
-from lightning_mcore_rl.train.chunks import unwrap_model as _unwrap
+from lightning_mcore_rl.parallel import unwrap_model as _unwrap
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from transformers import PreTrainedTokenizerBase
 
-    from lightning_mcore_rl.train.groups import ParallelGroups
+    from lightning_mcore_rl.parallel import ParallelGroups
 
 
 def _mark_tensor_parallel(model: torch.nn.Module, maps: dict[str, ParamMap]) -> None:

@@ -17,7 +17,7 @@ from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.draft import eagle_draft
 from lightning_mcore_rl.models.eagle3 import eagle3_draft
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 from lightning_mcore_rl.testing.training import TrainingSetup, gather_full_tensors
 from lightning_mcore_rl.train import LossPostProcessor, Microbatching, StepContext, run_global_batch

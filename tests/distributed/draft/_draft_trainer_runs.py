@@ -13,9 +13,9 @@ from lightning.pytorch import Callback
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.models.draft import eagle_draft
 from lightning_mcore_rl.models.eagle3 import eagle3_draft, save_eagle3
+from lightning_mcore_rl.parallel import unwrap_model
 from lightning_mcore_rl.recipes import SFTDataModule, SFTModule
 from lightning_mcore_rl.testing import destroy_megatron_state
-from lightning_mcore_rl.train.chunks import unwrap_model
 
 DATA_STEPS = 40
 """The dataset of every run (the same rows whatever ``steps``)."""

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from lightning_mcore_rl.models.eagle3 import eagle3_draft, save_eagle3
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt_config
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 
 S, B = 12, 2

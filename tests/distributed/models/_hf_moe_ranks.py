@@ -44,7 +44,7 @@ def moe_layout_ranks(
     from megatron.core import parallel_state as ps
 
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(

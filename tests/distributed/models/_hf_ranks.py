@@ -155,7 +155,7 @@ def layout_ranks(
     from megatron.core import parallel_state as ps
 
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(
@@ -207,7 +207,7 @@ def megatron_norm(chunks: list[torch.nn.Module]) -> float:
 def vocab_error_ranks(rank: int, directory: str) -> str:
     """TP=2 import of a model whose vocab is odd: the error message."""
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(tensor_model_parallel_size=2)
@@ -229,7 +229,7 @@ def cp_window_ranks(rank: int, dirs: dict[str, str]) -> dict[str, torch.Tensor]:
     from lightning_mcore_rl.data import pack_sequences, packed_position_ids, unpack_sequences
     from lightning_mcore_rl.data.packing import restore_packed_from_cp_shards
     from lightning_mcore_rl.models import HFBridge
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state(context_parallel_size=2)

@@ -21,7 +21,7 @@ def moe_train_step(_rank: int, tp: int, ep: int, etp: int | None, dispatcher: st
     DP): ``(grad norm, full grads by canonical name, full params after the step)``."""
     import torch.distributed as dist
 
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
 
     init_megatron_state(
         tensor_model_parallel_size=tp,

@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron.core import parallel_state as ps
 
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
 
 

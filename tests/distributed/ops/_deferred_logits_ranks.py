@@ -18,7 +18,7 @@ import torch
 from lightning_mcore_rl.data import BatchedDataDict, get_packed_local_layer_spec
 from lightning_mcore_rl.losses import ClippedPGLossFn, DistillationLossFn
 from lightning_mcore_rl.ops import TrainingSamplingParams
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.train import (
     LogprobsPostProcessor,

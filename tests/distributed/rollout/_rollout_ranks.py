@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.models import HFBridge
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.recipes import GRPOModule, HFModelSpec, PromptDataModule, RolloutSpec
 from lightning_mcore_rl.rollout import (
     HFRolloutSource,
@@ -25,7 +26,6 @@ from lightning_mcore_rl.rollout import (
     generate,
     mismatch_extrema,
 )
-from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
 
 PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(0))

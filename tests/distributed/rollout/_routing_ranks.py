@@ -98,8 +98,8 @@ def hf_source_routing_rank(_rank: int, hf_dir: str) -> dict[str, Any]:
     from megatron.core.transformer.moe.router import Router
 
     from lightning_mcore_rl.models import HFBridge
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.rollout import HFRolloutSource, SamplingConfig
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
 
     init_megatron_state()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.rollout import generate
-from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state, run_on_ranks, tiny_gpt, tiny_gpt_config
 
 PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(0))

@@ -67,7 +67,7 @@ def rollout_batch(rows: int = ROWS, seed: int = 0) -> BatchedDataDict:
 def step_rank(_rank: int, spec: MoESpec) -> dict[str, Any]:
     """ONE ClippedPG step of the tiny MoE GPT through ``run_global_batch`` (micro_batch_size 1,
     the global batch split over DP): loss, metrics, full grads by canonical name, grad norm."""
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
     from lightning_mcore_rl.testing.training import build_training, gather_full_tensors
     from lightning_mcore_rl.train import LossPostProcessor, Microbatching, StepContext

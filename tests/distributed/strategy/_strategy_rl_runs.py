@@ -17,7 +17,7 @@ from lightning_mcore_rl import MCoreRLModule
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 from lightning_mcore_rl.testing.training import build_training, optimizer_step
 

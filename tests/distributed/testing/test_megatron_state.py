@@ -6,7 +6,7 @@ import torch
 from megatron.core import num_microbatches_calculator, parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
 
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state, tiny_gpt
 
 

@@ -14,7 +14,7 @@ from helpers.batches import prompted_batch
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state
 from lightning_mcore_rl.testing.training import TrainingSetup, gather_full_tensors
 from lightning_mcore_rl.train import LossPostProcessor, Microbatching, StepContext, run_global_batch

@@ -46,7 +46,7 @@ def make_batch() -> BatchedDataDict:
 
 def _setup(ep: int) -> tuple[Any, Any, BatchedDataDict]:
     """megatron state at EP=``ep`` (DP = world size), the training setup, this rank's rows."""
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state
     from lightning_mcore_rl.testing.training import build_training
 

@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.losses import MetricNormalizer
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import ParallelGroups, megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state
-from lightning_mcore_rl.train import ParallelGroups
 from lightning_mcore_rl.train.statistics import StepOutput, reduce_step_statistics
 
 NORMS = {

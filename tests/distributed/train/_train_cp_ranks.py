@@ -20,7 +20,7 @@ from megatron.core import parallel_state as ps
 from lightning_mcore_rl.data import BatchedDataDict, cp_local_indices, pack_sequences
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.ops import get_tokens_on_this_cp_rank
-from lightning_mcore_rl.strategy.parallel import megatron_groups
+from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state
 from lightning_mcore_rl.train import (
     LogprobsPostProcessor,

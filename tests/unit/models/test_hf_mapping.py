@@ -17,7 +17,7 @@ from lightning_mcore_rl.models import HFBridge
 from lightning_mcore_rl.models.hf.config import parse_architecture
 from lightning_mcore_rl.models.hf.safetensors_io import SafetensorsReader
 from lightning_mcore_rl.models.hf.weights import merge_shards, param_map, read_shard
-from lightning_mcore_rl.train import ParallelGroups
+from lightning_mcore_rl.parallel import ParallelGroups
 
 BASE = {
     "model_type": "llama",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_mcore_rl.models import load_deterministic_weights, tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.train import ParallelGroups
+from lightning_mcore_rl.parallel import ParallelGroups
 
 SINGLE = ParallelGroups.single()
 TP2 = dataclasses.replace(SINGLE, tp_size=2, tp_rank=1)

@@ -13,6 +13,7 @@ import torch
 from helpers.unit import FakeGroup
 from torch import Tensor
 
+from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.recipes import DistillationModule, GRPOModule, RolloutSpec, TeacherSpec
 from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel, TinyGPTSpec
 from lightning_mcore_rl.recipes.rollout_choice import describe_choice, recipe_rollout
@@ -24,7 +25,6 @@ from lightning_mcore_rl.rollout import (
     SamplingConfig,
     rollout_source_factory,
 )
-from lightning_mcore_rl.train import ParallelGroups
 
 G = FakeGroup()
 GROUPS = ParallelGroups(

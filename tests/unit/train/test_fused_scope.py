@@ -203,7 +203,7 @@ def test_run_global_batch_rejects_fused_lm_path_before_any_collective() -> None:
 def _batch_first_rank(rank: int, tied: bool) -> dict[str, Any]:
     """Megatron's LM head vs ``lm_head_batch_first`` on one tiny ``GPTModel`` at TP=2: logits
     and every gradient, and whether ``GPTModel``'s final ``.contiguous()`` copied."""
-    from lightning_mcore_rl.strategy.parallel import megatron_groups
+    from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
     from lightning_mcore_rl.train import causal_attention_mask
     from lightning_mcore_rl.train.fused import batch_first_applies, lm_head_batch_first

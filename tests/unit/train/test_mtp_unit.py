@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_mcore_rl.losses import MetricNormalizer
+from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.recipes import TinyGPTSpec
-from lightning_mcore_rl.train import ParallelGroups
 from lightning_mcore_rl.train.mtp import (
     mtp_loss_weights,
     mtp_metric_normalizations,

@@ -16,6 +16,7 @@ from torch import nn
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn, NLLLossFn
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train import (
     LogprobsPostProcessor,
     LossPostProcessor,
@@ -32,12 +33,11 @@ from lightning_mcore_rl.train import (
     strip_context_parallel_local_loss_metric,
     suspend_activation_offload_for_forward_only,
 )
-from lightning_mcore_rl.train import groups as groups_module
 
 
-def _groups() -> groups_module.ParallelGroups:
+def _groups() -> ParallelGroups:
     g = FakeGroup()
-    return groups_module.ParallelGroups(
+    return ParallelGroups(
         tp_group=g, tp_rank=0, tp_size=1, pp_group=g, pp_rank=0, pp_size=1, pp_last_rank=0,
         dp_group=g, dp_rank=0, dp_size=1, cp_group=g, cp_rank=0, cp_size=1,
     )  # fmt: skip
@@ -140,11 +140,14 @@ def test_loss_post_processor_takes_the_pass_microbatch_count() -> None:
         LossPostProcessor(NLLLossFn(), None, 2)(data, None, *counts, groups=G, num_microbatches=3)
 
 
-def test_padding_mask_cp_slicing_needs_the_groups() -> None:
+def test_without_groups_cp_slicing_reads_megatron_state_or_says_it_is_missing() -> None:
+    from megatron.core import parallel_state as ps
+
     from lightning_mcore_rl.train import _prepare_padding_mask_for_model
 
+    assert not ps.model_parallel_is_initialized()  # this process never initialises it
     mask = torch.ones(2, 4, dtype=torch.bool)
-    with pytest.raises(ValueError, match="needs `groups`.*got groups=None"):
+    with pytest.raises(RuntimeError, match="parallel state is not initialised.*pass `groups="):
         _prepare_padding_mask_for_model(_Model(), mask, model_slices_context_parallel_inputs=True)
 
 
