@@ -167,8 +167,8 @@ def eagle_draft(
         The draft (fp32 or the policy's ``params_dtype``; not wrapped).
 
     Raises:
-        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers, or
-            ``vocab_size`` not divisible by TP.
+        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers,
+            ``vocab_size`` not divisible by TP, or context parallelism (CP > 1).
     """
     layers, groups = checked_draft_layout(policy_config, vocab_size, aux_layers, groups)
     config = eagle_draft_config(policy_config, groups, **config_overrides)
@@ -186,8 +186,8 @@ def checked_draft_layout(
     """A draft builder's checked arguments: the sorted ``aux_layers`` and this rank's layout.
 
     Raises:
-        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers, or
-            ``vocab_size`` not divisible by TP.
+        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers,
+            ``vocab_size`` not divisible by TP, or context parallelism (CP > 1).
     """
     layers = tuple(aux_layers)
     total = policy_config.num_layers
@@ -197,9 +197,29 @@ def checked_draft_layout(
             f"got {aux_layers!r}"
         )
     layout = layout_groups(groups)
+    # the policy's config too: `groups` omitted under CP is the single-rank layout
+    check_draft_context_parallel(max(layout.cp_size, policy_config.context_parallel_size))
     if vocab_size % layout.tp_size != 0:
         raise ValueError(f"`vocab_size` ({vocab_size}) must be divisible by TP ({layout.tp_size}).")
     return tuple(sorted(layers)), layout
+
+
+def check_draft_context_parallel(cp_size: int) -> None:
+    """Refuse a draft under context parallelism: it attends over whole sequences (its config has
+    no CP), so its attention cannot be built on CP-sharded ranks. Reads a size only: raised
+    alike on every rank, before any collective.
+
+    Raises:
+        ValueError: ``cp_size > 1``, naming the size and the layouts that work.
+    """
+    if cp_size > 1:
+        raise ValueError(
+            f"An EAGLE draft needs context_parallel_size=1 (it attends over whole sequences), "
+            f"but this layout has context_parallel_size={cp_size}. Train the draft with "
+            "context_parallel_size=1 (the same ranks as data or tensor parallelism, e.g. "
+            "MCoreRLStrategy(context_parallel_size=1, tensor_model_parallel_size=...)), or "
+            "return None from build_draft_model() under CP."
+        )
 
 
 @torch.no_grad()

@@ -214,7 +214,7 @@ def eagle3_draft(
 
     Raises:
         ValueError: ``aux_layers`` empty, repeated or outside the policy's layers; ``vocab_size``
-            or the heads not divisible by TP.
+            or the heads not divisible by TP; context parallelism (CP > 1).
     """
     layers, groups = checked_draft_layout(policy_config, vocab_size, aux_layers, groups)
     config = eagle_draft_config(policy_config, groups, **config_overrides)

@@ -77,7 +77,7 @@ def _setup(module: MCoreRLModule, model: RecipeModel, teacher: bool = False) -> 
     strategy = module.mcore_strategy
     chunks = strategy.teacher.chunks if teacher else strategy.model_chunks
     bridge = model.hf_bridge() if isinstance(model.spec, HFModelSpec) else None
-    return RolloutSetup(chunks, strategy.groups, bridge)
+    return RolloutSetup(chunks, strategy.groups, bridge, world_group=strategy.world_group)
 
 
 def rollout_submit(module: MCoreRLModule, rollout: PolicyRollout, model: RecipeModel) -> Submit:

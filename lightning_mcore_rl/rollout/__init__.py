@@ -24,6 +24,7 @@ from lightning_mcore_rl.rollout.policy import (
     rollout_source_factory,
     vllm_rollout_source,
 )
+from lightning_mcore_rl.rollout.preflight import NonFiniteWeightError, check_before_rollout
 from lightning_mcore_rl.rollout.sampler import GenerationOutput, generate
 from lightning_mcore_rl.rollout.source import (
     MegatronRolloutSource,
@@ -41,6 +42,7 @@ __all__ = [
     "HFRolloutSource",
     "MegatronRolloutSource",
     "ModularCountingTask",
+    "NonFiniteWeightError",
     "OneRankRolloutSource",
     "PendingRollout",
     "PolicyRollout",
@@ -54,6 +56,7 @@ __all__ = [
     "SamplingConfig",
     "SubmittedRollout",
     "VLLMRolloutSource",
+    "check_before_rollout",
     "generate",
     "hf_rollout_source",
     "megatron_rollout_source",

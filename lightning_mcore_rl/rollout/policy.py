@@ -22,6 +22,7 @@ from lightning_mcore_rl.rollout.pending import (
     PendingRollout,
     ReadyRollout,
 )
+from lightning_mcore_rl.rollout.preflight import check_before_rollout
 from lightning_mcore_rl.rollout.source import (
     MegatronRolloutSource,
     Rollout,
@@ -51,11 +52,14 @@ class RolloutSetup:
         hf_bridge: the model's :class:`~lightning_mcore_rl.models.HFBridge` (its Hugging Face
             directory and the weight export a refit streams); ``None`` when the model is not a
             Hugging Face checkpoint.
+        world_group: the group of every training rank the checks before a rollout agree over
+            (:func:`~.preflight.check_before_rollout`; ``None``: the default group).
     """
 
     chunks: Sequence[torch.nn.Module]
     groups: ParallelGroups
     hf_bridge: HFBridge | None = None
+    world_group: Any = None
 
 
 RolloutSourceFactory = Callable[[RolloutSetup], RolloutSource]
@@ -234,7 +238,11 @@ class PolicyRollout:
         Raises:
             ValueError: a source that needs a refit, of a model with no HF bridge (on every
                 rank, before any collective).
+            NonFiniteWeightError, BatchMismatchError: a NaN/inf weight on any rank, or
+                different prompts on the ranks of a replica (every rank, before the refit and
+                the sampling: :func:`~.preflight.check_before_rollout`).
         """
+        check_before_rollout(setup, prompts, prompt_lengths)
         source = self._refit(setup, step)
         return source.generate(prompts, sampling, prompt_lengths)
 
@@ -251,8 +259,9 @@ class PolicyRollout:
         returns once the refit is done and the sampling has started.
 
         Raises:
-            ValueError: as :meth:`generate`.
+            ValueError, NonFiniteWeightError, BatchMismatchError: as :meth:`generate`.
         """
+        check_before_rollout(setup, prompts, prompt_lengths)
         source = self._refit(setup, step)
         if isinstance(source, BackgroundRolloutSource):
             pending = source.submit(prompts, sampling, prompt_lengths)

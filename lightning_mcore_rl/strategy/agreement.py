@@ -113,9 +113,39 @@ def check_agreement(table: torch.Tensor) -> None:
             "its tensor/context/pipeline-parallel ranks). Shard the data with a "
             "DistributedSampler over the data-parallel ranks and equal batch sizes."
         )
+    _check_replicas(entries, ((_WIDTH, "widths S"), (_FINGERPRINT, "contents (fingerprints)")))
+
+
+def check_replica_agreement(table: torch.Tensor, where: str = "") -> None:
+    """The same batch on the ranks of each model replica (rows, width and fingerprint); the
+    replicas may hold different row counts. What a rollout needs before its first collective
+    (its TP/PP ranks run the same generation), checked by
+    :func:`~lightning_mcore_rl.rollout.preflight.check_before_rollout`.
+
+    Args:
+        table: ``[world, 7]`` from :func:`gather_inputs` (row ``r``: group rank ``r``).
+        where: the message's head (e.g. ``"Before the rollout: "``).
+
+    Raises:
+        BatchMismatchError: naming the replica's ranks and their rows, widths or fingerprints.
+    """
+    entries: list[list[int]] = table.tolist()
+    _check_replicas(
+        entries,
+        ((_ROWS, "numbers of rows"), (_WIDTH, "widths S"),
+         (_FINGERPRINT, "contents (fingerprints)")),
+        where,
+    )  # fmt: skip
+
+
+def _check_replicas(
+    entries: list[list[int]], columns: tuple[tuple[int, str], ...], where: str = ""
+) -> None:
+    """Equal ``columns`` (index, what) on the ranks of each replica, else
+    :class:`BatchMismatchError` (its message headed by ``where``)."""
     for replica in sorted({entry[_REPLICA] for entry in entries}):
         ranks = [r for r, entry in enumerate(entries) if entry[_REPLICA] == replica]
-        for column, what in ((_WIDTH, "widths S"), (_FINGERPRINT, "contents (fingerprints)")):
+        for column, what in columns:
             values = [entries[r][column] for r in ranks]
             if len(set(values)) > 1:
                 shown = ", ".join(
@@ -123,7 +153,7 @@ def check_agreement(table: torch.Tensor) -> None:
                     for r, v in zip(ranks, values, strict=True)
                 )
                 raise BatchMismatchError(
-                    f"The ranks {ranks} of model replica {replica} (data-parallel rank "
+                    f"{where}The ranks {ranks} of model replica {replica} (data-parallel rank "
                     f"{replica}: its tensor/context/pipeline-parallel ranks) hold batches of "
                     f"different {what} ({shown}); they must hold the same batch. Give every "
                     "rank of a replica the same data: shard over the data-parallel ranks "
@@ -212,5 +242,6 @@ __all__ = [
     "StepBoundary",
     "agreed_verdict",
     "check_agreement",
+    "check_replica_agreement",
     "gather_inputs",
 ]

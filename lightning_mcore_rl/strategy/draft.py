@@ -67,10 +67,13 @@ def build_draft(
 
     Raises:
         TypeError: the hook returned something that is not a megatron module.
-        ValueError: a draft under bf16 precision.
+        ValueError: a draft under bf16 precision or context parallelism (CP > 1; the models'
+            builders refuse it themselves, before building anything).
     """
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import MegatronModule
+
+    from lightning_mcore_rl.models.draft import check_draft_context_parallel
 
     draft = module.build_draft_model()
     if draft is None:
@@ -80,6 +83,7 @@ def build_draft(
             f"{type(module).__name__}.build_draft_model() must return a megatron module (e.g. "
             f"lightning_mcore_rl.models.draft.eagle_draft(...)) or None, got {type(draft).__name__}"
         )
+    check_draft_context_parallel(groups.cp_size)  # a draft of the module's own builder
     if bf16:
         raise ValueError(
             "draft-model training runs in fp32 only (its torch Adam has no fp32 master weights); "

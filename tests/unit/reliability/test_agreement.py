@@ -19,6 +19,7 @@ from lightning_mcore_rl.strategy.agreement import (
     OK,
     BatchMismatchError,
     agreed_verdict,
+    check_replica_agreement,
 )
 from lightning_mcore_rl.strategy.nonfinite import CollapseWarning, NonFiniteGuard
 from lightning_mcore_rl.strategy.update_check import (
@@ -57,6 +58,20 @@ def test_the_agreement_table_gives_the_max_verdict_or_names_what_differs():
     width = _table((OK, 0, 4, 12, 7), (OK, 0, 4, 11, 7))
     with pytest.raises(BatchMismatchError, match=r"different widths S \(rank 0: 12, rank 1: 11\)"):
         agreed_verdict(width)
+
+
+def test_the_rollout_agreement_compares_rows_within_a_replica_only():
+    # TP=2 x DP=2: the replicas may sample different numbers of prompts, one replica's ranks not
+    check_replica_agreement(_table((OK, 0, 8, 5, 7), (OK, 0, 8, 5, 7), (OK, 1, 4, 6, 3),
+                                   (OK, 1, 4, 6, 3)))  # fmt: skip
+    rows = _table((OK, 0, 8, 5, 7), (OK, 0, 4, 5, 7))
+    with pytest.raises(BatchMismatchError, match=r"^Before the rollout: The ranks \[0, 1\] of "
+                       r"model replica 0 .* different numbers of rows \(rank 0: 8, rank 1: 4\); "
+                       r"they must hold the same batch"):  # fmt: skip
+        check_replica_agreement(rows, "Before the rollout: ")
+    data = _table((OK, 0, 8, 5, 7), (OK, 0, 8, 5, 9))
+    with pytest.raises(BatchMismatchError, match=r"different contents \(fingerprints\)"):
+        check_replica_agreement(data)
 
 
 def _batch(seed: int = 0, rows: int = 4, width: int = 6) -> dict[str, torch.Tensor]:
