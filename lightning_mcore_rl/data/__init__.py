@@ -9,6 +9,8 @@ then exact microbatches: fixed size (``make_microbatch_iterator``) or token-budg
 Shape notation: see :mod:`lightning_mcore_rl`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from lightning_mcore_rl.data.batched_data_dict import (
     BatchedDataDict,
     balanced_equal_count_partition,
@@ -22,10 +24,6 @@ from lightning_mcore_rl.data.microbatching import (
     microbatch_cost,
     plan_token_budget_microbatches,
 )
-from lightning_mcore_rl.data.packed_attention import (
-    PackedDotProductAttention,
-    get_packed_local_layer_spec,
-)
 from lightning_mcore_rl.data.packing import (
     PackedSequences,
     cp_local_indices,
@@ -38,6 +36,26 @@ from lightning_mcore_rl.data.packing import (
     round_up,
     unpack_sequences,
 )
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.data.packed_attention import (
+        PackedDotProductAttention,
+        get_packed_local_layer_spec,
+    )
+
+# packed_attention subclasses megatron-core's attention: imported on first use, so that importing
+# the package (and `lmrl --help`) does not import megatron-core, seconds of start-up
+_LAZY = {"PackedDotProductAttention", "get_packed_local_layer_spec"}
+
+
+def __getattr__(name: str) -> Any:
+    """The megatron-dependent names of :mod:`.packed_attention`, imported on first access."""
+    if name in _LAZY:
+        from lightning_mcore_rl.data import packed_attention
+
+        return getattr(packed_attention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BatchedDataDict",

@@ -33,7 +33,6 @@ windows looking ahead (``right != 0``) and non-vanilla softmax; these raise.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +42,10 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from lightning_mcore_rl.data.packed_checks import (
+    check_packed_core_attention,
+    shared_causal_mask,
+)
 from lightning_mcore_rl.data.packing import cp_local_indices
 from lightning_mcore_rl.ops.context_parallel import (
     allgather_cp_to_positions,
@@ -53,6 +56,13 @@ if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import ModuleSpec, TransformerConfig
+
+__all__ = [
+    "PackedDotProductAttention",
+    "check_packed_core_attention",
+    "get_packed_local_layer_spec",
+    "shared_causal_mask",
+]
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -333,39 +343,6 @@ def _own_storage(x: torch.Tensor) -> torch.Tensor:
     if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
         return x
     return x.clone(memory_format=torch.contiguous_format)
-
-
-@functools.lru_cache(maxsize=8)
-def shared_causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
-    """megatron's causal mask ``[1, 1, s, s]``, True above the diagonal (masked out): ONE
-    tensor per ``(s, device)``, shared (never modify it in place), so that the attention knows
-    it without reading it."""
-    return torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
-
-
-def check_packed_core_attention(model: torch.nn.Module) -> None:
-    """Raise unless every core attention of ``model`` takes packed THD input.
-
-    megatron's local ``DotProductAttention`` (``get_gpt_layer_local_spec()``, megatron's default
-    non-TE spec) asserts ``packed_seq_params is None`` mid-forward; this names the fix up front.
-
-    Args:
-        model: a model chunk (possibly wrapped by DDP / ``Float16Module``).
-
-    Raises:
-        ValueError: a submodule is megatron's local ``DotProductAttention``.
-    """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "core_attention", None), DotProductAttention):
-            raise ValueError(
-                f"sequence packing needs a core attention that takes packed THD input, but "
-                f"`{name}.core_attention` is megatron's local DotProductAttention; build the "
-                "model with "
-                "`transformer_layer_spec=lightning_mcore_rl.data.get_packed_local_layer_spec()` "
-                "(local spec, CPU) or Transformer Engine's GPT layer spec."
-            )
 
 
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:

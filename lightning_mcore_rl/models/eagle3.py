@@ -327,14 +327,14 @@ def save_eagle3(
     Returns:
         The directory on the writing rank, ``None`` on the others.
     """
-    from safetensors.torch import save_file
+    from lightning_mcore_rl.models.hf.safetensors_io import save_safetensors
 
     state = eagle3_full_state(draft, groups)
     if layout_groups(groups).tp_rank != 0:
         return None
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, path / "model.safetensors", metadata={"format": "pt"})
     config = eagle3_hf_config(draft, max_position_embeddings)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -23,6 +23,7 @@ from lightning_mcore_rl.rollout import (
     SamplingConfig,
     SubmittedRollout,
 )
+from lightning_mcore_rl.rollout.vllm_source import require_vllm
 
 Generate = Callable[[Tensor, SamplingConfig, Tensor | None], Rollout]
 """``(prompts [B, P], sampling, prompt_lengths [B] | None) -> Rollout``."""
@@ -46,6 +47,7 @@ def recipe_rollout(
         ValueError: ``"hf"``, or a source instance with ``refit_required``, for a model that is
             not an :class:`~.common.HFModelSpec` (a refit streams its HF export); an unknown name.
         TypeError: ``choice`` is neither a name, a source nor a callable.
+        ImportError: ``"vllm"`` without vLLM installed (naming how to install it).
     """
     hf = isinstance(model.spec, HFModelSpec)
     if isinstance(choice, str) and choice in ("hf", "vllm") and not hf:
@@ -54,6 +56,9 @@ def recipe_rollout(
             "refit with its Hugging Face checkpoint, and needs an HFModelSpec model, got "
             f"{type(model.spec).__name__}; use backend='megatron'."
         )
+    if choice == "vllm":
+        # at construction, not at the first rollout minutes into the run
+        require_vllm()
     instance = isinstance(choice, RolloutSource) and not isinstance(choice, type)
     if instance and cast(RolloutSource, choice).refit_required and not hf:
         raise ValueError(

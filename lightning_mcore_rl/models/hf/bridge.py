@@ -119,6 +119,20 @@ def local_layer_spec(
     return get_packed_local_layer_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
 
 
+def missing_hf_directory(directory: Path) -> str:
+    """Why ``directory`` (without a ``config.json``) is not a Hugging Face model directory."""
+    where = directory.resolve()
+    expected = (
+        "a Hugging Face model directory holds config.json and the *.safetensors weights "
+        "(as written by `save_pretrained`, HFExport or `lmrl export`)"
+    )
+    if not directory.exists():
+        return f"The Hugging Face model directory {where} does not exist: {expected}."
+    if not directory.is_dir():
+        return f"{where} is a file, not a Hugging Face model directory: {expected}."
+    return f"No config.json in {where}: {expected}."
+
+
 class HFBridge:
     """A Hugging Face checkpoint directory seen as megatron-core ``GPTModel`` chunks.
 
@@ -133,7 +147,7 @@ class HFBridge:
         self.directory = Path(path)
         config_file = self.directory / "config.json"
         if not config_file.is_file():
-            raise FileNotFoundError(f"No config.json in {self.directory}.")
+            raise FileNotFoundError(missing_hf_directory(self.directory))
         self.hf_config: dict[str, Any] = json.loads(config_file.read_text())
         self.arch = parse_architecture(self.hf_config)
         self.reader = SafetensorsReader(self.directory)

@@ -99,6 +99,26 @@ _DTYPES = {
 }
 
 
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str]
+) -> None:
+    """``safetensors.torch.save_file``, leaving ``path`` readable as any other written file
+    (mode ``0o666`` less the umask, e.g. ``0o644``)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    # safetensors creates the file 0o600 whatever the umask: readers other than the owner (a
+    # serving process, a shared model directory) could not load the export
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def is_weight_file(name: str) -> bool:
     """Whether a file called ``name`` holds (or indexes) model weights."""
     return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_FILES
@@ -130,9 +150,7 @@ class ShardWriter:
         self.pending_bytes += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        save_file(self.pending, str(self._part(len(self.shards))), metadata={"format": "pt"})
+        save_safetensors(self.pending, self._part(len(self.shards)), metadata={"format": "pt"})
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from lightning_mcore_rl import MCoreRLStrategy
-from lightning_mcore_rl.cli import build_cli
+from lightning_mcore_rl.cli import ConfigError, build_cli
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
 
 CONFIGS = sorted((Path(__file__).parents[3] / "examples" / "configs").glob("grpo_*.yaml"))
@@ -19,6 +20,11 @@ def test_config_instantiates(path: Path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the CLI writes config.yaml into the logger's directory
     text = path.read_text()
     assert text.startswith("# ") and "Launch: lmrl fit --config examples/configs/" in text
+    if "backend: vllm" in text and importlib.util.find_spec("vllm") is None:
+        # refused at construction, naming the install (not at the first rollout)
+        with pytest.raises(ConfigError, match=r"backend='vllm' needs vLLM.*bootstrap_vllm"):
+            build_cli(["--config", str(path)], run=False)
+        return
     cli = build_cli(["--config", str(path)], run=False)
     assert isinstance(cli.trainer.strategy, MCoreRLStrategy)
     assert isinstance(cli.model, GRPOModule)

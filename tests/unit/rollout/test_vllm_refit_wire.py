@@ -84,3 +84,15 @@ def test_without_vllm_the_source_raises_naming_how_to_install_it():
     """Before any collective: the group is not touched."""
     with pytest.raises(ImportError, match=r"backend='vllm' needs vLLM.*\[vllm\].*bootstrap_vllm"):
         VLLMRolloutSource("unused-dir", group=None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_the_recipe_refuses_the_backend_at_construction():
+    """``backend="vllm"`` is refused when the recipe is built, not at the first rollout."""
+    from lightning_mcore_rl.recipes.common import HFModelSpec, RecipeModel
+    from lightning_mcore_rl.recipes.rollout_choice import recipe_rollout
+
+    hf = RecipeModel(HFModelSpec(path="unread"), vocab_size=16, max_sequence_length=16)
+    with pytest.raises(ImportError, match=r"backend='vllm' needs vLLM.*\[vllm\].*bootstrap_vllm"):
+        recipe_rollout("vllm", hf)
+    assert recipe_rollout("hf", hf).source is None  # the other backends are unaffected
