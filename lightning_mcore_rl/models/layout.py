@@ -41,7 +41,8 @@ def check_config_layout(config: Any, groups: ParallelGroups) -> None:
     sizes, so it runs before any collective.
 
     Raises:
-        ValueError: naming the config field, ``groups``' size and both values.
+        ValueError: naming the config field, ``groups``' size and both values; or MoE layers
+            in a layout gloo cannot run (:func:`check_expert_collectives`).
     """
     for field, size in _SIZES:
         if getattr(config, field) != getattr(groups, size):
@@ -51,3 +52,69 @@ def check_config_layout(config: Any, groups: ParallelGroups) -> None:
                 "`MCoreRLModule.parallel_groups` or the strategy's `groups`); omitted, it is "
                 "the single-rank layout."
             )
+    if getattr(config, "num_moe_experts", None):
+        check_group_expert_collectives(groups, "The model's MoE layers")
+
+
+def gloo_carries(backend: str, device_type: str) -> bool:
+    """Whether gloo runs the collectives of ``device_type`` tensors under the process-group
+    ``backend`` (``"gloo"``, ``"nccl"`` or a per-device map such as ``"cpu:gloo,cuda:nccl"``)."""
+    if ":" not in backend:
+        return backend == "gloo"
+    devices = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return devices.get(device_type) == "gloo"
+
+
+def check_expert_collectives(
+    tp: int, ep: int, expert_tp: int, backend: str, device_type: str, what: str
+) -> None:
+    """Refuse expert tensor parallelism combined with expert parallelism where gloo carries the
+    collectives (CPU). Reads only sizes and the backend's name: no collective.
+
+    Args:
+        tp, ep, expert_tp: the tensor-, expert- and expert-tensor-parallel sizes.
+        backend: the process-group backend (see :func:`gloo_carries`).
+        device_type: where the tensors live (``"cpu"``, ``"cuda"``).
+        what: who refuses (the start of the message).
+
+    Raises:
+        ValueError: ``ep > 1`` and ``expert_tp > 1`` on gloo, naming the sizes and the layouts
+            that run.
+    """
+    if ep == 1 or expert_tp == 1 or not gloo_carries(backend, device_type):
+        return
+    # megatron's token dispatchers all-gather the tokens each expert-TP rank routed to this EP
+    # rank's experts: counts that differ per rank under EP > 1 (at EP = 1 every rank sends all
+    # its S/TP x top-k assignments, equal counts). NCCL gathers unequal sizes; gloo's allgather
+    # refuses them ("invalid tensor size") on every rank in the first MoE forward.
+    raise ValueError(
+        f"{what}: expert tensor parallelism with expert parallelism (tp={tp}, ep={ep}, "
+        f"expert_tp={expert_tp}) cannot run on gloo ({device_type}): megatron's MoE token "
+        "dispatchers gather a different number of tokens from each expert-TP rank, which "
+        "gloo's allgather refuses in the first MoE forward. Set "
+        "`expert_tensor_parallel_size=1` (each EP rank holds whole experts; TP still shards "
+        "the dense layers), or `expert_model_parallel_size=1` (experts sharded like the dense "
+        "layers), or run on GPUs (NCCL)."
+    )
+
+
+def check_group_expert_collectives(groups: ParallelGroups, what: str) -> None:
+    """:func:`check_expert_collectives` for ``groups``' sizes and the backend of its expert-TP
+    group (nothing to check without an initialised process group).
+
+    Raises:
+        ValueError: see :func:`check_expert_collectives`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if groups.ep_size == 1 or groups.etp_size == 1 or groups.etp_group is None:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    backend = str(dist.get_backend(groups.etp_group))
+    # the model builders run on CPU under the CUDA emulation, where is_available() stays False
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_expert_collectives(
+        groups.tp_size, groups.ep_size, groups.etp_size, backend, device_type, what
+    )

@@ -17,6 +17,7 @@ import torch
 from lightning_mcore_rl.megatron_defaults import local_spec_settings
 from lightning_mcore_rl.models.layout import (
     check_config_layout,
+    check_group_expert_collectives,
     layout_groups,
     parallel_config_fields,
 )
@@ -55,7 +56,13 @@ def tiny_gpt_config(
         sequence_parallel: megatron sequence parallelism (needs TP > 1; megatron requires it
             for MoE layers under TP > 1).
         **overrides: any other ``TransformerConfig`` field, e.g. ``num_moe_experts=4,
-            moe_router_topk=2`` for MoE layers (experts split over ``groups``' EP ranks).
+            moe_router_topk=2, add_bias_linear=False`` for MoE layers (experts split over
+            ``groups``' EP ranks).
+
+    Raises:
+        ValueError: MoE layers with biases under an expert TP size > 1, or with EP > 1 and
+            expert TP > 1 on gloo
+            (:func:`~lightning_mcore_rl.models.layout.check_expert_collectives`).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -75,7 +82,34 @@ def tiny_gpt_config(
         **parallel_config_fields(layout_groups(groups)),
     }
     kwargs.update(overrides)
+    if kwargs.get("num_moe_experts"):
+        check_group_expert_collectives(layout_groups(groups), "tiny_gpt_config")
+        _check_moe_bias(kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _check_moe_bias(kwargs: dict[str, Any]) -> None:
+    """Refuse MoE layers with biases under expert TP > 1 before megatron's bare assertion
+    ("Bias in Moe is only supported when ETP==1") in ``TransformerConfig``.
+
+    Raises:
+        ValueError: naming ``add_bias_linear``, the sizes and the fixes.
+    """
+    tp = kwargs["tensor_model_parallel_size"]
+    etp = kwargs.get("expert_tensor_parallel_size") or tp  # None: megatron's default, TP
+    if etp == 1 or not kwargs.get("add_bias_linear", True):  # megatron's default: biases
+        return
+    hint = ""
+    if tp > 1 and not kwargs.get("sequence_parallel"):
+        hint = " MoE layers under TP > 1 also need `sequence_parallel=True`."
+    raise ValueError(
+        f"tiny_gpt_config: MoE layers (`num_moe_experts={kwargs['num_moe_experts']}`) with "
+        "biases (`add_bias_linear=True`, megatron's default) need an expert tensor-parallel "
+        f"size of 1, got expert_tp={etp} (tp={tp}, "
+        f"ep={kwargs.get('expert_model_parallel_size', 1)}; the expert TP size defaults to TP). "
+        "Pass `add_bias_linear=False`, or set `expert_tensor_parallel_size=1` with "
+        f"`expert_model_parallel_size` > 1.{hint}"
+    )
 
 
 def tiny_gpt(

@@ -433,6 +433,21 @@ class ParallelSizes:
             "sequence_packing": self.sequence_packing,
         }
 
+    def check_backend(self, backend: str, device_type: str) -> None:
+        """Refuse a layout the process-group ``backend`` cannot run on ``device_type`` tensors
+        (called in ``setup_environment`` before the process group exists).
+
+        Raises:
+            ValueError: EP > 1 with expert TP > 1 on gloo (CPU), naming the sizes and the
+                layouts that run
+                (:func:`~lightning_mcore_rl.models.layout.check_expert_collectives`).
+        """
+        from lightning_mcore_rl.models.layout import check_expert_collectives
+
+        check_expert_collectives(
+            self.tp, self.ep, self.expert_tp, backend, device_type, "MCoreRLStrategy"
+        )
+
     @property
     def model_parallel_size(self) -> int:
         """``tp * pp * cp``: ranks holding one replica of the model."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 _MEGATRON_CP_ASSERT = "Context parallelism is only supported by TEDotProductAttention"
 _MEGATRON_MOE_ASSERT = "when instantiating MoELayer"
+_MEGATRON_MOE_BIAS_ASSERT = "Bias in Moe is only supported when ETP==1"
 
 
 def build_stage_chunks(
@@ -23,11 +24,21 @@ def build_stage_chunks(
     Raises:
         ValueError: instead of megatron's bare ``AssertionError`` when a chunk's local-spec
             attention cannot run context parallelism, naming the CP-capable spec, or when its
-            MoE layer cannot split the experts over the expert-parallel ranks.
+            MoE layer cannot split the experts over the expert-parallel ranks, or its MoE
+            layers have biases under an expert TP size > 1.
     """
     try:
         return [build(vp_stage) for vp_stage in vp_stages]
     except AssertionError as err:
+        if _MEGATRON_MOE_BIAS_ASSERT in str(err):  # TransformerConfig's __post_init__
+            raise ValueError(
+                f"`{hook}`: megatron refused the config ({err}): MoE layers with biases "
+                "(`TransformerConfig.add_bias_linear=True`, megatron's default) need an expert "
+                "tensor-parallel size of 1, which defaults to the TP size; build the config "
+                "with `add_bias_linear=False`, or set "
+                "`MCoreRLStrategy(expert_tensor_parallel_size=1)` with "
+                "`expert_model_parallel_size` > 1."
+            ) from err
         if _MEGATRON_MOE_ASSERT in str(err):
             raise ValueError(
                 f"`{hook}`: megatron's MoELayer refused the config ({err}); "

@@ -301,6 +301,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
+        self.parallel.check_backend(backend, self.root_device.type)  # before any collective
         rank = self.node_rank * self.num_processes + self.local_rank  # as ProcessGroupStrategy
         connect_world(
             env.main_address, env.main_port, backend, rank, world_size, timeout=self._timeout,

@@ -92,7 +92,8 @@ def check_routed_experts(batch: Mapping[str, Any], config: Any) -> bool:
     """Validate ``batch[ROUTED_EXPERTS]`` against the model (host only, before any collective).
 
     Args:
-        batch: The batch (``input_ids [B, S]``).
+        batch: The batch (``input_ids [B, S]``, optional ``input_lengths [B]``: positions past
+            a row's length are padding, whose ids the step replaces).
         config: The model's ``TransformerConfig``.
 
     Returns:
@@ -100,7 +101,8 @@ def check_routed_experts(batch: Mapping[str, Any], config: Any) -> bool:
 
     Raises:
         ValueError: The key missing while the routers replay; a shape other than
-            ``[B, S, L, K]``; expert ids outside ``[0, E)``.
+            ``[B, S, L, K]`` (``K`` the router's top-k); expert ids outside ``[0, E)``; a real
+            token with the same expert twice in one layer's top-``K``.
         TypeError: A non-integer tensor.
     """
     enabled = bool(getattr(config, "moe_enable_routing_replay", False))
@@ -125,12 +127,48 @@ def check_routed_experts(batch: Mapping[str, Any], config: Any) -> bool:
             f"`{ROUTED_EXPERTS}` must be [B, S, L, K] = {list(expected)} (L = MoE layers of the "
             f"model, K = moe_router_topk), got {list(experts.shape)}"
         )
-    if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= config.num_moe_experts):
+    num_experts = config.num_moe_experts
+    outside = (experts < 0) | (experts >= num_experts)
+    if bool(outside.any()):
+        b, s, layer, _ = (int(i) for i in outside.nonzero()[0])
         raise ValueError(
-            f"`{ROUTED_EXPERTS}` ids must lie in [0, {config.num_moe_experts}), got min "
-            f"{int(experts.min())}, max {int(experts.max())}"
+            f"`{ROUTED_EXPERTS}` ids must lie in [0, {num_experts}), got min "
+            f"{int(experts.min())}, max {int(experts.max())}; first at sample {b}, token {s}, "
+            f"MoE layer {layer}: {experts[b, s, layer].tolist()}"
         )
+    _check_unique_experts(experts, batch.get("input_lengths"))
     return enabled
+
+
+def _check_unique_experts(experts: Tensor, lengths: Tensor | None) -> None:
+    """Refuse a real token (position ``< lengths[b]``; every position without ``lengths``) whose
+    top-``K`` at some MoE layer names an expert twice: megatron would replay it silently and
+    the token would reach fewer than ``K`` experts.
+
+    Args:
+        experts: ``routed_experts [B, S, L, K]`` (shape and range already checked).
+        lengths: ``input_lengths [B]`` or ``None``.
+
+    Raises:
+        ValueError: naming the first such sample, token, layer and its ids.
+    """
+    if experts.shape[-1] < 2 or experts.numel() == 0:
+        return
+    ordered = experts.sort(dim=-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)  # [B, S, L]
+    if lengths is not None:  # padding positions hold fillers (the recipes write zeros)
+        width = experts.shape[1]
+        columns = torch.arange(width, device=experts.device)[None, :]
+        real = columns < lengths.to(experts.device).reshape(-1, 1)  # [B, S]
+        repeated &= real[:, :, None]
+    if not bool(repeated.any()):
+        return
+    b, s, layer = (int(i) for i in repeated.nonzero()[0])
+    raise ValueError(
+        f"`{ROUTED_EXPERTS}` must name {experts.shape[-1]} distinct experts per token and MoE "
+        f"layer (the router's top-k), got {experts[b, s, layer].tolist()} at sample {b}, token "
+        f"{s}, MoE layer {layer}; a repeated id would send the token to fewer experts"
+    )
 
 
 def routed_token_index(

@@ -146,3 +146,40 @@ def test_check_routed_experts() -> None:
         check_routed_experts({**good, "routed_experts": good["routed_experts"][:, :, :1]}, cfg)
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\), got min 1, max 4"):
         check_routed_experts({**good, "routed_experts": good["routed_experts"] + 1}, cfg)
+
+
+def test_routed_experts_are_checked_per_token() -> None:
+    """A repeated expert in one token's top-K (the token would reach fewer experts, silently) or
+    an id out of range is named with its sample, token and MoE layer; padding (past
+    ``input_lengths``, zeros from the recipes) is not checked for repeats."""
+    cfg = SimpleNamespace(
+        num_moe_experts=E, moe_layer_freq=1, num_layers=L, moe_router_topk=K,
+        moe_enable_routing_replay=True,
+    )  # fmt: skip
+    experts = _experts(2, 3) % E  # K=2 consecutive codes: distinct within every token
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "routed_experts": experts}
+    repeated = experts.clone()
+    repeated[1, 2, 0] = torch.tensor([3, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"^`routed_experts` must name 2 distinct experts per token and MoE layer \(the "
+        r"router's top-k\), got \[3, 3\] at sample 1, token 2, MoE layer 0",
+    ):
+        check_routed_experts({**batch, "routed_experts": repeated}, cfg)
+    # the same row with length 2: token 2 is padding, its repeated filler is not a routing
+    padded = {**batch, "routed_experts": repeated, "input_lengths": torch.tensor([3, 2])}
+    assert check_routed_experts(padded, cfg) is True
+    with pytest.raises(ValueError, match=r"got \[3, 3\] at sample 1, token 2, MoE layer 0"):
+        check_routed_experts({**padded, "input_lengths": torch.tensor([3, 3])}, cfg)
+    outside = experts.clone()
+    outside[0, 1, 1, 1] = -1
+    with pytest.raises(
+        ValueError,
+        match=r"ids must lie in \[0, 4\), got min -1, max 3; first at sample 0, token 1, MoE "
+        r"layer 1: \[\d, -1\]",
+    ):
+        check_routed_experts({**batch, "routed_experts": outside}, cfg)
+    with pytest.raises(ValueError, match=r"\[B, S, L, K\] = \[2, 3, 2, 2\] .*got \[2, 3, 2, 3\]"):
+        check_routed_experts(
+            {**batch, "routed_experts": torch.zeros(2, 3, L, 3, dtype=torch.long)}, cfg
+        )
