@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_mcore_rl import MCoreRLStrategy
@@ -35,11 +36,13 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         strategy=MCoreRLStrategy(tensor_model_parallel_size=args.tp, micro_batch_size=16),
-        max_steps=args.steps,
-        max_epochs=1,  # = the data's `num_steps` batches (without it the bar shows "Epoch 0/-2")
+        max_steps=args.steps,  # epochs unbounded: max_steps alone ends the run
         gradient_clip_val=1.0,
         logger=CSVLogger(args.output, name="logs"),
-        callbacks=[MetricsHistory(args.output, plot_keys=("reward", "grad_norm"))],
+        callbacks=[
+            TQDMProgressBar(),  # "Epoch 0"; rich's bar reads "Epoch 0/-2" without max_epochs
+            MetricsHistory(args.output, plot_keys=("reward", "grad_norm")),
+        ],
         log_every_n_steps=1,
         enable_checkpointing=False,
     )

@@ -80,6 +80,15 @@ class MetricsHistory(Callback):
         if trainer.is_global_zero:
             self.write()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The rows so far: Lightning saves them in each checkpoint, so a resumed run writes
+        the whole history instead of overwriting it with the resumed steps only."""
+        return {"rows": self.rows}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the rows of the run a checkpoint was saved in."""
+        self._rows = {int(row["step"]): dict(row) for row in state_dict["rows"]}
+
     # ---------------------------------------------------------------- output
 
     def write(self) -> None:

@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore_rl.megatron_defaults import local_spec_settings
 from lightning_mcore_rl.module import MCoreRLModule
+from lightning_mcore_rl.parallel import unwrap_model as unwrap
 from lightning_mcore_rl.rollout import ModularCountingTask
 from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
-from lightning_mcore_rl.parallel import unwrap_model as unwrap
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

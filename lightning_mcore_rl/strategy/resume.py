@@ -94,3 +94,24 @@ def guard_last_checkpoint(
 
 
 __all__ = ["ResumeGuardLauncher", "guard_last_checkpoint"]
+
+
+def check_resumed_fit_trained(trainer: Any, start_step: int) -> None:
+    """A resumed ``fit`` that stopped before training a step, though ``max_steps`` is not
+    reached, raises instead of exiting as if it had trained (the same on every rank).
+
+    Raises:
+        RuntimeError: ``fit(ckpt_path=...)`` trained no step below ``max_steps``.
+    """
+    steps_left = trainer.max_steps == -1 or trainer.global_step < trainer.max_steps
+    if trainer.ckpt_path is None or trainer.global_step != start_step or not steps_left:
+        return
+    # Typically the checkpoint closed its epoch (max_steps stopped the run there) and
+    # max_epochs ends the resumed run at that epoch's end: Lightning then trains nothing.
+    raise RuntimeError(
+        f"`Trainer.fit(ckpt_path={str(trainer.ckpt_path)!r})` resumed at global step "
+        f"{start_step} and stopped at epoch {trainer.current_epoch} without training a step "
+        f"although max_steps={trainer.max_steps}: max_epochs={trainer.max_epochs} ended it. "
+        "Resume with a larger max_steps and no epoch bound, e.g. `--trainer.max_steps=N "
+        "--trainer.max_epochs=-1` (Trainer(max_steps=N, max_epochs=-1)); see docs/strategy.md."
+    )

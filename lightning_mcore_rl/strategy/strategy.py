@@ -64,7 +64,7 @@ from lightning_mcore_rl.strategy.processes import (
     die_with_parent,
     is_collective_failure,
 )
-from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher
+from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher, check_resumed_fit_trained
 from lightning_mcore_rl.strategy.signals import TerminationRequest
 from lightning_mcore_rl.strategy.step import StepRunner
 from lightning_mcore_rl.strategy.teacher import HostedTeacher
@@ -191,6 +191,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         # what each training step's first agreement carries: SIGTERM, the previous step's time
         self.step_boundary = StepBoundary(self.termination)
         self._ranks: RankTable | None = None
+        self._fit_start_step = 0  # global_step when training started (resumed: the checkpoint's)
         super().__init__(rel.process_group_backend, None, rel.timeout)
 
     # ---------------------------------------------------------------- layout
@@ -414,10 +415,12 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         (:class:`~.signals.TerminationRequest`; after Lightning registered its handler)."""
         self.step_boundary.reset()
         self.termination.install()
+        self._fit_start_step = self._trainer().global_step
 
     @override
     def on_train_end(self) -> None:
         self.termination.restore()
+        check_resumed_fit_trained(self._trainer(), self._fit_start_step)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

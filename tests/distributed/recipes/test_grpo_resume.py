@@ -155,3 +155,44 @@ def test_resumable_loader_resumes_mid_epoch_and_at_epoch_ends(tmp_path):
     for step in (2, 4, 5, 8):
         resumed = _positions(str(tmp_path / f"resumed{step}"), f"{ckpt_dir}/step={step}.ckpt")
         assert resumed == full[step:], step
+
+
+def _grow(
+    rank: int, root: str, max_steps: int, ckpt_path: str | None, max_epochs: int | None = None
+) -> tuple[int, str]:
+    from lightning_mcore_rl.callbacks import MetricsHistory
+
+    history = MetricsHistory(f"{root}/history", plot_keys=("reward",))
+    trainer = cpu_trainer(
+        strategy=MCoreRLStrategy(micro_batch_size=16),
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=f"{root}/ckpts", save_last=True), history],
+    )
+    trainer.fit(GRPOModule(), datamodule=PromptDataModule(num_steps=2), ckpt_path=ckpt_path)
+    with open(f"{root}/history/metrics.csv") as handle:
+        return trainer.global_step, handle.read()
+
+
+def test_resume_with_a_larger_max_steps_continues_and_keeps_the_metrics_history(tmp_path):
+    # The first fit ends with its epoch (2 steps, an end-of-epoch checkpoint); resumed with
+    # max_steps=4 and no max_epochs, Lightning's semantics train 2 more steps (a new epoch).
+    # MetricsHistory's rows travel in the checkpoint: the CSV holds steps 0-3, not 2-3 only.
+    root = str(tmp_path)
+    (first_step, first_csv), *_ = run_on_ranks(_grow, 1, root, 2, None, timeout=120)
+    last = f"{root}/ckpts/last.ckpt"
+    (steps, csv), *_ = run_on_ranks(_grow, 1, root, 4, last, timeout=120)
+    assert (first_step, steps) == (2, 4)
+    first_rows, rows = first_csv.splitlines(), csv.splitlines()
+    assert [row.split(",")[0] for row in rows[1:]] == ["0", "1", "2", "3"]
+    assert rows[:3] == first_rows  # the first run's rows (and header), unchanged
+
+
+def test_a_resumed_fit_that_an_epoch_bound_ends_untrained_raises(tmp_path):
+    # max_epochs=2 after an end-of-epoch checkpoint: Lightning stops the resumed fit at once (the
+    # restored epoch counts as done); exiting 0 would look like a finished run.
+    root = str(tmp_path)
+    run_on_ranks(_grow, 1, root, 2, None, 1, timeout=120)
+    with pytest.raises(RuntimeError, match=r"resumed at global step 2 .* without training a step"):
+        run_on_ranks(_grow, 1, root, 4, f"{root}/ckpts/last.ckpt", 2, timeout=120)

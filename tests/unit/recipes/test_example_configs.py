@@ -102,3 +102,19 @@ def test_grpo_module_defaults_are_not_shared_between_instances():
     first.model_spec.num_layers = 5
     assert second.rollout.group_size == 4 and second.model_spec.num_layers == 2
     assert GRPOModule(loss=None, model=None, rollout=None, task=None).kl_penalty == 0.0
+
+
+ALL_CONFIGS = sorted((Path(__file__).parents[3] / "examples").glob("**/*.yaml"))
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
+def test_configs_end_at_max_steps_alone_with_a_plain_progress_bar(path: Path):
+    # An epoch bound would end a resumed run (`--ckpt_path ... --trainer.max_steps=<more>`) at
+    # the checkpoint's epoch, training nothing; without one Lightning's rich bar reads
+    # "Epoch 0/-2", so the configs take the tqdm bar ("Epoch 0").
+    import yaml
+
+    trainer = yaml.safe_load(path.read_text())["trainer"]
+    assert "max_epochs" not in trainer and trainer["max_steps"] > 0
+    bars = [c["class_path"] for c in trainer["callbacks"] if "ProgressBar" in c["class_path"]]
+    assert bars == ["lightning.pytorch.callbacks.TQDMProgressBar"]
