@@ -21,6 +21,7 @@ from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp_rank
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.parallel import unwrap_model as _unwrap
+from lightning_mcore_rl.train.binding import Binding
 from lightning_mcore_rl.train.draft import (
     aux_layers,
     capture_layer_outputs,
@@ -39,14 +40,7 @@ from lightning_mcore_rl.train.fused import (
 )
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.mtp import mtp_loss_weights, with_mtp_metrics
-from lightning_mcore_rl.train.post_processors import (
-    KNOWN_POST_PROCESSORS,
-    LogprobsPostProcessor,
-    LossPostProcessor,
-    PostProcessingFunction,
-    TeacherFullPayloadPostProcessor,
-    TopkLogitsPostProcessor,
-)
+from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 from lightning_mcore_rl.train.router_replay import after_replay_forward, arm_replay_forward
 
 
@@ -89,18 +83,19 @@ def check_fused_linear_logprobs(
             multi-token prediction.
         TypeError: With ``enabled``, a chunk that is not a megatron ``GPTModel``.
     """
-    if isinstance(post_processing_fn, (LossPostProcessor, LogprobsPostProcessor)):
+    if post_processing_fn is not None:
+        name = type(post_processing_fn).__name__
+        if enabled and post_processing_fn.needs_full_logits:
+            raise ValueError(FUSED_NEEDS_LOGITS.format(what=name))
         own = post_processing_fn.use_fused_linear_logprobs
         if own != enabled:
             raise ValueError(
-                f"{type(post_processing_fn).__name__} was built with use_fused_linear_logprobs="
-                f"{own} but the pass runs with use_fused_linear_logprobs={enabled}; build it "
-                "with the strategy's setting (the MCoreRLModule hooks do)"
+                f"{name} was built with use_fused_linear_logprobs={own} but the pass runs with "
+                f"use_fused_linear_logprobs={enabled}; build it with the strategy's setting "
+                "(the MCoreRLModule hooks do)"
             )
     if not enabled:
         return
-    if isinstance(post_processing_fn, (TopkLogitsPostProcessor, TeacherFullPayloadPostProcessor)):
-        raise ValueError(FUSED_NEEDS_LOGITS.format(what=type(post_processing_fn).__name__))
     reject_filtering(sampling_params, "the step's sampling_params")
     check_fused_chunks(chunks)
 
@@ -357,10 +352,11 @@ def forward_with_post_processing_fn(
             (:func:`~lightning_mcore_rl.train.draft.check_draft`).
     """
     groups = resolve_groups(groups)  # the seed API's callers pass none
-    if not isinstance(post_processing_fn, KNOWN_POST_PROCESSORS):
+    if not callable(getattr(post_processing_fn, "bind", None)):
         raise TypeError(
             f"Unknown post-processing function type {type(post_processing_fn).__name__}; "
-            f"expected one of {[cls.__name__ for cls in KNOWN_POST_PROCESSORS]}"
+            "expected a LossPostProcessor, LogprobsPostProcessor, TopkLogitsPostProcessor, "
+            "TeacherFullPayloadPostProcessor or another PostProcessingFunction (with `bind`)"
         )
     check_fused_linear_logprobs(
         [model], post_processing_fn, sampling_params, use_fused_linear_logprobs
@@ -408,27 +404,13 @@ def forward_with_post_processing_fn(
             head = FusedLMHead(output_weight(model), sampling_params)
         else:
             apply_temperature_scaling(output, sampling_params)
-    fn: Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
-    if isinstance(post_processing_fn, LossPostProcessor):
-        fn = post_processing_fn(
-            data_dict, mb.packed_seq_params, global_valid_seqs, global_valid_toks,
-            lm_head=head, groups=groups, num_microbatches=num_microbatches,
-        )  # fmt: skip
-        if mb.mtp_loss_mask is not None and _is_last_stage(model):
-            fn = with_mtp_metrics(fn, model, groups)
-    elif isinstance(post_processing_fn, LogprobsPostProcessor):
-        fn = post_processing_fn(
-            mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length,
-            lm_head=head, groups=groups,
-        )  # fmt: skip
-    elif isinstance(post_processing_fn, TopkLogitsPostProcessor):
-        fn = post_processing_fn(
-            mb.data_dict, mb.cu_seqlens_padded, mb.original_seq_length, groups=groups
+    fn = post_processing_fn.bind(
+        Binding(
+            data_dict, mb.input_ids, mb.packed_seq_params, mb.cu_seqlens_padded,
+            mb.original_seq_length, groups, num_microbatches, global_valid_seqs,
+            global_valid_toks, head, captured.get("hidden_states"),
         )
-    else:
-        assert isinstance(post_processing_fn, TeacherFullPayloadPostProcessor)
-        fn = post_processing_fn(
-            mb.data_dict, mb.input_ids, mb.cu_seqlens_padded, mb.original_seq_length,
-            hidden_states=captured.get("hidden_states"), groups=groups,
-        )  # fmt: skip
+    )  # fmt: skip
+    if post_processing_fn.trains and mb.mtp_loss_mask is not None and _is_last_stage(model):
+        fn = with_mtp_metrics(fn, model, groups)
     return output, fn

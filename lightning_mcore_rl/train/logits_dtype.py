@@ -26,20 +26,17 @@ values, so its fp32 math is the same; its fp32 gradient is rounded to bf16 once 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_rl.losses import LossFunction, LossInputType
 from lightning_mcore_rl.losses.loss_input._common import _needs_entropy
 from lightning_mcore_rl.ops import TrainingSamplingParams
-from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
-from lightning_mcore_rl.train.post_processors import (
-    LogprobsPostProcessor,
-    PostProcessingFunction,
-    TeacherFullPayloadPostProcessor,
-)
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
 
-def _one_kernel_consumer(loss_fn: LossFunction) -> bool:
+def one_kernel_consumer(loss_fn: LossFunction) -> bool:
     """The loss input reaches the logits through exactly one chunked vocab-parallel kernel."""
     if loss_fn.input_type is LossInputType.LOGPROB:
         return not _needs_entropy(loss_fn)  # the entropy bonus is a second kernel
@@ -48,14 +45,6 @@ def _one_kernel_consumer(loss_fn: LossFunction) -> bool:
         # H_all, a second kernel, exactly when losses/loss_input/_draft.py computes it
         return cfg is not None and not (cfg.zero_outside_topk and cfg.kl_type != "forward")
     return False
-
-
-def _sampling_params_of(post: PostProcessingFunction) -> TrainingSamplingParams | None:
-    if isinstance(post, TeacherFullPayloadPostProcessor):
-        return post.logprobs.sampling_params
-    if isinstance(post, (LossPostProcessor, LogprobsPostProcessor)):
-        return post.sampling_params
-    return None
 
 
 def _exact_sampling(params: TrainingSamplingParams | None) -> bool:
@@ -84,19 +73,12 @@ def defers_fp32_logits(
     if setting is not None:
         return setting
     if not (
-        _exact_sampling(sampling_params)
-        and _exact_sampling(_sampling_params_of(post_processing_fn))
+        _exact_sampling(sampling_params) and _exact_sampling(post_processing_fn.sampling_params)
     ):
         return False
     if post_processing_fn.cfg.logprob_chunk_size is None:
         return False
-    if isinstance(post_processing_fn, LossPostProcessor):
-        return (
-            post_processing_fn.prepare_fn is None
-            and post_processing_fn.d2t is None
-            and _one_kernel_consumer(post_processing_fn.loss_fn)
-        )
-    return True
+    return post_processing_fn.keeps_model_dtype_exact()
 
 
-__all__ = ["defers_fp32_logits"]
+__all__ = ["defers_fp32_logits", "one_kernel_consumer"]

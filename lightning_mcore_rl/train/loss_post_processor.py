@@ -25,6 +25,7 @@ from lightning_mcore_rl.ops import (
     TrainingSamplingParams,
 )
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
+from lightning_mcore_rl.train.binding import Binding
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
 from lightning_mcore_rl.train.draft import draft_prepare_fn
 from lightning_mcore_rl.train.fused import (
@@ -77,6 +78,10 @@ class LossPostProcessor:
             ``num_microbatches`` < 1.
     """
 
+    trains = True
+    needs_full_logits = False
+    captures_hidden_states = False
+
     def __init__(
         self,
         loss_fn: LossFunction,
@@ -105,6 +110,20 @@ class LossPostProcessor:
         self.prepare_fn = prepare_fn
         self.teacher_output_layer_weight_by_index = teacher_output_layer_weight_by_index
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
+
+    def keeps_model_dtype_exact(self) -> bool:
+        """Whether logits kept in the model dtype give this pass's fp32 result: one chunked
+        kernel reads them (no custom ``prepare_fn``, no draft vocabulary map)."""
+        from lightning_mcore_rl.train.logits_dtype import one_kernel_consumer
+
+        return self.prepare_fn is None and self.d2t is None and one_kernel_consumer(self.loss_fn)
+
+    def bind(self, b: Binding) -> OutputProcessor:
+        """The forward step's call: `__call__` with the microbatch's fields."""
+        return self(
+            b.data_dict, b.packed_seq_params, b.global_valid_seqs, b.global_valid_toks,
+            lm_head=b.lm_head, groups=b.groups, num_microbatches=b.num_microbatches,
+        )  # fmt: skip
 
     def scale_loss(self, loss: Tensor, cp_size: int, num_microbatches: int | None = None) -> Tensor:
         """``R = L * M / CP^2`` (``cp_normalize``) or ``L * M / CP``: the ONE place of this scaling.

@@ -14,7 +14,7 @@ Shapes: ``B`` sequences, ``S`` width of the unpacked batch, ``T`` packed tokens,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Union, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,10 @@ from lightning_mcore_rl.ops import (
 )
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.train import groups as pg
+from lightning_mcore_rl.train.binding import Binding
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
 from lightning_mcore_rl.train.fused import FusedLMHead, reject_filtering
 from lightning_mcore_rl.train.groups import OutputProcessor
-from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
 
 
 class LogprobsPostProcessor:
@@ -50,6 +50,10 @@ class LogprobsPostProcessor:
         ValueError: ``use_fused_linear_logprobs`` with top-k/top-p filtering.
     """
 
+    trains = False
+    needs_full_logits = False
+    captures_hidden_states = False
+
     def __init__(
         self,
         cfg: PolicyConfig | Mapping[str, Any] | None,
@@ -61,6 +65,17 @@ class LogprobsPostProcessor:
         self.cfg = load_policy_config(cfg)
         self.sampling_params = sampling_params
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
+
+    def keeps_model_dtype_exact(self) -> bool:
+        """Whether logits kept in the model dtype give this pass's fp32 result (one kernel)."""
+        return True
+
+    def bind(self, b: Binding) -> OutputProcessor:
+        """The forward step's call: `__call__` with the microbatch's fields."""
+        return self(
+            b.data_dict, b.input_ids, b.cu_seqlens_padded, b.original_seq_length,
+            lm_head=b.lm_head, groups=b.groups,
+        )  # fmt: skip
 
     def _next_token(
         self,
@@ -156,11 +171,25 @@ class TopkLogitsPostProcessor:
         k: Entries per position.
     """
 
+    trains = False
+    needs_full_logits = True  # the exact top-k needs every logit: no fused head
+    captures_hidden_states = False
+    use_fused_linear_logprobs = False
+    sampling_params: TrainingSamplingParams | None = None  # raw logits: no filtering
+
     def __init__(self, cfg: PolicyConfig | Mapping[str, Any] | None, k: int) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValueError(f"`k` must be a positive int, got {k!r}")
         self.cfg = load_policy_config(cfg)
         self.k = k
+
+    def keeps_model_dtype_exact(self) -> bool:
+        """Whether logits kept in the model dtype give this pass's fp32 result (one kernel)."""
+        return True
+
+    def bind(self, b: Binding) -> OutputProcessor:
+        """The forward step's call: `__call__` with the microbatch's fields."""
+        return self(b.data_dict, b.cu_seqlens_padded, b.original_seq_length, groups=b.groups)
 
     def __call__(
         self,
@@ -238,6 +267,31 @@ class TeacherFullPayloadPostProcessor:
         self.payload_dtype = payload_dtype
         self.logprobs = LogprobsPostProcessor(self.cfg, sampling_params)
 
+    trains = False
+    needs_full_logits = True  # the payload is the logits or the states before the head
+    use_fused_linear_logprobs = False
+
+    @property
+    def captures_hidden_states(self) -> bool:
+        """Whether the forward step must capture the pre-LM-head states for the payload."""
+        return self.payload == "hidden_states"
+
+    @property
+    def sampling_params(self) -> TrainingSamplingParams | None:
+        """Top-k/top-p of the sampled-token logprobs."""
+        return self.logprobs.sampling_params
+
+    def keeps_model_dtype_exact(self) -> bool:
+        """Whether logits kept in the model dtype give this pass's fp32 result (one kernel)."""
+        return True
+
+    def bind(self, b: Binding) -> OutputProcessor:
+        """The forward step's call: `__call__` with the microbatch's fields."""
+        return self(
+            b.data_dict, b.input_ids, b.cu_seqlens_padded, b.original_seq_length,
+            hidden_states=b.hidden_states, groups=b.groups,
+        )  # fmt: skip
+
     def _local_payload(
         self, output: Tensor, hidden_states: Tensor | None, g: ParallelGroups
     ) -> Tensor:
@@ -314,15 +368,34 @@ class TeacherFullPayloadPostProcessor:
         return processor
 
 
-PostProcessingFunction = Union[  # noqa: UP007 - a runtime alias used with isinstance
-    LossPostProcessor, LogprobsPostProcessor, TopkLogitsPostProcessor,
-    TeacherFullPayloadPostProcessor,
-]  # fmt: skip
-"""Any post-processor :func:`forward_with_post_processing_fn` knows how to dispatch."""
+class PostProcessingFunction(Protocol):
+    """A post-processor as the forward step uses it: the four classes above, or one of a user's
+    with the same members (no dispatch on the class)."""
 
-KNOWN_POST_PROCESSORS = (
-    LossPostProcessor,
-    LogprobsPostProcessor,
-    TopkLogitsPostProcessor,
-    TeacherFullPayloadPostProcessor,
-)
+    cfg: PolicyConfig
+
+    @property
+    def trains(self) -> bool:
+        """A training loss: the draft's and MTP's terms join it."""
+
+    @property
+    def needs_full_logits(self) -> bool:
+        """It reads every logit (top-k, payload), which the fused head never materialises."""
+
+    @property
+    def use_fused_linear_logprobs(self) -> bool:
+        """Built for the fused head's hidden-state output."""
+
+    @property
+    def captures_hidden_states(self) -> bool:
+        """The forward step must capture the pre-LM-head states for it."""
+
+    @property
+    def sampling_params(self) -> TrainingSamplingParams | None:
+        """Its top-k/top-p (and the temperature it was built with)."""
+
+    def keeps_model_dtype_exact(self) -> bool:
+        """Whether logits kept in the model dtype give its fp32 result."""
+
+    def bind(self, b: Binding) -> OutputProcessor:
+        """``f(output) -> (loss, metrics)`` for one microbatch."""

@@ -42,17 +42,14 @@ from lightning_mcore_rl.train.draft import (
 )
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.logits_dtype import defers_fp32_logits
+from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
 from lightning_mcore_rl.train.microbatch import (
     GlobalBatch,
     layout_padding,
     process_global_batch,
 )
 from lightning_mcore_rl.train.mtp import mtp_depths, mtp_metric_normalizations
-from lightning_mcore_rl.train.post_processors import (
-    LossPostProcessor,
-    PostProcessingFunction,
-    TeacherFullPayloadPostProcessor,
-)
+from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 from lightning_mcore_rl.train.router_replay import check_routed_experts, replay_enabled
 from lightning_mcore_rl.train.router_stats import moe_config, moe_pass
 from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
@@ -337,8 +334,8 @@ def _megatron_pass(
     if global_batch.microbatches[0].packed_seq_params is not None:
         for chunk in chunks:
             check_packed_core_attention(chunk)  # before megatron's schedule runs
-    capture = isinstance(post, TeacherFullPayloadPostProcessor) and post.payload == "hidden_states"
-    draft = context.train_draft and not forward_only and isinstance(post, LossPostProcessor)
+    capture = post.captures_hidden_states
+    draft = context.train_draft and not forward_only and post.trains
     replay = global_batch.microbatches[0].routed_experts_cp_sharded is not None and replay_enabled(
         chunks
     )  # checked up front: replaying routers need `routed_experts` (check_routed_experts)
@@ -372,8 +369,7 @@ def _check_temperature(
 ) -> None:
     """The temperature is applied once, upstream, from ``sampling_params``; a post-processor
     built with another one would silently have it ignored, so that is an error."""
-    inner = post.logprobs if isinstance(post, TeacherFullPayloadPostProcessor) else post
-    own = getattr(inner, "sampling_params", None)
+    own = post.sampling_params
     step = 1.0 if sampling_params is None else sampling_params.temperature
     if own is not None and own.temperature != step:
         raise ValueError(
