@@ -297,8 +297,9 @@ def check_step_microbatches(
     if rows % size != 0:
         factor = f" x {rows_source}" if rows_source else ""
         raise ValueError(
-            f"`MCoreRLStrategy(micro_batch_size={size})` must divide each data-parallel rank's "
-            f"batch of {rows} rows = {type(datamodule).__name__}({per_step}={items}) / "
+            f"`MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size={size}))` (YAML: "
+            f"`microbatching: {{micro_batch_size: {size}}}`) must divide each data-parallel "
+            f"rank's batch of {rows} rows = {type(datamodule).__name__}({per_step}={items}) / "
             f"data-parallel size {dp}{factor}. Set `micro_batch_size` to a divisor of {rows}, "
             f"or change `{per_step}`."
         )
@@ -331,22 +332,20 @@ def rank_val_loader(
 def agree_on_batch(module: MCoreRLModule, check: Callable[[], None]) -> None:
     """Run a recipe's host-side batch ``check`` on every rank and agree on the verdict (one
     all-reduce, ``reduce_boolean_decision``) before the step's first collective: the rank whose
-    batch is bad raises its ``ValueError``/``TypeError``, the others a ``BatchRejectedError``,
-    instead of waiting for it in the step."""
-    from lightning_mcore_rl.strategy.nonfinite import BatchRejectedError
+    batch is bad raises its ``ValueError``/``TypeError``, the others a ``BatchRejectedError``
+    naming each rejecting rank and its reason (one more collective, only then:
+    :func:`~lightning_mcore_rl.strategy.nonfinite.batch_rejection`), instead of waiting for it
+    in the step."""
+    from lightning_mcore_rl.strategy.nonfinite import batch_rejection
 
     error: ValueError | TypeError | None = None
     try:
         check()
     except (ValueError, TypeError) as err:
         error = err
-    if module.mcore_strategy.reduce_boolean_decision(error is not None, all=False):
-        if error is not None:
-            raise error
-        raise BatchRejectedError(
-            f"Another rank rejected its batch in {type(module).__name__} (see that rank's "
-            "ValueError/TypeError naming the key); this rank stops too instead of waiting."
-        )
+    strategy = module.mcore_strategy
+    if strategy.reduce_boolean_decision(error is not None, all=False):
+        raise batch_rejection(error, strategy.world_group, f" in {type(module).__name__}")
 
 
 def check_rows(

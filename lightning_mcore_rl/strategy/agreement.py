@@ -94,6 +94,30 @@ def agreed_verdict(table: torch.Tensor) -> int:
     return verdict
 
 
+def rejected_ranks(table: torch.Tensor) -> list[int]:
+    """The group ranks of the gathered ``table`` that rejected their batch (:data:`INVALID`)."""
+    return [r for r, entry in enumerate(table.tolist()) if entry[_VERDICT] == INVALID]
+
+
+def gather_rejections(error: BaseException | None, group: Any) -> dict[int, str]:
+    """Collective over ``group`` (None: the default group; every rank calls it, once the
+    agreement showed that some ranks rejected their batch and others did not, so it costs
+    nothing on a good step, nor when every rank raises its own error):
+    ``{global rank: "ValueError: <first line>"}`` of the ranks whose ``error`` is not None."""
+    reason = None if error is None else f"{type(error).__name__}: {_first_line(error)}"
+    if not (dist.is_available() and dist.is_initialized()):
+        return {} if reason is None else {0: reason}
+    reasons: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, reason, group=group)
+    ranks = range(len(reasons)) if group is None else dist.get_process_group_ranks(group)
+    return {rank: r for rank, r in zip(ranks, reasons, strict=True) if r is not None}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
 def check_agreement(table: torch.Tensor) -> None:
     """Equal row counts on every rank, and equal width and fingerprint within each replica.
 
@@ -244,4 +268,6 @@ __all__ = [
     "check_agreement",
     "check_replica_agreement",
     "gather_inputs",
+    "gather_rejections",
+    "rejected_ranks",
 ]

@@ -31,6 +31,7 @@ A gradient norm of exactly 0 for ``collapse_warning_steps`` steps in a row warns
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any, Literal
@@ -45,6 +46,8 @@ from lightning_mcore_rl.strategy.agreement import (
     StepBoundary,
     agreed_verdict,
     gather_inputs,
+    gather_rejections,
+    rejected_ranks,
 )
 from lightning_mcore_rl.strategy.update_check import (
     UpdateSnapshot,
@@ -64,7 +67,36 @@ class NonFiniteError(ValueError):
 
 class BatchRejectedError(ValueError):
     """Another rank rejected its batch (that rank raises the ``ValueError``/``TypeError`` naming
-    the argument); this rank stops with it instead of waiting in the step's collectives."""
+    the argument); this rank stops with it instead of waiting in the step's collectives. Its
+    message carries the rejecting ranks' reasons (:func:`batch_rejection`)."""
+
+
+def batch_rejection(error: BaseException | None, group: Any, where: str = "") -> BaseException:
+    """What a rank raises once the agreement showed that some rank rejected its batch
+    (collective over ``group``: :func:`~.agreement.gather_rejections`; every rank calls it).
+
+    Args:
+        error: this rank's own validation error (``None``: its batch was fine).
+        group: the agreement's group (None: the default group).
+        where: the message's context, e.g. ``" in DPOModule"``.
+
+    Returns:
+        ``error`` itself on a rejecting rank — marked ``rank_local`` (its traceback printed on
+        its own rank, :mod:`~lightning_mcore_rl.rank_errors`) when rank 0's batch was fine, so
+        the cause is not hidden behind a "see rank 0's traceback" pointer; else a
+        :class:`BatchRejectedError` naming each rejecting rank and its reason.
+    """
+    reasons = gather_rejections(error, group)
+    if error is not None:
+        if 0 not in reasons:  # rank 0 prints a BatchRejectedError: this rank prints the cause
+            with contextlib.suppress(AttributeError):  # an exception type with __slots__
+                error.rank_local = True  # type: ignore[attr-defined]
+        return error
+    listing = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(reasons.items()))
+    return BatchRejectedError(
+        f"Another rank rejected its batch{where} ({listing}); this rank stops too instead of "
+        "waiting in the step (the rejecting rank's traceback shows where)."
+    )
 
 
 class NonFiniteWarning(UserWarning):
@@ -151,6 +183,9 @@ class NonFiniteGuard:
         self.consecutive_skips = 0
         self.zero_grad_steps = 0
         self.step_skipped = False
+        self.fit_steps = 0  # training steps of the current fit (begin_fit), skipped ones too
+        self.fit_skipped_steps = 0
+        self.last_skip_cause = ""
         self.device: torch.device | str = "cpu"
         self.group: Any = None  # the strategy's world group (None: the default group)
         self._loss: torch.Tensor | None = None
@@ -166,6 +201,43 @@ class NonFiniteGuard:
             collapse_warning_steps=reliability.collapse_warning_steps,
         )
 
+    # ---------------------------------------------------------------- per fit
+
+    def begin_fit(self) -> None:
+        """A new fit: :meth:`check_fit_end` judges this fit's steps only (the run's totals and
+        the consecutive-skip streak carry on)."""
+        self.fit_steps = 0
+        self.fit_skipped_steps = 0
+
+    def check_fit_end(self) -> None:
+        """At the end of a fit that was not stopped: a fit whose every training step was
+        skipped trained nothing, and only ended before ``max_consecutive_skips`` because it
+        was short (e.g. 5 steps at lr=1e4, each update rejected): :class:`NonFiniteError`
+        (every rank: the skips are agreed). A fit that updated, then ended in a streak of
+        skips, warns (:class:`NonFiniteWarning`): its last weights are the last update's.
+
+        Raises:
+            NonFiniteError: every one of this fit's training steps was skipped.
+        """
+        if self.fit_steps == 0 or self.consecutive_skips == 0:
+            return
+        if self.fit_skipped_steps == self.fit_steps:
+            raise NonFiniteError(
+                f"Every training step of this fit was skipped ({self.fit_skipped_steps} of "
+                f"{self.fit_steps}; the last: {self.last_skip_cause}): the weights never "
+                f"changed. The fit ended before `max_consecutive_skips="
+                f"{self.max_consecutive_skips}` would have stopped it. Fix the data or the "
+                "learning rate (a too large one makes every update fail the update check)."
+            )
+        warnings.warn(
+            f"The fit ended with {self.consecutive_skips} consecutive skipped training steps "
+            f"(the last: {self.last_skip_cause}); the weights are those of the last update "
+            f"before them ({self.fit_steps - self.fit_skipped_steps} of this fit's "
+            f"{self.fit_steps} steps updated).",
+            NonFiniteWarning,
+            stacklevel=2,
+        )
+
     # ---------------------------------------------------------------- per step
 
     def begin_step(self, device: torch.device | str, group: Any = None) -> None:
@@ -174,6 +246,7 @@ class NonFiniteGuard:
         self.device = device
         self.group = group
         self.step_skipped = False
+        self.fit_steps += 1
         self._loss = None
 
     def note_loss(self, loss: torch.Tensor) -> None:
@@ -223,14 +296,12 @@ class NonFiniteGuard:
         table = gather_inputs(entry, self.device, self.group)
         if boundary is not None:
             boundary.settle(table)
-        if error is not None:
-            raise error
+        rejecting = rejected_ranks(table)
+        if len(rejecting) == len(table) and error is not None:
+            raise error  # every rank rejected: each raises its own, rank 0's names the cause
+        if rejecting:
+            raise batch_rejection(error, self.group)  # every rank: the reasons are gathered
         verdict = agreed_verdict(table)
-        if verdict == INVALID:
-            raise BatchRejectedError(
-                "Another rank rejected its batch (see that rank's ValueError/TypeError naming "
-                "the argument); this rank stops too instead of waiting in the step."
-            )
         if verdict == NONFINITE:
             where = (
                 f"non-finite input {finding.describe()} on this rank"
@@ -333,7 +404,10 @@ class NonFiniteGuard:
                 "`MCoreRLStrategy(reliability=ReliabilityConfig(nonfinite='skip'))` to skip such "
                 "steps instead."
             )
+        if not self.step_skipped:  # one step may be judged more than once: count it once
+            self.fit_skipped_steps += 1
         self.step_skipped = True
+        self.last_skip_cause = cause
         self.skipped_steps += 1
         self.consecutive_skips += 1
         if self.consecutive_skips > self.max_consecutive_skips:
@@ -360,6 +434,7 @@ __all__ = [
     "NonFiniteGuard",
     "NonFinitePolicy",
     "NonFiniteWarning",
+    "batch_rejection",
     "check_policy",
     "check_update_options",
 ]

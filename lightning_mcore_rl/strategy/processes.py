@@ -11,7 +11,9 @@ does when one of its collectives fails.
   the whole timeout) nor live on as an orphan.
 * :class:`RankTable` and :func:`collective_failure`: a failed collective (peer gone, timeout) is
   re-raised as :class:`CollectiveFailure` naming this rank, the global step and every peer's
-  state (exited, stopped, alive); when the process exits, :meth:`RankTable.end_local_peers`
+  state (exited, with how when ``/proc`` says, e.g. "killed by SIGKILL"; stopped; alive: named
+  stalled only if still alive after a short re-check, since a dying peer closes its sockets
+  before it shows as exited); when the process exits, :meth:`RankTable.end_local_peers`
   kills the peers on this host that are still there after a grace period (a stalled rank never
   returns from its collective by itself).
 """
@@ -35,6 +37,9 @@ import torch.distributed as dist
 
 _PR_SET_PDEATHSIG = 1
 _FAILURE_TEXT = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+_RECHECK_GRACE_S = 1.0
+"""How long :func:`collective_failure` re-reads peers that all look alive before naming them
+stalled (a SIGKILLed peer is a zombie within milliseconds; a stalled one costs this much)."""
 
 
 def connect_world(
@@ -112,6 +117,29 @@ def process_state(pid: int) -> str:
     return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(state, "alive")
 
 
+def exit_detail(pid: int) -> str:
+    """How an exited (not yet reaped) process ended: ``"killed by SIGKILL"``, ``"exit status
+    1"``; ``""`` when unknown (reaped, still running, or ``/proc`` does not say)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return ""
+    # Field 52 of proc(5) (index 49 after the command name): the waitpid(2) status, Linux >= 3.5;
+    # meaningful for a zombie only (a running process holds 0 there).
+    if fields[0] not in ("Z", "X") or len(fields) < 50:
+        return ""
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.WEXITSTATUS(status)}" if os.WIFEXITED(status) else ""
+
+
+def _state_text(pid: int) -> str:
+    """:func:`process_state` with :func:`exit_detail`: ``"exited (killed by SIGKILL)"``."""
+    state, detail = process_state(pid), exit_detail(pid)
+    return f"{state} ({detail})" if detail else state
+
+
 class CollectiveFailure(RuntimeError):
     """A collective failed because a peer exited, stopped or did not answer within the timeout.
 
@@ -150,7 +178,7 @@ class RankTable:
         for r, p in enumerate(self.processes):
             if r == self.rank:
                 continue
-            state = process_state(local[r]) if r in local else f"on host {p.host}, not checked"
+            state = _state_text(local[r]) if r in local else f"on host {p.host}, not checked"
             parts.append(f"rank {r} (pid {p.pid}): {state}")
         return "; ".join(parts)
 
@@ -181,7 +209,12 @@ class RankTable:
 def is_collective_failure(error: BaseException) -> bool:
     """Whether ``error`` (or its cause/context chain, or the failures of torch's
     ``CheckpointException``) is a failed collective: ``torch.distributed.DistError`` or a
-    ``RuntimeError`` whose text says the connection closed/reset or the operation timed out."""
+    ``RuntimeError`` whose text says the connection closed/reset or the operation timed out.
+
+    An error that already names the process that failed (``names_failed_process = True`` on its
+    class, e.g. :class:`~lightning_mcore_rl.rollout.EngineDiedError`: the vLLM engine's
+    process died and its refit connection closed) is not one, whatever it chains: every rank
+    raises it as it is, and no peer is blamed (as stalled) or killed for it."""
     pending: list[Any] = [error]
     seen: set[int] = set()
     while pending:
@@ -189,7 +222,8 @@ def is_collective_failure(error: BaseException) -> bool:
         if not isinstance(item, BaseException) or id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, CollectiveFailure):
+        # Already named: re-raising it as a CollectiveFailure would blame a healthy rank.
+        if isinstance(item, CollectiveFailure) or getattr(item, "names_failed_process", False):
             return False
         if isinstance(item, dist.DistError):
             return True
@@ -202,12 +236,33 @@ def is_collective_failure(error: BaseException) -> bool:
     return False
 
 
-def collective_failure(error: BaseException, table: RankTable, step: int) -> CollectiveFailure:
+def settled_states(peers: dict[int, int], grace_s: float = _RECHECK_GRACE_S) -> dict[int, str]:
+    """``{rank: process_state}`` of ``peers`` (``{rank: pid}``); when every peer reads
+    ``"alive"``, re-read them for up to ``grace_s`` seconds until one is not."""
+    states = {r: process_state(pid) for r, pid in peers.items()}
+    deadline = time.monotonic() + max(grace_s, 0.0)
+    # A SIGKILLed peer's sockets close while the kernel tears it down, BEFORE /proc shows it as
+    # a zombie: read at once, a dying peer looks alive and would be blamed as "stalled".
+    while states and all(s == "alive" for s in states.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        states = {r: process_state(pid) for r, pid in peers.items()}
+    return states
+
+
+def collective_failure(
+    error: BaseException, table: RankTable, step: int, *, grace_s: float = _RECHECK_GRACE_S
+) -> CollectiveFailure:
     """The :class:`CollectiveFailure` for ``error`` seen by ``table.rank`` at global ``step``:
-    the peers that exited or stopped first (the likely cause), then every peer's state."""
+    the peers that exited or stopped first (the likely cause), then every peer's state. A peer
+    is named stalled only if it is still alive ``grace_s`` seconds later
+    (:func:`settled_states`: a peer dying when the collective failed has exited by then)."""
     local = table.local_peers()
-    states = {r: process_state(pid) for r, pid in local.items()}
-    culprits = [f"rank {r} {s}" for r, s in sorted(states.items()) if s != "alive"]
+    states = settled_states(local, grace_s)
+    culprits = [
+        f"rank {r} {_state_text(local[r]) if s == 'exited' else s}"
+        for r, s in sorted(states.items())
+        if s != "alive"
+    ]
     silent = [f"rank {r}" for r, s in sorted(states.items()) if s == "alive"]
     if culprits:
         cause = ", ".join(culprits)
@@ -230,6 +285,8 @@ __all__ = [
     "collective_failure",
     "connect_world",
     "die_with_parent",
+    "exit_detail",
     "is_collective_failure",
     "process_state",
+    "settled_states",
 ]

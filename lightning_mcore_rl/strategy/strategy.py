@@ -416,11 +416,16 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self.step_boundary.reset()
         self.termination.install()
         self._fit_start_step = self._trainer().global_step
+        self.nonfinite_guard.begin_fit()
 
     @override
     def on_train_end(self) -> None:
+        """A fit that trained nothing is an error: resumed past its bound
+        (:func:`~.resume.check_resumed_fit_trained`), or every step skipped by the non-finite
+        policy before its limit (:meth:`~.nonfinite.NonFiniteGuard.check_fit_end`)."""
         self.termination.restore()
         check_resumed_fit_trained(self._trainer(), self._fit_start_step)
+        self.nonfinite_guard.check_fit_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -57,7 +57,10 @@ def test_dpo_tp2_and_dp2_packed_equal_tp1(single: tuple[Fit, dict[str, str]]):
     (results, error0), (results1, error1) = run_on_ranks(dpo_layouts, 2, LAYOUT_STEPS, timeout=240)
     # rank 1's bad batch: it names the problem, rank 0 stops too instead of waiting in the step
     assert error1.startswith("ValueError: DPOModule: a preference batch interleaves"), error1
-    assert error0.startswith("BatchRejectedError: Another rank rejected its batch in DPOModule")
+    assert error0.startswith(
+        "BatchRejectedError: Another rank rejected its batch in DPOModule (rank 1: ValueError: "
+        "DPOModule: a preference batch interleaves"
+    ), error0  # rank 0's traceback, the one the others point to, names rank 1's cause
     results = [results, results1]
     want = [row["train_loss"] for row in fit.rows[:LAYOUT_STEPS]]
     for name, run in results[0].items():

@@ -10,19 +10,24 @@ from _setup_check_runs import misfit_micro_batches
 
 from lightning_mcore_rl.testing import run_on_ranks
 
+# the one constructor spelling, and the YAML one (the flat keyword is not accepted in YAML)
+_MBS = (
+    r"`MCoreRLStrategy\(microbatching=MicrobatchConfig\(micro_batch_size={0}\)\)` "
+    r"\(YAML: `microbatching: \{{micro_batch_size: {0}\}}`\) "
+)
 EXPECTED = {
-    "grpo": r"`MCoreRLStrategy\(micro_batch_size=8\)` must divide each data-parallel rank's batch "
+    "grpo": _MBS.format(8) + r"must divide each data-parallel rank's batch "
     r"of 12 rows = PromptDataModule\(prompts_per_step=6\) / data-parallel size 2 x "
     r"GRPOModule\(rollout.group_size=4\)\. Set `micro_batch_size` to a divisor of 12",
     "grpo_dp": r"^`prompts_per_step` \(5\) must be divisible by the data-parallel size \(2\)\.$",
-    "distill": r"`MCoreRLStrategy\(micro_batch_size=8\)` must divide each data-parallel rank's "
+    "distill": _MBS.format(8) + r"must divide each data-parallel rank's "
     r"batch of 12 rows = PromptDataModule\(prompts_per_step=6\) / data-parallel size 2 x "
     r"DistillationModule\(rollout.group_size=4\)\. Set `micro_batch_size` to a divisor of 12",
-    "dpo": r"`MCoreRLStrategy\(micro_batch_size=4\)` must divide each data-parallel rank's batch "
+    "dpo": _MBS.format(4) + r"must divide each data-parallel rank's batch "
     r"of 6 rows = PreferenceDataModule\(pairs_per_step=6\) / data-parallel size 2 x 2 rows per "
     r"chosen/rejected pair\. Set `micro_batch_size` to a divisor of 6, or change "
     r"`pairs_per_step`\.",
-    "sft": r"`MCoreRLStrategy\(micro_batch_size=4\)` must divide each data-parallel rank's batch "
+    "sft": _MBS.format(4) + r"must divide each data-parallel rank's batch "
     r"of 3 rows = SFTDataModule\(samples_per_step=6\) / data-parallel size 2\. Set",
 }
 

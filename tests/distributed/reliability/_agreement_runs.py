@@ -54,7 +54,8 @@ def _error(call: Any) -> tuple[str, int, float]:
 def mismatch_rank(rank: int) -> dict[str, Any]:
     """TP=2 (one replica of two ranks): a 1-step fit builds the model, then the real strategy
     step gets (a) the same batch on both ranks, (b) different data of the same shape, (c)
-    different row counts, (d) different widths, (e) rows wider than the position table."""
+    different row counts, (d) different widths, (e) rows wider than the position table, (f)
+    those on rank 1 only."""
     trainer = _trainer(1, MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=1))
     module = GRPO()
     trainer.fit(module, DataLoader(Rollouts(4), batch_size=2))
@@ -72,8 +73,19 @@ def mismatch_rank(rank: int) -> dict[str, Any]:
         },  # fmt: skip
         "positions": wide,
     }
-    return {name: _error(lambda b=batch: module.forward_backward(b)) for name, batch in
-            cases.items()}  # fmt: skip
+    out = {name: _error(lambda b=batch: module.forward_backward(b)) for name, batch in
+           cases.items()}  # fmt: skip
+    # (f) rows wider than the position table on rank 1 only: rank 0's error must carry the cause
+    counts = count_collectives()
+    try:
+        module.forward_backward(wide if rank == 1 else rollout_batch(2, seed=5))
+        error, local = "", False
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        error, local = f"{type(err).__name__}: {err}", getattr(err, "rank_local", False)
+    finally:
+        uncount(counts)
+    out["positions_rank1"] = (error, local, counts["n"])
+    return out
 
 
 def dp_rows_rank(rank: int) -> dict[str, Any]:
@@ -260,10 +272,13 @@ def bf16_huge_lr_rank(rank: int) -> dict[str, Any]:
         trainer = _trainer(2, strategy, callbacks=[record], precision="bf16-mixed")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(HugeLR(), DataLoader(Rollouts(8), batch_size=2))
+            # 2 steps, both rejected, under max_consecutive_skips=3: the fit's end raises
+            loader = DataLoader(Rollouts(8), batch_size=2)
+            message, _, _ = _error(lambda t=trainer, d=loader: t.fit(HugeLR(), d))
         out[name] = {
             "steps": record.steps,
             "warnings": [str(w.message) for w in caught if "Skipped" in str(w.message)],
+            "error": message,
         }
     return out
 

@@ -38,6 +38,16 @@ def test_tp_ranks_with_different_batches_raise_on_both_before_the_step():
                          r"holds max_sequence_length=64", out["positions"][0]), out["positions"]  # fmt: skip
     for case in ("data", "rows", "width"):
         assert results[0][case][0] == results[1][case][0]  # the same message on both ranks
+    # only rank 1's rows are too wide: rank 0 (whose traceback the others point to) names the
+    # cause, and rank 1's own error is rank-local (its traceback printed, not a pointer)
+    message0, local0, collectives0 = results[0]["positions_rank1"]
+    message1, local1, collectives1 = results[1]["positions_rank1"]
+    assert message0.startswith("BatchRejectedError: Another rank rejected its batch (rank 1: "
+                               "ValueError: `input_ids` has S=65 positions"), message0  # fmt: skip
+    assert "learned position table holds max_sequence_length=64" in message0, message0
+    assert message1.startswith("ValueError: `input_ids` has S=65 positions"), message1
+    assert (local0, local1) == (False, True)
+    assert collectives0 == collectives1 == 2  # the agreement, then (mixed verdicts) the reasons
 
 
 def test_dp_ranks_with_different_row_counts_raise_on_both_at_once():
@@ -99,7 +109,7 @@ def test_bf16_updates_are_rejected_before_they_run_or_undone_after():
     """bf16-mixed, lr=1e8 at DP=2: with torch's AdamW (ZeRO shards and plain DDP) the update is
     previewed and never run; with an inner optimizer the preview does not know, it runs and is
     undone. Either way the bf16 weights, fp32 main weights and Adam state end each step bitwise
-    as they began."""
+    as they began, and the fit, shorter than `max_consecutive_skips`, fails at its end."""
     results = run_on_ranks(bf16_huge_lr_rank, 2, timeout=240)
     for rank, out in enumerate(results):
         for name, how in (("zero", "not applied"), ("ddp", "not applied"),
@@ -109,6 +119,11 @@ def test_bf16_updates_are_rejected_before_they_run_or_undone_after():
             assert len(warnings) == 2 and all("the learning rate overflows" in w and
                                               f"the update was {how}" in w for w in warnings), \
                 (rank, name, warnings)  # fmt: skip
+            # the fit ended before max_consecutive_skips=3, every step skipped: not exit 0
+            assert out[name]["error"].startswith(
+                "NonFiniteError: Every training step of this fit was skipped (2 of 2; the last: "
+            ), (rank, name, out[name]["error"])
+            assert "the learning rate overflows" in out[name]["error"]
 
 
 def test_a_zero_gradient_norm_for_n_steps_warns_once():

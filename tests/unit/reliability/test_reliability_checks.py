@@ -4,8 +4,10 @@ and Trainer-flag checks, the non-finite policy's arguments, checkpoint helpers."
 from __future__ import annotations
 
 import errno
+import math
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,12 @@ from hypothesis import strategies as st
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses.config import ClippedPGLossConfig, DPOLossConfig, OPDFullLossConfig
 from lightning_mcore_rl.strategy import checkpoint as ckpt
-from lightning_mcore_rl.strategy.nonfinite import NonFiniteError, NonFiniteGuard, check_policy
+from lightning_mcore_rl.strategy.nonfinite import (
+    NonFiniteError,
+    NonFiniteGuard,
+    NonFiniteWarning,
+    check_policy,
+)
 from lightning_mcore_rl.strategy.optimizer import check_trainer_flags
 from lightning_mcore_rl.train.validation import BatchSpec, first_nonfinite, validate_batch
 
@@ -166,6 +173,42 @@ def test_policy_counts_raises_and_stops_after_the_limit():
     guard = NonFiniteGuard("skip")
     with pytest.raises(ValueError, match="bad"):
         guard.check_inputs(None, ValueError("bad"), training=True)
+
+
+def test_a_fit_shorter_than_the_skip_limit_that_never_updated_fails_at_its_end():
+    """Issue 37 item 7: 5 steps at lr=1e4, each update rejected, max_consecutive_skips=10: the
+    fit ended untrained with exit 0. Its end now raises; an updated fit ending in skips warns."""
+    guard = NonFiniteGuard("skip", max_consecutive_skips=10)
+
+    def fit(norms: list[float]) -> None:
+        guard.begin_fit()
+        for norm in norms:
+            guard.begin_step("cpu")
+            if not guard.skip_on_grad_norm(norm):
+                guard.after_update(True, norm)
+        guard.check_fit_end()
+
+    with (
+        pytest.warns(NonFiniteWarning, match="Skipped the training step"),
+        pytest.raises(NonFiniteError, match=r"Every training step of this fit was skipped "
+                      r"\(5 of 5; the last: a non-finite gradient \(megatron's global grad norm: "
+                      r"inf\)\): the weights never changed\. The fit ended before "
+                      r"`max_consecutive_skips=10`"),
+    ):  # fmt: skip
+        fit([math.inf] * 5)
+    with pytest.warns(NonFiniteWarning) as caught:
+        fit([1.0, 2.0, math.nan, math.inf])  # updated, then 2 skips: a warning at the end
+    assert str(caught[-1].message).startswith(
+        "The fit ended with 2 consecutive skipped training steps (the last: a non-finite "
+        "gradient (megatron's global grad norm: inf)); the weights are those of the last update"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit([1.0, 2.0])  # a fit that trained, and one with no step, end quietly
+        fit([])
+    # each fit (a resumed one too) is judged on its own steps
+    with pytest.warns(NonFiniteWarning), pytest.raises(NonFiniteError, match=r"\(1 of 1;"):
+        fit([math.inf])
 
 
 def test_full_disk_and_layout_messages(tmp_path: Path):

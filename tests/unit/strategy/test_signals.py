@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -147,6 +148,36 @@ def test_a_failed_collective_names_the_rank_the_step_and_the_peers_then_kills_th
         for child in (stopped, alive):
             child.kill()
             child.wait()
+
+
+def test_a_peer_dying_as_the_collective_fails_is_named_exited_not_stalled():
+    """A SIGKILLed peer's sockets close before /proc shows it as a zombie: a peer read "alive"
+    at first is re-read for the grace before it is called stalled (issue 37 item 7)."""
+    me = RankProcess("here", os.getpid())
+    dying = sleeper()
+    try:
+        killer = threading.Timer(0.3, dying.kill)  # dies after the first read, within the grace
+        table = RankTable((me, RankProcess("here", dying.pid)), rank=0)
+        assert process_state(dying.pid) == "alive"
+        killer.start()
+        message = str(collective_failure(RuntimeError("Connection closed by peer"), table, 4))
+        killer.join()
+        assert "because of rank 1 exited (killed by SIGKILL) (" in message, message
+        assert f"rank 1 (pid {dying.pid}): exited (killed by SIGKILL)" in message
+        assert "stalled" not in message
+    finally:
+        dying.kill()
+        dying.wait()
+    stalled = sleeper()
+    try:
+        table = RankTable((me, RankProcess("here", stalled.pid)), rank=0)
+        started = time.monotonic()
+        message = str(collective_failure(RuntimeError("Timed out"), table, 4, grace_s=0.4))
+        assert time.monotonic() - started >= 0.4  # re-checked for the whole grace
+        assert "because of rank 1 alive but not answering (stalled)" in message
+    finally:
+        stalled.kill()
+        stalled.wait()
 
 
 _EXIT_SCRIPT = """
