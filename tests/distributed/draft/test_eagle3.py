@@ -45,6 +45,9 @@ def test_exported_directory_reproduces_the_draft(runs: tuple) -> None:
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     # vLLM numbers the hidden state after k layers k: the outputs of layers 2 and 3 are 3 and 4
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 4]
+    # top-level too: vLLM's V2 model runner reads only these (see test_eagle3_export.py)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [3, 4]
+    assert config["num_aux_hidden_states"] == 2
     expected = single["export"]["logits"]
     got = reference_logits(Path(root) / "tp1")
     print("export max abs diff", float((got - expected).abs().max()))
