@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -159,6 +160,29 @@ def compat_patches() -> list[Patch]:
 _COMPAT = ScopedPatches(compat_patches)
 
 
+def replace_dense_mlp(entry: Any, cls: type, submodules: Any) -> Any | None:
+    """The layer spec's ``mlp`` entry with ``cls`` (an ``MLP`` subclass) in place of megatron's
+    dense ``MLP`` with ``submodules``, in the spec's own form; ``None`` for any other entry.
+
+    megatron-core < 0.19 specs hold ``ModuleSpec(module=MLP, submodules=...)``: the entry
+    becomes the class itself (TransformerLayer warns "Unknown MLP type" for a ModuleSpec of any
+    MLP class but its own, and builds a class without ``tp_group``). 0.19 specs hold
+    ``partial(MLP.as_mlp_submodule, submodules=...)``: the entry becomes
+    ``partial(cls.as_mlp_submodule, ...)``, built with the layer's ``pg_collection.tp``.
+    """
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(entry, ModuleSpec):
+        return cls if entry.module is MLP and entry.submodules == submodules else None
+    if isinstance(entry, functools.partial) and not entry.args:
+        builds_mlp = getattr(entry.func, "__self__", None) is MLP  # MLP.as_mlp_submodule
+        if builds_mlp and entry.keywords.get("submodules") == submodules:
+            builder = getattr(cls, "as_mlp_submodule")  # noqa: B009 - MLP's, from 0.19 on
+            return functools.partial(builder, **entry.keywords)
+    return None
+
+
 @contextlib.contextmanager
 def megatron_compat() -> Iterator[None]:
     """The no-TE/no-Apex fixes of :func:`compat_patches`, installed for the block."""
@@ -248,11 +272,30 @@ LIGHTNING_EXPECTED_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
 )
 
 
+EXPECTED_LOG_LINES = (
+    # megatron-core 0.19 logs it at every GPTModel build; moving to HybridModel: docs/models.md
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+)
+"""``(logger, message prefix)`` of megatron log lines every run would print."""
+
+
+class _DropLogLine(logging.Filter):
+    """Drops the records of one logger whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
 def filter_expected_warnings(cpu: bool = False) -> None:
     """Ignore the warnings megatron-core issues in every run without Transformer Engine / Apex
     (:data:`EXPECTED_WARNINGS`) and the two Lightning warnings every recipe run printed
     (:data:`LIGHTNING_EXPECTED_WARNINGS`); ``cpu=True`` also ignores megatron's CUDA-only hints
-    (:data:`CPU_EXPECTED_WARNINGS`). Every other warning, megatron's included, still shows.
+    (:data:`CPU_EXPECTED_WARNINGS`), and drops megatron's :data:`EXPECTED_LOG_LINES`. Every
+    other warning, megatron's included, still shows.
 
     Process-wide and idempotent (``warnings.filterwarnings`` drops duplicate filters); call it
     before megatron-core is imported, as its Transformer Engine / Apex warnings fire at import.
@@ -260,6 +303,10 @@ def filter_expected_warnings(cpu: bool = False) -> None:
     expected = EXPECTED_WARNINGS + LIGHTNING_EXPECTED_WARNINGS
     for message, category, module in expected + (CPU_EXPECTED_WARNINGS if cpu else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, prefix in EXPECTED_LOG_LINES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLogLine) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_DropLogLine(prefix))
 
 
 def kv_cache_kwargs(output: Any) -> dict[str, Any]:

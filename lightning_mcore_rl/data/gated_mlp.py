@@ -97,10 +97,10 @@ class GatedMLP(MLP):
     :func:`lean_swiglu_applies` (else exactly megatron's ``MLP``, ``activation_func`` left out).
     Same parameters, checkpoint keys and forward.
 
-    In a layer spec it stands as a class (``submodules.mlp = GatedMLP``), with the local spec's
-    linear layers (:meth:`local_submodules`) by default. A class, unlike a ``ModuleSpec``, is
-    built without ``tp_group``: the linear layers take megatron's global tensor-parallel group,
-    as every model of this project is built on.
+    In a layer spec it stands where megatron's dense ``MLP`` stood (`_compat.replace_dense_mlp`:
+    the class before megatron-core 0.19, built on megatron's global tensor-parallel group;
+    ``partial(GatedMLP.as_mlp_submodule, ...)`` from 0.19, built with the layer's TP group),
+    with the local spec's linear layers (:meth:`local_submodules`) by default.
     """
 
     @staticmethod

@@ -359,20 +359,18 @@ def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
         The layer ``ModuleSpec`` (pass it to ``GPTModel(transformer_layer_spec=...)``).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from lightning_mcore_rl._compat import replace_dense_mlp
     from lightning_mcore_rl.data.gated_mlp import GatedMLP
     from lightning_mcore_rl.data.rms_norm import LocalNorm
 
     spec = get_gpt_layer_local_spec(**kwargs)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = PackedDotProductAttention
-    mlp = spec.submodules.mlp
-    if mlp.module is MLP and mlp.submodules == GatedMLP.local_submodules():
-        # a dense layer (a MoE layer keeps megatron's experts); a class, not a ModuleSpec:
-        # TransformerLayer warns "Unknown MLP type" for a spec of any MLP class but its own
-        spec.submodules.mlp = GatedMLP
+    gated = replace_dense_mlp(spec.submodules.mlp, GatedMLP, GatedMLP.local_submodules())
+    if gated is not None:  # a dense layer (a MoE layer keeps megatron's experts)
+        spec.submodules.mlp = gated
     for owner, name in ((spec.submodules, "input_layernorm"),
                         (spec.submodules, "pre_mlp_layernorm"),
                         (attention, "q_layernorm"), (attention, "k_layernorm")):  # fmt: skip

@@ -83,7 +83,9 @@ def _mlp_pair(rank: int) -> dict[str, Any]:
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt_config
 
     init_megatron_state()
-    submodules = get_gpt_layer_local_spec().submodules.mlp.submodules
+    mlp_entry = get_gpt_layer_local_spec().submodules.mlp
+    # a ModuleSpec before megatron-core 0.19, partial(MLP.as_mlp_submodule, submodules=...) from it
+    submodules = getattr(mlp_entry, "submodules", None) or mlp_entry.keywords["submodules"]
     config = tiny_gpt_config(gated_linear_unit=True, activation_func=F.silu, ffn_hidden_size=48)
     out: dict[str, Any] = {}
     x = torch.randn(12, 3, config.hidden_size, generator=torch.Generator().manual_seed(2))

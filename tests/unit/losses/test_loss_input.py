@@ -154,10 +154,12 @@ def test_draft_input_rolls_teacher_and_mask_and_maps_the_draft_vocab() -> None:
     d2t = torch.tensor([0, 1, 1, 3])  # draft id j -> target id j + d2t[j] = [0, 2, 3, 6]
     data["student_logits"] = torch.randn(B, S, 4)
     loss_input, _ = prepare_loss_input(logits, data, DraftCrossEntropyLossFn(), 0, G1, d2t=d2t)
-    expected = logits.roll(-1, dims=1)[..., [0, 2, 3, 6]]
-    assert torch.equal(loss_input["teacher_logits"], expected)
+    # shifted left by one, the rolled-in last position zeroed (NeMo RL's roll_tensor)
+    shifted, mask = logits.roll(-1, dims=1), data["token_mask"].roll(-1, dims=1)
+    shifted[:, -1], mask[:, -1] = 0, 0
+    assert torch.equal(loss_input["teacher_logits"], shifted[..., [0, 2, 3, 6]])
     assert not loss_input["teacher_logits"].requires_grad
-    assert torch.equal(loss_input["token_mask"], data["token_mask"].roll(-1, dims=1))
+    assert torch.equal(loss_input["token_mask"], mask)
     assert loss_input["student_logits"] is data["student_logits"]
 
 
