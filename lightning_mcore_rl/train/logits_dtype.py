@@ -78,7 +78,7 @@ def defers_fp32_logits(
         return False
     if post_processing_fn.cfg.logprob_chunk_size is None:
         return False
-    return post_processing_fn.keeps_model_dtype_exact()
+    return post_processing_fn.model_dtype_exact
 
 
 __all__ = ["defers_fp32_logits", "one_kernel_consumer"]

@@ -111,7 +111,8 @@ class LossPostProcessor:
         self.teacher_output_layer_weight_by_index = teacher_output_layer_weight_by_index
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
 
-    def keeps_model_dtype_exact(self) -> bool:
+    @property
+    def model_dtype_exact(self) -> bool:
         """Whether logits kept in the model dtype give this pass's fp32 result: one chunked
         kernel reads them (no custom ``prepare_fn``, no draft vocabulary map)."""
         from lightning_mcore_rl.train.logits_dtype import one_kernel_consumer

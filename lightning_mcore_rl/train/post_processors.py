@@ -53,6 +53,7 @@ class LogprobsPostProcessor:
     trains = False
     needs_full_logits = False
     captures_hidden_states = False
+    model_dtype_exact = True  # one chunked kernel reads the logits
 
     def __init__(
         self,
@@ -65,10 +66,6 @@ class LogprobsPostProcessor:
         self.cfg = load_policy_config(cfg)
         self.sampling_params = sampling_params
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
-
-    def keeps_model_dtype_exact(self) -> bool:
-        """Whether logits kept in the model dtype give this pass's fp32 result (one kernel)."""
-        return True
 
     def bind(self, b: Binding) -> OutputProcessor:
         """The forward step's call: `__call__` with the microbatch's fields."""
@@ -176,16 +173,13 @@ class TopkLogitsPostProcessor:
     captures_hidden_states = False
     use_fused_linear_logprobs = False
     sampling_params: TrainingSamplingParams | None = None  # raw logits: no filtering
+    model_dtype_exact = True  # one chunked kernel reads the logits
 
     def __init__(self, cfg: PolicyConfig | Mapping[str, Any] | None, k: int) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValueError(f"`k` must be a positive int, got {k!r}")
         self.cfg = load_policy_config(cfg)
         self.k = k
-
-    def keeps_model_dtype_exact(self) -> bool:
-        """Whether logits kept in the model dtype give this pass's fp32 result (one kernel)."""
-        return True
 
     def bind(self, b: Binding) -> OutputProcessor:
         """The forward step's call: `__call__` with the microbatch's fields."""
@@ -270,6 +264,7 @@ class TeacherFullPayloadPostProcessor:
     trains = False
     needs_full_logits = True  # the payload is the logits or the states before the head
     use_fused_linear_logprobs = False
+    model_dtype_exact = True  # forward-only: one chunked kernel reads the logits
 
     @property
     def captures_hidden_states(self) -> bool:
@@ -280,10 +275,6 @@ class TeacherFullPayloadPostProcessor:
     def sampling_params(self) -> TrainingSamplingParams | None:
         """Top-k/top-p of the sampled-token logprobs."""
         return self.logprobs.sampling_params
-
-    def keeps_model_dtype_exact(self) -> bool:
-        """Whether logits kept in the model dtype give this pass's fp32 result (one kernel)."""
-        return True
 
     def bind(self, b: Binding) -> OutputProcessor:
         """The forward step's call: `__call__` with the microbatch's fields."""
@@ -394,7 +385,8 @@ class PostProcessingFunction(Protocol):
     def sampling_params(self) -> TrainingSamplingParams | None:
         """Its top-k/top-p (and the temperature it was built with)."""
 
-    def keeps_model_dtype_exact(self) -> bool:
+    @property
+    def model_dtype_exact(self) -> bool:
         """Whether logits kept in the model dtype give its fp32 result."""
 
     def bind(self, b: Binding) -> OutputProcessor:
