@@ -71,6 +71,7 @@ _PARSER_KEY = re.compile(r'^Parser key "([^"]+)":?\s*(.*)$')
 _CLASS_PATH = re.compile(r"^Problem with given class_path '[^']+':?\s*(.*)$")
 _NOT_ACCEPTED = re.compile(r"Option '(\w+)' is not accepted")
 _BARE_TYPE = re.compile(r"^Expected a <class '[^']+'>$")
+_UNION_MISS = re.compile(r"^(\S+: )?Expected a <class '[^']+'>(\. Got value: .*)?$")
 
 
 class ConfigError(ValueError):
@@ -151,10 +152,13 @@ def config_error(error: BaseException) -> ConfigError | None:
     cause = ours[-1] if ours else chain[-1]
     if not isinstance(cause, _CONFIG_ERROR_KINDS):
         return None
-    text = str(cause).strip() or type(cause).__name__
-    # the project's messages are written for the user; jsonargparse's nest every union tried
-    message = text if ours else condense(text)
-    return ConfigError(message)
+    if ours:  # the project's messages are written for the user
+        return ConfigError(str(cause).strip() or type(cause).__name__)
+    # jsonargparse's nest every union member tried; the innermost can be the one that only says
+    # a value is not a str (`trainer.strategy`), while the class's own refusal sits one level out
+    condensed = [condense(str(e)) for e in chain if isinstance(e, _CONFIG_ERROR_KINDS)]
+    telling = [c for c in condensed if not _UNION_MISS.match(c)]
+    return ConfigError((telling or condensed)[-1])
 
 
 class LmrlCLI(LightningCLI):
@@ -202,7 +206,8 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """The CLI object (``run=False``: parse and instantiate only, for tests and notebooks).
 
     Raises:
-        ConfigError: a bad option or value (one line; the jsonargparse errors as its cause).
+        ConfigError: a bad option or value (one line; the jsonargparse errors as its cause),
+            also one the run's set-up refuses (a `ValueError`/`TypeError` the package raised).
     """
     try:
         return LmrlCLI(
@@ -218,6 +223,13 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         )
     except ArgumentError as error:  # the options, the config files or a checkpoint's hparams
         raise ConfigError(condense(str(error))) from error
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as error:  # the run's set-up checks (before any collective)
+        ours = [e for e in _chain(error) if _raised_in_project(e)]
+        if not ours or not isinstance(ours[-1], (ValueError, TypeError)):
+            raise  # not the project's refusal: a bug or a library's error keeps its traceback
+        raise ConfigError(str(ours[-1]).strip() or type(ours[-1]).__name__) from error
 
 
 def main(args: ArgsType = None) -> int | None:

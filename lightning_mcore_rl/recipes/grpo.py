@@ -210,6 +210,9 @@ class PromptDataModule(LightningDataModule):
         val_seed: int = 1,
     ) -> None:
         super().__init__()
+        for name, value in (("prompts_per_step", prompts_per_step), ("num_steps", num_steps)):
+            if value < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {value}")
         self.task = task or ModularCountingTask()
         self.prompts_per_step = prompts_per_step
         self.num_steps = num_steps

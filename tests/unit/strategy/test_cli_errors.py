@@ -63,6 +63,26 @@ def _error_lines(err: str) -> list[str]:
         ("--trainer.max_steps=abc", "trainer.max_steps: Expected a <class 'int'>. Got value: abc"),
         ("--model.init_args.rollout.bogus=1", "model.rollout: Option 'bogus' is not accepted"),
         ("--nonsense=1", "unrecognized arguments: --nonsense=1"),
+        ("--model.init_args.rollout.temperature=0", "`temperature` must be > 0, got 0.0"),
+        ("--model.init_args.rollout.top_p=1.5", "`top_p` must be in (0, 1], got 1.5"),
+        ("--model.init_args.loss.ratio_clip_min=-0.5", "`ratio_clip_min` must be >= 0, got -0.5."),
+        ("--model.init_args.task.modulus=1", "`modulus` must be in [2, vocab_size=16], got 1"),
+        ("--data.init_args.prompts_per_step=0", "`prompts_per_step` must be >= 1, got 0"),
+        # a strategy value: jsonargparse's innermost error only said "Expected a <class 'str'>"
+        (
+            "--trainer.strategy.init_args.microbatching.micro_batch_size=0",
+            "`micro_batch_size` must be a positive int, got 0.",
+        ),
+        (
+            "--trainer.strategy.init_args.pipeline_model_parallel_size=0",
+            "`pipeline_model_parallel_size` must be a positive int, got 0.",
+        ),
+        # refused by the run's set-up checks, before any collective (a traceback before)
+        ("--model.init_args.pass_at_k=[9]", "pass@k needs 1 <= k <= n (the group size 4), got k=9"),
+        (
+            "--trainer.gradient_clip_val=-1",
+            "`Trainer(gradient_clip_val=-1)` must be a finite number >= 0 (0 or None: no clipping).",
+        ),
     ],
 )
 def test_a_bad_override_prints_one_line_and_exits_2(
