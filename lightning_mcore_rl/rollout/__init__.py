@@ -33,11 +33,13 @@ from lightning_mcore_rl.rollout.source import (
     SamplingConfig,
 )
 from lightning_mcore_rl.rollout.tasks import ModularCountingTask
+from lightning_mcore_rl.rollout.vllm_refit import EngineDiedError
 from lightning_mcore_rl.rollout.vllm_source import VLLMRolloutSource
 
 __all__ = [
     "ROLLOUT_BACKENDS",
     "BackgroundRolloutSource",
+    "EngineDiedError",
     "GenerationOutput",
     "HFRolloutSource",
     "MegatronRolloutSource",

@@ -122,7 +122,9 @@ class _Broadcast:
         the group), the tokens, logprobs and routing.
 
         Raises:
-            RuntimeError: the generator's sampling failed; ``result()`` called twice.
+            RuntimeError: the generator's sampling failed; ``result()`` called twice. An error
+                that names the process that failed (``names_failed_process``, e.g. the vLLM
+                engine's ``EngineDiedError``) is raised itself, on every rank.
         """
         if self.taken:
             raise RuntimeError("PendingRollout.result() was already called.")
@@ -130,13 +132,17 @@ class _Broadcast:
         self.wait()
         source, draw = self.source, self.draw
         routed = None if draw is None else draw.value
-        status: list[Any] = [None, None]  # [error, routing shape]
+        status: list[Any] = [None, None, None]  # [error, routing shape, named failure]
         if draw is not None:
+            named = getattr(draw.error, "names_failed_process", False)
             status = [
                 None if draw.error is None else f"{type(draw.error).__name__}: {draw.error}",
                 None if routed is None else tuple(routed.shape),
+                draw.error if named else None,  # pickled to the group: the same error everywhere
             ]
         dist.broadcast_object_list(status, src=source.src, group=source.group)
+        if status[2] is not None:  # the generator raises its own (with its traceback)
+            raise status[2] if draw is None or draw.error is None else draw.error
         if status[0] is not None:
             raise RuntimeError(
                 f"{type(source).__name__}: rank {source.src} could not sample: {status[0]}"

@@ -15,11 +15,14 @@ advises.
 
 :class:`RefitWorkerExtension` is given to vLLM by its qualified name
 (``LLM(worker_extension_cls=...)``) and imported in the engine's process; this module imports
-no vLLM.
+no vLLM. :class:`EngineDiedError` is what every rank raises when the engine's process or its
+worker is gone (the refit connection then closes: not a stalled peer).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import threading
@@ -41,6 +44,61 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int
 
 TRAINER, WORKER = 0, 1
 """Ranks in the private refit group."""
+
+
+class EngineDiedError(RuntimeError):
+    """The vLLM engine's process or its worker is gone (killed, crashed): raised on every rank
+    of the source's group, naming the process, its pid and its exit status.
+
+    ``names_failed_process``: the strategy raises it as it is instead of a
+    :class:`~lightning_mcore_rl.strategy.processes.CollectiveFailure` (the refit connection it
+    closed is no stalled training rank, and no rank is killed for it).
+    """
+
+    names_failed_process = True
+
+    def __init__(self, message: str, pid: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.pid = pid
+        self.exitcode = exitcode
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # broadcast to the other ranks of the group (pickled): keep pid and exit status
+        return (type(self), (str(self), self.pid, self.exitcode))
+
+
+def exit_status(exitcode: int) -> str:
+    """``exitcode`` as ``multiprocessing`` reports it, in words: ``-9`` is ``"exit status -9
+    (killed by SIGKILL)"``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"exit status {exitcode} (killed by {name})"
+    return f"exit status {exitcode}"
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (no ``/proc`` entry, or a zombie not yet reaped)."""
+    state = _process_state(Path(f"/proc/{pid}/stat"))
+    return state is None or state[0] in ("Z", "X")
+
+
+def zombie_exitcode(pid: int) -> int | None:
+    """The exit status of process ``pid`` when it has exited and is not yet reaped by its parent
+    (another process's child: no ``waitpid`` here), as ``multiprocessing`` writes one (``-9``:
+    killed by SIGKILL); ``None`` when it runs, is reaped, or ``/proc`` does not say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] not in ("Z", "X") or len(fields) < 50:
+        return None
+    status = int(fields[49])  # field 52 of proc(5): the waitpid(2) status (Linux >= 3.5)
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
 
 
 def _process_state(stat: Path) -> tuple[str, int] | None:
@@ -76,7 +134,9 @@ def watch_owner(owner_pid: int, interval_s: float = 1.0) -> bool:
             now = _process_state(stat)
             if now is None or now[0] == "Z" or now[1] != first[1]:
                 if engine != os.getpid():
-                    os.kill(engine, signal.SIGKILL)
+                    # the engine may be gone already (killed with its owner): nothing to end
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(engine, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="lmrl-vllm-owner-watch", daemon=True).start()
@@ -142,6 +202,55 @@ def receive_weights(group: Any, device: torch.device) -> Iterator[tuple[str, Ten
         yield name.decode(), recv(torch.empty(shape, dtype=DTYPES[int(header[1])], device=device))
 
 
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_UNLOADED = "%s: Failed to load weights"
+"""vLLM's layerwise reload logs this (its logger, its format) for every layer none of whose
+tensors a reload filled, buffers included, once per refit."""
+
+
+def derived_only_layers(model: torch.nn.Module) -> frozenset[str]:
+    """Class names of ``model``'s layers that hold no parameter and only non-persistent buffers
+    (``RotaryEmbedding``'s ``cos_sin_cache``, computed from the config): in no state dict, no
+    checkpoint and no refit stream, so a reload never fills them."""
+    derived, weighted = set(), set()
+    for layer in model.modules():
+        name = type(layer).__name__
+        if any(p is not None for p in layer._parameters.values()):
+            weighted.add(name)
+        elif layer._buffers and set(layer._buffers) <= layer._non_persistent_buffers_set:
+            derived.add(name)
+    return frozenset(derived - weighted)  # a name that holds a weight anywhere stays reported
+
+
+class UnloadedBufferFilter(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for ``layers`` (:func:`derived_only_layers`)
+    alone; the warning stays for any layer with a weight."""
+
+    def __init__(self, layers: frozenset[str]) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` is logged."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == _UNLOADED and len(args) == 1 and args[0] in self.layers)
+
+
+def quiet_unloaded_buffers(model: torch.nn.Module) -> UnloadedBufferFilter:
+    """Install (once) the :class:`UnloadedBufferFilter` of ``model`` on vLLM's reload logger."""
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    for installed in logger.filters:
+        if isinstance(installed, UnloadedBufferFilter):
+            return installed
+    # Why a filter: vLLM's layerwise reload counts a layer's buffers as tensors to load, so a
+    # layer of non-persistent buffers alone (RotaryEmbedding's cos_sin_cache) is "not loaded" at
+    # every refit, logged as a warning (60 lines in a 30-step run), then put back unchanged
+    # (vLLM's fallback, `_place_kernel_tensors`): nothing is missing, no weight to send exists.
+    quiet = UnloadedBufferFilter(derived_only_layers(model))
+    logger.addFilter(quiet)
+    return quiet
+
+
 class RefitWorkerExtension:
     """Methods vLLM adds to its worker (``LLM(worker_extension_cls=<qualified name>)``), called
     through ``LLM.collective_rpc``: :meth:`init_refit_group` once, :meth:`refit_from_group` per
@@ -149,14 +258,21 @@ class RefitWorkerExtension:
 
     _refit_pg: Any = None
 
-    def init_refit_group(self, host: str, port: int, timeout_s: float, owner_pid: int) -> bool:
+    def init_refit_group(self, host: str, port: int, timeout_s: float, owner_pid: int) -> int:
         """Join the trainer's private group (rank 1) on its store at ``host:port``; the engine
-        process ends with its owner, the trainer rank ``owner_pid`` (:func:`watch_owner`)."""
+        process ends with its owner, the trainer rank ``owner_pid`` (:func:`watch_owner`).
+        Quiets vLLM's per-refit warning about the model's derived buffers
+        (:func:`quiet_unloaded_buffers`).
+
+        Returns:
+            This worker's pid (the owner names it when the worker dies).
+        """
         watch_owner(owner_pid)
+        quiet_unloaded_buffers(self.model_runner.get_model())  # type: ignore[attr-defined]
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timeout)
         self._refit_pg = refit_group(store, WORKER, timeout, self._refit_device())
-        return True
+        return os.getpid()
 
     def refit_from_group(self) -> int:
         """Reload every weight in place from the trainer's stream.
@@ -195,4 +311,17 @@ class RefitWorkerExtension:
         return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
-__all__ = ["RefitWorkerExtension", "receive_weights", "refit_group", "send_weights", "watch_owner"]
+__all__ = [
+    "EngineDiedError",
+    "RefitWorkerExtension",
+    "UnloadedBufferFilter",
+    "derived_only_layers",
+    "exit_status",
+    "process_gone",
+    "quiet_unloaded_buffers",
+    "receive_weights",
+    "refit_group",
+    "send_weights",
+    "watch_owner",
+    "zombie_exitcode",
+]

