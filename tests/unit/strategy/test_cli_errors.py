@@ -4,9 +4,11 @@ argument, and ``lmrl validate``/``test`` refusing to evaluate nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from lightning.pytorch import LightningDataModule, LightningModule
 
 import lightning_mcore_rl.cli as cli_module
@@ -52,6 +54,18 @@ class NoValFiles(LightningDataModule):
 def _error_lines(err: str) -> list[str]:
     assert "Traceback" not in err
     return [line for line in err.splitlines() if line.startswith("lmrl:")]
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """A refusal in the run's set-up leaves the run's process group and megatron state behind
+    (Lightning destroys neither at teardown); later tests of this process need none."""
+    yield
+    if dist.is_initialized():
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
