@@ -1,8 +1,6 @@
-"""Advantages: GRPO group-relative (Shao et al. 2024, DeepSeekMath, §4.1.2) and its
-leave-one-out (RLOO) variant, REINFORCE++, and GAE over a value model's estimates.
+"""Advantages: GRPO (and its RLOO variant), REINFORCE++ and GAE; samples are group-major."""
 
-Samples are laid out group-major: the ``G`` completions of prompt ``i`` are rows ``i*G .. i*G+G-1``.
-"""
+# Group-major: the `G` completions of prompt `i` are rows `i*G .. i*G+G-1`.
 
 from __future__ import annotations
 
@@ -20,23 +18,10 @@ def grpo_advantages(
     leave_one_out: bool = False,
     eps: float = 1e-6,
 ) -> Tensor:
-    """Advantage of each completion relative to the other completions of its prompt.
+    """GRPO advantages `(r - baseline) / (std + eps)` per group: `[B*G]` -> `[B*G]`.
 
-    ``A_i = (r_i - b_i) / (std_g + eps)`` with ``b_i`` the group mean (or, with ``leave_one_out``,
-    the mean of the OTHER ``G-1`` rewards, an unbiased baseline) and ``std_g`` the group's unbiased
-    standard deviation (only with ``normalize_std``; Dr.GRPO drops it). A group whose rewards are
-    all equal gets advantage 0 (no learning signal), never NaN.
-
-    Args:
-        rewards: ``[B*G]`` scalar reward per completion, group-major.
-        group_size: ``G``, completions per prompt (>= 2 with ``leave_one_out`` or ``normalize_std``).
-        normalize_std: divide by the group's standard deviation.
-        leave_one_out: baseline = mean of the other completions of the group.
-        eps: added to the standard deviation.
-
-    Returns:
-        ``[B*G]`` advantages (same dtype as ``rewards``).
-    """
+    Raises `ValueError` for rewards not 1-D or not finite, or `G` not dividing them."""
+    # Shao et al. 2024 (DeepSeekMath) §4.1.2; `normalize_std=False` is Dr.GRPO.
     if rewards.ndim != 1:
         raise ValueError(f"`rewards` must be 1-D [B*G], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
@@ -50,26 +35,20 @@ def grpo_advantages(
         raise ValueError("`rewards` contains NaN or inf")
     grouped = rewards.view(-1, group_size)  # [B, G]
     total = grouped.sum(dim=1, keepdim=True)
+    # leave_one_out (RLOO): the mean of the OTHER G-1 rewards, an unbiased baseline
     baseline = (total - grouped) / (group_size - 1) if leave_one_out else total / group_size
     advantages = grouped - baseline
     if normalize_std:
-        std = grouped.std(dim=1, keepdim=True)
+        std = grouped.std(dim=1, keepdim=True)  # unbiased
+        # a group of equal rewards carries no signal: advantage 0, never NaN
         advantages = torch.where(std > 0, advantages / (std + eps), torch.zeros_like(advantages))
     return advantages.reshape(-1)
 
 
 def nonfinite_reward_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """Which completions belong to a group holding a NaN/inf reward (the estimators above
-    reject such rewards; a recipe masks them and gives the group NaN advantages, which the
-    training step's non-finite policy skips on every rank).
-
-    Args:
-        rewards: ``[B*G]`` rewards, group-major.
-        group_size: ``G``.
-
-    Returns:
-        ``[B*G]`` bool, True for every completion of such a group.
-    """
+    """`[B*G]` bool: True for every completion of a group holding a NaN/inf reward."""
+    # The estimators above reject such rewards; a recipe masks them and gives the group NaN
+    # advantages, which the training step's non-finite policy skips on every rank.
     if rewards.ndim != 1 or group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(
             f"`rewards` must be 1-D [B*G] with G={group_size} dividing it, got shape "
@@ -80,7 +59,7 @@ def nonfinite_reward_groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def token_level_advantages(advantages: Tensor, token_mask: Tensor) -> Tensor:
-    """Broadcast per-sample advantages ``[B]`` onto tokens: ``[B, S]``, zero where masked."""
+    """Broadcast per-sample advantages `[B]` onto tokens: `[B, S]`, zero where masked."""
     if advantages.shape != token_mask.shape[:1]:
         raise ValueError(
             f"`advantages` {tuple(advantages.shape)} must be [B] for token_mask "
@@ -97,26 +76,13 @@ def masked_whiten(
     eps: float = 1e-8,
     group: Any = None,
 ) -> Tensor:
-    """``(x - mean) / sqrt(max(var, eps))`` over the entries where ``mask`` is 1, masked entries
-    left as computed (the loss masks them).
-
-    The mean and variance are those of the whole global batch: with ``group`` (the data-parallel
-    process group) the sums are all-reduced over it, so every rank whitens with the same
-    statistics whatever the data-parallel size.
-
-    Args:
-        values: ``[B, S]``.
-        mask: ``[B, S]`` 1 at valid tokens.
-        unbiased: divide the squared deviations by ``N - 1`` (NeMo RL's GAE whitening) instead
-            of ``N`` (its REINFORCE++ normalisation).
-        eps: lower bound of the variance.
-        group: process group to reduce the statistics over (``None``: this rank's entries).
-
-    Returns:
-        ``[B, S]`` whitened values.
-    """
+    """`(x - mean) / sqrt(max(var, eps))` of `values [B, S]` over `mask [B, S]`, reduced
+    over `group` (`None`: this rank's entries)."""
+    # `unbiased`: variance over N - 1 (NeMo RL's GAE whitening), else N (its REINFORCE++).
+    # Masked entries are left as computed: the loss masks them.
     mask = mask.to(values.dtype)
     stats = torch.stack([(values * mask).sum(), mask.sum()])
+    # statistics of the whole global batch: every data-parallel rank whitens the same way
     _all_reduce(stats, group)
     count = stats[1].clamp(min=1.0)
     mean = stats[0] / count
@@ -141,25 +107,10 @@ def reinforce_plus_plus_advantages(
     kl_coef: float = 0.0,
     group: Any = None,
 ) -> Tensor:
-    """REINFORCE++ token advantages (arXiv:2501.03262; NeMo RL's ``reinforce_plus_plus``).
+    """REINFORCE++ (arXiv:2501.03262): `rewards [B*G]`, `token_mask`/`kl [B*G, S]` -> `[B*G, S]`.
 
-    ``a = r - mean_group(r)`` (``minus_baseline``; else ``a = r``) broadcast onto the tokens,
-    minus ``kl_coef * kl`` per token (the KL folded into the reward, ``use_kl_in_reward``), then
-    whitened over the valid tokens of the global batch (population variance, see
-    :func:`masked_whiten`); zero where ``token_mask`` is 0.
-
-    Args:
-        rewards: ``[B*G]`` scalar rewards, group-major.
-        group_size: ``G``.
-        token_mask: ``[B*G, S]`` 1 at completion tokens.
-        minus_baseline: subtract the group mean.
-        kl: ``[B*G, S]`` per-token KL estimate of the sampling policy against the reference.
-        kl_coef: its weight (``reference_policy_kl_penalty``).
-        group: data-parallel process group of the global whitening.
-
-    Returns:
-        ``[B*G, S]`` advantages.
-    """
+    `kl_coef` is NeMo RL's `reference_policy_kl_penalty`; `group` the data-parallel group."""
+    # NeMo RL's `reinforce_plus_plus`: a = r - mean_group(r) (or r), broadcast onto the tokens.
     baseline = grpo_advantages(rewards, group_size, normalize_std=False)  # checks the rewards
     per_sample = baseline if minus_baseline else rewards
     mask = token_mask.to(rewards.dtype)
@@ -169,26 +120,17 @@ def reinforce_plus_plus_advantages(
             raise ValueError(
                 f"`kl` {tuple(kl.shape)} must match token_mask {tuple(mask.shape)} ([B*G, S])."
             )
+        # the KL folded into the reward (`use_kl_in_reward`)
         advantages = advantages - kl_coef * kl.to(rewards.dtype)
+    # population variance over the global batch's valid tokens, as NeMo RL normalises
     return masked_whiten(advantages, mask, group=group) * mask
 
 
 def terminal_token_rewards(
     rewards: Tensor, token_mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
 ) -> Tensor:
-    """Per-token rewards of a sequence-level reward: ``rewards`` on each row's last valid token,
-    ``-kl_coef * kl`` on every valid token (``use_kl_in_reward``), 0 elsewhere (NeMo RL's GAE
-    token rewards).
-
-    Args:
-        rewards: ``[B]``.
-        token_mask: ``[B, S]`` 1 at completion tokens.
-        kl: optional ``[B, S]`` per-token KL estimate.
-        kl_coef: its weight.
-
-    Returns:
-        ``[B, S]`` token rewards.
-    """
+    """`[B, S]` token rewards: `rewards [B]` on each row's last valid token, `-kl_coef * kl`
+    on every valid one, 0 where `token_mask [B, S]` is 0 (NeMo RL's GAE token rewards)."""
     if rewards.shape != token_mask.shape[:1]:
         raise ValueError(
             f"`rewards` {tuple(rewards.shape)} must be [B] for token_mask {tuple(token_mask.shape)}"
@@ -196,9 +138,11 @@ def terminal_token_rewards(
     mask = token_mask.to(rewards.dtype)
     token_rewards = torch.zeros_like(mask)
     if kl is not None:
+        # `use_kl_in_reward`: the penalty on every valid token
         token_rewards = token_rewards - kl_coef * kl.to(rewards.dtype)
     width = mask.shape[1]
     last = width - 1 - mask.flip(1).argmax(dim=1)  # [B]
+    # an all-masked row has no last token: argmax picked column S-1, zeroed here
     has_tokens = mask.sum(dim=1) > 0
     terminal = torch.zeros_like(mask).scatter(1, last[:, None], rewards[:, None])
     return (token_rewards + terminal * has_tokens[:, None].to(mask.dtype)) * mask
@@ -207,37 +151,25 @@ def terminal_token_rewards(
 def gae_advantages(
     token_rewards: Tensor, values: Tensor, token_mask: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalized Advantage Estimation (Schulman et al. 2015, arXiv:1506.02438).
-
-    Over the valid tokens of each row, from the last one back:
-    ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``, where
-    ``V_next``/``A_next`` belong to the next VALID token (0 after the last one: the episode
-    ends). Masked positions carry the accumulators over unchanged (NeMo RL's carry-forward
-    masking), so gaps in the mask add no TD error. ``returns = A + V`` are the value targets.
-
-    Args:
-        token_rewards: ``[B, S]`` per-token rewards (:func:`terminal_token_rewards`).
-        values: ``[B, S]`` value of the state before each token (``V(s_t)`` at token ``t``).
-        token_mask: ``[B, S]`` 1 at the tokens that are actions.
-        gamma: discount.
-        lam: GAE lambda (0: one-step TD, 1: Monte-Carlo returns minus ``V``).
-
-    Returns:
-        ``(advantages, returns)``, both ``[B, S]``, zero where ``token_mask`` is 0.
-    """
+    """GAE (arXiv:1506.02438): `[B, S]` inputs -> `(advantages, returns)` `[B, S]`, 0 where
+    masked; `values` holds `V(s_t)` at token `t`, `returns = A + V` are the value targets."""
     if not (token_rewards.shape == values.shape == token_mask.shape) or values.ndim != 2:
         raise ValueError(
             f"`token_rewards` {tuple(token_rewards.shape)}, `values` {tuple(values.shape)} and "
             f"`token_mask` {tuple(token_mask.shape)} must be the same [B, S] shape."
         )
     mask = token_mask.to(values.dtype)
+    # V_next/A_next belong to the next VALID token: 0 after the last one (the episode ends)
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(next_value)
     columns = []
+    # delta_t = r_t + gamma * V_next - V_t;  A_t = delta_t + gamma * lam * A_next
     for t in reversed(range(values.shape[1])):
         m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         advantage = delta + gamma * lam * next_advantage
+        # masked positions carry the accumulators over unchanged (NeMo RL's carry-forward
+        # masking), so gaps in the mask add no TD error
         next_value = values[:, t] * m + (1 - m) * next_value
         next_advantage = advantage * m + (1 - m) * next_advantage
         columns.append(advantage * m)
