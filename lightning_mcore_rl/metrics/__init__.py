@@ -1,15 +1,8 @@
-"""torchmetrics-based reductions and RL evaluation metrics.
+"""torchmetrics-based rule reductions and RL evaluation metrics (pass@k, standard deviation)."""
 
-* :class:`RuleReduction` — a vector of statistics over a process group, each entry by its
-  rule, in one synchronisation; :func:`combine_rows` — the same rules on rows already gathered
-  (used by :func:`lightning_mcore_rl.train.reduce_step_statistics` on its all-gather);
-  :data:`AGGREGATIONS` — the torchmetrics aggregation of each rule name (validation epochs).
-* :class:`PassAtK` (unbiased pass@k), :class:`StandardDeviation` — usable in any
-  ``validation_step`` with the data-parallel group; the GRPO recipe's validation uses them with
-  torchmetrics' ``MeanMetric``/``MaxMetric``.
-
-Imports only torch and torchmetrics (a bottom layer, like ``ops``).
-"""
+# A bottom layer like `ops`: imports only torch and torchmetrics.
+# `combine_rows` serves `lightning_mcore_rl.train.reduce_step_statistics` on its own all-gather;
+# the GRPO recipe's validation uses `PassAtK`/`StandardDeviation` with `MeanMetric`/`MaxMetric`.
 
 from lightning_mcore_rl.metrics.reduction import AGGREGATIONS, RuleReduction, combine_rows
 from lightning_mcore_rl.metrics.rl import PassAtK, StandardDeviation, pass_at_k

@@ -1,5 +1,4 @@
-"""Rule-based reductions on torchmetrics: the per-step statistics over the data-parallel group
-(one sync) and the aggregations across validation batches."""
+"""Rule-based reductions on torchmetrics: per-step statistics over a group, validation aggregations."""
 
 from __future__ import annotations
 
@@ -29,19 +28,14 @@ _IDENTITY: dict[str, float] = {"sum": 0.0, "min": math.inf, "max": -math.inf}
 
 @functools.lru_cache(maxsize=16)
 def _rule_masks(kinds: tuple[Combine, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(is_min, is_max)`` ``[n]`` bool masks of ``kinds`` on ``device``."""
+    """`(is_min, is_max)` `[n]` bool masks of `kinds` on `device`."""
     is_min = torch.tensor([k == "min" for k in kinds], dtype=torch.bool, device=device)
     is_max = torch.tensor([k == "max" for k in kinds], dtype=torch.bool, device=device)
     return is_min, is_max
 
 
 def combine_rows(rows: Tensor, kinds: Sequence[Combine]) -> Tensor:
-    """``[R, n]`` -> ``[n]``: column ``j`` combined over the ``R`` rows by ``kinds[j]`` (the sum,
-    the min or the max of the column).
-
-    Raises:
-        ValueError: ``rows`` is not ``[R, len(kinds)]``.
-    """
+    """`[R, n]` -> `[n]`: column `j` summed, min'd or max'd over the rows by `kinds[j]`."""
     if rows.dim() != 2 or rows.shape[1] != len(kinds):
         raise ValueError(f"`rows` must have shape [R, {len(kinds)}], got {tuple(rows.shape)}")
     is_min, is_max = _rule_masks(tuple(kinds), rows.device)
@@ -51,9 +45,9 @@ def combine_rows(rows: Tensor, kinds: Sequence[Combine]) -> Tensor:
 
 
 def _all_gather_same_shape(tensor: Tensor, group: Any | None = None) -> list[Tensor]:
-    """ONE all-gather: every rank's state has the same shape by construction, so torchmetrics'
-    default (a barrier and an all-gather of the shapes first) would cost two more collectives
-    per step."""
+    """All-gather `tensor` over `group` (`None`: the world) in one collective."""
+    # Every rank's state has the same shape by construction; torchmetrics' default (a barrier
+    # and an all-gather of the shapes first) would cost two more collectives per step.
     group = group if group is not None else torch.distributed.group.WORLD
     parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
@@ -61,20 +55,18 @@ def _all_gather_same_shape(tensor: Tensor, group: Any | None = None) -> list[Ten
 
 
 class RuleReduction(Metric):
-    """A vector of values, each reduced over ``process_group`` by its own rule (``sum``,
-    ``min`` or ``max``), in ONE synchronisation: the single state is all-gathered once
-    (``[world, n]``) and each column reduced by its rule.
-
-    Over statistics that TP/PP ranks of one replica share, pass the data-parallel group (the
-    world group would count them several times). The training step's statistics gather their
-    vector themselves and combine the rows with :func:`combine_rows`, the same rules.
+    """A vector `[n]`, each entry reduced over `process_group` by its rule, in one sync.
 
     Args:
-        kinds: the rule of each entry.
-        process_group: the group to reduce over (``None``: the world).
+        kinds: the rule of each entry (`sum`, `min` or `max`).
+        process_group: the group to reduce over (`None`: the world).
         device: where the state lives (the collectives' device: CUDA under NCCL).
-        sync: synchronise on ``compute`` (``False`` for a group of one process).
+        sync: synchronise on `compute` (`False` for a group of one process).
     """
+
+    # Over statistics that TP/PP ranks of one replica share, pass the data-parallel group: the
+    # world group would count them several times. The training step gathers its statistics
+    # itself and combines the rows with `combine_rows`, the same rules.
 
     full_state_update = False
     values: Tensor
@@ -90,6 +82,7 @@ class RuleReduction(Metric):
             process_group=process_group,
             dist_sync_on_step=False,
             sync_on_compute=sync,
+            # the single state is all-gathered once ([world, n]), each column reduced by its rule
             dist_sync_fn=_all_gather_same_shape,
         )
         self.kinds = tuple(kinds)
@@ -97,13 +90,13 @@ class RuleReduction(Metric):
         self.add_state("values", default=identity.to(device), dist_reduce_fx=self._reduce_columns)
 
     def _reduce_columns(self, stacked: Tensor) -> Tensor:
-        """``[world, n]`` gathered states -> ``[n]``: each column by its rule."""
+        """`[world, n]` gathered states -> `[n]`: each column by its rule."""
         if stacked.dim() == 1:  # a single process: nothing was gathered
             return stacked
         return combine_rows(stacked, self.kinds)
 
     def update(self, values: Tensor) -> None:
-        """Combine ``values [n]`` into the state, each entry by its rule."""
+        """Combine `values [n]` into the state, each entry by its rule."""
         values = values.to(self.values)
         if values.shape != self.values.shape:
             raise ValueError(
@@ -118,5 +111,5 @@ class RuleReduction(Metric):
         self.values = combined
 
     def compute(self) -> Tensor:
-        """The reduced ``[n]`` fp64 values."""
+        """The reduced `[n]` fp64 values."""
         return self.values

@@ -1,10 +1,9 @@
-"""RL evaluation metrics as torchmetrics ``Metric`` s: pass@k and a standard deviation.
+"""RL evaluation metrics as torchmetrics `Metric`s: pass@k and a standard deviation."""
 
-Mean reward, mean/max response length and the truncated fraction are torchmetrics' own
-``MeanMetric`` / ``MaxMetric``; every metric here takes a ``process_group`` (the data-parallel
-group: TP/PP ranks of one replica hold the same samples) so its synchronised value equals the
-value on the concatenated samples of all data-parallel ranks.
-"""
+# Mean reward, mean/max response length and the truncated fraction are torchmetrics' own
+# `MeanMetric`/`MaxMetric`. Every metric here takes a `process_group`, the data-parallel group
+# (TP/PP ranks of one replica hold the same samples), so its synchronised value equals the value
+# on the concatenated samples of all data-parallel ranks.
 
 from __future__ import annotations
 
@@ -16,17 +15,9 @@ from torchmetrics import Metric
 
 
 def pass_at_k(num_samples: int, num_correct: Tensor, k: int) -> Tensor:
-    """Unbiased pass@k per problem (Chen et al. 2021, arXiv:2107.03374, Eq. 1 and Fig. 3):
-    ``1 - C(n - c, k) / C(n, k)``, computed as ``1 - prod_{i=n-c+1}^{n} (1 - k / i)``.
-
-    Args:
-        num_samples: ``n`` samples per problem.
-        num_correct: ``[P]`` correct samples ``c`` of each problem (``0 <= c <= n``).
-        k: ``1 <= k <= n``.
-
-    Returns:
-        ``[P]`` fp64 estimates.
-    """
+    """Unbiased pass@k `1 - C(n - c, k) / C(n, k)`: `num_correct [P]` -> `[P]` fp64."""
+    # Chen et al. 2021 (arXiv:2107.03374) Eq. 1 and Fig. 3: the numerically stable product
+    # 1 - prod_{i=n-c+1}^{n} (1 - k / i) instead of the binomials.
     if not 1 <= k <= num_samples:
         raise ValueError(f"`k` must be in [1, n={num_samples}], got {k}")
     c = num_correct.to(torch.float64)
@@ -42,11 +33,11 @@ def pass_at_k(num_samples: int, num_correct: Tensor, k: int) -> Tensor:
 
 
 class PassAtK(Metric):
-    """Mean unbiased pass@k over problems (:func:`pass_at_k`), synchronised over a group.
+    """Mean unbiased pass@k over problems (`pass_at_k`), synchronised over a group.
 
     Args:
-        k: the ``k`` of pass@k.
-        process_group: the data-parallel group (``None``: the world).
+        k: the `k` of pass@k.
+        process_group: the data-parallel group (`None`: the world).
     """
 
     full_state_update = False
@@ -67,7 +58,7 @@ class PassAtK(Metric):
         )
 
     def update(self, correct: Tensor) -> None:
-        """Add problems: ``correct [P, n]`` (bool: sample ``j`` of problem ``p`` is correct)."""
+        """Add problems: `correct [P, n]` bool, sample `j` of problem `p` correct."""
         if correct.dim() != 2:
             raise ValueError(
                 f"`correct` must be [problems, samples], got shape {tuple(correct.shape)}"
@@ -82,12 +73,11 @@ class PassAtK(Metric):
 
 
 class StandardDeviation(Metric):
-    """Population standard deviation of all values seen, synchronised over a group (sums of
-    ``x`` and ``x^2`` in fp64).
+    """Population standard deviation of all values seen, synchronised over `process_group`
+    (the data-parallel group; `None`: the world)."""
 
-    Args:
-        process_group: the data-parallel group (``None``: the world).
-    """
+    # States are sums of x and x^2 in fp64: sum-reducible over ranks, and fp64 keeps
+    # E[x^2] - E[x]^2 from cancelling badly.
 
     full_state_update = False
     total: Tensor
@@ -102,14 +92,15 @@ class StandardDeviation(Metric):
         self.add_state("count", default=zero.clone(), dist_reduce_fx="sum")
 
     def update(self, values: Tensor) -> None:
-        """Add ``values`` (any shape)."""
+        """Add `values` (any shape)."""
         x = values.detach().to(torch.float64).flatten()
         self.total = self.total + x.sum().to(self.total)
         self.squares = self.squares + (x * x).sum().to(self.squares)
         self.count = self.count + x.numel()
 
     def compute(self) -> Tensor:
-        """``sqrt(E[x^2] - E[x]^2)`` (0 for no values)."""
+        """`sqrt(E[x^2] - E[x]^2)` (0 for no values)."""
         n = self.count.clamp(min=1)
         mean = self.total / n
+        # rounding can leave E[x^2] - E[x]^2 slightly below 0
         return (self.squares / n - mean * mean).clamp(min=0.0).sqrt()
