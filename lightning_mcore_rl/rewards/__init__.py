@@ -1,16 +1,11 @@
-"""Reward functions over text: score a batch of completions on the host.
+"""Reward functions over text: `(prompts, completions, metadata) -> [B]` float32 on the CPU.
 
-Every reward follows :class:`RewardFunction` (the built-ins derive from :class:`Reward`, so configs
-name them by ``class_path``): ``(prompts, completions, metadata) -> Tensor [B]``
-(float32, CPU), one score per completion, where ``metadata[i]`` holds sample ``i``'s dataset fields
-(e.g. the reference ``"answer"``). Malformed input (lists of different lengths, a missing metadata
-key, an unreadable reference answer) raises a ``ValueError`` naming the argument or key and the
-sample index; a malformed *completion* (no number, wrong format, empty) scores 0.
+Built-ins: exact match, numeric answer, format (regex or tags), weighted sum; see `docs/data.md`."""
 
-Built-ins: :class:`ExactMatchReward`, :class:`NumericAnswerReward` (the ``\\boxed{...}`` answer or
-else the last number, within a tolerance), :class:`FormatReward` (a regular expression, or required
-tags), :class:`WeightedReward` (a weighted sum of several). See ``docs/data.md``.
-"""
+# Malformed input (lists of different lengths, a missing metadata key, an unreadable reference
+# answer) raises a `ValueError` naming the argument or key and the sample index: it is a bug in
+# the data or the config. A malformed *completion* (no number, wrong format, empty) scores 0: it
+# is what the policy is being trained away from.
 
 from lightning_mcore_rl.rewards.answers import (
     ExactMatchReward,

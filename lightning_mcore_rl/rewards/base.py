@@ -11,16 +11,8 @@ from torch import Tensor
 
 
 class RewardFunction(Protocol):
-    """Scores ``B`` completions on the host.
-
-    Args:
-        prompts: ``B`` prompt texts (what the policy was given).
-        completions: ``B`` generated texts, ``completions[i]`` continuing ``prompts[i]``.
-        metadata: ``B`` mappings of each sample's dataset fields (e.g. ``{"answer": "42"}``).
-
-    Returns:
-        ``[B]`` float32 rewards on the CPU.
-    """
+    """Scores `B` completions on the host: `[B]` float32 rewards on the CPU; `metadata[i]`
+    holds sample `i`'s dataset fields (e.g. `{"answer": "42"}`)."""
 
     def __call__(
         self,
@@ -31,9 +23,10 @@ class RewardFunction(Protocol):
 
 
 class Reward(ABC):
-    """The base class of the built-in rewards: a :class:`RewardFunction` that a config file can
-    name by ``class_path`` (``LightningCLI``/jsonargparse instantiate subclasses of a class, not
-    implementations of a callable protocol). Any plain function of the protocol works in code."""
+    """The base class of the built-in rewards: a `RewardFunction` a config names by `class_path`."""
+
+    # LightningCLI/jsonargparse instantiate subclasses of a class, not implementations of a
+    # callable protocol: hence this base. Any plain function of the protocol works in code.
 
     @abstractmethod
     def __call__(
@@ -42,7 +35,7 @@ class Reward(ABC):
         completions: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
     ) -> Tensor:
-        """``[B]`` float32 rewards (see :class:`RewardFunction`)."""
+        """`[B]` float32 rewards (see `RewardFunction`)."""
 
 
 AnyReward = Reward | RewardFunction
@@ -54,19 +47,15 @@ def check_reward_inputs(
     completions: Sequence[str],
     metadata: Sequence[Mapping[str, Any]],
 ) -> None:
-    """Check one reward call's batch.
-
-    Raises:
-        ValueError: the three lengths differ (all three named with their lengths).
-        TypeError: a prompt or completion is not a ``str`` or a metadata entry not a mapping
-            (naming the argument and the sample index).
-    """
+    """Check one reward call's batch: `ValueError` if the three lengths differ, `TypeError` if a
+    prompt or completion is not a `str` or a metadata entry not a mapping."""
     sizes = {"prompts": len(prompts), "completions": len(completions), "metadata": len(metadata)}
     if len(set(sizes.values())) != 1:
         shown = ", ".join(f"len({name})={size}" for name, size in sizes.items())
         raise ValueError(
             f"A reward takes one prompt, completion and metadata per sample, got {shown}."
         )
+    # checked here with the sample index: `re` would fail later without naming the sample
     for name, values, kind in (("prompts", prompts, str), ("completions", completions, str)):
         for index, value in enumerate(values):
             if not isinstance(value, kind):
@@ -82,11 +71,7 @@ def check_reward_inputs(
 
 
 def metadata_value(metadata: Mapping[str, Any], key: str, index: int) -> Any:
-    """``metadata[key]`` of sample ``index``.
-
-    Raises:
-        ValueError: the key is missing (naming it, the sample index and the keys present).
-    """
+    """`metadata[key]` of sample `index`; `ValueError` naming the keys present if missing."""
     if key not in metadata:
         raise ValueError(
             f"`metadata[{index}]` has no key {key!r} (the reference answer); its keys: "
@@ -101,12 +86,7 @@ def score_each(
     metadata: Sequence[Mapping[str, Any]],
     score: Callable[[str, str, Mapping[str, Any], int], float],
 ) -> Tensor:
-    """Check the batch (:func:`check_reward_inputs`), then ``score(prompt, completion, metadata,
-    index)`` per sample.
-
-    Returns:
-        ``[B]`` float32 scores.
-    """
+    """`[B]` float32: `score(prompt, completion, metadata, index)` per sample of a checked batch."""
     check_reward_inputs(prompts, completions, metadata)
     values = [
         score(prompt, completion, meta, index)

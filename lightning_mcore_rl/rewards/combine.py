@@ -13,11 +13,11 @@ from lightning_mcore_rl.rewards.base import AnyReward, Reward, check_reward_inpu
 
 
 class WeightedReward(Reward):
-    """``sum_r weights[r] * rewards[r](prompts, completions, metadata)``.
+    """`sum_r weights[r] * rewards[r](prompts, completions, metadata)`.
 
     Args:
-        rewards: ``R >= 1`` reward functions.
-        weights: ``R`` finite weights (default: 1 each).
+        rewards: `R >= 1` reward functions.
+        weights: `R` finite weights (default: 1 each).
     """
 
     def __init__(
@@ -34,6 +34,7 @@ class WeightedReward(Reward):
         if not all(math.isfinite(w) for w in weights):
             raise ValueError(f"`weights` must be finite, got {weights}.")
         self.rewards = list(rewards)
+        # float32 like the scores, for the `[R] @ [R, B]` product in __call__
         self.weights = torch.tensor(weights, dtype=torch.float32)
 
     def scores(
@@ -42,21 +43,19 @@ class WeightedReward(Reward):
         completions: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
     ) -> Tensor:
-        """Each reward's scores, unweighted, ``[R, B]`` float32 (e.g. to log them apart).
-
-        Raises:
-            ValueError: a reward returned something other than a ``[B]`` tensor.
-        """
+        """Each reward's unweighted `[R, B]` float32 scores; `ValueError` if one is not `[B]`."""
         check_reward_inputs(prompts, completions, metadata)
         rows = []
         for index, reward in enumerate(self.rewards):
             row = reward(prompts, completions, metadata)
+            # a plain function may return anything: name the culprit before `stack` fails
             if not isinstance(row, Tensor) or tuple(row.shape) != (len(completions),):
                 shape = tuple(row.shape) if isinstance(row, Tensor) else type(row).__name__
                 raise ValueError(
                     f"`rewards[{index}]` ({type(reward).__name__}) must return a [B] tensor with "
                     f"B={len(completions)}, got {shape}."
                 )
+            # a user reward may score on the GPU or in another dtype; the sum is on the host
             rows.append(row.to(device="cpu", dtype=torch.float32))
         return torch.stack(rows)  # [R, B]
 
@@ -66,5 +65,5 @@ class WeightedReward(Reward):
         completions: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
     ) -> Tensor:
-        """``[B]`` float32 weighted sums (see :class:`~lightning_mcore_rl.rewards.RewardFunction`)."""
+        """`[B]` float32 weighted sums (see `RewardFunction`)."""
         return self.weights @ self.scores(prompts, completions, metadata)  # [R] @ [R, B]

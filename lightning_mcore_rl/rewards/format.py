@@ -14,16 +14,16 @@ from lightning_mcore_rl.rewards.base import Reward, score_each
 
 @dataclass(frozen=True)
 class FormatReward(Reward):
-    """1 when the completion matches ``pattern``, else 0.
+    """1 when the completion matches `pattern`, else 0.
 
     Attributes:
-        pattern: a Python regular expression, compiled with ``re.DOTALL`` (``.`` crosses lines).
-        full_match: the whole completion (leading/trailing whitespace stripped) must match
-            (``re.fullmatch``); ``False``: a match anywhere (``re.search``).
+        pattern: a Python regular expression, compiled with `re.DOTALL` (`.` crosses lines).
+        full_match: the stripped completion must `re.fullmatch`; `False`: `re.search` anywhere.
     """
 
     pattern: str
     full_match: bool = True
+    # compiled once in __post_init__: not a constructor argument, not part of equality
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -37,11 +37,12 @@ class FormatReward(Reward):
 
     @classmethod
     def with_tags(cls, *tags: str) -> FormatReward:
-        """The completion is the blocks ``<tag>...</tag>`` in this order and nothing else
-        (whitespace between them allowed), e.g. ``with_tags("think", "answer")``."""
+        """The completion is the blocks `<tag>...</tag>` in this order and nothing else."""
+        # whitespace between the blocks is allowed; `.*?` keeps a block from spanning the next
         if not tags:
             raise ValueError("`with_tags` needs at least one tag name.")
         blocks = r"\s*".join(rf"<{re.escape(t)}>.*?</{re.escape(t)}>" for t in tags)
+        # full_match: any text outside the blocks fails the format
         return cls(blocks, full_match=True)
 
     def __call__(
@@ -50,7 +51,7 @@ class FormatReward(Reward):
         completions: Sequence[str],
         metadata: Sequence[Mapping[str, Any]],
     ) -> Tensor:
-        """``[B]`` float32 rewards in {0, 1} (see :class:`~lightning_mcore_rl.rewards.RewardFunction`)."""
+        """`[B]` float32 rewards in {0, 1} (see `RewardFunction`)."""
         return score_each(prompts, completions, metadata, self._score)
 
     def _score(self, prompt: str, completion: str, meta: Mapping[str, Any], index: int) -> float:
