@@ -1,10 +1,8 @@
-"""Distillation losses: top-k KL and full-vocabulary on-policy distillation.
+"""Distillation losses: top-k KL and full-vocabulary on-policy distillation."""
 
-Behaviour: docs/behaviour-reference.md §4.5 (top-k KL) and §4.2 (``opd_full`` mode).
-
-Both receive per-token quantities computed by ``prepare_loss_input`` with the vocab-parallel ops,
-so no process group appears here.
-"""
+# docs/behaviour-reference.md §4.5 (top-k KL) and §4.2 (`opd_full` mode). Both receive per-token
+# quantities that `prepare_loss_input` computed with the vocab-parallel ops, so no process group
+# appears here.
 
 from __future__ import annotations
 
@@ -43,24 +41,11 @@ LOG_INFINITESIMAL = -100.0
 
 
 class DistillationLossFn:
-    """Top-k KL distillation, token mean over the global batch.
-
-    With ``s``/``t`` the student/teacher logprobs at the teacher's top-k ids ``[B, S-1, K]``
-    (the teacher renormalised over its top-k), ``P = exp``: forward ``sum_k P_t (t - s)``,
-    reverse ``sum_k P_s (s - t)``, mixed ``w fwd + (1 - w) rev``. With ``zero_outside_topk``
-    (student logprobs over the full vocabulary) and a reverse component, the tail outside the
-    top-k adds ``H_rest - (-100) P_rest`` per token, ``H_rest = H_all - sum_k P_s s``,
-    ``P_rest = 1 - sum_k P_s`` (scaled by ``1 - w`` for mixed), where ``H_all = sum_v p log p``
-    over the full student vocabulary (negative entropy).
+    """Top-k KL distillation, token mean over the global batch, from student/teacher
+    `*_topk_logprobs [B, S-1, K]` and (for the tail correction) `H_all [B, S-1]`.
 
     Args:
-        cfg: A :class:`DistillationLossConfig` or a mapping with its keys.
-
-    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``. Loss inputs:
-    ``student_topk_logprobs [B, S-1, K]``, ``teacher_topk_logprobs [B, S-1, K]``,
-    ``H_all [B, S-1]`` (required for the tail correction). Metrics: ``loss`` and
-    ``num_valid_samples = B``, every row of the microbatch, masked ones included (as the
-    reference reports it).
+        cfg: A `DistillationLossConfig` or a mapping with its keys.
     """
 
     loss_type = LossType.TOKEN_LEVEL
@@ -76,22 +61,16 @@ class DistillationLossFn:
 
     @property
     def needs_entropy(self) -> bool:
-        """Whether the tail correction (and so ``H_all``) is used."""
+        """Whether the tail correction (and so `H_all`) is used."""
         return self.cfg.zero_outside_topk and self.cfg.kl_type != "forward"
 
     def per_token_kl(self, student: Tensor, teacher: Tensor, h_all: Tensor | None) -> Tensor:
-        """The per-token divergence ``[B, S-1]`` (see the class docstring).
-
-        Args:
-            student: ``[B, S-1, K]`` student top-k logprobs.
-            teacher: ``[B, S-1, K]`` teacher top-k logprobs.
-            h_all: ``[B, S-1]`` full-vocabulary ``sum p log p`` of the student.
-
-        Returns:
-            ``[B, S-1]`` per-token loss.
-        """
+        """`[B, S-1]` divergence of `[B, S-1, K]` top-k logprobs; `h_all [B, S-1]` is the
+        student's full-vocabulary `sum p log p`."""
+        # s/t: logprobs at the teacher's top-k ids (the teacher renormalised over its top-k)
         cfg = self.cfg
         p_s, p_t = student.exp(), teacher.exp()
+        # forward sum_k P_t (t - s), reverse sum_k P_s (s - t), mixed w fwd + (1 - w) rev
         forward = (p_t * (teacher - student)).sum(-1)
         reverse = (p_s * (student - teacher)).sum(-1)
         if cfg.kl_type == "forward":
@@ -99,6 +78,9 @@ class DistillationLossFn:
         w = cfg.mixed_kl_weight if cfg.kl_type == "mixed" else 0.0
         per_token = w * forward + (1.0 - w) * reverse
         if self.needs_entropy:
+            # zero_outside_topk (student logprobs over the full vocabulary) with a reverse part:
+            # the tail outside the top-k adds H_rest - (-100) P_rest, H_rest = H_all - sum_k P_s s
+            # (H_all = sum_v p log p, the negative entropy), P_rest = 1 - sum_k P_s
             assert h_all is not None
             h_rest = h_all - (p_s * student).sum(-1)
             p_rest = 1.0 - p_s.sum(-1)
@@ -115,18 +97,10 @@ class DistillationLossFn:
         teacher_topk_logprobs: Tensor,
         H_all: Tensor | None = None,  # noqa: N803 - the reference's loss-input name
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the distillation loss.
+        """`(loss, metrics)` of `[B, S-1, K]` top-k logprobs (`global_valid_seqs` unused).
 
-        Args:
-            data: The microbatch.
-            global_valid_seqs: Unused; part of the protocol.
-            global_valid_toks: ``N_t`` over the whole global batch.
-            student_topk_logprobs: ``[B, S-1, K]``.
-            teacher_topk_logprobs: ``[B, S-1, K]``.
-            H_all: ``[B, S-1]`` student ``sum_v p log p``.
-
-        Returns:
-            ``(loss, metrics)``.
+        Raises:
+            ValueError: a shape differs, or `H_all` is missing where the tail correction needs it.
         """
         s, t = student_topk_logprobs, teacher_topk_logprobs
         if s.ndim != 3:
@@ -150,23 +124,16 @@ class DistillationLossFn:
 
 
 class OPDFullLossFn:
-    """Full-vocabulary on-policy distillation: the exact per-token reverse KL as the loss.
-
-    ``prepare_loss_input`` computes ``D_t = sum_v p_s (log p_s - log p_t)`` for every position
-    with the chunked vocab-parallel kernel (gradient ``p_v (w_v - D)`` w.r.t. the student
-    logits); this loss only reduces it: ``mean(D)`` over global tokens, or over sequences of
-    token means with ``token_level_loss=False``, plus an optional reference KL.
+    """Full-vocabulary on-policy distillation: the exact per-token reverse KL
+    `opd_full_divergence [B, S-1]` as the loss, plus an optional reference KL.
 
     Args:
-        cfg: An :class:`OPDFullLossConfig` or a mapping with its keys.
-
-    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``,
-    ``reference_policy_logprobs [B, S]`` when beta != 0. Loss inputs:
-    ``opd_full_divergence [B, S-1]`` (differentiable); optional ``opd_full_entropy [B, S-1]``
-    (``sum_v p_s log p_s``, the negative entropy, reported sign-flipped) and
-    ``opd_full_cross_entropy [B, S-1]`` (``-sum_v p_s log p_t``); ``next_token_logprobs
-    [B, S-1]`` (unfiltered) when beta != 0.
+        cfg: An `OPDFullLossConfig` or a mapping with its keys.
     """
+
+    # `prepare_loss_input` computes D_t = sum_v p_s (log p_s - log p_t) at every position with
+    # the chunked vocab-parallel kernel (gradient p_v (w_v - D) w.r.t. the student logits); this
+    # loss only reduces it.
 
     input_type = LossInputType.OPD_FULL
 
@@ -196,9 +163,8 @@ class OPDFullLossFn:
 
     @property
     def input_keys(self) -> tuple[str, ...]:
-        """``token_mask``, the teacher's ``teacher_full_payload`` and, with a reference KL,
-        ``reference_policy_logprobs`` (a hidden-state payload's ``teacher_index`` is checked
-        by its preparation)."""
+        """`token_mask`, `teacher_full_payload` and, with a reference KL, `reference_policy_logprobs`."""
+        # a hidden-state payload's `teacher_index` is checked by its preparation
         keys: tuple[str, ...] = ("token_mask", "teacher_full_payload")
         if self.cfg.reference_policy_kl_penalty != 0:
             keys = (*keys, "reference_policy_logprobs")
@@ -215,20 +181,12 @@ class OPDFullLossFn:
         opd_full_cross_entropy: Tensor | None = None,
         next_token_logprobs: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the full-vocabulary distillation loss.
+        """`(loss, metrics)` from `[B, S-1]` per-token inputs; the entropy (`sum p_s log p_s`)
+        and cross-entropy (`-sum p_s log p_t`) are metrics only, `next_token_logprobs`
+        (unfiltered) is required iff the reference KL is on.
 
-        Args:
-            data: The microbatch.
-            global_valid_seqs: ``N_s`` over the whole global batch.
-            global_valid_toks: ``N_t`` over the whole global batch.
-            opd_full_divergence: ``[B, S-1]`` per-token reverse KL.
-            opd_full_entropy: ``[B, S-1]`` per-token ``sum p_s log p_s`` (metric only).
-            opd_full_cross_entropy: ``[B, S-1]`` per-token ``-sum p_s log p_t`` (metric only).
-            next_token_logprobs: ``[B, S-1]`` unfiltered logprobs, required iff beta != 0.
-
-        Returns:
-            ``(loss, metrics)``; entropy/cross-entropy metrics only when given, the
-            decomposition error ``max |entropy + CE - KL|`` only when both are given.
+        Raises:
+            ValueError: a shape differs, or `next_token_logprobs` is missing where needed.
         """
         cfg, div = self.cfg, opd_full_divergence
         if div.ndim != 2:
@@ -236,6 +194,7 @@ class OPDFullLossFn:
         tm, sm = base_masks(data, div.shape[1], div.dtype)
         check_shape("opd_full_divergence", div, tuple(tm.shape))
         mask = tm * sm.unsqueeze(-1)
+        # mean(D) over global tokens, or over sequences of token means
         mode: LossAggregation = "token_mean" if cfg.token_level_loss else "seq_mean_token_mean"
         n_s, n_t = global_valid_seqs, global_valid_toks
         loss = aggregate(div, tm, sm, mode, n_s, n_t)
@@ -274,11 +233,13 @@ class OPDFullLossFn:
             metrics["kl_penalty"] = kl / cfg.reference_policy_kl_penalty
         if opd_full_entropy is not None:
             check_shape("opd_full_entropy", opd_full_entropy, tuple(tm.shape))
+            # the input is the negative entropy: reported sign-flipped
             metrics["opd_full_entropy"] = -masked_mean(opd_full_entropy, mask, None, n_t)
         if opd_full_cross_entropy is not None:
             check_shape("opd_full_cross_entropy", opd_full_cross_entropy, tuple(tm.shape))
             metrics["opd_full_cross_entropy"] = masked_mean(opd_full_cross_entropy, mask, None, n_t)
         if opd_full_entropy is not None and opd_full_cross_entropy is not None:
+            # max |(-H) + CE - KL|: KL = CE - H holds exactly, so this measures the kernels' error
             residual = (opd_full_entropy + opd_full_cross_entropy - div).abs()
             metrics["opd_full_decomposition_error"] = masked_max(residual, mask)
         return loss, detach_metrics(metrics)

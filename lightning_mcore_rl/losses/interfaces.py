@@ -1,14 +1,10 @@
-"""Loss-function protocol, enums and the microbatch-metric combiner.
+"""Loss-function protocol, enums and the microbatch-metric combiner."""
 
-A loss is called once per microbatch with the *global* counts of the whole optimizer step::
-
-    loss, metrics = loss_fn(data, global_valid_seqs, global_valid_toks, **loss_input)
-
-Every loss divides by those global counts, so summing the per-microbatch losses (and the
-per-microbatch metrics declared ``TOKENS``/``SEQUENCES``/``NONE``) over all microbatches and
-data-parallel ranks gives the global value, whatever the split
-(docs/behaviour-reference.md §2.10, §3.1).
-"""
+# A loss is called once per microbatch with the *global* counts of the whole optimizer step,
+# `loss_fn(data, global_valid_seqs, global_valid_toks, **loss_input)`, and divides by them: so
+# summing the per-microbatch losses (and the metrics declared TOKENS/SEQUENCES/NONE) over all
+# microbatches and data-parallel ranks gives the global value, whatever the split
+# (docs/behaviour-reference.md §2.10, §3.1).
 
 from __future__ import annotations
 
@@ -46,15 +42,13 @@ class LossInputType(str, Enum):
 
 
 class MetricNormalizer(str, Enum):
-    """How a per-microbatch metric combines into the global-batch metric.
+    """How a per-microbatch metric combines into the global-batch metric."""
 
-    Losses report ``TOKENS``/``SEQUENCES`` metrics as the microbatch's *contribution* to a
-    global mean: ``sum over the microbatch's valid tokens (sequences) / global_valid_toks
-    (global_valid_seqs)``. Summing those contributions over microbatches and data-parallel ranks
-    therefore gives the global mean. A trainer that ran its microbatches with placeholder counts
-    of 1 instead sums the raw values and divides once by the real count
-    (:func:`rescale_metrics`).
-    """
+    # TOKENS/SEQUENCES metrics are the microbatch's *contribution* to a global mean (a sum over
+    # its valid tokens/sequences / the global count), so summing them over microbatches and
+    # data-parallel ranks gives the global mean. A trainer that ran its microbatches with
+    # placeholder counts of 1 sums the raw values and divides once by the real count
+    # (`rescale_metrics`).
 
     TOKENS = "tokens"
     """Divided by ``global_valid_toks``; combine by summing."""
@@ -74,31 +68,27 @@ class LossFunction(Protocol):
 
     Attributes:
         loss_type: Which global count the loss is normalised by.
-        input_type: Which loss inputs ``prepare_loss_input`` must compute.
-        metric_normalizations: For every key of the returned metrics, how it combines across
-            microbatches. The keys equal the keys of the metrics dict.
-        input_keys: The batch keys the loss (and the preparation of its ``input_type``) reads
-            beyond the data contract's ``input_ids`` and ``sample_mask``; the step checks them
-            on the host before its first collective
-            (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), and a missing one
-            raises naming the key and the loss class. A loss without the attribute declares
-            none (its missing keys then fail inside the step).
-        token_local_gradient: Optional (read with ``getattr``, default ``False``): ``True``
-            declares that the loss's gradient with respect to token ``t``'s logprob depends on
-            that token's logprob (and the data) only, never on another token's. The fused LM
-            head can then compute its gradients in the forward
-            (``LogprobKernelConfig(fused_gradient_in_forward=True)``, no recomputed logits:
-            :mod:`~lightning_mcore_rl.ops.fused_linear`); its backward checks the declaration
-            and recomputes where it does not hold.
+        input_type: Which loss inputs `prepare_loss_input` must compute.
+        metric_normalizations: How each key of the returned metrics combines across microbatches.
+        input_keys: The batch keys read beyond the data contract's `input_ids` and `sample_mask`.
+        token_local_gradient: Optional (`getattr`, default `False`): token `t`'s gradient
+            depends on token `t`'s logprob (and the data) only.
     """
 
+    # `input_keys` (of the loss and of the preparation of its `input_type`) are checked on the
+    # host before the step's first collective (`train.validation.loss_input_keys`): a missing
+    # one raises naming the key and the loss class, not a hang. A loss without the attribute
+    # declares none; its missing keys then fail inside the step.
+    # `token_local_gradient=True` lets the fused LM head compute its gradients in the forward
+    # (`LogprobKernelConfig(fused_gradient_in_forward=True)`, no recomputed logits:
+    # `ops.fused_linear`); its backward checks the declaration and recomputes where it fails.
     loss_type: LossType
     input_type: LossInputType
     metric_normalizations: dict[str, MetricNormalizer]
 
     @property
     def input_keys(self) -> tuple[str, ...]:
-        """The batch keys the loss reads (see the class docstring)."""
+        """The batch keys the loss reads beyond `input_ids` and `sample_mask`."""
         ...
 
     def __call__(
@@ -108,30 +98,25 @@ class LossFunction(Protocol):
         global_valid_toks: Tensor | float,
         **loss_input: Tensor,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute one microbatch's loss contribution and metrics.
+        """One microbatch's scalar loss contribution and detached scalar metrics.
 
-        Args:
-            data: The microbatch (``token_mask [B, S]``, ``sample_mask [B]``, ...).
-            global_valid_seqs: Number of valid sequences in the whole global batch.
-            global_valid_toks: Number of valid (shifted) tokens in the whole global batch.
-            **loss_input: The tensors named by ``input_type``.
-
-        Returns:
-            ``(loss, metrics)``: a scalar loss and a dict of detached scalar metrics.
+        `data` holds `token_mask [B, S]`, `sample_mask [B]`, ...; `loss_input` the tensors
+        named by `input_type`; the counts are those of the whole global batch (shifted tokens).
         """
         ...
 
 
 @dataclass(frozen=True)
 class ReductionRule:
-    """How metrics of one :class:`MetricNormalizer` combine.
+    """How metrics of one `MetricNormalizer` combine.
 
     Attributes:
-        combine: across packed sequences, microbatches, pipeline stages and data-parallel ranks
-            of one global batch (``sum`` of contributions, or ``min``/``max``).
-        across_batches: across the global batches of a validation epoch (each already a
-            global-batch value: normalised means average, counts add up).
+        combine: across packed sequences, microbatches, pipeline stages and DP ranks of a batch.
+        across_batches: across the global batches of a validation epoch.
     """
+
+    # across_batches: each batch's value is already a global-batch value, so normalised means
+    # average and counts add up.
 
     combine: Literal["sum", "min", "max"]
     across_batches: Literal["mean", "sum", "min", "max"]
@@ -158,23 +143,13 @@ def combine_microbatch_metrics(
     per_microbatch: Sequence[Mapping[str, Tensor | float]],
     metric_normalizations: Mapping[str, MetricNormalizer],
 ) -> dict[str, float]:
-    """Combine per-microbatch metrics into global-batch metrics.
-
-    ``TOKENS``, ``SEQUENCES`` and ``NONE`` metrics are summed, ``MIN`` metrics combined with
-    ``min`` and ``MAX`` metrics with ``max`` (the ``±inf`` sentinels of empty microbatches drop
-    out). When every microbatch was given the real global counts, the result equals the metrics
-    of the whole batch computed at once.
-
-    Args:
-        per_microbatch: One metrics dict per microbatch (keys may differ between microbatches).
-        metric_normalizations: The loss's ``metric_normalizations``.
-
-    Returns:
-        A dict of Python floats, one per key seen in any microbatch.
+    """Global-batch metrics (floats, one per key seen) from per-microbatch metrics dicts.
 
     Raises:
-        ValueError: If a metric has no declared normaliser.
+        ValueError: a metric has no declared normaliser.
     """
+    # Sum, or min/max for MIN/MAX (the ±inf sentinels of empty microbatches drop out). With the
+    # real global counts given to every microbatch, this equals the whole batch at once.
     combined: dict[str, float] = {}
     for metrics in per_microbatch:
         for key, value in metrics.items():
@@ -205,26 +180,14 @@ def rescale_metrics(
     global_valid_seqs: Tensor | float,
     global_valid_toks: Tensor | float,
 ) -> dict[str, float]:
-    """Turn metrics combined from microbatches run with placeholder counts 1 into global means.
-
-    ``TOKENS`` metrics are divided by ``global_valid_toks``, ``SEQUENCES`` metrics by
-    ``global_valid_seqs`` (0 when the count is 0, as ``masked_mean`` gives); the rest is
-    unchanged.
-
-    Args:
-        summed: Output of :func:`combine_microbatch_metrics`.
-        metric_normalizations: The loss's ``metric_normalizations``.
-        global_valid_seqs: The real number of valid sequences.
-        global_valid_toks: The real number of valid tokens.
-
-    Returns:
-        The rescaled metrics.
-    """
+    """Global means of `combine_microbatch_metrics` output from microbatches run with
+    placeholder counts 1: TOKENS / `global_valid_toks`, SEQUENCES / `global_valid_seqs`."""
     seqs, toks = _as_float(global_valid_seqs), _as_float(global_valid_toks)
     out: dict[str, float] = {}
     for key, value in summed.items():
         how = metric_normalizations[key]
         if how is MetricNormalizer.TOKENS:
+            # 0 for a count of 0, as `masked_mean` gives
             out[key] = value / toks if toks else 0.0
         elif how is MetricNormalizer.SEQUENCES:
             out[key] = value / seqs if seqs else 0.0
@@ -234,14 +197,8 @@ def rescale_metrics(
 
 
 def detach_metrics(metrics: Mapping[str, Tensor | float]) -> dict[str, Tensor]:
-    """Detach every metric into a 0-dim tensor (no host synchronisation).
-
-    Args:
-        metrics: Metric values as tensors or numbers.
-
-    Returns:
-        The same keys with detached tensor values.
-    """
+    """The same keys, each value a detached 0-dim tensor."""
+    # no `.item()`: a host synchronisation per metric per microbatch would stall the GPU
     return {
         k: v.detach() if isinstance(v, Tensor) else torch.tensor(float(v))
         for k, v in metrics.items()

@@ -1,11 +1,8 @@
-"""Pairwise preference losses: Bradley-Terry reward model and DPO.
+"""Pairwise preference losses (Bradley-Terry reward model, DPO) over interleaved pairs."""
 
-Behaviour: docs/behaviour-reference.md §4.4.
-
-Samples are interleaved ``[chosen_0, rejected_0, chosen_1, rejected_1, ...]``; a microbatch must
-hold whole pairs. ``global_valid_seqs`` counts both halves, so pair means divide by
-``N_s / 2`` (docs/behaviour-reference.md trap 15).
-"""
+# docs/behaviour-reference.md §4.4. Samples are interleaved [chosen_0, rejected_0, chosen_1, ...];
+# a microbatch must hold whole pairs. `global_valid_seqs` counts both halves, so pair means
+# divide by N_s / 2 (docs/behaviour-reference.md trap 15).
 
 from __future__ import annotations
 
@@ -44,16 +41,10 @@ def _check_pairs(sample_mask: Tensor) -> None:
 
 
 def split_output_tensor(tensor: Tensor) -> tuple[Tensor, Tensor]:
-    """Split interleaved rows into ``(chosen, rejected)``: rows ``0, 2, ...`` and ``1, 3, ...``.
-
-    Args:
-        tensor: ``[B, ...]`` per-sample values, ``B`` even (``B/2`` pairs).
-
-    Returns:
-        ``(tensor[::2], tensor[1::2])``, each ``[B/2, ...]`` (strided views, no copy).
+    """`(chosen, rejected)` strided views `[B/2, ...]` of interleaved `[B, ...]` rows.
 
     Raises:
-        ValueError: ``tensor`` is 0-dim or ``B`` is odd.
+        ValueError: `tensor` is 0-dim or `B` is odd.
     """
     if tensor.dim() == 0:
         raise ValueError(
@@ -66,19 +57,11 @@ def split_output_tensor(tensor: Tensor) -> tuple[Tensor, Tensor]:
 def preference_terms(
     rewards: Tensor, sample_mask: Tensor, global_valid_seqs: Tensor | float, beta: float = 1.0
 ) -> dict[str, Tensor]:
-    """Bradley-Terry loss ``-log sigmoid(beta (rho_c - rho_r))`` averaged over global pairs.
-
-    Args:
-        rewards: ``[B]`` interleaved rewards (chosen at even, rejected at odd rows).
-        sample_mask: ``[B]`` sample mask.
-        global_valid_seqs: ``N_s`` (chosen + rejected samples of the global batch).
-        beta: Scale of the reward difference.
-
-    Returns:
-        ``loss``, ``accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean`` (0-dim).
-    """
+    """Bradley-Terry `-log sigmoid(beta (rho_c - rho_r))` over the global pairs, with 0-dim
+    `accuracy` and reward means; `rewards`/`sample_mask` are interleaved `[B]`."""
     chosen, rejected = split_output_tensor(rewards)
     sm_c, sm_r = split_output_tensor(sample_mask)
+    # N_s counts chosen and rejected samples: the pair count is half of it
     pairs = global_valid_seqs / 2
     per_pair = -F.logsigmoid(beta * (chosen - rejected))
     return {
@@ -90,11 +73,7 @@ def preference_terms(
 
 
 class PreferenceLossFn:
-    """Bradley-Terry reward-model loss on interleaved chosen/rejected scores (beta = 1).
-
-    Inputs (``data``): ``sample_mask [B]``. Loss input: ``logits`` ``[B]`` or ``[B, 1]``, the
-    reward model's scalar scores.
-    """
+    """Bradley-Terry reward-model loss (beta = 1) on interleaved scores `logits [B]` or `[B, 1]`."""
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGIT
@@ -114,17 +93,7 @@ class PreferenceLossFn:
         *,
         logits: Tensor,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the pairwise loss.
-
-        Args:
-            data: The microbatch.
-            global_valid_seqs: ``N_s`` over the whole global batch.
-            global_valid_toks: Unused; part of the protocol.
-            logits: ``[B]`` or ``[B, 1]`` scores.
-
-        Returns:
-            ``(loss, metrics)``.
-        """
+        """`(loss, metrics)` of `logits [B]` or `[B, 1]` (`global_valid_toks` unused)."""
         sample_mask = get_tensor(data, "sample_mask")
         rewards = logits.squeeze(-1) if logits.ndim == 2 else logits
         check_shape("logits", rewards, tuple(sample_mask.shape))
@@ -134,20 +103,12 @@ class PreferenceLossFn:
 
 
 class DPOLossFn:
-    """Direct Preference Optimization (arXiv:2305.18290 Eq. 7) with an optional SFT term.
-
-    Implicit reward ``rho_i = sum_t (c - ref)_t tm_t`` (divided by ``max(sum_t tm_t, 1)`` with
-    ``preference_average_log_probs``). The stored reference logprobs are rolled left by one
-    (``reference_policy_logprobs[:, t]`` = log p_ref(x_{t+1})), so they align with ``c`` as
-    ``reference_policy_logprobs[:, :-1]``. Loss ``w_p * pref + w_s * sft`` where ``sft`` is the
-    per-sample NLL of the chosen responses averaged over ``N_s / 2`` pairs.
+    """DPO (arXiv:2305.18290 Eq. 7) plus an optional SFT term, from `next_token_logprobs [B, S-1]`
+    and `data`'s `token_mask`, rolled `reference_policy_logprobs` (`[B, S]`), `sample_mask [B]`.
 
     Args:
-        cfg: A :class:`DPOLossConfig` or a mapping with its keys.
-        use_fused_linear_logprobs: Read by ``prepare_loss_input``.
-
-    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``,
-    ``reference_policy_logprobs [B, S]`` (rolled). Loss input: ``next_token_logprobs [B, S-1]``.
+        cfg: A `DPOLossConfig` or a mapping with its keys.
+        use_fused_linear_logprobs: Read by `prepare_loss_input`.
     """
 
     loss_type = LossType.SEQUENCE_LEVEL
@@ -176,31 +137,24 @@ class DPOLossFn:
         *,
         next_token_logprobs: Tensor,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the DPO loss.
-
-        Args:
-            data: The microbatch.
-            global_valid_seqs: ``N_s`` over the whole global batch (chosen + rejected).
-            global_valid_toks: Unused; part of the protocol.
-            next_token_logprobs: ``[B, S-1]`` current logprobs.
-
-        Returns:
-            ``(loss, metrics)``.
-        """
+        """`(loss, metrics)` of `next_token_logprobs [B, S-1]` (`global_valid_toks` unused)."""
         cfg, c = self.cfg, next_token_logprobs
         if c.ndim != 2:
             raise ValueError(f"`next_token_logprobs` must be [B, S-1], got {list(c.shape)}.")
         tm, sm = base_masks(data, c.shape[1], c.dtype)
         _check_pairs(sm)
         check_shape("next_token_logprobs", c, tuple(tm.shape))
+        # stored rolled left by one ([:, t] = log p_ref(x_{t+1})): `[:, :-1]` aligns with c
         full = (c.shape[0], c.shape[1] + 1)
         ref = get_tensor(data, "reference_policy_logprobs", full)[:, :-1].to(c.dtype)
+        # implicit reward rho_i = sum_t (c - ref)_t tm_t (over max(sum_t tm_t, 1) when averaged)
         rewards = masked_sum(c - ref, tm, dim=-1)  # [B]
         if cfg.preference_average_log_probs:
             rewards = rewards / tm.sum(-1).clamp(min=1)
         metrics = preference_terms(rewards, sm, global_valid_seqs, cfg.reference_policy_kl_penalty)
         preference = metrics["loss"]
         sft = torch.zeros((), dtype=c.dtype)
+        # sft: the per-sample NLL of the chosen responses averaged over the N_s / 2 pairs
         if cfg.sft_loss_weight > 0:
             nll = per_sample_nll(c, tm * sm.unsqueeze(-1), cfg.sft_average_log_probs)  # [B]
             sft = masked_mean(split_output_tensor(nll)[0], sm[::2], None, global_valid_seqs / 2)

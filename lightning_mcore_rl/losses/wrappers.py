@@ -1,11 +1,10 @@
 """Loss wrappers: input preparation + loss call, per-sequence packed losses, draft loss.
 
-Behaviour: docs/behaviour-reference.md §3.6.
-
-Every wrapper is called as ``wrapper(logits, data, global_valid_seqs, global_valid_toks) ->
-(loss, metrics)``, the contract ``train.LossPostProcessor`` binds to a microbatch. Process groups
-are passed in explicitly.
+Each is `wrapper(logits, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`.
 """
+
+# docs/behaviour-reference.md §3.6. That call is the contract `train.LossPostProcessor` binds to
+# a microbatch; process groups are passed in explicitly, never read from a global state.
 
 from __future__ import annotations
 
@@ -58,22 +57,7 @@ def wrap_loss_fn_with_input_preparation(
     vocab_parallel_group: Any = None,
     context_parallel_group: Any = None,
 ) -> LossResult:
-    """Prepare the loss input from the logits, then call the loss once on the microbatch.
-
-    Args:
-        next_token_logits: ``[B, S/CP, V_l]`` model output.
-        data: The microbatch.
-        global_valid_seqs: Valid sequences of the global batch.
-        global_valid_toks: Valid (shifted) tokens of the global batch.
-        loss_fn: The loss.
-        prepare_fn: Input preparation (default :func:`prepare_loss_input`).
-        vocab_parallel_rank: TP rank.
-        vocab_parallel_group: TP group.
-        context_parallel_group: CP group.
-
-    Returns:
-        ``(loss, metrics)`` of ``loss_fn``.
-    """
+    """`loss_fn`'s `(loss, metrics)` on the input `prepare_fn` builds from `[B, S/CP, V/TP]` logits."""
     loss_input, data = prepare_fn(
         next_token_logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group,
         context_parallel_group,
@@ -110,45 +94,42 @@ class _PackedWrapperBase:
 
     @property
     def cp_size(self) -> int:
-        """``CP`` of the context-parallel group (1 without one)."""
+        """`CP` of the context-parallel group (1 without one)."""
         group = self.context_parallel_group
         return 1 if group is None else int(group.size())
 
 
 def _sequence_spans(logits: Tensor, cu_qp: Sequence[int], cp: int) -> tuple[Tensor, ...]:
-    """Views ``[1, (cu_qp[i+1] - cu_qp[i])/CP, V_l]`` of each sequence's padded span of the
-    packed ``logits [1, T/CP, V_l]``, from ONE ``split`` (the rest of the row after the last
-    span is a last piece). Its backward concatenates the spans' gradients into one logits-sized
-    buffer; a ``narrow`` per sequence would instead allocate a zero-filled logits-sized gradient
-    for each sequence and add it into the accumulated one (a third logits-sized buffer at the
-    peak). The values are the same: each position gets exactly one sequence's gradient."""
+    """Views `[1, (cu_qp[i+1] - cu_qp[i])/CP, V/TP]` of each sequence's padded span of the
+    packed `logits [1, T/CP, V/TP]`."""
+    # ONE `split` (the rest of the row after the last span is a last piece): its backward
+    # concatenates the spans' gradients into one logits-sized buffer. A `narrow` per sequence
+    # would allocate a zero-filled logits-sized gradient for each sequence and add it into the
+    # accumulated one (a third logits-sized buffer at the peak). Values are the same: each
+    # position gets exactly one sequence's gradient.
     bounds = [q // cp for q in cu_qp]
     sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     return logits.split([bounds[0], *sizes, logits.shape[1] - bounds[-1]], dim=1)[1:-1]
 
 
 class SequencePackingLossWrapper(_PackedWrapperBase):
-    """Calls the loss once per packed sequence and sums the results.
-
-    See docs/behaviour-reference.md §3.6.
-
-    Sequence ``i`` uses the logits of its padded span ``[cu_qp[i]/CP, cu_qp[i+1]/CP)`` (its CP
-    zigzag shard) and the data row ``i`` truncated to ``len_i = cu_q[i+1] - cu_q[i]`` tokens
-    (capped at ``S``). Because every loss divides by the *global* counts, the sum of the
-    per-sequence losses equals the microbatch loss. Metrics are summed, except extrema
-    (``MIN``/``MAX`` normalisers, or the names in ``_SEQ_METRIC_MIN/_MAX``), which use min/max.
+    """Calls the loss once per packed sequence and sums the results (metrics: extrema min/max).
 
     Args:
         loss_fn: The loss.
-        prepare_fn: Per-sequence input preparation (e.g. :func:`prepare_loss_input` partial).
-        cu_seqlens_q: ``[B+1]`` sequence boundaries.
-        cu_seqlens_q_padded: ``[B+1]`` padded span boundaries.
+        prepare_fn: Per-sequence input preparation (e.g. a `prepare_loss_input` partial).
+        cu_seqlens_q: `[B+1]` sequence boundaries.
+        cu_seqlens_q_padded: `[B+1]` padded span boundaries.
         vocab_parallel_rank: TP rank.
         vocab_parallel_group: TP group.
         context_parallel_group: CP group.
     """
 
+    # docs/behaviour-reference.md §3.6. Every loss divides by the *global* counts, so the sum of
+    # the per-sequence losses equals the microbatch loss.
+
     def _combine(self, key: str) -> Callable[[Tensor, Tensor], Tensor]:
+        # the loss's declared normaliser wins; the name lists cover losses that declare none
         how = getattr(self.loss_fn, "metric_normalizations", {}).get(key)
         if how is not None:
             return _COMBINE_TENSORS[REDUCTION_RULES[MetricNormalizer(how)].combine]
@@ -165,23 +146,16 @@ class SequencePackingLossWrapper(_PackedWrapperBase):
         global_valid_seqs: Tensor | float,
         global_valid_toks: Tensor | float,
     ) -> LossResult:
-        """Sum the loss over the packed sequences.
-
-        Args:
-            next_token_logits: ``[1, T/CP, V_l]`` packed logits.
-            data: The unpacked microbatch ``[B, S, ...]``.
-            global_valid_seqs: Valid sequences of the global batch.
-            global_valid_toks: Valid tokens of the global batch.
-
-        Returns:
-            ``(loss, metrics)`` summed (extrema: min/max) over sequences.
-        """
+        """`(loss, metrics)` summed over the sequences of `[1, T/CP, V/TP]` packed logits;
+        `data` is the unpacked `[B, S, ...]` microbatch."""
         cu_q, cu_qp, cp = self.cu_seqlens_q, self.cu_seqlens_q_padded, self.cp_size
         width = BatchedDataDict(data).sequence_width()
         loss_accum: Tensor | None = None
         metrics: dict[str, Any] = {}
         spans = _sequence_spans(next_token_logits, cu_qp, cp)
         for i in range(len(cu_q) - 1):
+            # sequence i: the logits of its padded span [cu_qp[i]/CP, cu_qp[i+1]/CP) (its CP
+            # zigzag shard) and data row i truncated to its own length (capped at S)
             length = min(cu_q[i + 1] - cu_q[i], width)
             padded = cu_qp[i + 1] - cu_qp[i]
             if length == 0 or padded == 0:
@@ -207,24 +181,21 @@ class SequencePackingLossWrapper(_PackedWrapperBase):
 
 
 class SequencePackingFusionLossWrapper(_PackedWrapperBase):
-    """Calls the loss once on the whole packed microbatch.
-
-    See docs/behaviour-reference.md §3.4, §3.6.
-
-    ``prepare_fn`` (:func:`~lightning_mcore_rl.losses.loss_input.prepare_packed_loss_input`
-    with sampling params / chunk size bound) unpacks the packed logprobs to ``[B, S-1]`` in one
-    pass; the result equals :class:`SequencePackingLossWrapper`'s.
+    """Calls the loss once on the whole packed microbatch, logprobs unpacked to `[B, S-1]`.
 
     Args:
-        loss_fn: A ``LOGPROB`` loss.
-        prepare_fn: ``prepare_fn(logits, data, loss_fn, cu_q, cu_qp, tp_rank, tp_group,
-            cp_group) -> (loss_input, data)``.
-        cu_seqlens_q: ``[B+1]`` sequence boundaries.
-        cu_seqlens_q_padded: ``[B+1]`` padded span boundaries.
+        loss_fn: A `LOGPROB` loss.
+        prepare_fn: `(logits, data, loss_fn, cu_q, cu_qp, tp_rank, tp_group, cp_group)`, e.g.
+            `prepare_packed_loss_input` with sampling params / chunk size bound.
+        cu_seqlens_q: `[B+1]` sequence boundaries.
+        cu_seqlens_q_padded: `[B+1]` padded span boundaries.
         vocab_parallel_rank: TP rank.
         vocab_parallel_group: TP group.
         context_parallel_group: CP group.
     """
+
+    # docs/behaviour-reference.md §3.4, §3.6: one pass over the packed logits instead of a loop,
+    # with the same result as `SequencePackingLossWrapper`.
 
     def __call__(
         self,
@@ -233,17 +204,8 @@ class SequencePackingFusionLossWrapper(_PackedWrapperBase):
         global_valid_seqs: Tensor | float,
         global_valid_toks: Tensor | float,
     ) -> LossResult:
-        """Prepare the packed loss input once and call the loss.
-
-        Args:
-            next_token_logits: ``[1, T/CP, V_l]`` packed logits.
-            data: The unpacked microbatch ``[B, S, ...]``.
-            global_valid_seqs: Valid sequences of the global batch.
-            global_valid_toks: Valid tokens of the global batch.
-
-        Returns:
-            ``(loss, metrics)`` of ``loss_fn``.
-        """
+        """`loss_fn`'s `(loss, metrics)` from `[1, T/CP, V/TP]` packed logits and the
+        unpacked `[B, S, ...]` microbatch."""
         loss_input, data = self.prepare_fn(
             next_token_logits, data, self.loss_fn, self.cu_seqlens_q, self.cu_seqlens_q_padded,
             self.vocab_parallel_rank, self.vocab_parallel_group, self.context_parallel_group,
@@ -252,36 +214,23 @@ class SequencePackingFusionLossWrapper(_PackedWrapperBase):
 
 
 class DraftLossWrapper:
-    """Policy loss plus ``loss_weight`` times the draft model's soft cross-entropy.
-
-    See docs/behaviour-reference.md §3.6. The reference's signature: ``prepare_fn`` and
-    ``data_dict`` are required, by position or by keyword.
-
-    The draft input (policy logits rolled left by one as the teacher, ``student_logits`` from the
-    data) is built by ``prepare_fn`` for a :class:`DraftCrossEntropyLossFn`
-    (``LossInputType.DRAFT``). The draft term reaches only the student: the teacher is detached,
-    so the policy's gradient is the wrapped loss's alone.
-
-    Metrics added, each ``sum over scored positions / draft_valid_toks`` (a ``TOKENS``
-    contribution): ``draft_loss`` (the soft cross entropy), ``draft_top1_agreement`` (the
-    draft's argmax is the policy's: greedy decoding's acceptance) and
-    ``draft_expected_acceptance`` (``sum_v min(p_v, q_v)`` of the policy's ``p`` and the draft's
-    ``q``: the probability that speculative sampling accepts the draft's token, Leviathan et al.
-    2023, §3.5).
+    """Policy loss plus `loss_weight` times the draft model's soft cross-entropy.
 
     Args:
-        loss_fn: The wrapped policy loss, called as ``loss_fn(logits, data, gvs, gvt, **kwargs)``.
-        prepare_fn: Input preparation for the draft loss (e.g. :func:`prepare_loss_input`).
-        data_dict: The microbatch the wrapper is built for, kept as ``self.data_dict`` as in the
-            reference; each call uses its own ``data`` argument.
+        loss_fn: The wrapped policy loss, called as `loss_fn(logits, data, gvs, gvt, **kwargs)`.
+        prepare_fn: Input preparation for the draft loss (e.g. `prepare_loss_input`).
+        data_dict: The microbatch it is built for (kept; each call uses its own `data`).
         loss_weight: Weight of the draft loss.
         vocab_parallel_rank: TP rank.
         vocab_parallel_group: TP group.
         context_parallel_group: CP group.
-        draft_valid_toks: The count the draft term and its metrics are divided by (``None``: the
-            call's ``global_valid_toks``; ``1.0``: raw sums, normalised once later, NeMo RL's
-            ``defer_draft_normalization``).
+        draft_valid_toks: Divisor of the draft term and metrics (`None`: `global_valid_toks`).
     """
+
+    # docs/behaviour-reference.md §3.6. The reference's signature: `prepare_fn` and `data_dict`
+    # are required, by position or by keyword; `data_dict` is kept as `self.data_dict` as there.
+    # `draft_valid_toks=1.0` gives raw sums, normalised once later (NeMo RL's
+    # `defer_draft_normalization`).
 
     def __init__(
         self,
@@ -313,21 +262,11 @@ class DraftLossWrapper:
         global_valid_toks: Tensor | float | None,
         **kwargs: Any,
     ) -> LossResult:
-        """Policy loss + weighted draft loss; adds the ``draft_loss`` and
-        ``draft_top1_agreement`` metrics.
-
-        Args:
-            next_token_logits: ``[B, S/CP, V_l]`` policy logits.
-            data: The microbatch, with ``student_logits [B, S, V_draft]``.
-            global_valid_seqs: Valid sequences of the global batch.
-            global_valid_toks: Valid tokens of the global batch (required).
-            **kwargs: Passed on to ``loss_fn``.
-
-        Returns:
-            ``(policy_loss + loss_weight * draft_loss, metrics)``.
+        """`(policy_loss + loss_weight * draft_loss, metrics)` from `[B, S/CP, V/TP]` policy
+        logits and `data` holding `student_logits [B, S, V_draft]`.
 
         Raises:
-            ValueError: ``global_valid_toks`` is ``None``.
+            ValueError: `global_valid_toks` is `None`.
         """
         if global_valid_toks is None:
             raise ValueError(
@@ -336,6 +275,9 @@ class DraftLossWrapper:
         loss, metrics = self.loss_fn(
             next_token_logits, data, global_valid_seqs, global_valid_toks, **kwargs
         )
+        # The draft input: the policy logits rolled left by one as the teacher, `student_logits`
+        # from the data (`LossInputType.DRAFT`). The teacher is detached, so the draft term
+        # reaches only the student and the policy's gradient is the wrapped loss's alone.
         draft_input, data = self.prepare_fn(
             next_token_logits, data, self.draft_loss_fn, self.vocab_parallel_rank,
             self.vocab_parallel_group, self.context_parallel_group,
@@ -344,6 +286,7 @@ class DraftLossWrapper:
         draft_loss, _ = self.draft_loss_fn(data, global_valid_seqs, count, **draft_input)
         metrics = dict(metrics)
         metrics["draft_loss"] = draft_loss.detach().clone()
+        # each a sum over the scored positions / `count`: a `TOKENS` contribution
         metrics.update(_acceptance_metrics(draft_input, data, count))
         return loss + self.loss_weight * draft_loss, metrics
 
@@ -351,16 +294,18 @@ class DraftLossWrapper:
 def _acceptance_metrics(
     draft_input: dict[str, Any], data: BatchedDataDict, count: Any
 ) -> dict[str, Tensor]:
-    """``draft_top1_agreement = sum_t m_t [argmax q_t = argmax p_t] / count`` and
-    ``draft_expected_acceptance = sum_t m_t sum_v min(p_tv, q_tv) / count`` over the draft
-    loss's scored positions (``m`` = rolled token mask x sample mask; ``p`` the teacher's softmax,
-    ``q`` the student's, both ``[B, S, V]``), detached."""
+    """Detached `draft_top1_agreement` and `draft_expected_acceptance` over the draft loss's
+    scored positions; `p`/`q` the teacher's/student's softmax, both `[B, S, V]`."""
     with torch.no_grad():
         student, teacher = draft_input["student_logits"], draft_input["teacher_logits"]
+        # top-1 agreement: the draft's argmax is the policy's, greedy decoding's acceptance
         same = (student.argmax(-1) == teacher.argmax(-1)).float()  # [B, S]
         p, q = teacher.float().softmax(-1), student.float().softmax(-1)
+        # sum_v min(p_v, q_v): the probability that speculative sampling accepts the draft's
+        # token (Leviathan et al. 2023, §3.5)
         accept = torch.minimum(p, q).sum(-1)  # [B, S]
         sample_mask = torch.as_tensor(data["sample_mask"]).float().to(same.device)
+        # the rolled token mask of the draft input, times the sample mask
         mask = draft_input["token_mask"].float() * sample_mask[:, None]
         denominator = torch.as_tensor(count, dtype=torch.float32).clamp(min=1.0)
         return {
