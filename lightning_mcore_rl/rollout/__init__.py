@@ -1,7 +1,5 @@
-"""Rollout generation: the :class:`RolloutSource` protocol (``docs/rollout.md``) with the
-embedded megatron sampler, a Hugging Face ``transformers`` backend and a vLLM engine, the choice of a source by
-name, instance or factory and the trainer-side refit (:class:`PolicyRollout`), and toy tasks
-with verifiable rewards."""
+"""Rollout generation: the `RolloutSource` protocol (``docs/rollout.md``), its megatron, HF and
+vLLM backends, the source choice and trainer-side refit (`PolicyRollout`), and toy tasks."""
 
 from lightning_mcore_rl.rollout.hf_source import HFRolloutSource
 from lightning_mcore_rl.rollout.pending import (

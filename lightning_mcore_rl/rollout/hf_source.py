@@ -1,10 +1,5 @@
-"""A Hugging Face ``transformers`` copy of the policy as a :class:`RolloutSource`: one rank per
-group holds the model, refit tensor by tensor from the trainer's HF export, and samples with a
-KV-cached loop over the model's forward (so the per-token logprobs are exact and the draw uses a
-seeded generator; ``generate()`` draws from torch's global RNG).
-
-Shapes: ``B`` sequences, ``P`` prompt tokens, ``N`` new tokens, ``V`` vocabulary.
-"""
+"""A Hugging Face ``transformers`` copy of the policy as a `RolloutSource`, refit from the
+trainer's HF export. Shapes: ``B`` sequences, ``P`` prompt tokens, ``N`` new tokens."""
 
 from __future__ import annotations
 
@@ -23,21 +18,17 @@ from lightning_mcore_rl.rollout.source import SamplingConfig
 
 
 class HFRolloutSource(OneRankRolloutSource):
-    """Generate with an ``AutoModelForCausalLM`` held by the first rank of ``group``.
-
-    The generating rank samples (:meth:`generate`, or :meth:`submit` in a background thread);
-    the tokens and logprobs are broadcast to the rest of ``group`` (in the recipes: the data-parallel replica's model-parallel group, so every DP replica has
-    one generator, its TP/PP rank 0). Every rank of the training world takes part in
-    :meth:`update_weights` (the export is collective); only the generator keeps the tensors, one
-    at a time, copied into its model: beyond its own model (and the generator's HF copy) a rank
-    holds only the tensor in flight (its TP-gathered shards and the merged full tensor).
+    """Generate with an ``AutoModelForCausalLM`` on the first rank of ``group``; broadcast it.
 
     Args:
-        hf_dir: a directory ``transformers`` loads (the policy's HF checkpoint); read by the
-            generating rank only. Its weights serve until the first :meth:`update_weights`.
+        hf_dir: the policy's HF checkpoint, read by the generating rank; serves until a refit.
         group: the ranks that share one rollout (all pass the same prompts).
-        dtype: the generator's parameter dtype (refit tensors are cast to it).
-    """
+        dtype: the generator's parameter dtype (refit tensors are cast to it)."""
+
+    # In the recipes ``group`` is a DP replica's model-parallel group: each replica has one
+    # generator, its TP/PP rank 0. It samples with a KV-cached loop over the model's forward, not
+    # ``generate()``: the per-token logprobs are exact and the draw uses a seeded generator
+    # (``generate()`` draws from torch's global RNG).
 
     refit_required: ClassVar[bool] = True
 
@@ -66,9 +57,10 @@ class HFRolloutSource(OneRankRolloutSource):
         """Copy every ``(hf_name, full tensor)`` into the model (generator) or drop it (others).
 
         Raises:
-            ValueError: on every rank of ``group``, after the whole stream, when the stream has
-                a name the model lacks or misses one of its parameters (tied weights count once).
-        """
+            ValueError: an unknown name or a parameter missing (every rank, after the stream)."""
+        # Every rank of the training world takes part (the export is collective); the generator
+        # copies one tensor at a time, so a rank holds only the tensor in flight (its TP-gathered
+        # shards and the merged full tensor) beyond its own model.
         if self.model is None:
             for _ in weights:  # take part in the collective export, keep nothing
                 pass
@@ -83,6 +75,7 @@ class HFRolloutSource(OneRankRolloutSource):
     def _copy(weights: Iterable[tuple[str, Tensor]], params: dict[str, Tensor]) -> str | None:
         """Copy the stream into ``params`` (all names, tied ones repeated); what went wrong."""
         unknown: list[str] = []
+        # by id: a tied weight appears under several names and counts once
         filled: set[int] = set()
         for name, tensor in weights:
             param = params.get(name)
@@ -99,26 +92,21 @@ class HFRolloutSource(OneRankRolloutSource):
     def _draw(
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> Tensor | None:
-        """Prefill, then one cached step per token. Token ``t`` is drawn from
-        ``softmax(logits_t / T)`` (top-k/top-p filtered) with a CPU generator seeded by
-        ``sampling.seed``, as the embedded sampler does (:func:`~.sampler.draw_tokens`). Left-padded prompts are masked out of the attention and
-        positions start at each prompt's first real token, so a row's tokens and logprobs do not
-        depend on the padding (up to fp32 rounding); sampling ends when every row has stopped.
-        Returns a MoE model's routing (:meth:`_routing`)."""
+        """Sample (`_sample`); a MoE model's routing (`_routing`) or ``None``."""
         self._sample(tokens, logprobs, lengths, sampling)
         return self._routing(tokens, lengths, tokens.shape[1] - sampling.max_new_tokens)
 
     def _routing(self, tokens: Tensor, lengths: Tensor, prompt_width: int) -> Tensor | None:
-        """A MoE model's ``[B, P+N, L, K]`` experts of every position (ascending ids): the
-        top-``K`` of each MoE layer's router logits in one forward of the finished rows (the
-        routing each generation step made, the model being causal; up to fp32 rounding of the
-        other shapes); ``None`` for a dense model."""
+        """A MoE model's ``[B, P+N, L, K]`` experts per position (ascending), ``None`` if dense."""
+        # One forward of the finished rows gives the routing each generation step made (the model
+        # is causal), up to the fp32 rounding of the other shapes.
         assert self.model is not None  # the generator only
         topk = getattr(self.model.config, "num_experts_per_tok", None)
         if topk is None:
             return None
         batch, width = tokens.shape
         attention, positions = _left_padded_layout(lengths, prompt_width, width)
+        # logits_to_keep=1: only the router logits are wanted, not the [B, P+N, V] logits
         out = self.model(
             input_ids=tokens, attention_mask=attention, position_ids=positions,
             output_router_logits=True, logits_to_keep=1,
@@ -133,10 +121,14 @@ class HFRolloutSource(OneRankRolloutSource):
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> None:
         """Fill ``tokens``/``logprobs [B, P+N]`` from column ``P`` on, in place, for prompts of
-        ``lengths [B]`` real tokens (left-padded)."""
+        ``lengths [B]`` real tokens (left-padded): prefill, then one cached step per token."""
         assert self.model is not None  # the generator only
+        # the embedded sampler's draw (`draw_tokens`): softmax(logits / T), top-k/top-p filtered,
+        # from a CPU generator seeded by ``sampling.seed``
         generator = torch.Generator().manual_seed(sampling.seed)
         prompt_width, width = int(tokens.shape[1] - sampling.max_new_tokens), tokens.shape[1]
+        # padding masked out of the attention and positions from each prompt's first real token:
+        # a row's tokens and logprobs do not depend on the padding (up to fp32 rounding)
         attention, positions = _left_padded_layout(lengths, prompt_width, width)
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
         stopped = torch.zeros(tokens.shape[0], dtype=torch.bool)
@@ -168,7 +160,7 @@ class HFRolloutSource(OneRankRolloutSource):
 
 def _left_padded_layout(lengths: Tensor, prompt_width: int, width: int) -> tuple[Tensor, Tensor]:
     """``(attention_mask, position_ids)`` ``[B, width]`` of left-padded prompts of ``lengths``
-    real tokens: 0 on the left padding; positions 0 at each prompt's first real token."""
+    real tokens."""
     pads = (prompt_width - lengths)[:, None]  # [B, 1]
     columns = torch.arange(width)[None, :]
     return (columns >= pads).long(), (columns - pads).clamp(min=0)

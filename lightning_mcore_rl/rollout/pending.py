@@ -1,11 +1,5 @@
-"""Rollouts started now and collected later, so an engine samples while the trainer trains
-(asynchronous RL): the :class:`PendingRollout` handle, the :class:`BackgroundRolloutSource`
-protocol of the sources that can sample in the background, and :class:`OneRankRolloutSource`,
-the base of the sources whose first rank of a group samples and broadcasts (the Hugging Face
-copy and the vLLM engine).
-
-Shapes: ``B`` sequences, ``P`` prompt columns, ``N`` new tokens.
-"""
+"""Rollouts started now and collected later (asynchronous RL), and `OneRankRolloutSource`, the
+base of the HF and vLLM sources. Shapes: ``B`` sequences, ``P`` prompt columns, ``N`` new tokens."""
 
 from __future__ import annotations
 
@@ -29,9 +23,8 @@ from lightning_mcore_rl.rollout.source import (
 
 @runtime_checkable
 class PendingRollout(Protocol):
-    """A rollout being sampled: :meth:`wait` blocks this rank until its part of the sampling
-    is done (local, no collective); :meth:`result` returns the :class:`Rollout` (collective over
-    the source's group, once)."""
+    """A rollout being sampled: ``wait`` blocks this rank until its part is done (no
+    collective); ``result`` returns the `Rollout` (collective over the source's group, once)."""
 
     def wait(self) -> None: ...
 
@@ -39,7 +32,7 @@ class PendingRollout(Protocol):
 
 
 class ReadyRollout:
-    """A :class:`PendingRollout` already sampled (a source that samples in the foreground)."""
+    """A `PendingRollout` already sampled (a source that samples in the foreground)."""
 
     def __init__(self, rollout: Rollout) -> None:
         self.rollout = rollout
@@ -54,21 +47,18 @@ class ReadyRollout:
 
 @runtime_checkable
 class BackgroundRolloutSource(Protocol):
-    """A rollout source that can sample while the caller goes on (its own engine or model
-    copy): :meth:`submit` returns at once, collective over nothing."""
+    """A rollout source whose ``submit`` returns at once (no collective) while it samples."""
 
     def submit(
         self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
     ) -> PendingRollout:
-        """Start sampling as :meth:`RolloutSource.generate` would; the handle's ``result()``
-        is that call's :class:`Rollout`. The weights are those at submission: refit only after
-        the handle's ``wait()``."""
+        """Start sampling as `RolloutSource.generate` would, with the weights at submission
+        (refit only after the handle's ``wait()``)."""
         ...
 
 
 class _Draw:
-    """``fn`` run now (foreground) or in a daemon thread (background) with this thread's torch
-    intra-op thread count and no autograd; its error (if any) is kept for :meth:`result`."""
+    """``fn`` run now or in a daemon thread, without autograd; its error kept for the result."""
 
     def __init__(self, fn: Callable[[], Tensor | None], background: bool, name: str) -> None:
         self.fn = fn
@@ -97,8 +87,7 @@ class _Draw:
 
 
 class _Broadcast:
-    """The :class:`PendingRollout` of a :class:`OneRankRolloutSource`: the generator's draw
-    (``None`` on the other ranks) and the buffers the broadcast fills."""
+    """The `PendingRollout` of a `OneRankRolloutSource` (``draw`` ``None`` off the generator)."""
 
     def __init__(
         self,
@@ -118,14 +107,11 @@ class _Broadcast:
             self.draw.wait()
 
     def result(self) -> Rollout:
-        """Wait for the draw, then broadcast its outcome (an error is raised on every rank of
-        the group), the tokens, logprobs and routing.
+        """Wait for the draw, then broadcast its outcome, the tokens, logprobs and routing.
 
         Raises:
-            RuntimeError: the generator's sampling failed; ``result()`` called twice. An error
-                that names the process that failed (``names_failed_process``, e.g. the vLLM
-                engine's ``EngineDiedError``) is raised itself, on every rank.
-        """
+            RuntimeError: the generator's sampling failed (on every rank); called twice.
+            EngineDiedError: or another error with ``names_failed_process``, on every rank."""
         if self.taken:
             raise RuntimeError("PendingRollout.result() was already called.")
         self.taken = True
@@ -162,11 +148,7 @@ class _Broadcast:
 
 class OneRankRolloutSource(ABC):
     """A source whose generator, the first rank of ``group``, samples and broadcasts the
-    rollout to the group; :meth:`submit` samples in a background thread.
-
-    Subclasses set ``group`` and ``src`` (the generator's global rank) and implement
-    :meth:`is_generator` and :meth:`_draw`.
-    """
+    rollout; subclasses set ``group``, ``src`` (its global rank), ``is_generator``, ``_draw``."""
 
     group: Any
     src: int
@@ -180,9 +162,8 @@ class OneRankRolloutSource(ABC):
     def _draw(
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> Tensor | None:
-        """On the generator: fill ``tokens``/``logprobs [B, P+N]`` from column ``P`` on, in
-        place, for prompts of ``lengths [B]`` real tokens (left-padded); return the routing
-        ``[B, P+N, L, K]`` of a MoE model, else ``None``."""
+        """On the generator: fill ``tokens``/``logprobs [B, P+N]`` from column ``P`` on, in place;
+        the ``[B, P+N, L, K]`` routing of a MoE model, else ``None``."""
 
     def _start(
         self,
@@ -205,13 +186,14 @@ class OneRankRolloutSource(ABC):
     def generate(
         self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
     ) -> Rollout:
-        """Sample on the generator and broadcast (collective over ``group``); a failed draw
-        raises ``RuntimeError`` on every rank of the group."""
+        """Sample on the generator and broadcast (collective over ``group``).
+
+        Raises:
+            RuntimeError: the draw failed (on every rank of the group)."""
         return self._start(prompts, sampling, prompt_lengths, background=False).result()
 
     def submit(
         self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
     ) -> PendingRollout:
-        """:meth:`generate` with the draw in a background thread; the handle's ``result()``
-        broadcasts (:class:`BackgroundRolloutSource`)."""
+        """`generate` with the draw in a background thread; the handle's ``result()`` broadcasts."""
         return self._start(prompts, sampling, prompt_lengths, background=True)

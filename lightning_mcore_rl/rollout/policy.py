@@ -1,10 +1,5 @@
-"""The trainer side of a rollout source: the named backends (:data:`ROLLOUT_BACKENDS`), the
-choice of a source by name, instance or factory (:func:`rollout_source_factory`), and
-:class:`PolicyRollout`, which builds the chosen source once the strategy has set up, refits it
-after every optimizer step and samples; plus the train/inference mismatch extrema.
-
-Shapes: ``B`` sequences, ``S`` tokens.
-"""
+"""The trainer side of a rollout source: the named backends, the choice of a source,
+`PolicyRollout` (build, refit, sample) and the train/inference mismatch extrema."""
 
 from __future__ import annotations
 
@@ -46,15 +41,9 @@ class RolloutSetup:
     """What a rollout source is built from, known once the strategy has set up.
 
     Attributes:
-        chunks: this rank's chunks of the model that samples (the policy's, or a hosted
-            teacher's), one per virtual pipeline stage.
-        groups: this rank's process groups (TP/PP/DP/CP groups, ranks and sizes).
-        hf_bridge: the model's :class:`~lightning_mcore_rl.models.HFBridge` (its Hugging Face
-            directory and the weight export a refit streams); ``None`` when the model is not a
-            Hugging Face checkpoint.
-        world_group: the group of every training rank the checks before a rollout agree over
-            (:func:`~.preflight.check_before_rollout`; ``None``: the default group).
-    """
+        chunks: this rank's chunks (one per VPP stage) of the model that samples.
+        hf_bridge: the model's HF directory and weight export; ``None`` for a non-HF model.
+        world_group: the training ranks `check_before_rollout` agrees over (``None``: default)."""
 
     chunks: Sequence[torch.nn.Module]
     groups: ParallelGroups
@@ -71,20 +60,17 @@ RolloutChoice = RolloutBackend | RolloutSource | RolloutSourceFactory
 
 
 def megatron_rollout_source(setup: RolloutSetup) -> RolloutSource:
-    """``"megatron"``: the embedded sampler on the first chunk with the TP group (and the PP
-    group under pipeline parallelism)."""
+    """``"megatron"``: the embedded sampler on the first chunk with the TP (and PP) group."""
     groups = setup.groups
     pp_group = groups.pp_group if groups.pp_size > 1 else None
     return MegatronRolloutSource(setup.chunks[0], groups.tp_group, pp_group)
 
 
 def _replica_generator(setup: RolloutSetup, backend: str) -> tuple[str, Any]:
-    """The HF directory and the group of an engine on the first rank of each data-parallel
-    replica's model-parallel group (TP x PP).
+    """The HF directory and the group (each DP replica's TP x PP group) of a one-rank engine.
 
     Raises:
-        ValueError: the model is not a Hugging Face checkpoint, or CP > 1.
-    """
+        ValueError: not a Hugging Face model, or CP > 1."""
     if setup.hf_bridge is None:
         raise ValueError(
             f"backend={backend!r} generates with its own copy of the model and needs a Hugging "
@@ -101,23 +87,19 @@ def _replica_generator(setup: RolloutSetup, backend: str) -> tuple[str, Any]:
 
 
 def hf_rollout_source(setup: RolloutSetup) -> RolloutSource:
-    """``"hf"``: a ``transformers`` copy of the model's HF checkpoint on the first rank of each
-    data-parallel replica's model-parallel group (TP x PP).
+    """``"hf"``: a ``transformers`` copy of the model on the first rank of each DP replica.
 
     Raises:
-        ValueError: the model is not a Hugging Face checkpoint, or CP > 1.
-    """
+        ValueError: not a Hugging Face model, or CP > 1."""
     return HFRolloutSource(*_replica_generator(setup, "hf"))
 
 
 def vllm_rollout_source(setup: RolloutSetup) -> RolloutSource:
-    """``"vllm"``: a vLLM engine loaded from the model's HF checkpoint, owned by the first rank
-    of each data-parallel replica's model-parallel group (TP x PP), refit in place.
+    """``"vllm"``: a vLLM engine of the model owned by the first rank of each DP replica.
 
     Raises:
-        ValueError: the model is not a Hugging Face checkpoint, or CP > 1.
-        ImportError: vLLM is not installed (on every rank).
-    """
+        ValueError: not a Hugging Face model, or CP > 1.
+        ImportError: vLLM is not installed (on every rank)."""
     return VLLMRolloutSource(*_replica_generator(setup, "vllm"))
 
 
@@ -130,13 +112,11 @@ ROLLOUT_BACKENDS: dict[str, RolloutSourceFactory] = {
 
 
 def rollout_source_factory(choice: RolloutChoice) -> RolloutSourceFactory:
-    """The factory of ``choice``: a named backend's, a source instance's (returns it as is) or
-    ``choice`` itself when it is a factory (a function or a class taking the setup).
+    """The factory of a backend name, a source instance (returned as is) or a factory.
 
     Raises:
         ValueError: an unknown backend name.
-        TypeError: neither a name, a :class:`RolloutSource` nor a callable.
-    """
+        TypeError: neither a name, a `RolloutSource` nor a callable."""
     if isinstance(choice, str):
         if choice not in ROLLOUT_BACKENDS:
             raise ValueError(
@@ -146,6 +126,7 @@ def rollout_source_factory(choice: RolloutChoice) -> RolloutSourceFactory:
         return ROLLOUT_BACKENDS[choice]
     if not isinstance(choice, type) and isinstance(choice, RolloutSource):
         source: RolloutSource = choice
+        # a built source is used as is, on every call
         return lambda setup: source
     if callable(choice):
         return choice
@@ -156,40 +137,20 @@ def rollout_source_factory(choice: RolloutChoice) -> RolloutSourceFactory:
 
 
 class SubmittedRollout(NamedTuple):
-    """A rollout started by :meth:`PolicyRollout.submit`.
-
-    Attributes:
-        pending: its handle (``result()`` is collective over the source's group).
-        weights_step: the optimizer steps of the weights that sample it (the step the source
-            was last refit at; the current step for a source that samples with the training
-            model).
-    """
+    """A rollout started by `PolicyRollout.submit`: its handle and the optimizer step of the
+    weights that sample it (the last refit's; the current one for the training model)."""
 
     pending: PendingRollout
     weights_step: int
 
 
 class PolicyRollout:
-    """A recipe's rollout: the chosen source, built at the first :meth:`generate` (megatron's
-    groups and the model exist then) and refit whenever the model has taken an optimizer step
-    since the last refit (before the next :meth:`generate`, as NeMo RL refits a stale
-    generation backend).
-
-    A source with ``refit_required`` is refit from the model's
-    :meth:`~lightning_mcore_rl.models.HFBridge.export_hf_weights` (TP all-gather, PP broadcast,
-    on every rank), so it needs a Hugging Face model. :meth:`submit` lets a
-    :class:`~.pending.BackgroundRolloutSource` sample while the trainer goes on; every later
-    refit, :meth:`generate` or :meth:`submit` first waits for those samples (:meth:`wait`), so a
-    rollout is sampled by the weights it was submitted with and the source serves one request
-    at a time.
+    """A recipe's rollout: the chosen source, built at the first rollout and refit before one
+    whenever the model has stepped since the last refit.
 
     Args:
-        choice: the source (:data:`RolloutChoice`).
-        frozen: the model never steps (a hosted teacher): one refit, before the first rollout.
-
-    Raises:
-        ValueError, TypeError: as :func:`rollout_source_factory`.
-    """
+        choice: the source (`RolloutChoice`).
+        frozen: the model never steps (a hosted teacher): one refit, before the first rollout."""
 
     def __init__(self, choice: RolloutChoice, *, frozen: bool = False) -> None:
         self.factory = rollout_source_factory(choice)
@@ -202,8 +163,8 @@ class PolicyRollout:
         """The source, built on first use.
 
         Raises:
-            TypeError: the factory returned something that is not a :class:`RolloutSource`.
-        """
+            TypeError: the factory returned something that is not a `RolloutSource`."""
+        # built this late because megatron's groups and the model exist only then
         if self.source is None:
             source = self.factory(setup)
             if not isinstance(source, RolloutSource):
@@ -216,8 +177,7 @@ class PolicyRollout:
         return self.source
 
     def wait(self) -> None:
-        """Block until every rollout submitted in the background has been sampled (local: the
-        handles' ``result()`` is still to be called)."""
+        """Block until every background rollout is sampled (local; ``result()`` still to call)."""
         for pending in self._in_flight:
             pending.wait()
         self._in_flight.clear()
@@ -230,18 +190,12 @@ class PolicyRollout:
         sampling: SamplingConfig,
         prompt_lengths: Tensor | None = None,
     ) -> Rollout:
-        """Refit the source if the model has stepped since the last refit (``step``: its
-        optimizer steps so far), then sample ``prompts [B, P]`` (left-padded to
-        ``prompt_lengths [B]`` real tokens; collective over the training world when refitting,
-        over the source's group otherwise).
+        """Refit the source if the model has stepped (``step``: optimizer steps so far), then
+        sample ``prompts [B, P]`` (left-padded, ``prompt_lengths [B]`` real tokens).
 
         Raises:
-            ValueError: a source that needs a refit, of a model with no HF bridge (on every
-                rank, before any collective).
-            NonFiniteWeightError, BatchMismatchError: a NaN/inf weight on any rank, or
-                different prompts on the ranks of a replica (every rank, before the refit and
-                the sampling: :func:`~.preflight.check_before_rollout`).
-        """
+            ValueError: a source that needs a refit, of a model with no HF bridge (every rank).
+            NonFiniteWeightError, BatchMismatchError: as `check_before_rollout`."""
         check_before_rollout(setup, prompts, prompt_lengths)
         source = self._refit(setup, step)
         return source.generate(prompts, sampling, prompt_lengths)
@@ -254,36 +208,39 @@ class PolicyRollout:
         sampling: SamplingConfig,
         prompt_lengths: Tensor | None = None,
     ) -> SubmittedRollout:
-        """:meth:`generate`, sampled in the background by a
-        :class:`~.pending.BackgroundRolloutSource` (in the foreground by any other source):
-        returns once the refit is done and the sampling has started.
-
-        Raises:
-            ValueError, NonFiniteWeightError, BatchMismatchError: as :meth:`generate`.
-        """
+        """`generate`, in the background for a `BackgroundRolloutSource`: returns once the sampling
+        has started."""
         check_before_rollout(setup, prompts, prompt_lengths)
         source = self._refit(setup, step)
         if isinstance(source, BackgroundRolloutSource):
             pending = source.submit(prompts, sampling, prompt_lengths)
+            # waited for before the next refit or rollout (`wait`)
             self._in_flight.append(pending)
         else:
             pending = ReadyRollout(source.generate(prompts, sampling, prompt_lengths))
+        # a source sampling with the training model itself uses the current step's weights
         weights_step = self.refit_step if source.refit_required else step
         assert weights_step is not None  # refit above
         return SubmittedRollout(pending, weights_step)
 
     def _refit(self, setup: RolloutSetup, step: int) -> RolloutSource:
-        """The source, after the in-flight samples (:meth:`wait`) and, when it has
-        ``refit_required`` and the model has stepped since, a refit."""
+        """The source, after the in-flight samples (`wait`) and a refit when it is stale."""
         source = self.build(setup)
+        # a rollout is sampled by the weights it was submitted with, and a source serves one
+        # request at a time
         self.wait()
+        # stale once the model has stepped since the last refit, as NeMo RL refits a stale
+        # generation backend
         stale = self.refit_step is None or (not self.frozen and self.refit_step != step)
         if source.refit_required and stale:
+            # on every rank alike, before the collective export
             if setup.hf_bridge is None:
                 raise ValueError(
                     f"{type(source).__name__} has refit_required=True: it is refit from the "
                     "model's Hugging Face weight export, which needs an HFModelSpec model."
                 )
+            # collective on every rank: TP all-gather, PP broadcast
+            # fp32 export: each source casts to its own dtype as the tensors arrive
             weights = setup.hf_bridge.export_hf_weights(
                 setup.chunks, groups=setup.groups, dtype=torch.float32
             )
@@ -293,20 +250,11 @@ class PolicyRollout:
 
 
 def mismatch_extrema(batch: Mapping[str, Any], dp_group: Any) -> dict[str, Tensor]:
-    """Extremes of the per-token train/inference probability ratio
-    ``exp(prev_logprobs - generation_logprobs)`` over the ``token_mask`` tokens of all
-    data-parallel ranks (``1`` for both when the source and the trainer agree exactly; the means
-    are ``ClippedPGLossFn``'s ``token_mult_prob_error`` and ``gen_kl_error``).
-
-    Args:
-        batch: ``generation_logprobs`` (the source's, 0 at prompt positions), ``prev_logprobs``
-            (the trainer's ``compute_logprobs`` of the same tokens) and ``token_mask``, each
-            ``[B, S]``.
-        dp_group: the data-parallel group (one MIN and one MAX all-reduce).
-
-    Returns:
-        ``{"gen_train_ratio_min": [], "gen_train_ratio_max": []}``.
-    """
+    """``{"gen_train_ratio_min": [], "gen_train_ratio_max": []}``: extremes over all DP ranks of
+    ``exp(prev_logprobs - generation_logprobs)`` at ``token_mask``, all ``[B, S]`` in ``batch``
+    (``ValueError`` when their shapes differ)."""
+    # Both are 1 when the source and the trainer agree exactly; the means are ClippedPGLossFn's
+    # token_mult_prob_error and gen_kl_error.
     gen, prev, mask = (batch[k] for k in ("generation_logprobs", "prev_logprobs", "token_mask"))
     if not gen.shape == prev.shape == mask.shape:
         raise ValueError(

@@ -1,19 +1,5 @@
-"""What every rank checks before a rollout's first collective (:class:`~.policy.PolicyRollout` runs
-it before its refit and its sampling): ONE all-gather over the training world of each rank's
-weight verdict and prompt summary (the step's agreement table,
-:mod:`~lightning_mcore_rl.strategy.agreement`), so every rank takes the same decision:
-
-* a NaN/inf weight of the model that samples, on any rank (a callback writing into the weights,
-  a checkpoint saved without the strategy's checksums: the optimizer's update check never
-  writes one), raises :class:`NonFiniteWeightError` on every rank naming the parameter, instead
-  of ``torch.multinomial``'s "probability tensor contains inf, nan" on some;
-* the ranks of one model replica (its TP/PP ranks, which sample together) holding different
-  prompts (rows, width or contents) raise
-  :class:`~lightning_mcore_rl.strategy.agreement.BatchMismatchError` on every rank, instead of
-  a collective of mismatched shapes (gloo aborts the process).
-
-Shapes: ``B`` prompts, ``P`` prompt tokens.
-"""
+"""What every rank checks before a rollout's first collective: finite weights and equal prompts
+per replica, in one all-gather. Shapes: ``B`` prompts, ``P`` prompt tokens."""
 
 from __future__ import annotations
 
@@ -46,7 +32,7 @@ class NonFiniteWeightError(ValueError):
 
 def first_nonfinite_parameter(chunks: Sequence[torch.nn.Module]) -> str | None:
     """The first parameter of ``chunks`` holding NaN/inf, described (``"name (chunk c): n of m
-    entries NaN/inf"``), or ``None``. One host sync when every weight is finite."""
+    entries NaN/inf"``), or ``None``."""
     named = [
         (c, name, param)
         for c, chunk in enumerate(chunks)
@@ -54,6 +40,7 @@ def first_nonfinite_parameter(chunks: Sequence[torch.nn.Module]) -> str | None:
     ]
     if not named:
         return None
+    # one host sync when every weight is finite
     finite = torch.stack([torch.isfinite(param).all() for _, _, param in named])
     if bool(finite.all()):
         return None
@@ -68,23 +55,22 @@ def first_nonfinite_parameter(chunks: Sequence[torch.nn.Module]) -> str | None:
 def check_before_rollout(
     setup: RolloutSetup, prompts: Tensor, prompt_lengths: Tensor | None = None
 ) -> None:
-    """Agree over the training world (``setup.world_group``) that the sampling model's weights
-    are finite on every rank and that each replica's ranks hold the same prompts.
-
-    Args:
-        setup: the rollout's setup (its chunks, groups and world group).
-        prompts: this rank's ``[B, P]`` prompt ids.
-        prompt_lengths: ``[B]`` real tokens per prompt, or ``None``.
+    """Agree over ``setup.world_group`` that the sampling weights are finite and that each
+    replica's ranks hold the same ``prompts [B, P]`` (and ``prompt_lengths [B]``).
 
     Raises:
-        NonFiniteWeightError: a weight is NaN/inf on some rank (every rank; the parameter and
-            its rank named).
-        BatchMismatchError: the ranks of a replica hold different prompts (every rank).
-    """
+        NonFiniteWeightError: a weight is NaN/inf on some rank (on every rank, naming it).
+        BatchMismatchError: the ranks of a replica hold different prompts (on every rank)."""
+    # One all-gather of each rank's weight verdict and prompt summary (the step's agreement
+    # table, `strategy.agreement`), so every rank takes the same decision.
+    # A NaN/inf weight comes from outside the optimizer (its update check never writes one): a
+    # callback writing into the weights, a checkpoint saved without the strategy's checksums.
     bad = first_nonfinite_parameter(setup.chunks)
     keyed = {"prompts": prompts}
     if prompt_lengths is not None:
         keyed["prompt_lengths"] = prompt_lengths
+    # a malformed batch still joins the all-gather (`check_prompts` refuses it later), so no
+    # rank waits alone
     rows, width = (int(n) for n in prompts.shape[:2]) if prompts.dim() >= 2 else (0, 0)
     entry = RankInput(
         NONFINITE if bad is not None else OK, setup.groups.dp_rank, rows, width,
@@ -92,7 +78,11 @@ def check_before_rollout(
     )  # fmt: skip
     table = gather_inputs(entry, _device(setup.chunks), setup.world_group)
     if int(table[:, 0].max()) != OK:  # column 0: the verdict (RankInput's order)
+        # raised on every rank, not torch.multinomial's "probability tensor contains inf, nan"
+        # on some
         raise NonFiniteWeightError(_nonfinite_message(bad, setup.world_group))
+    # A replica's TP/PP ranks sample together: different prompts (rows, width or contents)
+    # would reach a collective of mismatched shapes, which gloo answers by aborting the process.
     check_replica_agreement(table, "Before the rollout: ")
 
 
@@ -105,8 +95,8 @@ def _device(chunks: Sequence[torch.nn.Module]) -> torch.device:
 
 
 def _nonfinite_message(bad: str | None, group: Any) -> str:
-    """Every rank's finding (one ``all_gather_object``, on the failure path only) in one
-    message, the same on every rank."""
+    """Every rank's finding in one message, the same on every rank."""
+    # an all_gather_object is affordable here: the failure path only
     found: list[str | None] = [bad]
     if dist.is_available() and dist.is_initialized():
         found = [None] * dist.get_world_size(group)

@@ -1,14 +1,5 @@
-"""Autoregressive sampling with the megatron training model itself.
-
-Meant for toy tasks and tests on CPU: by default every new token re-runs the model on the whole
-prefix, which is fine at tens of tokens; ``kv_cache=True`` keeps the keys and values in megatron's
-``StaticInferenceContext`` instead (one prefill, then one token per forward). Tensor-parallel ranks gather the vocab-sharded logits and
-draw with identically seeded generators, so they agree on every token without communicating the
-samples. With a ``pp_group`` every pipeline stage runs its chunk in turn (blocking p2p of the
-hidden states ``[s, B, H]``), the last stage draws, and the token is broadcast to the other stages.
-Context parallelism, sequence parallelism and virtual pipelining are not supported here; a
-production setup uses an inference engine instead.
-"""
+"""Autoregressive sampling with the megatron training model itself, for toy tasks and tests on
+CPU (no CP, SP or virtual pipelining: a production setup uses an inference engine)."""
 
 from __future__ import annotations
 
@@ -22,17 +13,8 @@ from lightning_mcore_rl.ops import TrainingSamplingParams, apply_top_k_top_p
 
 
 class GenerationOutput(NamedTuple):
-    """Prompts plus sampled completions.
-
-    Attributes:
-        tokens: ``[B, P+N]`` prompt then ``N`` sampled tokens.
-        logprobs: ``[B, P+N]`` log-probability of each sampled token under the (temperature-scaled)
-            sampling distribution; 0 at prompt positions (stored-logprob convention).
-        completion_mask: ``[B, P+N]`` 1 at sampled positions, 0 at prompt positions.
-        routed_experts: ``[B, P+N, L, K]`` with ``record_routing``: the experts each position
-            was routed to at each of the model's ``L`` MoE layers (top-``K``, ascending ids; the
-            batch key ``routed_experts`` of router replay), else ``None``.
-    """
+    """Prompts plus sampled completions, each ``[B, P+N]``: ``logprobs`` of the sampled tokens
+    (0 at prompts); ``routed_experts [B, P+N, L, K]``: top-``K`` experts per MoE layer/``None``."""
 
     tokens: Tensor
     logprobs: Tensor
@@ -41,9 +23,7 @@ class GenerationOutput(NamedTuple):
 
 
 class _RoutingRecorder:
-    """Forward hooks on this chunk's megatron routers: per MoE layer (global layer number) the
-    ``[B, s, K]`` expert ids of every forward, from the router's ``routing_map [s*B, E]``
-    (sequence-first tokens)."""
+    """Hooks on this chunk's routers: per MoE layer the ``[B, s, K]`` expert ids of each forward."""
 
     def __init__(self, model: torch.nn.Module, batch: int) -> None:
         from megatron.core.transformer.moe.router import Router
@@ -55,15 +35,16 @@ class _RoutingRecorder:
         ]
 
     def _hook(self, router: torch.nn.Module, _args: Any, output: Any) -> None:
-        routing_map = output[1]  # [s*B, E] bool
+        routing_map = output[1]  # [s*B, E] bool, sequence-first tokens
         topk = int(router.topk)  # type: ignore[arg-type]
+        # a token's routed experts are the ones set in its row of the 0/1 map
         ids = routing_map.float().topk(topk, dim=1).indices.sort(dim=1).values
         per_row = ids.view(-1, self.batch, topk).transpose(0, 1)  # [B, s, K]
         self.calls.setdefault(int(router.layer_number), []).append(per_row)  # type: ignore[arg-type]
 
     def routing(self, cached: bool) -> dict[int, Tensor]:
-        """``{layer number: [B, P+N, K]}``: with a KV cache the forwards' new tokens in order,
-        without one the last forward (it ran the whole sequence)."""
+        """``{layer number: [B, P+N, K]}``: the cached forwards' new tokens in order, or the last
+        uncached forward."""
         return {
             layer: torch.cat(calls, dim=1) if cached else calls[-1]
             for layer, calls in self.calls.items()
@@ -75,8 +56,8 @@ class _RoutingRecorder:
 
 
 def _gather_routing(local: dict[int, Tensor], pp_group: Any) -> Tensor:
-    """Every stage's ``{layer number: [B, T, K]}`` -> ``[B, T, L, K]`` in layer order (one
-    ``all_gather_object`` over the pipeline group when PP > 1)."""
+    """Every stage's ``{layer number: [B, T, K]}`` -> ``[B, T, L, K]`` in layer order."""
+    # each stage records only its own layers
     parts = [local]
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         parts = [{} for _ in range(dist.get_world_size(pp_group))]
@@ -95,8 +76,7 @@ def _full_vocab_logits(local: Tensor, tp_group: Any) -> Tensor:
 
 
 def _kv_context(batch: int, length: int, enabled: bool) -> Any:
-    """A megatron ``StaticInferenceContext`` for ``batch`` rows of up to ``length`` tokens, or
-    ``None`` without a KV cache."""
+    """A megatron ``StaticInferenceContext`` for ``batch`` rows of ``length`` tokens or ``None``."""
     if not enabled:
         return None
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -130,13 +110,10 @@ def _check_model_config(model: torch.nn.Module, pp_group: Any) -> None:
 
 
 def _check_recordable(config: Any) -> None:
-    """``record_routing`` needs MoE layers that route every token to exactly top-k experts.
-
-    Raises:
-        ValueError: a dense model, or a capacity factor (a dropped slot has no expert to record).
-    """
+    """``ValueError`` unless every token routes to exactly top-k experts (MoE, no capacity)."""
     if not getattr(config, "num_moe_experts", None):
         raise ValueError("`record_routing=True` needs a model with MoE layers; this one has none")
+    # a capacity factor may drop a token's slot, which then has no expert to record
     capacity = getattr(config, "moe_expert_capacity_factor", None)
     if capacity is not None:
         raise ValueError(
@@ -154,9 +131,9 @@ def _last_logits(
     tp_group: Any,
     pp_group: Any,
 ) -> Tensor | None:
-    """Run this stage's chunk on ``ids [B, s]``: ``[B, V]`` full-vocab logits of the last
-    position on the last pipeline stage, ``None`` on the others (which send their hidden
-    states ``[s, B, H]`` on)."""
+    """This stage's chunk on ``ids [B, s]``: the last position's ``[B, V]`` logits on the last
+    stage, ``None`` on the others."""
+    # the stages run in turn, with blocking p2p of the hidden states [s, B, H]
     ranks, stage = [0], 0
     if pp_group is not None:
         ranks = dist.get_process_group_ranks(pp_group)
@@ -190,19 +167,10 @@ def draw_tokens(
     top_k: int | None = None,
     top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Draw one token per row from ``softmax(filter(logits / temperature))``, the filter vLLM's
-    top-k then top-p (:func:`~lightning_mcore_rl.ops.apply_top_k_top_p`, what the trainer's
-    ``TrainingSamplingParams`` reproduce).
-
-    Args:
-        logits: ``[B, V]`` full-vocabulary logits.
-        generator: the draw's CPU generator.
-        temperature, top_k, top_p: as :class:`~lightning_mcore_rl.ops.TrainingSamplingParams`.
-
-    Returns:
-        ``(tokens [B, 1]`` int64, ``logprobs [B, 1]`` fp32 under the filtered distribution``)``.
-    """
+    """Draw one token per row of ``logits [B, V]`` from ``softmax(filter(logits / temperature))``:
+    ``(tokens [B, 1]`` int64, ``logprobs [B, 1]`` fp32 of the filtered distribution``)``."""
     scaled = logits.float() / temperature
+    # vLLM's filter, top-k then top-p: what the trainer's TrainingSamplingParams reproduce
     if top_k is not None or top_p < 1.0:
         scaled, _ = apply_top_k_top_p(scaled, top_k, top_p)
     log_probs = torch.log_softmax(scaled, dim=-1)  # [B, V]
@@ -224,48 +192,37 @@ def generate(
     kv_cache: bool = False,
     record_routing: bool = False,
 ) -> GenerationOutput:
-    """Sample ``max_new_tokens`` tokens after each prompt.
+    """Sample ``max_new_tokens`` (``N``) tokens after each of ``prompts [B, P]`` (equal lengths).
 
     Args:
-        model: a megatron GPT chunk (or its DDP/Float16 wrapper) returning vocab-parallel logits
-            ``[B, L, V/TP]`` for ``model(input_ids, position_ids, attention_mask=None)``.
-        prompts: ``[B, P]`` token ids (equal-length prompts).
-        max_new_tokens: ``N`` >= 1.
-        generator: CPU generator; seed it identically on the ranks of one TP group and differently
-            across data-parallel ranks.
-        temperature: > 0; logits are divided by it before sampling.
-        top_k, top_p: vLLM's filters after the temperature (:func:`draw_tokens`); the
-            logprobs are those of the filtered distribution.
-        tp_group: tensor-parallel group (``None`` or size 1: logits are already full-vocab).
-        pp_group: pipeline-parallel group (``None``: PP=1); every stage calls ``generate`` with
-            its chunk and the same prompts, and all get the same output.
-        kv_cache: cache keys/values in a megatron ``StaticInferenceContext`` (megatron then
-            gathers the logits over TP itself); same tokens as without, logprobs within fp32
-            rounding.
-        record_routing: a MoE model: record every position's experts per MoE layer
-            (``GenerationOutput.routed_experts``), the routing each generation forward made;
-            one more forward routes the last sampled token. The sampled tokens and logprobs
-            are unchanged.
+        model: a megatron GPT chunk (or its wrapper) returning logits ``[B, L, V/TP]``.
+        generator: CPU generator: seed it alike on one TP group's ranks, differently across DP.
+        pp_group: every stage calls ``generate`` with its chunk and the same prompts.
+        kv_cache: cache keys/values in a ``StaticInferenceContext``.
+        record_routing: a MoE model: fill ``GenerationOutput.routed_experts``.
 
-    Returns:
-        :class:`GenerationOutput`.
-    """
+    Raises:
+        ValueError: bad prompts or sampling parameters, or an unsupported model."""
     if prompts.ndim != 2 or prompts.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"`prompts` must be integer [B, P], got {prompts.dtype} {tuple(prompts.shape)}"
         )
     if max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+    # temperature > 0 divides the logits; top-k/top-p filter after it, and the logprobs are those
+    # of the filtered distribution
     TrainingSamplingParams(temperature, top_k, top_p)  # checks the three
     _check_model_config(model, pp_group)
     if record_routing:
         _check_recordable(getattr(model, "config", None))
     was_training = model.training
-    model.eval()
+    model.eval()  # no dropout while sampling; the training mode is restored below
     recorder = _RoutingRecorder(model, prompts.shape[0]) if record_routing else None
     try:
         tokens = prompts.long()
         logprobs = torch.zeros(prompts.shape, dtype=torch.float32)
+        # Without a cache every new token re-runs the whole prefix (fine at tens of tokens); with
+        # one, a prefill then one token per forward, and megatron gathers the logits over TP.
         context = _kv_context(tokens.shape[0], tokens.shape[1] + max_new_tokens, kv_cache)
         for _ in range(max_new_tokens):
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
@@ -278,8 +235,11 @@ def generate(
                 context.increment_sequence_len_offset(fresh)
             nxt = torch.empty(tokens.shape[0], 1, dtype=torch.long)
             picked = torch.empty(tokens.shape[0], 1, dtype=torch.float32)
+            # TP ranks draw from the same gathered logits with identically seeded generators, so
+            # they agree on every token without communicating it
             if full is not None:  # the last stage draws
                 nxt, picked = draw_tokens(full, generator, temperature, top_k, top_p)
+            # the other stages need the token for their next forward
             if pp_group is not None and dist.get_world_size(pp_group) > 1:
                 last = dist.get_process_group_ranks(pp_group)[-1]
                 dist.broadcast(nxt, src=last, group=pp_group)
@@ -287,7 +247,8 @@ def generate(
             tokens = torch.cat([tokens, nxt], dim=1)
             logprobs = torch.cat([logprobs, picked], dim=1)
         routed = None
-        if recorder is not None:  # the last sampled token's routing: one more forward
+        # the last sampled token's routing needs one more forward (tokens and logprobs unchanged)
+        if recorder is not None:
             fresh = tokens.shape[1] - (0 if context is None else context.sequence_len_offset)
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
             _last_logits(

@@ -1,10 +1,5 @@
-"""The rollout-source protocol: what an RL recipe needs from whatever generates its samples
-(the embedded megatron sampler, a Hugging Face copy of the policy, or an inference engine such as
-vLLM/SGLang), and the embedded sampler wrapped as one. The contract is in ``docs/rollout.md``.
-
-Shapes: ``B`` sequences, ``P`` prompt columns (prompts left-padded to the longest), ``N`` new
-tokens.
-"""
+"""The rollout-source protocol (contract: ``docs/rollout.md``) and the embedded megatron sampler
+as one. Shapes: ``B`` sequences, ``P`` prompt columns (left-padded), ``N`` new tokens."""
 
 from __future__ import annotations
 
@@ -22,22 +17,9 @@ from lightning_mcore_rl.rollout.sampler import generate
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How one :meth:`RolloutSource.generate` call samples.
-
-    Attributes:
-        max_new_tokens: ``N`` >= 1, the most tokens sampled per prompt.
-        temperature: > 0; tokens are drawn from ``softmax(logits / temperature)``, after the
-            filters below.
-        seed: the seed of the draw; the same prompts, weights and seed give the same tokens.
-        stop_token_ids: a completion ends with the first of these it samples (the stop token is
-            part of the completion); none: every completion has ``N`` tokens.
-        pad_token_id: the id put after a completion's stop token.
-        top_k: keep the ``top_k`` largest scaled logits (ties kept; ``None``: no filter).
-        top_p: then keep the smallest set of the largest whose probability reaches ``top_p``
-            (``1.0``: no filter). vLLM's filters, in its order; the logprobs are those of the
-            filtered, renormalised distribution (the trainer reproduces them with
-            :meth:`training_params`).
-    """
+    """How one `RolloutSource.generate` call samples (the same prompts, weights and seed give the
+    same tokens); a completion ends with (and includes) the first of ``stop_token_ids``, then
+    ``pad_token_id``. ``top_k``/``top_p``: vLLM's filters, in its order (``None``/``1.0``: off)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -54,27 +36,20 @@ class SamplingConfig:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     def training_params(self) -> TrainingSamplingParams:
-        """The trainer's sampling parameters whose logprobs are this draw's."""
+        """The trainer's sampling parameters whose logprobs are this draw's (filtered)."""
         return TrainingSamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 class Rollout(NamedTuple):
-    """Prompts plus sampled completions, identical on every rank that asked for them.
-
-    Row ``i`` is ``P - prompt_lengths[i]`` pad columns, its prompt, then its completion: the
-    sampled tokens up to and including the first stop token, then ``pad_token_id``.
+    """Prompts plus sampled completions, identical on every rank that asked for them: row ``i``
+    is ``P - prompt_lengths[i]`` pads, its prompt, its completion (to the stop token), pads.
 
     Attributes:
         tokens: ``[B, P+N]`` int64.
         completion_mask: ``[B, P+N]`` 1 at the completion's positions, 0 elsewhere.
-        generation_logprobs: ``[B, P+N]`` fp32 log-probability of each completion token under
-            the temperature-scaled sampling distribution ``log_softmax(logits / T)``; 0 elsewhere
-            (the stored-logprob convention of the losses' ``generation_logprobs``).
-        prompt_lengths: ``[B]`` int64 real prompt tokens (``P`` for equal-length prompts).
-        routed_experts: ``[B, P+N, L, K]`` int64, a MoE model's experts of every position at
-            each of its ``L`` MoE layers (top-``K``, ascending ids), as the source routed it;
-            ``None`` for a dense model or a source that does not record it.
-    """
+        generation_logprobs: ``[B, P+N]`` fp32 ``log_softmax(logits / T)`` at completions, else 0.
+        prompt_lengths: ``[B]`` int64 real prompt tokens.
+        routed_experts: ``[B, P+N, L, K]`` int64 top-``K`` experts per MoE layer, or ``None``."""
 
     tokens: Tensor
     completion_mask: Tensor
@@ -90,46 +65,31 @@ class Rollout(NamedTuple):
 
 @runtime_checkable
 class RolloutSource(Protocol):
-    """Anything that samples completions of a policy (contract: ``docs/rollout.md``).
+    """Anything that samples completions of a policy (``refit_required``: own weights)."""
 
-    Attributes:
-        refit_required: ``True`` when the source holds its own copy of the weights, which the
-            trainer must refresh with :meth:`update_weights` after every optimizer step;
-            ``False`` when it generates with the training model itself (never refit).
-    """
-
+    # True: the source holds a copy of the weights that the trainer refreshes with update_weights
+    # after every optimizer step; False: it generates with the training model (never refit)
     refit_required: ClassVar[bool]
 
     def generate(
         self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
     ) -> Rollout:
-        """Sample up to ``sampling.max_new_tokens`` tokens after each of ``prompts [B, P]``,
-        left-padded: row ``i``'s prompt is its last ``prompt_lengths[i]`` columns (``None``:
-        all ``P``).
-
-        Collective over the source's group: every rank of it passes the same prompts and gets
-        the same :class:`Rollout`.
-        """
+        """Sample after each of the left-padded ``prompts [B, P]`` (``prompt_lengths [B]``;
+        ``None``: all ``P``); collective over the source's group, same prompts everywhere."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Refit: replace every weight with ``(hf_name, full tensor)`` pairs, e.g. the stream of
-        :meth:`~lightning_mcore_rl.models.HFBridge.export_hf_weights`. Called only when
-        :attr:`refit_required`, on every rank of the training world with the same stream (the
-        export is collective), which the source must consume to the end."""
+        """Refit from ``(hf_name, full tensor)`` pairs (`HFBridge.export_hf_weights`), on every
+        training rank; the source must consume the (collective) stream to the end."""
         ...
 
 
 def check_prompts(prompts: Tensor, prompt_lengths: Tensor | None = None) -> Tensor:
-    """Check ``prompts [B, P]`` and ``prompt_lengths [B]`` before any collective.
-
-    Returns:
-        ``[B]`` int64 prompt lengths (all ``P`` when ``prompt_lengths`` is ``None``).
+    """Check ``prompts [B, P]`` and ``prompt_lengths [B]``; ``[B]`` int64 lengths (``None``: ``P``).
 
     Raises:
-        ValueError: ``prompts`` not integer ``[B, P]``; ``prompt_lengths`` not ``[B]`` integers
-            in ``[1, P]``.
-    """
+        ValueError: ``prompts`` not integer ``[B, P]``; lengths not ints in ``[1, P]``."""
+    # called before any collective, so a bad batch fails on its own rank, not in a broadcast
     if prompts.ndim != 2 or prompts.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"`prompts` must be integer [B, P], got {prompts.dtype} {tuple(prompts.shape)}"
@@ -150,9 +110,9 @@ def check_prompts(prompts: Tensor, prompt_lengths: Tensor | None = None) -> Tens
 
 
 def rollout_buffers(prompts: Tensor, sampling: SamplingConfig) -> tuple[Tensor, Tensor]:
-    """The buffers a generating rank fills from column ``P`` on and then broadcasts: ``tokens
-    [B, P+N]`` (int64: the prompts, then ``pad_token_id``) and ``logprobs [B, P+N]`` (fp32
-    zeros). Every rank of the group makes them, so the broadcast has its shapes everywhere."""
+    """``tokens [B, P+N]`` (the prompts, then ``pad_token_id``) and fp32 zero ``logprobs [B, P+N]``,
+    which a generating rank fills from column ``P`` on and broadcasts."""
+    # every rank of the group makes them, so the broadcast has its shapes everywhere
     batch, prompt_width = prompts.shape
     width = prompt_width + sampling.max_new_tokens
     tokens = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
@@ -163,19 +123,9 @@ def rollout_buffers(prompts: Tensor, sampling: SamplingConfig) -> tuple[Tensor, 
 def stop_completions(
     tokens: Tensor, logprobs: Tensor, prompt_width: int, sampling: SamplingConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """End each completion at its first stop token.
-
-    Args:
-        tokens: ``[B, P+N]`` the prompts' ``P`` columns, then ``N`` sampled tokens.
-        logprobs: ``[B, P+N]`` the sampled tokens' logprobs (0 on the prompt columns).
-        prompt_width: ``P``.
-        sampling: its ``stop_token_ids`` and ``pad_token_id``.
-
-    Returns:
-        ``(tokens, completion_mask, logprobs)`` ``[B, P+N]``: positions after a row's first
-        stop token hold ``pad_token_id``, mask 0 and logprob 0 (causal, so what was sampled
-        there never influenced the kept tokens).
-    """
+    """End each completion of ``tokens``/``logprobs [B, P+N]`` at its first stop token:
+    ``(tokens, completion_mask, logprobs)`` ``[B, P+N]``, pad/0/0 after it."""
+    # causal: what was sampled after the stop token never influenced the kept tokens
     mask = torch.zeros_like(tokens)
     mask[:, prompt_width:] = 1
     if sampling.stop_token_ids:
@@ -190,19 +140,8 @@ def stop_completions(
 
 
 class MegatronRolloutSource:
-    """The embedded sampler (:func:`~lightning_mcore_rl.rollout.generate`) as a
-    :class:`RolloutSource`: it runs the training chunk itself, so refitting is a no-op.
-
-    Every rank of the tensor-parallel group generates (same seed, gathered logits, so the same
-    tokens without communicating them); under PP the stages run in turn and the last one draws
-    and broadcasts the tokens. CP, SP and VPP are refused as by ``generate``.
-
-    Args:
-        model: this rank's megatron GPT chunk (possibly DDP/``Float16Module``-wrapped).
-        tp_group: its tensor-parallel group (``None``: TP=1).
-        pp_group: its pipeline-parallel group (``None``: PP=1).
-        kv_cache: keep keys/values in megatron's ``StaticInferenceContext`` (``generate``).
-    """
+    """The embedded sampler (`generate`) as a `RolloutSource`: it runs the training chunk itself,
+    so refitting is a no-op."""
 
     refit_required: ClassVar[bool] = False
 
@@ -221,15 +160,12 @@ class MegatronRolloutSource:
     def generate(
         self, prompts: Tensor, sampling: SamplingConfig, prompt_lengths: Tensor | None = None
     ) -> Rollout:
-        """``generate(model, prompts, ...)`` with a CPU generator seeded by ``sampling.seed``;
-        completions end at their first stop token (:func:`stop_completions`). A MoE model's
-        routing is recorded (``Rollout.routed_experts``).
+        """`generate` seeded by ``sampling.seed``, ended at stop tokens, a MoE's routing recorded.
 
         Raises:
-            ValueError: prompts of different lengths (the embedded sampler has no attention
-                mask for left padding; use the ``"hf"`` backend).
-        """
+            ValueError: prompts of different lengths."""
         lengths = check_prompts(prompts, prompt_lengths)
+        # the embedded sampler has no attention mask for left padding (the "hf" backend has)
         if bool((lengths != prompts.shape[1]).any()):
             raise ValueError(
                 "MegatronRolloutSource samples equal-length prompts only (no attention mask for "
@@ -261,5 +197,4 @@ class MegatronRolloutSource:
         return Rollout(tokens, mask, logprobs, lengths, out.routed_experts)
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """No-op: the source IS the training model (the stream is not consumed, so do not
-        pass a collective export here; ``refit_required`` is ``False``)."""
+        """No-op: the source IS the training model (the stream is not consumed)."""

@@ -10,19 +10,8 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class ModularCountingTask:
-    """Continue a random prompt by counting modulo ``modulus``: every completion token ``t_i``
-    should satisfy ``t_i % m == (t_{i-1} + 1) % m``, its predecessor being the previous
-    completion token or, for the first one, the prompt's last token.
-
-    The reward is the fraction of completion tokens that follow the rule: a uniformly random policy
-    scores ``1/modulus``, the optimum is 1, and repeating a token scores 0, so a rising reward shows
-    that the policy learned a rule conditioned on its context, not a fixed token preference.
-
-    Attributes:
-        vocab_size: prompts draw from ``[0, vocab_size)``.
-        prompt_length: ``P``.
-        modulus: ``m``, the number of residue classes (difficulty).
-    """
+    """Continue a random prompt (ids in ``[0, vocab_size)``) by counting modulo ``modulus``:
+    reward = the fraction of completion tokens with ``t_i % m == (t_{i-1} + 1) % m``."""
 
     vocab_size: int = 16
     prompt_length: int = 8
@@ -44,6 +33,8 @@ class ModularCountingTask:
 
     def rewards(self, tokens: Tensor, completion_mask: Tensor) -> Tensor:
         """``[B]`` rewards for ``tokens [B, P+N]`` whose completion positions are ``completion_mask``."""
+        # a uniformly random policy scores 1/modulus and repeating a token scores 0, so a rising
+        # reward shows a rule conditioned on the context was learned, not a token preference
         expected = (tokens[:, :-1] + 1) % self.modulus  # residue each next token should have
         hits = (tokens[:, 1:] % self.modulus == expected) & completion_mask[:, 1:].bool()
         return hits.sum(dim=1).float() / completion_mask.sum(dim=1).clamp(min=1).float()

@@ -1,23 +1,8 @@
-"""In-place weight refit of a vLLM engine over a private two-rank process group.
+"""In-place weight refit of a vLLM engine over a private two-rank process group (rank 0: the
+trainer's generating rank, rank 1: vLLM's worker), and the engine's death detection."""
 
-vLLM runs its engine (and its one worker) in a process of its own, with a ``torch.distributed``
-world of its own; the trainer's generating rank and that worker meet in a private group (rank 0:
-the trainer, rank 1: the worker) built on a ``TCPStore`` the trainer opens: a bare
-``ProcessGroupGloo`` on CPU (``ProcessGroupNCCL`` over CUDA tensors on a GPU: the same calls),
-so neither side's default group takes part. A refit streams ``(name, tensor)`` pairs through it,
-one tensor in flight: a fixed-size ``int64`` header (name length, dtype code, ndim, shape), the
-name's UTF-8 bytes, the tensor; a header with length ``-1`` ends the stream. The worker feeds the
-received pairs, as they arrive, to ``Worker.reload_weights(weights_iterator=...)`` (vLLM's
-layerwise in-place reload: it maps Hugging Face names onto its fused layers and repacks the
-weights for its CPU kernels; per-parameter ``load_weights`` into an already repacked CPU model
-fails). Control messages go through vLLM's ``collective_rpc``, data through the group, as vLLM
-advises.
-
-:class:`RefitWorkerExtension` is given to vLLM by its qualified name
-(``LLM(worker_extension_cls=...)``) and imported in the engine's process; this module imports
-no vLLM. :class:`EngineDiedError` is what every rank raises when the engine's process or its
-worker is gone (the refit connection then closes: not a stalled peer).
-"""
+# This module imports no vLLM: vLLM imports `RefitWorkerExtension` by its qualified name in the
+# engine's process (LLM(worker_extension_cls=...)).
 
 from __future__ import annotations
 
@@ -48,13 +33,10 @@ TRAINER, WORKER = 0, 1
 
 class EngineDiedError(RuntimeError):
     """The vLLM engine's process or its worker is gone (killed, crashed): raised on every rank
-    of the source's group, naming the process, its pid and its exit status.
+    of the source's group, naming the process, its pid and its exit status."""
 
-    ``names_failed_process``: the strategy raises it as it is instead of a
-    :class:`~lightning_mcore_rl.strategy.processes.CollectiveFailure` (the refit connection it
-    closed is no stalled training rank, and no rank is killed for it).
-    """
-
+    # The strategy raises an error with this flag as it is, not as a CollectiveFailure: the refit
+    # connection it closed is no stalled training rank, and no rank is killed for it.
     names_failed_process = True
 
     def __init__(self, message: str, pid: int | None = None, exitcode: int | None = None):
@@ -68,8 +50,7 @@ class EngineDiedError(RuntimeError):
 
 
 def exit_status(exitcode: int) -> str:
-    """``exitcode`` as ``multiprocessing`` reports it, in words: ``-9`` is ``"exit status -9
-    (killed by SIGKILL)"``."""
+    """``exitcode`` in words: ``-9`` is ``"exit status -9 (killed by SIGKILL)"``."""
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -86,9 +67,9 @@ def process_gone(pid: int) -> bool:
 
 
 def zombie_exitcode(pid: int) -> int | None:
-    """The exit status of process ``pid`` when it has exited and is not yet reaped by its parent
-    (another process's child: no ``waitpid`` here), as ``multiprocessing`` writes one (``-9``:
-    killed by SIGKILL); ``None`` when it runs, is reaped, or ``/proc`` does not say."""
+    """The exit status of the exited, unreaped process ``pid`` as ``multiprocessing`` writes one
+    (``-9``: SIGKILL); ``None`` when it runs, is reaped, or ``/proc`` does not say."""
+    # another process's child: no waitpid here, /proc has its status
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
@@ -111,27 +92,24 @@ def _process_state(stat: Path) -> tuple[str, int] | None:
 
 
 def watch_owner(owner_pid: int, interval_s: float = 1.0) -> bool:
-    """End the engine when its owner, the trainer rank ``owner_pid``, is gone (killed, crashed,
-    or exited without shutting the engine down: a ``multiprocessing`` child runs no ``atexit``).
-
-    Called in vLLM's worker. vLLM starts its engine process with ``spawn`` (so no at-fork hook
-    of the rank binds it) and, depending on its executor, runs the worker inside the engine
-    process (its parent is the owner) or in a process of its own under it (its parent is the
-    engine). A daemon thread checks the owner once per ``interval_s`` (``/proc``, its start time
-    guarding against a reused pid; a zombie counts as gone) and SIGKILLs the engine process and
-    this one when it is gone: otherwise the engine, holding the rank's stdout and its memory,
-    outlives the run. Linux only; returns whether the watch runs.
-    """
+    """In vLLM's worker: SIGKILL the engine process and this one once the owner, the trainer rank
+    ``owner_pid``, is gone (checked every ``interval_s``). Linux only; whether the watch runs."""
+    # Otherwise the engine, holding the rank's stdout and its memory, outlives the run: an owner
+    # killed, crashed or exited without shutting it down (a multiprocessing child runs no atexit),
+    # and vLLM spawns the engine, so no at-fork hook of the rank binds it.
     stat = Path(f"/proc/{owner_pid}/stat")
     first = _process_state(stat)
     if first is None:
         return False
+    # depending on vLLM's executor the worker runs inside the engine process (its parent is the
+    # owner) or in a process of its own under it (its parent is the engine)
     engine = os.getpid() if os.getppid() == owner_pid else os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(interval_s)
             now = _process_state(stat)
+            # a zombie counts as gone; the start time guards against a reused pid
             if now is None or now[0] == "Z" or now[1] != first[1]:
                 if engine != os.getpid():
                     # the engine may be gone already (killed with its owner): nothing to end
@@ -146,11 +124,15 @@ def watch_owner(owner_pid: int, interval_s: float = 1.0) -> bool:
 def refit_group(store: Any, rank: int, timeout: timedelta, device: torch.device) -> Any:
     """The private two-rank group on ``store``: gloo for CPU tensors, NCCL for CUDA ones.
     Blocks until both ranks have joined."""
+    # Bare process groups: vLLM's engine has a torch.distributed world of its own, and neither
+    # side's default group may take part. The same send/recv calls serve both backends.
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
+# The wire format, one tensor in flight: an int64 header (name length, dtype code, ndim, shape),
+# the name's UTF-8 bytes, the tensor; a name length of -1 ends the stream.
 def _header(name_len: int, tensor: Tensor | None = None) -> Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = name_len
@@ -168,11 +150,8 @@ def _header(name_len: int, tensor: Tensor | None = None) -> Tensor:
 def send_weights(
     group: Any, weights: Iterable[tuple[str, Tensor]], device: torch.device
 ) -> tuple[int, int]:
-    """Trainer side: send every ``(name, tensor)`` of ``weights`` to the worker, then the end.
-
-    Returns:
-        ``(tensors, bytes)`` sent.
-    """
+    """Trainer side: send every ``(name, tensor)`` to the worker, then the end; the counts
+    ``(tensors, bytes)``."""
     count, size = 0, 0
     for name, tensor in weights:
         raw = torch.tensor(list(name.encode()), dtype=torch.uint8)
@@ -192,6 +171,7 @@ def receive_weights(group: Any, device: torch.device) -> Iterator[tuple[str, Ten
         return tensor
 
     while True:
+        # received on the group's device (CUDA under NCCL), parsed on the host
         header = recv(torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)).cpu()
         name_len = int(header[0])
         if name_len < 0:
@@ -210,8 +190,7 @@ tensors a reload filled, buffers included, once per refit."""
 
 def derived_only_layers(model: torch.nn.Module) -> frozenset[str]:
     """Class names of ``model``'s layers that hold no parameter and only non-persistent buffers
-    (``RotaryEmbedding``'s ``cos_sin_cache``, computed from the config): in no state dict, no
-    checkpoint and no refit stream, so a reload never fills them."""
+    (``RotaryEmbedding``'s ``cos_sin_cache``), which no refit stream carries."""
     derived, weighted = set(), set()
     for layer in model.modules():
         name = type(layer).__name__
@@ -223,8 +202,7 @@ def derived_only_layers(model: torch.nn.Module) -> frozenset[str]:
 
 
 class UnloadedBufferFilter(logging.Filter):
-    """Drops vLLM's "<layer>: Failed to load weights" for ``layers`` (:func:`derived_only_layers`)
-    alone; the warning stays for any layer with a weight."""
+    """Drops vLLM's "<layer>: Failed to load weights" for ``layers`` (`derived_only_layers`)."""
 
     def __init__(self, layers: frozenset[str]) -> None:
         super().__init__()
@@ -237,14 +215,14 @@ class UnloadedBufferFilter(logging.Filter):
 
 
 def quiet_unloaded_buffers(model: torch.nn.Module) -> UnloadedBufferFilter:
-    """Install (once) the :class:`UnloadedBufferFilter` of ``model`` on vLLM's reload logger."""
+    """Install (once) the `UnloadedBufferFilter` of ``model`` on vLLM's reload logger."""
     logger = logging.getLogger(_RELOAD_LOGGER)
     for installed in logger.filters:
         if isinstance(installed, UnloadedBufferFilter):
             return installed
     # Why a filter: vLLM's layerwise reload counts a layer's buffers as tensors to load, so a
     # layer of non-persistent buffers alone (RotaryEmbedding's cos_sin_cache) is "not loaded" at
-    # every refit, logged as a warning (60 lines in a 30-step run), then put back unchanged
+    # every refit, logged as a warning, then put back unchanged
     # (vLLM's fallback, `_place_kernel_tensors`): nothing is missing, no weight to send exists.
     quiet = UnloadedBufferFilter(derived_only_layers(model))
     logger.addFilter(quiet)
@@ -252,21 +230,18 @@ def quiet_unloaded_buffers(model: torch.nn.Module) -> UnloadedBufferFilter:
 
 
 class RefitWorkerExtension:
-    """Methods vLLM adds to its worker (``LLM(worker_extension_cls=<qualified name>)``), called
-    through ``LLM.collective_rpc``: :meth:`init_refit_group` once, :meth:`refit_from_group` per
-    refit. ``self`` is vLLM's worker (it has ``reload_weights`` and ``device``)."""
+    """Methods vLLM adds to its worker (``LLM(worker_extension_cls=<qualified name>)``):
+    `init_refit_group` once, `refit_from_group` per refit; ``self`` is vLLM's worker."""
+
+    # Control messages go through vLLM's collective_rpc, data through the private group, as vLLM
+    # advises.
 
     _refit_pg: Any = None
 
     def init_refit_group(self, host: str, port: int, timeout_s: float, owner_pid: int) -> int:
-        """Join the trainer's private group (rank 1) on its store at ``host:port``; the engine
-        process ends with its owner, the trainer rank ``owner_pid`` (:func:`watch_owner`).
-        Quiets vLLM's per-refit warning about the model's derived buffers
-        (:func:`quiet_unloaded_buffers`).
-
-        Returns:
-            This worker's pid (the owner names it when the worker dies).
-        """
+        """Join the trainer's private group (rank 1) on its store at ``host:port``; end with the
+        owner ``owner_pid`` (`watch_owner`). Returns this worker's pid."""
+        # the owner names the returned pid when the worker dies
         watch_owner(owner_pid)
         quiet_unloaded_buffers(self.model_runner.get_model())  # type: ignore[attr-defined]
         timeout = timedelta(seconds=timeout_s)
@@ -275,15 +250,10 @@ class RefitWorkerExtension:
         return os.getpid()
 
     def refit_from_group(self) -> int:
-        """Reload every weight in place from the trainer's stream.
-
-        Returns:
-            The number of tensors received.
+        """Reload every weight in place from the trainer's stream; the number of tensors received.
 
         Raises:
-            RuntimeError: the group was not set up; vLLM's reload failed (the rest of the
-                stream is received first, so the trainer's sends complete).
-        """
+            RuntimeError: the group was not set up; vLLM's reload failed (after the stream)."""
         if self._refit_pg is None:
             raise RuntimeError("refit_from_group: init_refit_group was not called.")
         device = self._refit_device()
@@ -296,6 +266,9 @@ class RefitWorkerExtension:
                 received += 1
                 yield pair
 
+        # vLLM's layerwise in-place reload maps HF names onto its fused layers and repacks the
+        # weights for its CPU kernels; per-parameter load_weights into an already repacked CPU
+        # model fails
         try:
             self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         except Exception as error:

