@@ -1,11 +1,11 @@
 """Loss functions for RL, preference learning and distillation: pure tensor code.
 
-Every loss follows :class:`LossFunction`: it is called per microbatch as
-``loss_fn(data, global_valid_seqs, global_valid_toks, **loss_input) -> (loss, metrics)`` and
-normalises by the *global* counts, so per-microbatch losses sum to the global-batch loss.
-Shapes follow the package notation (``B`` samples, ``S`` padded width, ``K`` top-k, ``V``
-vocabulary); loss inputs have width ``S-1`` (next-token convention), data fields width ``S``.
+Every loss follows `LossFunction`, `loss_fn(data, global_valid_seqs, global_valid_toks,
+**loss_input) -> (loss, metrics)`; loss inputs have width `S-1`, data fields width `S`.
 """
+
+# Normalising by the *global* counts makes per-microbatch losses sum to the global-batch loss.
+# Loss inputs are S-1 wide by the next-token convention (position t predicts token t + 1).
 
 from lightning_mcore_rl.losses.config import (
     ClippedPGLossConfig,

@@ -1,10 +1,8 @@
-"""Typed loss configs and the one loader that maps NeMo-RL-style dicts onto them.
+"""Typed loss configs and the one loader that maps NeMo-RL-style dicts onto them."""
 
-Every loss accepts either a config dataclass (LightningCLI builds these from YAML) or a plain
-mapping with the reference's keys, so a NeMo RL ``loss_fn:`` section carries over unchanged.
-Unknown keys are rejected with the list of valid ones; each dataclass validates itself once in
-``__post_init__``.
-"""
+# Every loss takes a config dataclass (LightningCLI builds these from YAML) or a plain mapping
+# with the reference's keys, so a NeMo RL `loss_fn:` section carries over unchanged. Each
+# dataclass validates itself once, in `__post_init__`.
 
 from __future__ import annotations
 
@@ -34,18 +32,11 @@ _TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
 
 
 def load_config(config_cls: type[ConfigT], cfg: ConfigT | Mapping[str, Any] | None) -> ConfigT:
-    """Build ``config_cls`` from a dataclass instance, a mapping, or ``None`` (all defaults).
-
-    Args:
-        config_cls: The config dataclass.
-        cfg: An instance of ``config_cls``, a mapping of its field names, or ``None``.
-
-    Returns:
-        The validated config.
+    """`config_cls` from an instance, a mapping of its field names, or `None` (all defaults).
 
     Raises:
-        ValueError: If the mapping has keys that are not fields of ``config_cls``.
-        TypeError: If ``cfg`` is neither an instance nor a mapping.
+        ValueError: the mapping has keys that are not fields of `config_cls`.
+        TypeError: `cfg` is neither an instance nor a mapping.
     """
     if cfg is None:
         return config_cls()
@@ -57,6 +48,7 @@ def load_config(config_cls: type[ConfigT], cfg: ConfigT | Mapping[str, Any] | No
             f"got {type(cfg).__name__}."
         )
     valid = [f.name for f in dataclasses.fields(config_cls)]
+    # rejected with the valid keys listed: a typo would otherwise fall back to a default silently
     unknown = sorted(set(cfg) - set(valid))
     if unknown:
         raise ValueError(
@@ -71,8 +63,9 @@ def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 def _check_finite(config: Any) -> None:
-    """Every float field of a loss config is finite: a NaN compares False with every bound, so
-    ``ratio_clip_max=nan`` would pass the range checks below and clip nothing (inf likewise)."""
+    """Raise a `ValueError` unless every float field of a loss config is finite."""
+    # A NaN compares False with every bound, so `ratio_clip_max=nan` would pass the range checks
+    # below and clip nothing (inf likewise).
     for item in dataclasses.fields(config):
         value = getattr(config, item.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -83,7 +76,7 @@ def _check_finite(config: Any) -> None:
 
 @dataclass(frozen=True)
 class ClippedPGLossConfig:
-    """Config of :class:`ClippedPGLossFn` (keys and defaults of NeMo RL's ``loss_fn`` section)."""
+    """Config of `ClippedPGLossFn` (keys and defaults of NeMo RL's `loss_fn` section)."""
 
     reference_policy_kl_penalty: float = 0.01
     """beta of the reference-KL term in the loss (0 disables it)."""
@@ -254,7 +247,7 @@ class ClippedPGLossConfig:
 
 @dataclass(frozen=True)
 class DPOLossConfig:
-    """Config of :class:`DPOLossFn` (NeMo RL ``dpo`` keys)."""
+    """Config of `DPOLossFn` (NeMo RL `dpo` keys)."""
 
     reference_policy_kl_penalty: float = 0.05
     """beta of the DPO sigmoid."""
@@ -277,7 +270,7 @@ class DPOLossConfig:
 
 @dataclass(frozen=True)
 class DistillationLossConfig:
-    """Config of :class:`DistillationLossFn` (top-k KL distillation)."""
+    """Config of `DistillationLossFn` (top-k KL distillation)."""
 
     kl_type: DistillationKLType = "mixed"
     """``forward`` KL(t||s), ``reverse`` KL(s||t) or ``mixed`` w*fwd + (1-w)*rev."""
@@ -297,7 +290,7 @@ class DistillationLossConfig:
 
 @dataclass(frozen=True)
 class MseValueLossConfig:
-    """Config of :class:`MseValueLossFn`."""
+    """Config of `MseValueLossFn`."""
 
     scale: float = 1.0
     """Multiplier of the value loss."""
@@ -313,7 +306,7 @@ class MseValueLossConfig:
 
 @dataclass(frozen=True)
 class OPDFullLossConfig:
-    """Config of :class:`OPDFullLossFn` (full-vocabulary on-policy distillation)."""
+    """Config of `OPDFullLossFn` (full-vocabulary on-policy distillation)."""
 
     reference_policy_kl_penalty: float = 0.0
     """beta of an extra reference-KL term (a second KL next to the distillation divergence)."""

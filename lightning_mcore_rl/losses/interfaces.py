@@ -27,7 +27,7 @@ class LossType(str, Enum):
 
 
 class LossInputType(str, Enum):
-    """Which quantities ``prepare_loss_input`` computes from the model output for a loss."""
+    """Which quantities `prepare_loss_input` computes from the model output for a loss."""
 
     LOGIT = "logit"
     """``logits``: the raw model output (value heads, reward models)."""

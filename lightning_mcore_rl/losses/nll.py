@@ -17,16 +17,8 @@ from lightning_mcore_rl.losses.utils import base_masks, check_shape, masked_mean
 
 
 def per_sample_nll(logprobs: Tensor, mask: Tensor, average: bool = False) -> Tensor:
-    """Per-sample NLL ``-sum_t c_t m_t``, optionally divided by ``max(sum_t m_t, 1)``.
-
-    Args:
-        logprobs: ``[B, S-1]`` next-token logprobs.
-        mask: ``[B, S-1]`` mask (``token_mask[:, 1:] * sample_mask``).
-        average: Divide by the sample's number of valid tokens.
-
-    Returns:
-        ``[B]`` per-sample losses (0 for fully masked samples).
-    """
+    """`[B]` per-sample NLL `-sum_t c_t m_t` of `logprobs`/`mask [B, S-1]`, with `average`
+    divided by `max(sum_t m_t, 1)` (a fully masked sample gives 0, not NaN)."""
     loss = -masked_sum(logprobs, mask, dim=-1)
     if average:
         loss = loss / mask.sum(-1).clamp(min=1)
@@ -34,17 +26,10 @@ def per_sample_nll(logprobs: Tensor, mask: Tensor, average: bool = False) -> Ten
 
 
 class NLLLossFn:
-    """Token-mean negative log-likelihood ``-sum(c * m) / N_t``.
-
-    With ``dpo_loss=True`` the call instead returns the per-sample NLL ``[B]`` (the SFT term of
-    DPO); its ``loss`` metric is then that detached ``[B]`` tensor.
+    """Token-mean NLL `-sum(c * m) / N_t` of `next_token_logprobs [B, S-1]`.
 
     Args:
-        use_fused_linear_logprobs: Read by ``prepare_loss_input``: the model already returns
-            next-token logprobs.
-
-    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``. Loss input:
-    ``next_token_logprobs [B, S-1]``.
+        use_fused_linear_logprobs: Read by `prepare_loss_input` (the model returns logprobs).
     """
 
     loss_type = LossType.TOKEN_LEVEL
@@ -72,19 +57,8 @@ class NLLLossFn:
         dpo_loss: bool = False,
         dpo_average_log_probs: bool = False,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the NLL.
-
-        Args:
-            data: The microbatch.
-            global_valid_seqs: ``N_s`` (unused; part of the protocol).
-            global_valid_toks: ``N_t`` over the whole global batch.
-            next_token_logprobs: ``[B, S-1]`` current logprobs.
-            dpo_loss: Return the per-sample NLL ``[B]`` instead of the token mean.
-            dpo_average_log_probs: With ``dpo_loss``, average over each sample's tokens.
-
-        Returns:
-            ``(loss, metrics)``; ``loss`` is 0-dim, or ``[B]`` with ``dpo_loss``.
-        """
+        """`(loss, metrics)`: a 0-dim loss, or with `dpo_loss` the per-sample NLL `[B]`
+        (averaged over each sample's tokens with `dpo_average_log_probs`)."""
         if next_token_logprobs.ndim != 2:
             raise ValueError(
                 "`next_token_logprobs` must be [B, S-1], got shape "
@@ -94,6 +68,7 @@ class NLLLossFn:
         check_shape("next_token_logprobs", next_token_logprobs, tuple(tm.shape))
         mask = tm * sm.unsqueeze(-1)
         if dpo_loss:
+            # DPO's SFT term: the `loss` metric is then that detached [B] tensor
             loss = per_sample_nll(next_token_logprobs, mask, dpo_average_log_probs)
         else:
             loss = -masked_mean(next_token_logprobs, mask, None, global_valid_toks)

@@ -1,13 +1,10 @@
-"""Clipped policy-gradient loss: PPO, GRPO, Dr.GRPO, DAPO, GSPO, CISPO, REINFORCE.
+"""Clipped policy-gradient loss: PPO, GRPO, Dr.GRPO, DAPO, GSPO, CISPO, REINFORCE."""
 
-Behaviour: docs/behaviour-reference.md §4.2.
-
-Notation (all ``[B, S-1]`` after the next-token shift): ``c`` current logprobs (the loss
-input), ``p`` = ``prev_logprobs[:, 1:]`` (the policy that computed the advantages), ``g`` =
-``generation_logprobs[:, 1:]`` (the sampler), ``ref`` = ``reference_policy_logprobs[:, 1:]``,
-``A`` = ``advantages[:, 1:]``, ``tm`` = ``token_mask[:, 1:]``, ``sm`` = ``sample_mask [B]``,
-``m = tm * sm``, ``N_t``/``N_s`` the global valid token/sequence counts.
-"""
+# docs/behaviour-reference.md §4.2. Notation, all [B, S-1] after the next-token shift: c current
+# logprobs (the loss input), p = prev_logprobs[:, 1:] (the policy that computed the advantages),
+# g = generation_logprobs[:, 1:] (the sampler), ref = reference_policy_logprobs[:, 1:],
+# A = advantages[:, 1:], tm = token_mask[:, 1:], sm = sample_mask [B], m = tm * sm,
+# N_t/N_s the global valid token/sequence counts.
 
 from __future__ import annotations
 
@@ -68,11 +65,10 @@ class _Inputs(NamedTuple):
 
 
 def _diagnostics(inp: _Inputs, kl_type: KLType, n_toks: Tensor | float) -> dict[str, Tensor]:
-    """Train/inference mismatch diagnostics; detached, token-normalised.
-
-    See docs/behaviour-reference.md §4.2 step 1.
-    """
+    """Train/inference mismatch diagnostics of `p` and `g`, token-normalised 0-dim metrics."""
+    # docs/behaviour-reference.md §4.2 step 1
     p, g, m = inp.prev.detach(), inp.gen, inp.mask
+    # Jensen-Shannon against the mixture log((P + G) / 2), each half a k3 estimate
     log_mix = torch.logaddexp(p, g) - torch.log(torch.tensor(2.0, dtype=p.dtype))
     js = 0.5 * (torch.exp(p - log_mix) - (p - log_mix) - 1) + 0.5 * (
         torch.exp(g - log_mix) - (g - log_mix) - 1
@@ -89,37 +85,19 @@ def _diagnostics(inp: _Inputs, kl_type: KLType, n_toks: Tensor | float) -> dict[
 
 
 class ClippedPGLossFn:
-    """Clipped policy-gradient loss with every NeMo RL option plus clip fractions, an entropy
-    bonus and Dr.GRPO aggregation.
-
-    Per-token loss ``L_t = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))`` (PPO, arXiv:1707.06347
-    Eq. 7, with DAPO's asymmetric clip), where ``A < 0`` additionally ``min(L_t, -A c)`` (dual
-    clip). The loss is ``aggregate(w * L) + beta * aggregate(KL) + mu * NLL_pos
-    - entropy_coef * aggregate(H)``, each term normalised by global counts so per-microbatch
-    losses sum to the global loss.
-
-    Deliberate differences from the reference:
-
-    * ``sampling_importance_ratio`` with sequence-level ratios is ``sum_i w_i sm_i / N_s``; the
-      reference broadcasts ``[B, 1] * [B]`` to ``[B, B]`` (docs/behaviour-reference.md trap 18),
-      which is neither the intended mean nor additive over microbatches.
-    * VAPO's positive-example NLL is ``sum(-c * m * [reward > 0]) / N_t``: the reference divides
-      by the microbatch's own count of positive tokens, which is not exact under microbatching.
-      ``positive_nll_loss`` is therefore a ``TOKENS`` metric.
-    * Extrema are ``MIN``/``MAX`` metrics and missing inputs or NaN advantages raise.
+    """Clipped policy-gradient loss with every NeMo RL option, clip fractions, an entropy bonus
+    and Dr.GRPO aggregation, from `next_token_logprobs [B, S-1]` and `data`'s `[B, S]` tensors
+    (`input_keys`), `sample_mask [B]`, `rewards [B]` (VAPO).
 
     Args:
-        cfg: A :class:`ClippedPGLossConfig` or a mapping with its keys.
-        use_fused_linear_logprobs: Read by ``prepare_loss_input``: the model already returns
-            next-token logprobs.
-
-    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``, ``advantages [B, S]``,
-    ``generation_logprobs [B, S]``, ``prev_logprobs [B, S]`` (not with
-    ``force_on_policy_ratio``), ``reference_policy_logprobs [B, S]`` (when beta != 0),
-    ``rewards [B]`` (with VAPO), optional ``curr_logprobs_unfiltered [B, S-1]``.
-    Loss inputs: ``next_token_logprobs [B, S-1]``; ``entropy [B, S-1]`` (the positive per-token
-    entropy ``-sum_v p log p``, differentiable) when ``entropy_coef > 0``.
+        cfg: A `ClippedPGLossConfig` or a mapping with its keys.
+        use_fused_linear_logprobs: Read by `prepare_loss_input` (the model returns logprobs).
     """
+
+    # loss = aggregate(w * L) + beta * aggregate(KL) + mu * NLL_pos - entropy_coef * aggregate(H),
+    # each term normalised by global counts so per-microbatch losses sum to the global loss.
+    # Extrema are MIN/MAX metrics, and missing inputs or NaN advantages raise (the reference
+    # does neither).
 
     input_type = LossInputType.LOGPROB
 
@@ -140,14 +118,13 @@ class ClippedPGLossFn:
 
     @property
     def token_local_gradient(self) -> bool:
-        """Every term's gradient at a token reads that token's logprob only, except GSPO's
-        sequence-level ratio (a mean over the sequence's tokens): elsewhere the fused head can
-        compute its gradients in the forward (:class:`~lightning_mcore_rl.losses.LossFunction`)."""
+        """Whether each token's gradient reads that token's logprob only (see `LossFunction`)."""
+        # true of every term except GSPO's sequence-level ratio, a mean over the sequence
         return not self.cfg.sequence_level_importance_ratios
 
     @property
     def input_keys(self) -> tuple[str, ...]:
-        """The ``data`` keys of the class docstring this configuration reads."""
+        """The `data` keys this configuration reads."""
         cfg = self.cfg
         keys = ["token_mask", "advantages", "generation_logprobs"]
         if not cfg.force_on_policy_ratio:
@@ -199,6 +176,7 @@ class ClippedPGLossFn:
         check_finite_advantages(adv)
         gen = get_tensor(data, "generation_logprobs", full)[:, 1:].to(curr.dtype)
         if self.cfg.force_on_policy_ratio:
+            # no stored prev_logprobs: the data is on-policy, p = c without a gradient
             prev = curr.detach()
         else:
             prev = get_tensor(data, "prev_logprobs", full)[:, 1:].to(curr.dtype)
@@ -206,6 +184,7 @@ class ClippedPGLossFn:
         unfiltered = curr
         if self.reference_policy_kl_penalty != 0:
             ref = get_tensor(data, "reference_policy_logprobs", full)[:, 1:].to(curr.dtype)
+            # the KL is to the unfiltered policy when top-k/top-p filtered the sampling
             if "curr_logprobs_unfiltered" in data:
                 unfiltered = get_tensor(data, "curr_logprobs_unfiltered", (batch, width))
         return _Inputs(curr, unfiltered, prev, gen, ref, adv, tm, sm, tm * sm.unsqueeze(-1))
@@ -216,6 +195,7 @@ class ClippedPGLossFn:
             ratio = torch.exp(curr - curr.detach())  # value 1, gradient of curr
             return ratio, ratio
         if cfg.disable_ppo_ratio:
+            # REINFORCE: -A * c, no ratio and no clip
             return curr, curr
         log_ratio = curr - inp.prev
         if cfg.sequence_level_importance_ratios:
@@ -231,11 +211,16 @@ class ClippedPGLossFn:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, adv, m = self.cfg, inp.adv, inp.mask
         if cfg.use_cispo:
+            # CISPO: the clipped ratio is a detached weight on c, so a clipped token keeps its
+            # gradient
             loss = -adv * clamped.detach() * inp.curr
         else:
+            # L_t = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)): PPO (arXiv:1707.06347 Eq. 7)
+            # with DAPO's asymmetric clip
             loss = torch.max(-adv * ratio, -adv * clamped)
         dual = torch.zeros_like(m, dtype=torch.bool)
         if cfg.ratio_clip_c is not None:
+            # dual clip: where A < 0 also min(L_t, -A c), bounding a huge ratio's loss
             dual_bound = -adv * cfg.ratio_clip_c
             dual = (adv < 0) & (dual_bound < loss)
             loss = torch.where(adv < 0, torch.min(loss, dual_bound), loss)
@@ -245,6 +230,7 @@ class ClippedPGLossFn:
         if not cfg.use_cispo:  # PPO's clip only removes the gradient on the pessimistic side
             low, high = low & (adv < 0), high & (adv > 0)
         if cfg.disable_ppo_ratio or cfg.force_on_policy_ratio:
+            # the ratio is 1 or absent: nothing is clipped
             low = high = torch.zeros_like(low)
         fractions = {
             "clip_fraction": masked_mean((low | high).to(m.dtype), m, None, n_toks),
@@ -286,6 +272,8 @@ class ClippedPGLossFn:
             extra["is_oob_ratio"] = masked_mean(1.0 - kept, inp.sample_mask, None, n_seqs)
             weights = weights * kept.unsqueeze(-1)
         if cfg.sequence_level_importance_ratios:
+            # sum_i w_i sm_i / N_s: the reference broadcasts [B, 1] * [B] to [B, B]
+            # (docs/behaviour-reference.md trap 18), neither the mean nor additive over microbatches
             mean_w = masked_mean(weights.squeeze(-1), inp.sample_mask, None, n_seqs)
         else:
             mean_w = masked_mean(weights, m, None, n_toks)
@@ -301,20 +289,11 @@ class ClippedPGLossFn:
         next_token_logprobs: Tensor,
         entropy: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the microbatch's share of the global policy-gradient loss.
-
-        Args:
-            data: The microbatch (keys in the class docstring).
-            global_valid_seqs: ``N_s`` over the whole global batch.
-            global_valid_toks: ``N_t`` over the whole global batch.
-            next_token_logprobs: ``[B, S-1]`` current logprobs (differentiable).
-            entropy: ``[B, S-1]`` per-token entropy, required iff ``entropy_coef > 0``.
-
-        Returns:
-            ``(loss, metrics)`` with a 0-dim loss and detached 0-dim metrics.
+        """0-dim share of the global loss and detached metrics, from `next_token_logprobs` and
+        (iff `entropy_coef > 0`) the positive per-token `entropy`, both `[B, S-1]`.
 
         Raises:
-            ValueError: On missing keys, shape mismatches, NaN advantages, or a missing entropy.
+            ValueError: missing keys, shape mismatches, NaN advantages or a missing entropy.
         """
         cfg, n_s, n_t = self.cfg, global_valid_seqs, global_valid_toks
         inp = self._read_inputs(data, next_token_logprobs)
@@ -352,6 +331,8 @@ class ClippedPGLossFn:
         nll = torch.zeros((), dtype=inp.curr.dtype)
         if cfg.positive_example_nll_weight > 0:
             rewards = get_tensor(data, "rewards", (inp.sample_mask.shape[0],))
+            # VAPO's positive-example NLL over N_t: the reference divides by the microbatch's own
+            # count of positive tokens, not exact under microbatching (hence a TOKENS metric)
             positive = inp.mask * (rewards > 0).to(inp.mask.dtype).unsqueeze(-1)
             nll = masked_mean(-inp.curr, positive, None, n_t)
         loss = actor + kl + cfg.positive_example_nll_weight * nll
@@ -368,6 +349,7 @@ class ClippedPGLossFn:
 
         m = inp.mask
         with torch.no_grad():
+            # importance-weighted -E_g[c]: the current policy's entropy from sampler tokens
             metrics["approx_entropy"] = -masked_mean(
                 torch.exp(inp.curr - inp.gen) * inp.curr, m, None, n_t
             )

@@ -32,22 +32,15 @@ _TOKEN_METRICS = (
 
 
 class MseValueLossFn:
-    """``0.5 * scale * mean_t (v - R)^2`` over global valid tokens, with PPO value clipping.
-
-    With ``cliprange = eps > 0``: ``v_c = clamp(v, v_old - eps, v_old + eps)`` and the per-token
-    loss is ``max((v - R)^2, (v_c - R)^2)``; ``vf_clipfrac`` is the token fraction where the
-    clipped term is strictly larger. The mask ``token_mask * sample_mask`` is *unshifted*: the
-    value prep already right-shifted the values so ``v[:, t]`` scores the state before token t.
-    ``values_min/max`` are ``MIN``/``MAX`` metrics with ``±inf`` for an empty microbatch (the
-    reference reports 0, which corrupts a min/max over microbatches).
+    """`0.5 * scale * mean_t (v - R)^2` over global valid tokens, with PPO value clipping, of
+    predicted values `logits [B, S]` or `[B, S, 1]` and `data`'s `returns`/old `values [B, S]`.
 
     Args:
-        cfg: A :class:`MseValueLossConfig` or a mapping with its keys.
-
-    Inputs (``data``): ``token_mask [B, S]``, ``sample_mask [B]``, ``returns [B, S]``,
-    ``values [B, S]`` (old values; needed when clipping). Loss input: ``logits`` ``[B, S]`` or
-    ``[B, S, 1]``, the predicted values.
+        cfg: A `MseValueLossConfig` or a mapping with its keys.
     """
+
+    # values_min/max are MIN/MAX metrics, ±inf for an empty microbatch: the reference reports 0,
+    # which corrupts a min/max over microbatches.
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGIT
@@ -63,7 +56,7 @@ class MseValueLossFn:
 
     @property
     def input_keys(self) -> tuple[str, ...]:
-        """``token_mask``, ``returns`` and, when clipping, the old ``values``."""
+        """`token_mask`, `returns` and, when clipping, the old `values`."""
         return (
             ("token_mask", "returns", "values") if self.cfg.cliprange else ("token_mask", "returns")
         )
@@ -76,27 +69,21 @@ class MseValueLossFn:
         *,
         logits: Tensor,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the value loss.
-
-        Args:
-            data: The microbatch.
-            global_valid_seqs: Unused; part of the protocol.
-            global_valid_toks: ``N_t`` over the whole global batch (unshifted token count).
-            logits: ``[B, S]`` or ``[B, S, 1]`` predicted values.
-
-        Returns:
-            ``(loss, metrics)``.
-        """
+        """`(loss, metrics)`; `global_valid_toks` is the unshifted token count."""
         values = logits.squeeze(-1) if logits.ndim == 3 and logits.shape[-1] == 1 else logits
         if values.ndim != 2:
             raise ValueError(f"`logits` must be [B, S] or [B, S, 1], got {list(logits.shape)}.")
         shape = tuple(values.shape)
         sample_mask = get_tensor(data, "sample_mask", (shape[0],)).to(values.dtype)
+        # *unshifted*: the value prep already right-shifted the values, so v[:, t] scores the
+        # state before token t
         mask = get_tensor(data, "token_mask", shape).to(values.dtype) * sample_mask.unsqueeze(-1)
         returns = get_tensor(data, "returns", shape).to(values.dtype)
         n_t, eps = global_valid_toks, self.cfg.cliprange
         unclipped = (values - returns).square()
         if eps:
+            # v_c = clamp(v, v_old - eps, v_old + eps); per token max((v - R)^2, (v_c - R)^2);
+            # vf_clipfrac: where the clipped term is strictly larger
             old = get_tensor(data, "values", shape).to(values.dtype)
             clipped = (values.clamp(old - eps, old + eps) - returns).square()
             per_token = unclipped.maximum(clipped)
