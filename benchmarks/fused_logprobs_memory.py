@@ -77,9 +77,10 @@ def _step_rank(rank: int, variant: str, cfg: dict) -> dict[str, float]:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
-    from lightning_mcore_rl.data import BatchedDataDict, get_packed_local_layer_spec
+    from lightning_mcore_rl.data import BatchedDataDict
     from lightning_mcore_rl.losses import NLLLossFn
     from lightning_mcore_rl.losses.loss_input import _pack_input_ids
+    from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
     from lightning_mcore_rl.parallel import megatron_groups
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
     from lightning_mcore_rl.train import (

@@ -98,7 +98,7 @@ def _run_packed(
 def _benchmark(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from lightning_mcore_rl.data import get_packed_local_layer_spec
+    from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
 
     init_megatron_state()

@@ -4,12 +4,9 @@ A global batch becomes this data-parallel rank's :class:`BatchedDataDict` (``sha
 then exact microbatches: fixed size (``make_microbatch_iterator``) or token-budget
 (:func:`make_token_budget_microbatches`), each optionally packed into one THD row
 (:func:`pack_sequences` with the padding knobs of :func:`get_pack_sequence_parameters`).
-:func:`compute_global_valid_counts` gives the loss normalisers over the DP group, and
-:class:`PackedDotProductAttention` runs packed attention without Transformer Engine.
+:func:`compute_global_valid_counts` gives the loss normalisers over the DP group.
 Shape notation: see :mod:`lightning_mcore_rl`.
 """
-
-from typing import TYPE_CHECKING, Any
 
 from lightning_mcore_rl.data.batched_data_dict import (
     BatchedDataDict,
@@ -37,38 +34,16 @@ from lightning_mcore_rl.data.packing import (
     unpack_sequences,
 )
 
-if TYPE_CHECKING:
-    from lightning_mcore_rl.data.packed_attention import (
-        PackedDotProductAttention,
-        get_packed_local_layer_spec,
-    )
-
-# packed_attention subclasses megatron-core's attention: imported on first use, so that importing
-# the package (and `lmrl --help`) does not import megatron-core, seconds of start-up
-_LAZY = {"PackedDotProductAttention", "get_packed_local_layer_spec"}
-
-
-def __getattr__(name: str) -> Any:
-    """The megatron-dependent names of :mod:`.packed_attention`, imported on first access."""
-    if name in _LAZY:
-        from lightning_mcore_rl.data import packed_attention
-
-        return getattr(packed_attention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "BatchedDataDict",
     "GlobalValidCounts",
     "MicrobatchPlan",
-    "PackedDotProductAttention",
     "PackedSequences",
     "TokenBudgetMicrobatches",
     "balanced_equal_count_partition",
     "compute_global_valid_counts",
     "cp_local_indices",
     "get_pack_sequence_parameters",
-    "get_packed_local_layer_spec",
     "make_token_budget_microbatches",
     "microbatch_cost",
     "minimum_pad_individual",

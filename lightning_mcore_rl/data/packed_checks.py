@@ -1,6 +1,6 @@
 """The helpers of packed attention that need no megatron-core at import time: the shared causal
 mask and the check that a model's core attention takes packed THD input. Kept apart from
-:mod:`~lightning_mcore_rl.data.packed_attention` (whose attention subclasses megatron's) so
+:mod:`~lightning_mcore_rl.models.layers.packed_attention` (whose attention subclasses megatron's) so
 that importing the package, and ``lmrl --help``, does not import megatron-core (seconds)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def check_packed_core_attention(model: torch.nn.Module) -> None:
             raise ValueError(
                 f"sequence packing needs a core attention that takes packed THD input, but "
                 f"`{name}.core_attention` is megatron's local DotProductAttention; build the "
-                "model with "
-                "`transformer_layer_spec=lightning_mcore_rl.data.get_packed_local_layer_spec()` "
+                "model with `transformer_layer_spec="
+                "lightning_mcore_rl.models.layers.get_packed_local_layer_spec()` "
                 "(local spec, CPU) or Transformer Engine's GPT layer spec."
             )

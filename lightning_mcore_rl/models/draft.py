@@ -57,7 +57,7 @@ class EagleDraftModel(MegatronModule):
         from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
         from megatron.core.transformer.spec_utils import build_module
 
-        from lightning_mcore_rl.data import get_packed_local_layer_spec
+        from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
 
         super().__init__(config=config)
         hidden = config.hidden_size

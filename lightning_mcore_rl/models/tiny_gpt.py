@@ -139,7 +139,7 @@ def tiny_gpt(
         vp_stage: virtual-pipeline chunk index (``None`` without VPP).
         transformer_layer_spec: layer spec; default megatron's local (non-TE) GPT spec with the
             packed- and CP-capable core attention
-            (:func:`~lightning_mcore_rl.data.get_packed_local_layer_spec`), with
+            (:func:`~lightning_mcore_rl.models.layers.get_packed_local_layer_spec`), with
             ``config.num_moe_experts`` experts per layer (``SequentialMLP``) when it is set.
         share_embeddings_and_output_weights: tie the output layer to the word embedding.
         position_embedding_type: ``"learned_absolute"`` or ``"rope"``.
@@ -157,7 +157,7 @@ def tiny_gpt(
     """
     from megatron.core.models.gpt import GPTModel
 
-    from lightning_mcore_rl.data import get_packed_local_layer_spec
+    from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
 
     groups = layout_groups(groups)
     config = config if config is not None else tiny_gpt_config(groups)

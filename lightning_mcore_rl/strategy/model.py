@@ -50,7 +50,7 @@ def build_stage_chunks(
             raise
         raise ValueError(
             f"`{hook}`: context_parallel_size > 1 needs a CP-capable core attention; build the "
-            "model with `transformer_layer_spec=lightning_mcore_rl.data."
+            "model with `transformer_layer_spec=lightning_mcore_rl.models.layers."
             "get_packed_local_layer_spec()` (local spec, CPU) or Transformer Engine's GPT layer "
             "spec (megatron's local DotProductAttention has no context parallelism)."
         ) from err

@@ -34,7 +34,7 @@ def test_the_preview_predicts_torchs_cuda_update(cls: type) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_on_cuda_matches_autograd(dtype: torch.dtype) -> None:
-    from lightning_mcore_rl.data.gated_mlp import swiglu
+    from lightning_mcore_rl.models.layers.gated_mlp import swiglu
 
     torch.manual_seed(0)
     x = (torch.randn(4096, 2 * 1408, device="cuda") * 3).to(dtype)

@@ -112,7 +112,7 @@ def local_layer_spec(
     """megatron's local GPT layer spec with the project's packed-capable core attention; for a
     MoE model the local decoder block spec of stage ``pp_rank`` (``vp_stage``), dense and MoE
     layers as ``config.moe_layer_freq`` says."""
-    from lightning_mcore_rl.data import get_packed_local_layer_spec
+    from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
 
     if arch.moe is not None:
         return moe_block_spec(config, pp_rank=pp_rank, vp_stage=vp_stage, transformer_engine=False)

@@ -22,7 +22,7 @@ def moe_block_spec(
 ) -> TransformerBlockSubmodules:
     """megatron's decoder block spec of this stage's layers (``config.moe_layer_freq`` picks
     dense or MoE per layer); the local (non-TE) one gets the project's packed-capable core
-    attention (:class:`~lightning_mcore_rl.data.packed_attention.PackedDotProductAttention`).
+    attention (:class:`~lightning_mcore_rl.models.layers.packed_attention.PackedDotProductAttention`).
 
     Args:
         config: the model's config (``num_moe_experts``, ``moe_layer_freq``, PP/VPP sizes).
@@ -32,7 +32,7 @@ def moe_block_spec(
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from lightning_mcore_rl.data.packed_attention import PackedDotProductAttention
+    from lightning_mcore_rl.models.layers.packed_attention import PackedDotProductAttention
 
     spec = get_gpt_decoder_block_spec(
         config,

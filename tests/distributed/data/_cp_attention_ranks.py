@@ -62,7 +62,7 @@ def _attention() -> torch.nn.Module:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from lightning_mcore_rl.data import PackedDotProductAttention
+    from lightning_mcore_rl.models.layers import PackedDotProductAttention
 
     config = TransformerConfig(
         num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
@@ -96,7 +96,7 @@ def cp_attention_rank(rank: int) -> CPAttentionResult:
     from megatron.core.transformer.enums import AttnMaskType
 
     from lightning_mcore_rl.data import cp_local_indices
-    from lightning_mcore_rl.data.packed_attention import check_packed_core_attention
+    from lightning_mcore_rl.data.packed_checks import check_packed_core_attention
     from lightning_mcore_rl.ops.context_parallel import (
         _AllGatherToPositions,
         allgather_cp_to_positions,

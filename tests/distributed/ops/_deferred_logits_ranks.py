@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from lightning_mcore_rl.data import BatchedDataDict, get_packed_local_layer_spec
+from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn, DistillationLossFn
+from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import megatron_groups
 from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.callbacks import TIMING_METRICS
-from lightning_mcore_rl.data import PackedDotProductAttention, get_packed_local_layer_spec
 from lightning_mcore_rl.losses import ClippedPGLossFn
+from lightning_mcore_rl.models.layers import PackedDotProductAttention, get_packed_local_layer_spec
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 
 

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
-from lightning_mcore_rl.data import BatchedDataDict, get_packed_local_layer_spec
+from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn, DPOLossFn
+from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
 from lightning_mcore_rl.models.tiny_gpt import canonical_name, tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import megatron_groups

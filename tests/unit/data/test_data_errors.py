@@ -7,10 +7,10 @@ import torch
 
 from lightning_mcore_rl.data import (
     BatchedDataDict,
-    PackedDotProductAttention,
     compute_global_valid_counts,
     make_token_budget_microbatches,
 )
+from lightning_mcore_rl.models.layers import PackedDotProductAttention
 
 
 def _batch() -> BatchedDataDict:

@@ -342,7 +342,7 @@ def test_packed_attention_refuses_a_window_that_looks_ahead():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from lightning_mcore_rl.data import PackedDotProductAttention
+    from lightning_mcore_rl.models.layers import PackedDotProductAttention
 
     config = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=2, window_size=(3, 2)

@@ -1,4 +1,4 @@
-"""The RMSNorm whose backward keeps only its input (``data/rms_norm.py``) against
+"""The RMSNorm whose backward keeps only its input (``models/layers/rms_norm.py``) against
 ``torch.nn.functional.rms_norm`` (the norm of megatron's local spec) and fp64."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_mcore_rl.data import row_blocks
-from lightning_mcore_rl.data.rms_norm import rms_norm
+from lightning_mcore_rl.models.layers import row_blocks
+from lightning_mcore_rl.models.layers.rms_norm import rms_norm
 from lightning_mcore_rl.testing import run_on_ranks
 
 
@@ -73,8 +73,8 @@ def _norms(rank: int) -> dict[str, Any]:
     tag under sequence parallelism."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from lightning_mcore_rl.data import get_packed_local_layer_spec
-    from lightning_mcore_rl.data.rms_norm import LocalNorm, RMSNorm
+    from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
+    from lightning_mcore_rl.models.layers.rms_norm import LocalNorm, RMSNorm
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt_config
 
     init_megatron_state()

@@ -8,7 +8,7 @@ same MLP with :func:`swiglu`, one autograd function that keeps only ``linear_fc1
 recomputes the sigmoid in its backward: ``2 * s * b * F`` elements less per layer (44 MiB per
 layer at 4096 fp32 tokens and F=1408, the peer benchmark's Llama). The forward is bitwise
 megatron's; the backward evaluates the same formulas as torch's ``silu`` backward, in fp32, in
-blocks of rows (:mod:`~lightning_mcore_rl.data.row_blocks`: its temporaries stay small).
+blocks of rows (:mod:`~lightning_mcore_rl.models.layers.row_blocks`: its temporaries stay small).
 
 megatron's own extension point carries it: ``MLPSubmodules.activation_func`` (a module applied to
 the whole ``linear_fc1`` output), which ``MLP`` uses under ``config.use_te_activation_func``.
@@ -28,7 +28,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from lightning_mcore_rl.data.row_blocks import row_slices
+from lightning_mcore_rl.models.layers.row_blocks import row_slices
 
 
 class _SwiGLUFunction(torch.autograd.Function):

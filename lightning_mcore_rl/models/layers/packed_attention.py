@@ -347,9 +347,9 @@ def _own_storage(x: torch.Tensor) -> torch.Tensor:
 
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
     """megatron's local GPT layer spec with :class:`PackedDotProductAttention` as core attention,
-    in a dense layer :class:`~lightning_mcore_rl.data.gated_mlp.GatedMLP` as its MLP
+    in a dense layer :class:`~lightning_mcore_rl.models.layers.gated_mlp.GatedMLP` as its MLP
     (megatron's ``MLP``, whose SwiGLU keeps only ``linear_fc1``'s output for the backward), and
-    :class:`~lightning_mcore_rl.data.rms_norm.LocalNorm` for the layer's norms (an RMSNorm whose
+    :class:`~lightning_mcore_rl.models.layers.rms_norm.LocalNorm` for the layer's norms (an RMSNorm whose
     backward keeps only its input; megatron's ``WrappedTorchNorm`` for a LayerNorm).
 
     Args:
@@ -362,8 +362,8 @@ def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from lightning_mcore_rl._compat import replace_dense_mlp
-    from lightning_mcore_rl.data.gated_mlp import GatedMLP
-    from lightning_mcore_rl.data.rms_norm import LocalNorm
+    from lightning_mcore_rl.models.layers.gated_mlp import GatedMLP
+    from lightning_mcore_rl.models.layers.rms_norm import LocalNorm
 
     spec = get_gpt_layer_local_spec(**kwargs)
     attention = spec.submodules.self_attention.submodules

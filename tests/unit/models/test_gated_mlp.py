@@ -1,4 +1,4 @@
-"""The SwiGLU MLP whose backward keeps only ``linear_fc1``'s output (``data/gated_mlp.py``)
+"""The SwiGLU MLP whose backward keeps only ``linear_fc1``'s output (``models/layers/gated_mlp.py``)
 against torch's autograd of the unfused SwiGLU and megatron's own ``MLP``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_mcore_rl.data import row_blocks
-from lightning_mcore_rl.data.gated_mlp import swiglu
+from lightning_mcore_rl.models.layers import row_blocks
+from lightning_mcore_rl.models.layers.gated_mlp import swiglu
 from lightning_mcore_rl.testing import run_on_ranks
 
 
@@ -79,7 +79,7 @@ def _mlp_pair(rank: int) -> dict[str, Any]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.mlp import MLP
 
-    from lightning_mcore_rl.data.gated_mlp import GatedMLP, SwiGLU
+    from lightning_mcore_rl.models.layers.gated_mlp import GatedMLP, SwiGLU
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt_config
 
     init_megatron_state()

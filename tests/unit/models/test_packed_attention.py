@@ -36,12 +36,8 @@ def _packed_vs_padded(
 ) -> dict[str, object]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from lightning_mcore_rl.data import (
-        get_packed_local_layer_spec,
-        pack_sequences,
-        packed_position_ids,
-        unpack_sequences,
-    )
+    from lightning_mcore_rl.data import pack_sequences, packed_position_ids, unpack_sequences
+    from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt, tiny_gpt_config
 
     init_megatron_state()
@@ -98,7 +94,7 @@ def test_packed_matches_padded_forward_and_backward(
 def _padded_mode(rank: int) -> dict[str, torch.Tensor]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from lightning_mcore_rl.data import get_packed_local_layer_spec
+    from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
 
     init_megatron_state()
@@ -127,7 +123,7 @@ def _core_attention_cases(rank: int) -> dict[str, dict[str, torch.Tensor]]:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 
-    from lightning_mcore_rl.data import PackedDotProductAttention
+    from lightning_mcore_rl.models.layers import PackedDotProductAttention
     from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt_config
     from lightning_mcore_rl.train import causal_attention_mask
 

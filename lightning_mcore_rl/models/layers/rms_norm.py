@@ -6,7 +6,7 @@ upcast to fp32 and the fp32 normalised input: under ``bf16-mixed`` 16 MiB per no
 tokens and H=512, for a 4 MiB bf16 input (fp32: the input and the normalised input, 16 MiB).
 :func:`rms_norm` runs the same forward (torch's composite, op for op: bitwise) as one autograd
 function that keeps the input and the ``[..., 1]`` fp32 reciprocal RMS, and computes the
-backward in fp32, in blocks of rows (:mod:`~lightning_mcore_rl.data.row_blocks`).
+backward in fp32, in blocks of rows (:mod:`~lightning_mcore_rl.models.layers.row_blocks`).
 
 :class:`LocalNorm` is the local spec's norm: :class:`RMSNorm` for ``normalization="RMSNorm"``,
 megatron's ``WrappedTorchNorm`` for anything else.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_mcore_rl.data.row_blocks import row_slices
+from lightning_mcore_rl.models.layers.row_blocks import row_slices
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
