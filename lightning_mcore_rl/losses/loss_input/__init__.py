@@ -1,21 +1,8 @@
-"""Loss-input preparation: from (TP/CP-sharded) model logits to what a loss consumes.
+"""Loss-input preparation: from logits `[B, S/CP, V/TP]` (padded) or `[1, T/CP, V/TP]`
+(packed) to what a loss consumes, by `loss_fn.input_type` (see `LossInputType`)."""
 
-Behaviour: docs/behaviour-reference.md §3.2–3.5.
-
-``prepare_loss_input`` dispatches on ``loss_fn.input_type``:
-
-* ``LOGIT``: ``{"logits": logits}`` untouched (value heads, reward models).
-* ``LOGPROB``: ``{"next_token_logprobs": [B, S-1]}`` (+ ``entropy [B, S-1]``, the positive
-  per-token entropy, when the loss has ``cfg.entropy_coef > 0``).
-* ``DISTILLATION``: student/teacher top-k logprobs ``[B, S-1, K]`` and ``H_all [B, S-1]``.
-* ``DRAFT``: policy logits rolled left by one as the draft model's teacher ``[B, S, V]``.
-* ``OPD_FULL``: per-token full-vocabulary reverse KL to a teacher ``[B, S-1]``.
-
-Shapes: ``B`` sequences, ``S`` padded width of the unpacked batch, ``T`` packed tokens, ``V``
-vocab, ``V_l = V/TP`` this rank's vocab shard, ``CP`` context-parallel size. Logits arrive as
-``[B, S/CP, V_l]`` (padded) or ``[1, T/CP, V_l]`` (packed). Process groups are passed in explicitly;
-``vocab_parallel_group=None`` selects a plain single-process path (full-vocab logits).
-"""
+# docs/behaviour-reference.md §3.2-3.5. Process groups are passed in explicitly;
+# `vocab_parallel_group=None` selects a plain single-process path (full-vocab logits).
 
 from __future__ import annotations
 
@@ -56,30 +43,16 @@ def prepare_loss_input(
     cp_sharder: Any = None,
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
 ) -> tuple[dict[str, Any], BatchedDataDict]:
-    """Prepare the loss input of one (unpacked) microbatch.
+    """`(loss_input, data)` of one unpacked microbatch from `[B, S/CP, V/TP]` logits
+    (temperature applied; the model's next-token logprobs with `use_fused_linear_logprobs`).
 
-    Args:
-        logits: ``[B, S/CP, V_l]`` model output (temperature already applied); for
-            ``loss_fn.use_fused_linear_logprobs`` the model's next-token logprobs instead.
-        data: The microbatch (``input_ids [B, S]``, masks, ...). Mutated when top-k/top-p is
-            active and the loss has a reference KL (``curr_logprobs_unfiltered`` is added).
-        loss_fn: The loss; its ``input_type`` selects the branch.
-        vocab_parallel_rank: TP rank (``None``: the group's rank).
-        vocab_parallel_group: TP group; ``None`` selects the plain full-vocab path.
-        context_parallel_group: CP group (``None``: CP = 1).
-        sampling_params: top-k/top-p for ``LOGPROB`` (temperature is applied by the caller).
-        d2t: ``[V_draft]`` draft-to-target vocab offsets (``DRAFT`` only).
-        chunk_size: sequence chunk of the logprob kernels (``policy.logprob_chunk_size``).
-        cp_sharder: NeMo Automodel's DTensor CP sharder; not supported (Megatron CP only).
-        teacher_output_layer_weight_by_index: per-teacher ``[V_l, H_t]`` LM-head shards
-            (``OPD_FULL`` hidden-state payloads only).
-
-    Returns:
-        ``(loss_input, data)``.
+    `data` gains `curr_logprobs_unfiltered` with top-k/top-p and a reference KL; `d2t` is the
+    `[V_draft]` draft-to-target offsets; `teacher_output_layer_weight_by_index` holds `[V/TP, H_t]`
+    LM-head shards per teacher (`OPD_FULL` hidden-state payloads).
 
     Raises:
-        NotImplementedError: ``cp_sharder`` is given.
-        ValueError: Unknown input type or missing inputs.
+        NotImplementedError: `cp_sharder` (NeMo Automodel's DTensor CP) is given.
+        ValueError: unknown input type or missing inputs.
     """
     if cp_sharder is not None:
         raise NotImplementedError(
@@ -87,13 +60,16 @@ def prepare_loss_input(
             "parallelism the Megatron way: pass `context_parallel_group` instead"
         )
     input_type = loss_fn.input_type
+    # LOGIT: untouched (value heads, reward models)
     if input_type is LossInputType.LOGIT:
         return {"logits": logits}, data
     groups = (vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
+    # LOGPROB: next-token logprobs (+ the positive entropy when the loss has `entropy_coef > 0`)
     if input_type is LossInputType.LOGPROB:
         return logprob_loss_input(logits, data, loss_fn, *groups, sampling_params, chunk_size), data
     if input_type is LossInputType.DISTILLATION:
         return _distillation_loss_input(logits, data, loss_fn, *groups), data
+    # DRAFT: the policy logits rolled left by one as the draft model's teacher, `[B, S, V]`
     if input_type is LossInputType.DRAFT:
         return _draft_loss_input(
             logits, data, vocab_parallel_group, context_parallel_group, d2t

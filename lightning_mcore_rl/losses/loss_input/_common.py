@@ -38,6 +38,7 @@ def _filters(sampling_params: TrainingSamplingParams | None) -> bool:
 
 
 def _vocab_range(logits: Tensor, vocab_parallel_rank: int | None, group: Any) -> tuple[int, int]:
+    # TP shards the vocabulary contiguously: rank r holds [r * V/TP, (r + 1) * V/TP)
     rank = _group_rank(group) if vocab_parallel_rank is None else vocab_parallel_rank
     local_vocab = logits.shape[-1]
     return rank * local_vocab, (rank + 1) * local_vocab
@@ -58,23 +59,15 @@ def _reference_kl_penalty(loss_fn: LossFunction) -> float:
 
 
 def _needs_entropy(loss_fn: LossFunction) -> bool:
+    # `entropy_coef` lives on ClippedPG's config, not in the LossFunction protocol
     return float(getattr(getattr(loss_fn, "cfg", None), "entropy_coef", 0.0)) > 0
 
 
 def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str) -> Tensor:
-    """Replace ``-inf`` logprobs (tokens removed by top-k/top-p) with 0, warning for valid ones.
-
-    The positions still count in the loss normalisers (docs/behaviour-reference.md trap 9).
-
-    Args:
-        logprobs: ``[B, S-1]`` logprobs.
-        mask: ``[B, S-1]`` validity mask (``token_mask[:, 1:] * sample_mask``).
-        name: Name used in the warning.
-
-    Returns:
-        ``[B, S-1]`` with every ``-inf`` replaced by 0 (masked positions too: ``0 * -inf`` would
-        poison the masked mean with NaN).
-    """
+    """`logprobs [B, S-1]` with every `-inf` (a token top-k/top-p removed) set to 0, warning
+    (as `name`) for those where `mask [B, S-1]` is valid."""
+    # The positions still count in the loss normalisers (docs/behaviour-reference.md trap 9).
+    # Masked positions are zeroed too: `0 * -inf` would poison the masked mean with NaN.
     neg_inf = torch.isneginf(logprobs)
     valid = int((neg_inf & (mask > 0)).sum())
     if valid:
@@ -89,12 +82,13 @@ def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str) -> Tens
 def _plain_next_token_logprobs(
     input_ids: Tensor, logits: Tensor, sampling_params: TrainingSamplingParams | None
 ) -> Tensor:
-    """Single-process path: ``log_softmax(filter(logits[:, :-1]))`` gathered at ``ids[:, 1:]``."""
+    """Single-process path: `[B, S-1]` `log_softmax(filter(logits[:, :-1]))` at `ids[:, 1:]`."""
     if logits.shape[:2] != input_ids.shape:
         raise ValueError(
             f"without a vocab-parallel group `logits` must be the full [B, S, V] for `input_ids` "
             f"{tuple(input_ids.shape)}, got {tuple(logits.shape)}"
         )
+    # position t scores token t + 1, so the last position scores nothing; fp32 for log_softmax
     z = logits[:, :-1].float()
     if _filters(sampling_params):
         assert sampling_params is not None
@@ -113,24 +107,14 @@ def next_token_logprobs(
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
 ) -> Tensor:
-    """Next-token logprobs of dense sequences (docs/behaviour-reference.md §5.8).
-
-    Args:
-        input_ids: ``[B, S]`` unshifted ids.
-        logits: ``[B, S/CP, V_l]`` (temperature already applied).
-        vocab_parallel_rank: TP rank (``None``: the group's rank).
-        vocab_parallel_group: TP group; ``None`` for the plain full-vocab path.
-        context_parallel_group: CP group (``None``: CP = 1).
-        sampling_params: top-k/top-p filtering when active.
-        chunk_size: sequence chunk for the chunked kernel (used only without filtering).
-
-    Returns:
-        ``[B, S-1]`` fp32 logprobs.
-    """
+    """`[B, S-1]` fp32 next-token logprobs of `input_ids [B, S]` from `[B, S/CP, V/TP]` logits
+    (temperature applied; `None` groups: TP = CP = 1, full-vocab logits)."""
+    # docs/behaviour-reference.md §5.8
     if vocab_parallel_group is None:
         if _group_size(context_parallel_group) > 1:
             raise ValueError("context parallelism needs `vocab_parallel_group` (the TP group)")
         return _plain_next_token_logprobs(input_ids, logits, sampling_params)
+    # filtering needs the whole row of the vocabulary at once: no chunking with top-k/top-p
     use_chunking = chunk_size is not None and not _filters(sampling_params)
     if not use_chunking:
         logits = logits.float()  # the chunked kernel upcasts one chunk at a time instead
@@ -147,22 +131,13 @@ def next_token_entropy(
     logits: Tensor, seq_len: int, vocab_parallel_group: Any, context_parallel_group: Any,
     chunk_size: int | None,
 ) -> Tensor:  # fmt: skip
-    """Positive entropy ``-sum_v p log p`` of the distribution scoring token ``t+1``.
-
-    Args:
-        logits: ``[B, S/CP, V_l]`` dense logits.
-        seq_len: ``S``.
-        vocab_parallel_group: TP group (``None``: full-vocab logits).
-        context_parallel_group: CP group.
-        chunk_size: sequence chunk of the entropy kernel.
-
-    Returns:
-        ``[B, S-1]`` fp32 entropy, differentiable.
-    """
+    """`[B, S-1]` fp32 differentiable entropy `-sum_v p log p` of the distribution scoring
+    token `t+1`, from `[B, S/CP, V/TP]` logits; `seq_len` is `S`."""
     if vocab_parallel_group is None:
         logp = logits[:, : seq_len - 1].float().log_softmax(-1)
         return -(logp.exp() * logp).sum(-1)
     entropy = vocab_parallel_entropy(logits, vocab_parallel_group, chunk_size)
+    # the kernel's output is CP-sharded like the logits; the loss needs the full sequence
     if _group_size(context_parallel_group) > 1:
         entropy = allgather_cp_sharded_tensor(entropy, context_parallel_group, seq_dim=1)
     return entropy[:, : seq_len - 1]
@@ -175,16 +150,16 @@ def _finish_logprob_input(
     sampling_params: TrainingSamplingParams | None,
     unfiltered: Any,
 ) -> dict[str, Any]:
-    """Top-k/top-p ``-inf`` masking and the unfiltered logprobs for the reference KL.
-
-    See docs/behaviour-reference.md §3.2.
-    """
+    """`{"next_token_logprobs": ...}` after top-k/top-p `-inf` masking."""
+    # docs/behaviour-reference.md §3.2
     if _filters(sampling_params):
         token_mask = cast(Tensor, data["token_mask"])  # tensors by the BatchedDataDict contract
         sample_mask = cast(Tensor, data["sample_mask"])
         mask = (token_mask * sample_mask.unsqueeze(-1))[:, 1:]
         logprobs = mask_out_neg_inf_logprobs(logprobs, mask, "curr_logprobs")
         if _reference_kl_penalty(loss_fn) != 0:
+            # the reference KL compares full distributions: it reads logprobs computed without
+            # the filter (a second pass, only when both are on)
             data["curr_logprobs_unfiltered"] = unfiltered()
     return {"next_token_logprobs": logprobs}
 
@@ -199,29 +174,19 @@ def logprob_loss_input(
     sampling_params: TrainingSamplingParams | None,
     chunk_size: int | None,
 ) -> dict[str, Any]:
-    """``LOGPROB`` loss input of dense logits (docs/behaviour-reference.md §3.2).
-
-    Args:
-        logits: ``[B, S/CP, V_l]`` logits, or the model's next-token logprobs when
-            ``loss_fn.use_fused_linear_logprobs``.
-        data: The microbatch (mutated: ``curr_logprobs_unfiltered`` with filtering + ref KL).
-        loss_fn: A ``LOGPROB`` loss.
-        vocab_parallel_rank: TP rank.
-        vocab_parallel_group: TP group (``None``: plain path).
-        context_parallel_group: CP group.
-        sampling_params: top-k/top-p filtering.
-        chunk_size: sequence chunk of the logprob kernel.
-
-    Returns:
-        ``next_token_logprobs [B, S-1]`` (+ positive ``entropy [B, S-1]`` for entropy bonuses).
-    """
+    """`LOGPROB` loss input: `next_token_logprobs [B, S-1]` (+ positive `entropy [B, S-1]` for
+    an entropy bonus) from `[B, S/CP, V/TP]` logits or, with `use_fused_linear_logprobs`, the
+    model's logprobs; `data` gains `curr_logprobs_unfiltered` with filtering + a reference KL."""
+    # docs/behaviour-reference.md §3.2
     input_ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
     seq_len = input_ids.shape[1]
     groups = (vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
     if getattr(loss_fn, "use_fused_linear_logprobs", False):
+        # the fused LM head already returned next-token logprobs in place of logits
         logprobs = logits.float()[:, : seq_len - 1]
     else:
         logprobs = next_token_logprobs(input_ids, logits, *groups, sampling_params, chunk_size)
+    # the unfiltered pass is a thunk: it runs only when filtering and a reference KL are both on
     loss_input = _finish_logprob_input(
         logprobs, data, loss_fn, sampling_params,
         lambda: next_token_logprobs(input_ids, logits, *groups, None, None),

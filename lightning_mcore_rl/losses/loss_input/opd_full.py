@@ -1,7 +1,6 @@
-"""Full-vocabulary on-policy-distillation (``OPD_FULL``) loss input.
+"""Full-vocabulary on-policy-distillation (`OPD_FULL`) loss input."""
 
-See docs/behaviour-reference.md §3.5.
-"""
+# docs/behaviour-reference.md §3.5
 
 from __future__ import annotations
 
@@ -42,11 +41,13 @@ def _teacher_logits_shard(
     tp_size: int,
     weights: dict[int, Tensor] | None,
 ) -> Tensor:
-    """This rank's detached teacher logits ``[B, S/CP, V_l]`` from a ``[B, S, D]`` payload."""
+    """This rank's detached teacher logits `[B, S/CP, V/TP]` from a `[B, S, D]` payload."""
     batch, local_seq, local_vocab = local_shape
+    # padded to the student's CP-padded width, then cut to this CP rank's zigzag shard
     padded = F.pad(payload, (0, 0, 0, local_seq * cp_size - payload.shape[1]))
     window = get_tokens_on_this_cp_rank(padded, cp_rank, cp_size, seq_dim=1)  # [B, S/CP, D]
     if weights is None:
+        # a logits payload (D = V): this TP rank's vocabulary slice
         if payload.shape[-1] != local_vocab * tp_size:
             raise ValueError(
                 f"a logits payload must be [B, S, V] with V = V_l * TP = {local_vocab} * {tp_size}, "
@@ -57,6 +58,7 @@ def _teacher_logits_shard(
         raise ValueError(
             f"a hidden-state payload needs `{OPD_FULL_TEACHER_INDEX_FIELD}` [B] in the data"
         )
+    # a hidden-state payload (D = H_t): each row projected with its own teacher's LM-head shard
     index = _as_ints(data[OPD_FULL_TEACHER_INDEX_FIELD])
     rows = []
     for b in range(batch):
@@ -81,33 +83,19 @@ def _prepare_opd_full_loss_input(
     chunk_size: int | None,
     teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Full-vocabulary on-policy-distillation loss input from student logits + teacher payload.
-
-    The teacher payload ``data["teacher_full_payload"] [B, S, D]`` is either the teacher's
-    logits (``D = V``; used when ``teacher_output_layer_weight_by_index`` is ``None``) or its
-    pre-LM-head hidden states (``D = H_t``, projected with the row's teacher LM-head shard chosen
-    by ``data["teacher_index"] [B]``).
-
-    Args:
-        logits: Student logits ``[B, S/CP, V_l]``.
-        data: Microbatch with the payload column.
-        loss_fn: The ``OPD_FULL`` loss.
-        vocab_parallel_rank: TP rank (``None``: the group's rank).
-        vocab_parallel_group: TP group (required).
-        context_parallel_group: CP group.
-        sampling_params: Unused by the divergence (exact expectation); kept for the seed API.
-        chunk_size: Sequence chunk of the reverse-KL kernel.
-        teacher_output_layer_weight_by_index: Per-teacher ``[V_l, H_t]`` LM-head shards.
-
-    Returns:
-        ``opd_full_divergence [B, S-1]`` (differentiable), ``opd_full_entropy`` (``sum p log p``)
-        and ``opd_full_cross_entropy`` ``[B, S-1]`` (metrics), plus unfiltered
-        ``next_token_logprobs`` when the loss has a reference KL.
+    """`OPD_FULL` loss input from student logits `[B, S/CP, V/TP]` and the teacher payload
+    `data["teacher_full_payload"] [B, S, D]`: `opd_full_divergence` (differentiable),
+    `opd_full_entropy` and `opd_full_cross_entropy` (metrics), all `[B, S-1]`, plus unfiltered
+    `next_token_logprobs` when the loss has a reference KL.
 
     Raises:
-        NotImplementedError: No vocab-parallel group.
-        ValueError: The payload column is missing or malformed.
+        NotImplementedError: no vocab-parallel group.
+        ValueError: the payload column is missing or malformed.
     """
+    # The payload is the teacher's logits (D = V) without `teacher_output_layer_weight_by_index`,
+    # else its pre-LM-head hidden states (D = H_t), projected with the `[V/TP, H_t]` shard that
+    # `data["teacher_index"] [B]` picks. `sampling_params` is unused: the divergence is an exact
+    # expectation over the vocabulary, not a sample; the argument stays for the seed's API.
     if vocab_parallel_group is None:
         raise NotImplementedError("OPD_FULL loss input needs `vocab_parallel_group` (TP group)")
     if OPD_FULL_PAYLOAD_FIELD not in data:
@@ -128,6 +116,7 @@ def _prepare_opd_full_loss_input(
         logits, teacher, vocab_parallel_group, chunk_size, return_metrics=True
     )
 
+    # the kernel's outputs are CP-sharded like the logits; the loss reads [B, S-1]
     def canonical(local: Tensor) -> Tensor:
         if cp_size > 1:
             local = allgather_cp_sharded_tensor(local, context_parallel_group, seq_dim=1)
@@ -140,6 +129,7 @@ def _prepare_opd_full_loss_input(
         "opd_full_cross_entropy": canonical(out.cross_entropy.detach()),
     }
     if _reference_kl_penalty(loss_fn) != 0:
+        # unfiltered (no sampling params): the reference KL scores the policy itself
         loss_input["next_token_logprobs"] = next_token_logprobs(
             input_ids, logits, vocab_parallel_rank, vocab_parallel_group,
             context_parallel_group, None, chunk_size,

@@ -1,4 +1,6 @@
-"""Packed (THD) loss input in one fused pass (docs/behaviour-reference.md §3.3, §3.4)."""
+"""Packed (THD) loss input in one fused pass."""
+
+# docs/behaviour-reference.md §3.3, §3.4
 
 from __future__ import annotations
 
@@ -37,21 +39,13 @@ def _pack_input_ids(
     cp_size: int = 1,
     roll_shift: int = 0,
 ) -> Tensor:
-    """Pack ``[B, S]`` ids into this CP rank's THD row, optionally rolled inside each span.
+    """Right-padded `[B, S]` ids packed into this CP rank's `[1, T/CP]` THD row
+    (`T = cu_seqlens_q_padded[-1]`), each `[B+1]`-bounded span rolled by `roll_shift`.
 
-    Args:
-        input_ids: ``[B, S]`` right-padded ids.
-        cu_seqlens_q: ``[B+1]`` sequence boundaries (may be the padded ones,
-            docs/behaviour-reference.md trap 11).
-        cu_seqlens_q_padded: ``[B+1]`` padded span boundaries.
-        cp_rank: CP rank.
-        cp_size: ``CP``; each span must be a multiple of ``2*CP``.
-        roll_shift: roll of each padded span (``-1``: next-token targets); never crosses spans.
-
-    Returns:
-        ``[1, T/CP]`` with ``T = cu_seqlens_q_padded[-1]``; span ``i`` holds its first
-        ``min(len_i, S)`` tokens (bin-fill padding may make ``len_i > S``), then zeros.
+    Each span must be a multiple of `2*CP`; `roll_shift=-1` gives next-token targets.
     """
+    # cu_seqlens_q may be the padded boundaries (docs/behaviour-reference.md trap 11); the roll
+    # is per span, so a target never crosses into the next sequence.
     cu_q, cu_qp = _as_ints(cu_seqlens_q), _as_ints(cu_seqlens_q_padded)
     width = input_ids.shape[1]
     out = input_ids.new_zeros(1, cu_qp[-1] // cp_size)
@@ -59,6 +53,7 @@ def _pack_input_ids(
         padded = cu_qp[i + 1] - cu_qp[i]
         if padded == 0:
             continue
+        # the span's first min(len_i, S) tokens, then zeros: bin-fill padding may make len_i > S
         n = min(cu_q[i + 1] - cu_q[i], width, padded)
         span = input_ids.new_zeros(padded)
         span[:n] = input_ids[i, :n]
@@ -72,24 +67,16 @@ def _pack_input_ids(
 def unpack_per_token(
     values: Tensor, cu_seqlens_padded: Sequence[int], width: int, context_parallel_group: Any
 ) -> Tensor:
-    """Per-token packed values ``[T/CP]`` -> ``[B, S-1]`` (each span's last position dropped).
-
-    Args:
-        values: ``[T/CP]`` this CP rank's packed values (per-span zigzag shards).
-        cu_seqlens_padded: ``[B+1]`` span boundaries.
-        width: ``S``.
-        context_parallel_group: CP group (per-span all-gather when CP > 1,
-            docs/behaviour-reference.md trap 3).
-
-    Returns:
-        ``[B, S-1]``, zeros past each span's ``min(len - 1, S - 1)`` entries.
-    """
+    """This CP rank's packed per-token values `[T/CP]` (per-span zigzag shards) -> `[B, S-1]`,
+    each span's last position dropped and zeros past `min(len - 1, S - 1)`; `width` is `S`."""
     cp_size = _group_size(context_parallel_group)
     rows = []
     for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:], strict=True):
+        # a span of len tokens scores len - 1 next tokens, and the row holds at most S - 1
         n = max(0, min(end - start - 1, width - 1))
         span = values[start // cp_size : end // cp_size]
         if n and cp_size > 1:
+            # a zigzag shard is per span: gather span by span (docs/behaviour-reference.md trap 3)
             span = allgather_cp_sharded_tensor(span, context_parallel_group, seq_dim=0)
         rows.append(F.pad(span[:n], (0, width - 1 - n)))
     return torch.stack(rows)
@@ -107,28 +94,13 @@ def prepare_packed_loss_input(
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
 ) -> tuple[dict[str, Any], BatchedDataDict]:
-    """Loss input of a whole packed microbatch in one pass (``LOGPROB`` only).
-
-    See docs/behaviour-reference.md §3.4.
-
-    Args:
-        logits: ``[1, T/CP, V_l]`` packed logits (temperature applied).
-        data: The unpacked microbatch (``input_ids [B, S]``, masks).
-        loss_fn: A ``LOGPROB`` loss.
-        cu_seqlens_q: ``[B+1]`` sequence boundaries (host ints or a CPU tensor).
-        cu_seqlens_q_padded: ``[B+1]`` padded span boundaries.
-        vocab_parallel_rank: TP rank (``None``: the group's rank).
-        vocab_parallel_group: TP group (required).
-        context_parallel_group: CP group (``None``: CP = 1).
-        sampling_params: top-k/top-p filtering.
-        chunk_size: sequence chunk (used only without filtering).
-
-    Returns:
-        ``(loss_input, data)`` with ``next_token_logprobs [B, S-1]`` (+ ``entropy``).
+    """`(loss_input, data)` of a whole packed microbatch in one pass: `next_token_logprobs
+    [B, S-1]` (+ `entropy`) from `[1, T/CP, V/TP]` logits, for a `LOGPROB` loss only.
 
     Raises:
-        ValueError: Non-``LOGPROB`` loss or no TP group.
+        ValueError: a non-`LOGPROB` loss or no TP group.
     """
+    # docs/behaviour-reference.md §3.4; `cu_seqlens_q*` are `[B+1]` host ints or a CPU tensor.
     if loss_fn.input_type is not LossInputType.LOGPROB:
         raise ValueError(
             f"prepare_packed_loss_input supports LossInputType.LOGPROB only, got "
@@ -140,10 +112,12 @@ def prepare_packed_loss_input(
     input_ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
     width = input_ids.shape[1]
     cu_qp = _as_ints(cu_seqlens_q_padded)
+    # targets rolled once here, in the packed layout the logits have (`target_is_pre_rolled`)
     targets = _pack_input_ids(input_ids, cu_seqlens_q, cu_qp, cp_rank, cp_size, roll_shift=-1)
     start, end = _vocab_range(logits, vocab_parallel_rank, vocab_parallel_group)
 
     def logprobs_with(params: TrainingSamplingParams | None, chunk: int | None) -> Tensor:
+        # filtering needs whole vocabulary rows; unchunked, the kernel wants fp32 logits
         use_chunking = chunk is not None and not _filters(params)
         return from_parallel_logits_to_logprobs_packed_sequences(
             logits if use_chunking else logits.float(), targets, cu_qp, width, start, end,
@@ -152,6 +126,7 @@ def prepare_packed_loss_input(
             target_is_pre_rolled=True,
         )  # fmt: skip
 
+    # the unfiltered pass is a thunk: it runs only when filtering and a reference KL are both on
     loss_input = _finish_logprob_input(
         logprobs_with(sampling_params, chunk_size), data, loss_fn, sampling_params,
         lambda: logprobs_with(None, None),
