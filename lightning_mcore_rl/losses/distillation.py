@@ -163,7 +163,7 @@ class OPDFullLossFn:
 
     @property
     def input_keys(self) -> tuple[str, ...]:
-        """`token_mask`, `teacher_full_payload` and, with a reference KL, `reference_policy_logprobs`."""
+        """`token_mask`, `teacher_full_payload` and (reference KL) `reference_policy_logprobs`."""
         # a hidden-state payload's `teacher_index` is checked by its preparation
         keys: tuple[str, ...] = ("token_mask", "teacher_full_payload")
         if self.cfg.reference_policy_kl_penalty != 0:

@@ -57,7 +57,7 @@ def wrap_loss_fn_with_input_preparation(
     vocab_parallel_group: Any = None,
     context_parallel_group: Any = None,
 ) -> LossResult:
-    """`loss_fn`'s `(loss, metrics)` on the input `prepare_fn` builds from `[B, S/CP, V/TP]` logits."""
+    """`loss_fn`'s `(loss, metrics)` on what `prepare_fn` builds from `[B, S/CP, V/TP]` logits."""
     loss_input, data = prepare_fn(
         next_token_logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group,
         context_parallel_group,

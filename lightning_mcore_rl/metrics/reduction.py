@@ -1,4 +1,4 @@
-"""Rule-based reductions on torchmetrics: per-step statistics over a group, validation aggregations."""
+"""Rule-based reductions on torchmetrics: per-step statistics, validation aggregations."""
 
 from __future__ import annotations
 
