@@ -10,10 +10,10 @@ the fp32 ones and copied to the bf16 ones). Each variant runs in its own process
 thread), ``N`` timed steps after one warm-up step (which creates the Adam state):
 
 * ``step``: ``optimizer.step()`` alone (and the bf16 copy), the baseline;
-* ``preview``: :func:`~lightning_mcore_rl.strategy.update_preview.preview_measures` (the update
+* ``preview``: :func:`~lightning_mcore_rl.reliability.update_preview.preview_measures` (the update
   check's default for torch Adam/AdamW/SGD), then the step;
 * ``snapshot``: ``UpdateSnapshot.take`` of the model parameters and the optimizer, the step,
-  then :func:`~lightning_mcore_rl.strategy.update_check.update_measures` (what the check did
+  then :func:`~lightning_mcore_rl.reliability.update_check.update_measures` (what the check did
   before 2026-12-05, and still does for inner optimizers it cannot preview).
 
 Printed per variant: the median seconds per step (its ratio to ``step``), and the peak RSS above
@@ -57,8 +57,8 @@ def _rss_mib() -> float:
 def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
     from types import SimpleNamespace
 
-    from lightning_mcore_rl.strategy.update_check import UpdateSnapshot, update_measures
-    from lightning_mcore_rl.strategy.update_preview import preview_measures
+    from lightning_mcore_rl.reliability.update_check import UpdateSnapshot, update_measures
+    from lightning_mcore_rl.reliability.update_preview import preview_measures
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.block is None:
-        from lightning_mcore_rl.strategy.update_preview import block_elements
+        from lightning_mcore_rl.reliability.update_preview import block_elements
 
         args.block = block_elements("cpu")
     if args.worker:

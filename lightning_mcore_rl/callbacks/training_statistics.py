@@ -48,7 +48,7 @@ class TrainingStatistics(Callback):
 
     When what is logged: the slowest rank's ``step_time`` needs the other ranks' times, and it
     rides on the next step's agreement collective (the strategy's
-    :class:`~lightning_mcore_rl.strategy.agreement.StepBoundary`; no collective of its own), so
+    :class:`~lightning_mcore_rl.reliability.agreement.StepBoundary`; no collective of its own), so
     step ``N``'s row reaches the loggers at the end of step ``N + 1`` (the last step's at
     ``on_train_end``, after one all-reduce of its time; after an exception without its timing
     metrics), with ``step=N``. Right after step ``N`` (in ``on_train_batch_end``), its other

@@ -334,9 +334,9 @@ def agree_on_batch(module: MCoreRLModule, check: Callable[[], None]) -> None:
     all-reduce, ``reduce_boolean_decision``) before the step's first collective: the rank whose
     batch is bad raises its ``ValueError``/``TypeError``, the others a ``BatchRejectedError``
     naming each rejecting rank and its reason (one more collective, only then:
-    :func:`~lightning_mcore_rl.strategy.nonfinite.batch_rejection`), instead of waiting for it
+    :func:`~lightning_mcore_rl.reliability.nonfinite.batch_rejection`), instead of waiting for it
     in the step."""
-    from lightning_mcore_rl.strategy.nonfinite import batch_rejection
+    from lightning_mcore_rl.reliability.nonfinite import batch_rejection
 
     error: ValueError | TypeError | None = None
     try:

@@ -63,6 +63,7 @@ from lightning_mcore_rl.recipes.rollout_choice import (
 )
 from lightning_mcore_rl.recipes.rollout_queue import RolloutQueue
 from lightning_mcore_rl.recipes.text_task import TextRewardTask
+from lightning_mcore_rl.reliability.nonfinite import NonFiniteWarning
 from lightning_mcore_rl.rollout import (
     ModularCountingTask,
     Rollout,
@@ -72,7 +73,6 @@ from lightning_mcore_rl.rollout import (
     mismatch_extrema,
 )
 from lightning_mcore_rl.strategy import ResumableLoader
-from lightning_mcore_rl.strategy.nonfinite import NonFiniteWarning
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

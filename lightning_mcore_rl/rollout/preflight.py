@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mcore_rl.strategy.agreement import (
+from lightning_mcore_rl.reliability.agreement import (
     NONFINITE,
     OK,
     RankInput,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.parallel import unwrap_model
-from lightning_mcore_rl.strategy import checksums as sums
+from lightning_mcore_rl.reliability import checksums as sums
 from lightning_mcore_rl.strategy import optimizer_regroup as regroup
 from lightning_mcore_rl.strategy.config import CheckpointConfig
 

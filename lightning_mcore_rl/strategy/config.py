@@ -15,12 +15,12 @@ from typing import Any, Literal, TypeVar, cast
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_mcore_rl.strategy.nonfinite import (
+from lightning_mcore_rl.reliability.nonfinite import (
     NonFinitePolicy,
     check_policy,
     check_update_options,
 )
-from lightning_mcore_rl.strategy.threads import check_intra_op_threads
+from lightning_mcore_rl.reliability.threads import check_intra_op_threads
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
@@ -148,7 +148,7 @@ class ReliabilityConfig:
         process_group_backend: ``"nccl"``/``"gloo"`` (``None``: from the device).
         intra_op_threads: torch's intra-op thread count, set on every rank at set-up so that
             TP-replicated parameters round identically on every rank
-            (:mod:`~lightning_mcore_rl.strategy.threads`); ``None``: the smallest count any rank
+            (:mod:`~lightning_mcore_rl.reliability.threads`); ``None``: the smallest count any rank
             runs. A rank whose count changes warns.
         rendezvous_timeout: how long start-up waits for every rank to arrive and the process
             groups to be created (the world group's store); ``timeout`` bounds only the

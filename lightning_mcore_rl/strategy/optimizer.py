@@ -41,7 +41,7 @@ class _StepRecord:
     wrapper, which copies the adapter's ``__dict__`` and so cannot see later attribute writes."""
 
     last: MegatronStepResult | None = None
-    guard: Any = None  # the strategy's NonFiniteGuard (strategy/nonfinite.py)
+    guard: Any = None  # the strategy's NonFiniteGuard (reliability/nonfinite.py)
     params: list[torch.Tensor] = field(default_factory=list)  # the model's, for the guard
 
 
@@ -108,7 +108,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         return self._record.last
 
     def use_guard(self, guard: Any) -> None:
-        """Consult ``guard`` (a :class:`~lightning_mcore_rl.strategy.nonfinite.NonFiniteGuard`)
+        """Consult ``guard`` (a :class:`~lightning_mcore_rl.reliability.nonfinite.NonFiniteGuard`)
         around every megatron step: a skipped step never calls megatron's ``step()``, and a
         failing update is undone."""
         self._record.guard = guard
@@ -152,7 +152,7 @@ def megatron_step(
     optimizer: Any, guard: Any = None, params: Sequence[torch.Tensor] = ()
 ) -> MegatronStepResult:
     """Megatron's ``MegatronOptimizer.step()`` by its public parts, consulting the non-finite
-    ``guard`` (:class:`~lightning_mcore_rl.strategy.nonfinite.NonFiniteGuard`, ``None``: none)
+    ``guard`` (:class:`~lightning_mcore_rl.reliability.nonfinite.NonFiniteGuard`, ``None``: none)
     between megatron's gradient norm and the update (``guard.skip_on_grad_norm(norm)``), and
     to verify the update: before it on the clipped gradients (``guard.reject_before_update``: a
     rejected update is not run), or, for an inner optimizer that cannot be previewed, around it

@@ -7,7 +7,7 @@ path) and runs :func:`~lightning_mcore_rl.train.run_global_batch` /
 :func:`~lightning_mcore_rl.train.run_forward_only` on the given chunks with the strategy's frozen
 :class:`~lightning_mcore_rl.train.StepContext`, the non-finite policy's input agreement (one collective:
 verdicts, row counts and batch fingerprints of every rank, and the training step's
-:class:`~lightning_mcore_rl.strategy.agreement.StepBoundary` riding along) as the batch check.
+:class:`~lightning_mcore_rl.reliability.agreement.StepBoundary` riding along) as the batch check.
 Nothing in the pass calls back into the module.
 """
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from lightning_mcore_rl.strategy.agreement import StepBoundary
-    from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
+    from lightning_mcore_rl.reliability.agreement import StepBoundary
+    from lightning_mcore_rl.reliability.nonfinite import NonFiniteGuard
     from lightning_mcore_rl.train import LossPostProcessor, StepContext, StepOutput
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 

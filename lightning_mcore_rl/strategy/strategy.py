@@ -27,8 +27,18 @@ from typing_extensions import override
 
 from lightning_mcore_rl._compat import filter_expected_warnings
 from lightning_mcore_rl.rank_errors import install_rank_excepthook
+from lightning_mcore_rl.reliability.agreement import StepBoundary
+from lightning_mcore_rl.reliability.nonfinite import NonFiniteGuard
+from lightning_mcore_rl.reliability.processes import (
+    RankTable,
+    collective_failure,
+    connect_world,
+    die_with_parent,
+    is_collective_failure,
+)
+from lightning_mcore_rl.reliability.signals import TerminationRequest
+from lightning_mcore_rl.reliability.threads import set_intra_op_threads
 from lightning_mcore_rl.strategy import checkpoint as ckpt
-from lightning_mcore_rl.strategy.agreement import StepBoundary
 from lightning_mcore_rl.strategy.backend import enter_run_backends
 from lightning_mcore_rl.strategy.base import ProcessGroupStrategy
 from lightning_mcore_rl.strategy.config import (
@@ -48,7 +58,6 @@ from lightning_mcore_rl.strategy.draft import (
     step_draft,
 )
 from lightning_mcore_rl.strategy.model import WrappedChunks, checked_chunks
-from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
 from lightning_mcore_rl.strategy.optimizer import (
     MegatronOptimizerAdapter,
     MegatronStepResult,
@@ -57,18 +66,9 @@ from lightning_mcore_rl.strategy.optimizer import (
 )
 from lightning_mcore_rl.strategy.parallel import check_strategy_args, init_model_parallel
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
-from lightning_mcore_rl.strategy.processes import (
-    RankTable,
-    collective_failure,
-    connect_world,
-    die_with_parent,
-    is_collective_failure,
-)
 from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher, check_resumed_fit_trained
-from lightning_mcore_rl.strategy.signals import TerminationRequest
 from lightning_mcore_rl.strategy.step import StepRunner
 from lightning_mcore_rl.strategy.teacher import HostedTeacher
-from lightning_mcore_rl.strategy.threads import set_intra_op_threads
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -115,9 +115,9 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             (:class:`~.config.LogprobKernelConfig`).
 
     Accelerator, devices and precision come from the ``Trainer``; a cluster environment from
-    ``Trainer(plugins=[...])``. The former flat arguments (``micro_batch_size=``,
-    ``sequence_packing=``, ``use_fused_linear_logprobs=``, ``nonfinite=``, ``timeout=``, ...) still work in Python, folded into their group
-    (:data:`~.config.FLAT_ARGUMENTS`).
+    ``Trainer(plugins=[...])``. The former flat keywords of the group fields (`FLAT_ARGUMENTS` in
+    `config.py`) are deprecated: each is folded into its group, with one `FutureWarning` per
+    construction naming the grouped spelling.
     """
 
     strategy_name = "mcore_rl"
@@ -187,7 +187,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self.draft = DraftState()  # the module's EAGLE draft, trained in the step (draft.py)
         rel = self.reliability
         self.nonfinite_guard = NonFiniteGuard.from_config(rel)
-        self.termination = TerminationRequest()  # SIGTERM at step boundaries (strategy/signals.py)
+        self.termination = TerminationRequest()  # SIGTERM at step boundaries (signals.py)
         # what each training step's first agreement carries: SIGTERM, the previous step's time
         self.step_boundary = StepBoundary(self.termination)
         self._ranks: RankTable | None = None

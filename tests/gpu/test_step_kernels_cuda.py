@@ -13,8 +13,8 @@ import torch.nn.functional as F
 @pytest.mark.gpu
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_the_preview_predicts_torchs_cuda_update(cls: type) -> None:
-    from lightning_mcore_rl.strategy.update_check import UpdateSnapshot, update_measures
-    from lightning_mcore_rl.strategy.update_preview import preview_measures
+    from lightning_mcore_rl.reliability.update_check import UpdateSnapshot, update_measures
+    from lightning_mcore_rl.reliability.update_preview import preview_measures
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(300, 70, device="cuda")) for _ in range(2)]

@@ -1,7 +1,7 @@
 """The package's import graph (ast, counting imports inside functions): no cycle, and the
 layer order of docs/architecture.md — every import points to the same layer or one below it
-(``parallel/`` < ``ops/`` < ``data/`` < ``models/`` < ``losses/`` < ``train/`` < the Lightning
-layer < the RL layer), and nothing in the package imports ``testing/``.
+(``parallel/`` < ``ops/`` < ``data/`` < ``models/`` < ``losses/`` < ``train/`` < ``reliability/``
+< the Lightning layer < the RL layer), and nothing in the package imports ``testing/``.
 
 An edge ``a -> b`` is every ``import`` / ``from ... import`` statement of ``a`` (module level or
 inside a function, relative ones resolved; ``from pkg import name`` is an edge to ``pkg.name``
@@ -34,7 +34,9 @@ LAYER_ORDER: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("models",),
     ("losses",),
+    ("extensions",),
     ("train",),
+    ("reliability",),
     ("strategy", "callbacks", "module"),
     ("rollout", "algorithms", "rewards", "recipes"),
     ("", "cli"),

@@ -18,8 +18,8 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.reliability.checksums import MANIFEST
 from lightning_mcore_rl.strategy import ResumableLoader
-from lightning_mcore_rl.strategy.checksums import MANIFEST
 
 SHARD = "__0_1.distcp"  # rank 0 writes both shard files of the DP=2 tiny GPT checkpoint
 FLIP_AT = 500_000  # a byte inside the tensor data of SHARD (773968 bytes)

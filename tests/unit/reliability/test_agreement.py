@@ -12,8 +12,7 @@ import torch
 
 from lightning_mcore_rl.algorithms.advantages import nonfinite_reward_groups
 from lightning_mcore_rl.losses import ClippedPGLossConfig
-from lightning_mcore_rl.strategy import ReliabilityConfig
-from lightning_mcore_rl.strategy.agreement import (
+from lightning_mcore_rl.reliability.agreement import (
     INVALID,
     NONFINITE,
     OK,
@@ -21,13 +20,14 @@ from lightning_mcore_rl.strategy.agreement import (
     agreed_verdict,
     check_replica_agreement,
 )
-from lightning_mcore_rl.strategy.nonfinite import CollapseWarning, NonFiniteGuard
-from lightning_mcore_rl.strategy.update_check import (
+from lightning_mcore_rl.reliability.nonfinite import CollapseWarning, NonFiniteGuard
+from lightning_mcore_rl.reliability.update_check import (
     UpdateSnapshot,
     _difference_norms,
     update_failure,
     update_measures,
 )
+from lightning_mcore_rl.strategy import ReliabilityConfig
 from lightning_mcore_rl.train.validation import (
     BatchSpec,
     batch_fingerprint,

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses.config import ClippedPGLossConfig, DPOLossConfig, OPDFullLossConfig
-from lightning_mcore_rl.strategy import checkpoint as ckpt
-from lightning_mcore_rl.strategy.nonfinite import (
+from lightning_mcore_rl.reliability.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
     NonFiniteWarning,
     check_policy,
 )
+from lightning_mcore_rl.strategy import checkpoint as ckpt
 from lightning_mcore_rl.strategy.optimizer import check_trainer_flags
 from lightning_mcore_rl.train.validation import BatchSpec, first_nonfinite, validate_batch
 

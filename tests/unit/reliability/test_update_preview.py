@@ -1,4 +1,4 @@
-"""The update preview (`strategy/update_preview.py`) against torch's own optimizers: the
+"""The update preview (`reliability/update_preview.py`) against torch's own optimizers: the
 measures it predicts before an update equal those of the update torch then runs."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
-from lightning_mcore_rl.strategy.update_check import UpdateSnapshot, update_measures
-from lightning_mcore_rl.strategy.update_preview import preview_measures, previewable
+from lightning_mcore_rl.reliability.nonfinite import NonFiniteGuard
+from lightning_mcore_rl.reliability.update_check import UpdateSnapshot, update_measures
+from lightning_mcore_rl.reliability.update_preview import preview_measures, previewable
 
 OPTIMIZERS = {
     "adam": (torch.optim.Adam, {"lr": 0.05}),

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_rl.reliability.processes import is_collective_failure
 from lightning_mcore_rl.rollout import (
     EngineDiedError,
     OneRankRolloutSource,
@@ -35,7 +36,6 @@ from lightning_mcore_rl.rollout.vllm_refit import (
     quiet_unloaded_buffers,
     zombie_exitcode,
 )
-from lightning_mcore_rl.strategy.processes import is_collective_failure
 from lightning_mcore_rl.testing import run_on_ranks
 
 

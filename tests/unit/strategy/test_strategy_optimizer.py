@@ -48,7 +48,7 @@ def test_adapter_runs_closure_then_megatron_step_and_drives_torch_schedulers():
 
 
 def test_a_nonfinite_megatron_grad_norm_skips_the_update():
-    from lightning_mcore_rl.strategy.nonfinite import NonFiniteGuard
+    from lightning_mcore_rl.reliability.nonfinite import NonFiniteGuard
 
     mopt = _FakeMegatronOptimizer(grad_norm=float("nan"))
     adapter = MegatronOptimizerAdapter(mopt)

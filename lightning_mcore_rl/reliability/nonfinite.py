@@ -11,7 +11,7 @@ optimizer-state change: megatron's update is not run, which is megatron's own
   skips the step, naming the key and first bad position on the rank that holds it;
   The same collective carries each rank's batch summary: different row counts, or different
   batches on the ranks of one replica, raise on every rank
-  (:mod:`~lightning_mcore_rl.strategy.agreement`), and, in a training step's first pass, the
+  (:mod:`~lightning_mcore_rl.reliability.agreement`), and, in a training step's first pass, the
   step's boundary (SIGTERM, the previous step's time: :class:`~.agreement.StepBoundary`);
 * the loss (:meth:`NonFiniteGuard.skip_before_update`, after the backward; identical on every
   rank) and the gradients (:meth:`NonFiniteGuard.skip_on_grad_norm`): megatron's own global
@@ -21,9 +21,9 @@ optimizer-state change: megatron's update is not run, which is megatron's own
   before anything is clipped or updated;
 * the update: non-finite weights or optimizer state, or an update too large for the
   parameters, skip the step — found before megatron's update for torch's Adam/AdamW/SGD
-  (:meth:`NonFiniteGuard.reject_before_update`, :mod:`~lightning_mcore_rl.strategy.update_preview`:
+  (:meth:`NonFiniteGuard.reject_before_update`, :mod:`~lightning_mcore_rl.reliability.update_preview`:
   the update is not run), else after it (:meth:`NonFiniteGuard.reject_update`,
-  :mod:`~lightning_mcore_rl.strategy.update_check`: the update is undone).
+  :mod:`~lightning_mcore_rl.reliability.update_check`: the update is undone).
 
 A gradient norm of exactly 0 for ``collapse_warning_steps`` steps in a row warns
 (:class:`CollapseWarning`): the model learns nothing (e.g. saturated by a huge learning rate).
@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_mcore_rl.strategy.agreement import (
+from lightning_mcore_rl.reliability.agreement import (
     INVALID,
     NONFINITE,
     OK,
@@ -49,12 +49,12 @@ from lightning_mcore_rl.strategy.agreement import (
     gather_rejections,
     rejected_ranks,
 )
-from lightning_mcore_rl.strategy.update_check import (
+from lightning_mcore_rl.reliability.update_check import (
     UpdateSnapshot,
     update_failure,
     update_measures,
 )
-from lightning_mcore_rl.strategy.update_preview import preview_measures, previewable
+from lightning_mcore_rl.reliability.update_preview import preview_measures, previewable
 
 NonFinitePolicy = Literal["skip", "raise"]
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
@@ -264,7 +264,7 @@ class NonFiniteGuard:
         boundary: StepBoundary | None = None,
     ) -> bool:
         """ONE all-gather of this rank's input verdict and batch summary over all ranks
-        (:mod:`~lightning_mcore_rl.strategy.agreement`), which also carries the training
+        (:mod:`~lightning_mcore_rl.reliability.agreement`), which also carries the training
         step's ``boundary`` (SIGTERM and the previous step's time, settled before the verdict).
 
         Args:
@@ -335,7 +335,7 @@ class NonFiniteGuard:
         """Before megatron's update, its gradients prepared and clipped: True (the update not
         run, the step skipped) when the update torch's Adam/AdamW/SGD would make leaves a NaN/inf
         weight or optimizer-state entry on any rank, or exceeds ``max_update_ratio``
-        (:mod:`~lightning_mcore_rl.strategy.update_preview`; one all-reduce, the same decision
+        (:mod:`~lightning_mcore_rl.reliability.update_preview`; one all-reduce, the same decision
         on every rank). False, and nothing run, when updates are not verified or the inner
         optimizer cannot be previewed (then :meth:`snapshot` and :meth:`reject_update`)."""
         if not self.verify_updates or not previewable(optimizer):

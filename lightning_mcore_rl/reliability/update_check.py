@@ -1,7 +1,7 @@
 """An optimizer update verified after it runs, and undone when it fails (trainer-free).
 
 The update check's fallback: for torch's Adam/AdamW/SGD the update is verified before it runs
-(:mod:`~lightning_mcore_rl.strategy.update_preview`, no copy); any other inner optimizer's
+(:mod:`~lightning_mcore_rl.reliability.update_preview`, no copy); any other inner optimizer's
 update (Transformer Engine's or Apex's fused Adam) is checked here. Megatron's update runs
 between :meth:`UpdateSnapshot.take` (a copy of everything the update writes: the model
 parameters, each optimizer member's main parameters and its per-parameter state — Adam's

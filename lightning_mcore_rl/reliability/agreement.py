@@ -16,7 +16,7 @@ decision:
 The same collective carries what a training step must agree on at its start
 (:class:`StepBoundary`, filled in the first pass of each training step only, 0 elsewhere): the
 MAX ``signal`` (a SIGTERM any rank received, acted on by every rank at this point:
-:class:`~lightning_mcore_rl.strategy.signals.TerminationRequest`) and the MAX ``step_time_ns``
+:class:`~lightning_mcore_rl.reliability.signals.TerminationRequest`) and the MAX ``step_time_ns``
 (the previous training step's wall time, the slowest rank's: ``step_time``, logged one step
 late). So a training step runs one world-group collective before its model runs, not three.
 """
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from lightning_mcore_rl.strategy.signals import TerminationRequest
+    from lightning_mcore_rl.reliability.signals import TerminationRequest
 
 OK, NONFINITE, INVALID = 0, 1, 2
 """Input verdict codes, combined over ranks by MAX."""

@@ -1,4 +1,4 @@
-"""``ReliabilityConfig.intra_op_threads`` and ``set_intra_op_threads`` (strategy/threads.py) on
+"""``ReliabilityConfig.intra_op_threads`` and ``set_intra_op_threads`` (reliability/threads.py) on
 two real gloo ranks started with different intra-op thread counts."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_mcore_rl.reliability.threads import set_intra_op_threads
 from lightning_mcore_rl.strategy import ReliabilityConfig
-from lightning_mcore_rl.strategy.threads import set_intra_op_threads
 from lightning_mcore_rl.testing import run_on_ranks
 
 

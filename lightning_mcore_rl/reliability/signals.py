@@ -10,7 +10,7 @@ that leaves after it raises ``SIGTERMException``, a ``SystemExit`` whose code is
 ``on_train_start``, the previous handler restored after): the handler only records the signal.
 Every rank agrees on it in the first agreement collective of each training step (its ``signal``
 column, MAX over the strategy's world group:
-:class:`~lightning_mcore_rl.strategy.agreement.StepBoundary`; no collective of its own); once
+:class:`~lightning_mcore_rl.reliability.agreement.StepBoundary`; no collective of its own); once
 agreed, every rank calls the previous (Lightning's) handler at that same point, so its broadcast
 is matched on every rank and Lightning ends the step normally and raises ``SIGTERMException`` at
 the step's end, on every rank. The strategy's ``on_exception`` then saves ``last`` (a

@@ -7,10 +7,10 @@ block by block into scratch tensors: each parameter's new value and its new opti
 the group's hyperparameters (``lr``, betas, ``eps``, ``weight_decay``, ``amsgrad``,
 ``maximize``, AdamW's decoupled decay, SGD's momentum/dampening/nesterov), with torch's formulas.
 It returns the same ``(non-finite tensors, ||update||, ||parameters||)`` as
-:func:`~lightning_mcore_rl.strategy.update_check.update_measures` (ONE all-reduce), so a failing
+:func:`~lightning_mcore_rl.reliability.update_check.update_measures` (ONE all-reduce), so a failing
 update is never run and nothing needs to be restored.
 
-What it costs against :class:`~lightning_mcore_rl.strategy.update_check.UpdateSnapshot`: no copy
+What it costs against :class:`~lightning_mcore_rl.reliability.update_check.UpdateSnapshot`: no copy
 of the parameters and optimizer state (14 bytes per parameter under ``bf16-mixed`` with Adam),
 only the scratch of one block of a parameter (:func:`block_elements`: 65536 elements on CPU,
 16M on an accelerator), and one more pass of the optimizer's arithmetic. The norms are those of
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_mcore_rl.strategy.update_check import optimizer_members, reduce_measures
+from lightning_mcore_rl.reliability.update_check import optimizer_members, reduce_measures
 
 _CPU_BLOCK = 1 << 16
 """Elements per block on CPU: a block's dozen scratch tensors (256 KiB each in fp32) stay in the

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_mcore_rl.strategy import checkpoint as ckpt
-from lightning_mcore_rl.strategy.checksums import (
+from lightning_mcore_rl.reliability.checksums import (
     MANIFEST,
     CorruptCheckpointError,
     damaged_files,
@@ -24,6 +23,7 @@ from lightning_mcore_rl.strategy.checksums import (
     verify,
     write_manifest,
 )
+from lightning_mcore_rl.strategy import checkpoint as ckpt
 
 
 def _files(directory: Path) -> dict[str, bytes]:

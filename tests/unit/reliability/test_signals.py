@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore_rl.rank_errors import RankExceptHook
-from lightning_mcore_rl.strategy import processes
-from lightning_mcore_rl.strategy.agreement import OK, RankInput, StepBoundary, gather_inputs
-from lightning_mcore_rl.strategy.config import ReliabilityConfig
-from lightning_mcore_rl.strategy.processes import (
+from lightning_mcore_rl.reliability import processes
+from lightning_mcore_rl.reliability.agreement import OK, RankInput, StepBoundary, gather_inputs
+from lightning_mcore_rl.reliability.processes import (
     CollectiveFailure,
     RankProcess,
     RankTable,
@@ -32,7 +31,8 @@ from lightning_mcore_rl.strategy.processes import (
     is_collective_failure,
     process_state,
 )
-from lightning_mcore_rl.strategy.signals import TerminationRequest
+from lightning_mcore_rl.reliability.signals import TerminationRequest
+from lightning_mcore_rl.strategy.config import ReliabilityConfig
 
 
 def sleeper() -> subprocess.Popen[bytes]:
