@@ -1,11 +1,7 @@
 """Distributed tensor math: vocab-parallel logprobs/entropy/top-k and context-parallel layout.
+Shapes: `V_l = V/TP` the local vocab shard, `K` ids per token (the rest: `lightning_mcore_rl`)."""
 
-Every function takes its process groups explicitly; nothing here reads Lightning or loss state.
-
-Shapes: ``B`` sequences, ``S`` tokens per sequence (``S/CP`` on a CP rank), ``T`` packed tokens,
-``H`` hidden size, ``V`` vocab, ``V_l = V/TP`` the local vocab shard, ``K`` ids per token.
-"""
-
+# every function takes its process groups explicitly; nothing here reads Lightning or loss state
 from lightning_mcore_rl.ops.context_parallel import (
     allgather_cp_sharded_tensor,
     get_tokens_on_this_cp_rank,

@@ -1,10 +1,4 @@
-"""Argument checks shared by the ops kernels.
-
-Every check runs on local metadata only (shapes, dtypes, the caller's rank in a group), so a bad
-argument raises ``ValueError`` on every rank *before* any collective is entered. Group rank and
-size come from ``group.rank()`` / ``group.size()`` (methods of ``ProcessGroup``), which never
-communicate.
-"""
+"""Argument checks shared by the ops kernels; each raises `ValueError`."""
 
 from __future__ import annotations
 
@@ -14,12 +8,13 @@ import torch
 import torch.distributed as dist
 
 
+# every check reads local metadata only (shapes, dtypes, `group.rank()`/`group.size()`, which never
+# communicate), so a bad argument raises on every rank before any collective is entered
 def group_rank_size(group: Any, name: str, allow_none: bool = False) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group``; ``(0, 1)`` for ``None`` if ``allow_none``.
+    """`(rank, size)` of this process in `group`; `(0, 1)` for `None` if `allow_none`.
 
     Raises:
-        ValueError: ``group`` is ``None`` while required, or does not expose ``rank()``/``size()``
-            (e.g. this process is not a member of it).
+        ValueError: `group` is `None` while required, or has no `rank()`/`size()` (not a member).
     """
     if group is None:
         if allow_none:
@@ -44,11 +39,8 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: dist.ReduceOp.RedOpType) ->
 def check_vocab_shard(
     logits: torch.Tensor, vocab_start: int, vocab_end: int, tp_group: Any, name: str = "logits"
 ) -> tuple[int, int]:
-    """Check that ``logits [..., V_l]`` is TP rank ``r``'s contiguous shard ``[r*V_l, (r+1)*V_l)``.
-
-    Returns:
-        ``(tp_rank, tp_size)``.
-    """
+    """Check that `logits [..., V/TP]` is TP rank `r`'s contiguous shard `[r*V/TP, (r+1)*V/TP)`;
+    returns `(tp_rank, tp_size)`."""
     tp_rank, tp_size = group_rank_size(tp_group, "tp_group")
     if not logits.is_floating_point():
         raise ValueError(f"`{name}` must be a floating-point tensor, got dtype {logits.dtype}")
@@ -58,6 +50,8 @@ def check_vocab_shard(
             f"vocab range [{vocab_start}, {vocab_end}) has {vocab_end - vocab_start} ids but "
             f"`{name}` has a local vocab of {local_vocab} (shape {tuple(logits.shape)})"
         )
+    # every kernel assumes uniform contiguous sharding, as megatron's vocab-parallel output layer
+    # has it
     if vocab_start != tp_rank * local_vocab:
         raise ValueError(
             f"`vocab_start_index` must be tp_rank * V_l = {tp_rank} * {local_vocab} = "
@@ -67,11 +61,13 @@ def check_vocab_shard(
 
 
 def check_token_ids(ids: torch.Tensor, global_vocab: int, name: str) -> None:
-    """Check that ``ids`` is an integer tensor with every id in ``[0, global_vocab)``."""
+    """Check that `ids` is an integer tensor with every id in `[0, global_vocab)`."""
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
         raise ValueError(f"`{name}` must be an integer tensor of token ids, got dtype {ids.dtype}")
     if ids.numel() == 0:
         return
+    # a host sync, but an out-of-range id would otherwise gather garbage (or crash a device kernel)
+    # after the collectives have started
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= global_vocab:
         raise ValueError(
@@ -81,28 +77,29 @@ def check_token_ids(ids: torch.Tensor, global_vocab: int, name: str) -> None:
 
 
 def check_chunk_size(chunk_size: int | None) -> None:
-    """``chunk_size`` is ``None`` (one chunk) or a positive int."""
+    """`chunk_size` is `None` (one chunk) or a positive int."""
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"`chunk_size` must be a positive int or None, got {chunk_size!r}")
 
 
 def check_ndim(tensor: torch.Tensor, ndim: int, name: str, layout: str) -> None:
-    """``tensor`` has ``ndim`` dims (``layout`` names them in the message)."""
+    """`tensor` has `ndim` dims (`layout` names them in the message)."""
     if tensor.dim() != ndim:
         raise ValueError(f"`{name}` must be {layout} ({ndim}-D), got shape {tuple(tensor.shape)}")
 
 
 def seq_chunks(length: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    """``[(start, stop), ...]`` covering ``range(length)`` in pieces of ``chunk_size``."""
+    """`[(start, stop), ...]` covering `range(length)` in pieces of `chunk_size`."""
     step = length if chunk_size is None else chunk_size
     return [(start, min(start + step, length)) for start in range(0, length, max(step, 1))]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The kernels' math dtype: fp32 for bf16/fp16/fp32 inputs, fp64 kept (for gradcheck)."""
+    """The kernels' math dtype: fp32 for bf16/fp16/fp32 inputs, fp64 kept."""
+    # fp64 stays fp64 so that gradcheck can run the kernels
     return torch.promote_types(dtype, torch.float32)
 
 
 def upcast(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in :func:`compute_dtype` (no copy when it already is)."""
+    """`tensor` in `compute_dtype` (no copy when it already is)."""
     return tensor.to(compute_dtype(tensor.dtype))

@@ -1,9 +1,5 @@
-"""Context-parallel (CP) zigzag sequence layout.
-
-Megatron's load-balanced CP layout splits the sequence dim into ``2*CP`` equal chunks; CP rank ``r``
-holds chunks ``r`` and ``2*CP-1-r``, concatenated in that order, so causal-attention work is equal
-on every rank. Example, CP=2 and 16 tokens: rank 0 holds ``[0..3, 12..15]``, rank 1 ``[4..11]``.
-"""
+"""Context-parallel (CP) zigzag sequence layout: 2*CP chunks, rank `r` holds chunks `r` and
+`2*CP-1-r` (CP=2, 16 tokens: rank 0 `[0..3, 12..15]`, rank 1 `[4..11]`)."""
 
 from __future__ import annotations
 
@@ -27,20 +23,16 @@ def _check_cp_args(length: int, cp_rank: int, cp_size: int, seq_dim: int) -> Non
         )
 
 
+# the zigzag pairs an early chunk with a late one so that causal-attention work is equal on every CP
+# rank
 def get_tokens_on_this_cp_rank(
     tensor: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1
 ) -> torch.Tensor:
-    """This CP rank's zigzag shard of ``tensor`` along ``seq_dim``.
+    """This CP rank's zigzag shard `[..., S/CP, ...]` of `tensor [..., S, ...]` along `seq_dim`
+    (`tensor` itself when CP == 1).
 
-    Args:
-        tensor: ``[..., S, ...]`` with ``S`` at ``seq_dim``, ``S % (2*CP) == 0`` when CP > 1.
-        cp_rank: rank in the context-parallel group.
-        cp_size: context-parallel world size ``CP``.
-        seq_dim: the sequence dimension.
-
-    Returns:
-        ``[..., S/CP, ...]``: chunks ``cp_rank`` and ``2*CP-1-cp_rank`` of ``2*CP``, in that order
-        (``tensor`` itself when CP == 1).
+    Raises:
+        ValueError: bad `cp_rank`/`cp_size`, or `S % (2*CP) != 0`.
     """
     _check_cp_args(tensor.shape[seq_dim], cp_rank, cp_size, seq_dim)
     if cp_size == 1:
@@ -50,10 +42,8 @@ def get_tokens_on_this_cp_rank(
 
 
 def cp_zigzag_chunk_order(cp_size: int) -> list[int]:
-    """Global chunk index of each of the ``2*CP`` chunks in rank-major concatenated CP shards.
-
-    Concatenating the shards of ranks ``0..CP-1`` gives chunks ``[0, 2CP-1, 1, 2CP-2, ...]``.
-    """
+    """Global chunk index of each of the `2*CP` chunks of the rank-major concatenated shards
+    (`[0, 2CP-1, 1, 2CP-2, ...]`)."""
     order: list[int] = []
     for rank in range(cp_size):
         order += [rank, 2 * cp_size - 1 - rank]
@@ -61,15 +51,8 @@ def cp_zigzag_chunk_order(cp_size: int) -> list[int]:
 
 
 def restore_from_cp_shards(shards: list[torch.Tensor], seq_dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`get_tokens_on_this_cp_rank`: reassemble the full sequence.
-
-    Args:
-        shards: ``CP`` tensors ``[..., S/CP, ...]``, the shard of CP rank ``r`` at index ``r``.
-        seq_dim: the sequence dimension.
-
-    Returns:
-        ``[..., S, ...]`` in original token order.
-    """
+    """Inverse of `get_tokens_on_this_cp_rank`: `CP` shards `[..., S/CP, ...]` (rank `r` at index
+    `r`) -> `[..., S, ...]` in token order."""
     cp_size = len(shards)
     if cp_size == 1:
         return shards[0]
@@ -79,15 +62,8 @@ def restore_from_cp_shards(shards: list[torch.Tensor], seq_dim: int = 1) -> torc
 
 
 class _AllGatherCPTensor(torch.autograd.Function):
-    """All-gather zigzag CP shards into the full sequence.
-
-    Shapes: ``local [..., S/CP, ...]`` -> ``full [..., S, ...]`` (``S`` at ``seq_dim``).
-    Forward: all-gather over ``cp_group``, then undo the zigzag order
-    (:func:`restore_from_cp_shards`).
-    Backward: all-reduce SUM of the upstream gradient over CP (every CP rank used the full tensor),
-    then keep this rank's chunks ``r`` and ``2CP-1-r`` (:func:`get_tokens_on_this_cp_rank`).
-    Dual pair: forward all-gather, backward reduce(-scatter) to the local zigzag shard.
-    """
+    """`local [..., S/CP, ...]` -> `full [..., S, ...]`: all-gather over CP and undo the zigzag;
+    backward: all-reduce SUM over CP, then keep this rank's chunks."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, cp_group: Any, seq_dim: int) -> torch.Tensor:
@@ -100,6 +76,8 @@ class _AllGatherCPTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # every CP rank used the full tensor: its gradient is the sum over CP, of which this rank
+        # keeps its own chunks (the dual of the forward all-gather)
         grad = grad_output.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.cp_group)
         cp_group = ctx.cp_group
@@ -110,19 +88,11 @@ class _AllGatherCPTensor(torch.autograd.Function):
 def allgather_cp_sharded_tensor(
     tensor: torch.Tensor, cp_group: Any, seq_dim: int = 1
 ) -> torch.Tensor:
-    """Differentiable all-gather of a zigzag CP-sharded tensor back to token order.
+    """Differentiable all-gather of a zigzag CP shard `[..., S/CP, ...]` into `[..., S, ...]` in
+    token order, identical on every CP rank (`tensor` itself for no group or CP == 1).
 
-    Forward: all-gather + zigzag undo; backward: all-reduce SUM over CP + keep the local chunks, so
-    a loss computed identically on every CP rank yields ``CP`` times its gradient (divide the loss
-    by CP exactly once, docs/behaviour-reference.md trap 4).
-
-    Args:
-        tensor: ``[..., S/CP, ...]`` this CP rank's shard (chunks ``r`` and ``2CP-1-r``).
-        cp_group: context-parallel group; ``None`` or a group of size 1 returns ``tensor``.
-        seq_dim: the sequence dimension (may be negative).
-
-    Returns:
-        ``[..., S, ...]`` the full sequence in original order, identical on every CP rank.
+    Raises:
+        ValueError: `seq_dim` out of range, or an odd shard length.
     """
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
     ndim = tensor.dim()
@@ -138,19 +108,14 @@ def allgather_cp_sharded_tensor(
             f"a zigzag CP shard holds two equal chunks, so its length along dim {seq_dim} must be "
             f"even, got {tensor.shape[seq_dim]} (shape {tuple(tensor.shape)})"
         )
+    # backward sums over CP: a loss computed identically on every CP rank gets CP times its
+    # gradient, so divide it by CP exactly once (docs/behaviour-reference.md trap 4)
     return _AllGatherCPTensor.apply(tensor, cp_group, seq_dim)
 
 
 class _AllGatherToPositions(torch.autograd.Function):
-    """All-gather every CP rank's rows and put them at given positions of the full tensor.
-
-    Shapes: ``local [n, ...]`` -> ``full [CP*n, ...]``; ``positions [CP*n]`` (a permutation of
-    ``0..CP*n-1``, rank-major: ``positions[r*n + j]`` is where row ``j`` of rank ``r`` goes).
-    Forward: ``full[positions[r*n + j]] = local_r[j]`` (all-gather, then one index copy).
-    Backward: ``dlocal_r[j] = sum_{r'} dfull_{r'}[positions[r*n + j]]``: every rank picks each
-    owner's rows out of its own full gradient and a reduce-scatter sums them at the owner.
-    Dual pair: forward all-gather, backward reduce-scatter.
-    """
+    """`local [n, ...]` -> `full [CP*n, ...]` with `full[positions[r*n + j]] = local_r[j]`;
+    backward: a reduce-scatter SUM of each owner's rows."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, positions: torch.Tensor, cp_group: Any) -> Any:
@@ -164,6 +129,8 @@ class _AllGatherToPositions(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (positions,) = ctx.saved_tensors
+        # dlocal_r[j] = sum over ranks r' of dfull_r'[positions[r*n + j]]: every rank picks each
+        # owner's rows out of its own full gradient and the reduce-scatter sums them at the owner
         picked = grad_full.index_select(0, positions).contiguous()  # [CP*n, ...] rank-major
         grad_local = picked.new_empty(picked.shape[0] // ctx.cp_group.size(), *picked.shape[1:])
         dist.reduce_scatter_tensor(grad_local, picked, group=ctx.cp_group)
@@ -173,26 +140,15 @@ class _AllGatherToPositions(torch.autograd.Function):
 def allgather_cp_to_positions(
     local: torch.Tensor, positions: torch.Tensor, cp_group: Any
 ) -> torch.Tensor:
-    """Differentiable all-gather of CP shards into a full tensor laid out by ``positions``.
-
-    The CP attention gathers a packed row's keys and values with it: each rank holds the zigzag
-    shard of every span (``positions`` from
-    :func:`~lightning_mcore_rl.data.packing.cp_local_indices` of each rank, concatenated).
-    Forward: all-gather; backward: reduce-scatter (SUM) of the full gradient to the owners.
-
-    Args:
-        local: ``[n, ...]`` this rank's rows (the same ``n`` on every CP rank).
-        positions: ``[CP*n]`` long: ``positions[r*n + j]`` is the full-tensor row of rank ``r``'s
-            row ``j`` (a permutation, identical on every CP rank).
-        cp_group: context-parallel group; ``None`` or a group of size 1 returns ``local``.
-
-    Returns:
-        ``[CP*n, ...]`` identical on every CP rank.
+    """Differentiable all-gather of CP shards `[n, ...]` into `[CP*n, ...]` laid out by
+    `positions [CP*n]` (rank `r`'s row `j` goes to `positions[r*n + j]`), identical on every rank.
 
     Raises:
-        ValueError: ``positions`` is not 1-D of length ``CP*n`` (before any collective).
+        ValueError: `positions` is not 1-D of length `CP*n` (before any collective).
     """
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
+    # the CP attention gathers a packed row's keys and values with this; `positions` is every rank's
+    # `data.packing.cp_local_indices`, concatenated
     if positions.ndim != 1 or positions.numel() != cp_size * local.shape[0]:
         raise ValueError(
             f"`positions` must be 1-D of length CP*n = {cp_size}*{local.shape[0]}, got shape "

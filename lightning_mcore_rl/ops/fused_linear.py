@@ -1,22 +1,6 @@
-"""Fused LM-head + logprobs: token logprobs (and entropy) straight from hidden states.
-
-``logits = hidden @ weight.T / temperature`` is never materialised: the forward walks the tokens in
-chunks, so at most one ``[chunk, V_l]`` fp32 block of logits exists at a time; the backward
-recomputes logits in blocks of the same size, walking vocab rows instead (all tokens, ``n`` rows),
-so each block of the weight gradient is written once and no fp32 ``[V_l, H]`` accumulator is needed. The weight is the vocab-parallel
-shard ``[V_l, H]`` of a column-parallel output layer; ``hidden`` is replicated over TP (gather it
-first under sequence parallelism). Top-k/top-p filtering needs whole vocab rows and is not fused:
-use the logits path (:func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`).
-
-Gradient in the forward (``logprob_gradient``): when the caller can say, chunk by chunk, what
-gradient the loss will send to each token's logprob (a loss whose gradient at token ``t``
-depends on token ``t``'s logprob only), the forward also computes the head's gradients from each
-logits block while it exists, and the backward recomputes nothing: three GEMMs of the head per
-step instead of four, at the cost of an fp32 ``[V_l, H]`` accumulator held from the forward to
-the backward and one accumulation into it per chunk. The backward checks the gradient it
-receives against the one predicted (up to one scalar: the schedule's loss scaling); where they
-differ it warns and recomputes, so the gradients are always the loss's own.
-"""
+"""Fused LM head + logprobs: token logprobs (and entropy) of `hidden @ weight.T / temperature`
+without materialising the logits (at most one fp32 `[chunk, V/TP]` block at a time). `weight` is
+the `[V/TP, H]` shard of a column-parallel output layer; `hidden` is replicated over TP."""
 
 from __future__ import annotations
 
@@ -48,6 +32,10 @@ from lightning_mcore_rl.ops.logprobs import (
 from lightning_mcore_rl.ops.sampling import TrainingSamplingParams
 from lightning_mcore_rl.ops.vocab_parallel import global_logsumexp, localise_ids
 
+# the forward walks the tokens in chunks; the backward recomputes logits in blocks of the same size
+# walking vocab rows instead (all tokens, n rows), so each block of the weight gradient is written
+# once and no fp32 [V/TP, H] accumulator is needed. Top-k/top-p filtering needs whole vocab rows and
+# is not fused: use the logits path (`from_parallel_logits_to_logprobs`)
 _SUM = dist.ReduceOp.SUM
 _DEFAULT_CHUNK_BYTES = 64 * 2**20  # one fp32 [chunk, V_l] block of logits
 _PREDICTION_RTOL = 1e-5
@@ -56,6 +44,12 @@ from ``scale x`` the predicted one for the forward's gradients to stand: the two
 autograd formulas evaluated on the same values (measured <= 2 ulp apart, ~2.4e-7), so this only
 separates rounding from a loss that is not token-local."""
 
+# gradient in the forward: when the loss's gradient at token t depends on token t's logprob only,
+# the forward computes the head's gradients from each logits block while it exists and the backward
+# recomputes nothing (three GEMMs of the head per step instead of four, for an fp32 [V/TP, H]
+# accumulator held until the backward). The backward checks the received gradient against the
+# prediction (up to the schedule's loss scaling) and warns and recomputes where they differ, so the
+# gradients are always the loss's own
 LogprobGradient = Callable[[torch.Tensor], torch.Tensor]
 """``gradient(logprobs [T]) -> dL/dlogprobs [T]`` for the head's gradient in the forward: called
 after each chunk with the logprobs computed so far (0 where not yet computed); entries of the
@@ -64,17 +58,11 @@ finished chunk must be final (a token-local loss)."""
 
 class GradientPredictionWarning(UserWarning):
     """The logprob gradient a fused head received was not the one its forward predicted (the loss
-    is not token-local): its backward recomputed the logits (exact, but the forward's work was
-    spent)."""
+    is not token-local): its backward recomputed the logits."""
 
 
 class FusedLinearLogprobsOutput(NamedTuple):
-    """Outputs of :func:`fused_linear_logprobs`.
-
-    Attributes:
-        logprobs: ``[T]`` fp32 logprob of each target.
-        entropy: ``[T]`` fp32 entropy ``-sum_v p log p`` (differentiable), or ``None``.
-    """
+    """`fused_linear_logprobs`' outputs: `logprobs [T]` fp32 and `entropy [T]` fp32 (or `None`)."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
@@ -83,28 +71,14 @@ class FusedLinearLogprobsOutput(NamedTuple):
 def _chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int, temperature: float
 ) -> torch.Tensor:
-    """fp32 ``[stop-start, V_l]`` block ``hidden[start:stop] @ weight.T / temperature``."""
+    """fp32 `[stop-start, V/TP]` block `hidden[start:stop] @ weight.T / temperature`."""
     z = upcast(torch.matmul(hidden[start:stop], weight.t()))
     return z.div_(temperature) if temperature != 1.0 else z
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
-    """Token logprobs and entropy of ``z = h W^T / tau`` without materialising ``z``.
-
-    Shapes: ``hidden [T, H]``, ``weight [V_l, H]``, ``target [T]`` -> ``(logprob [T], entropy [T])``.
-    Forward, per token chunk: ``z`` block in fp32, ``lse`` over TP, ``log p_y = z_y - lse`` where
-    owned, ``H = -sum p log p``; one all-reduce SUM of each at the end. Saves ``lse`` and ``H``.
-    Backward, per block of vocab rows with all tokens (``z`` recomputed, same element count as a
-    forward chunk): ``dz_v = (g_lp (1[v == y] - p_v) - g_H p_v (log p_v + H)) / tau``, then
-    ``dW[block] = dz^T h`` (written once) and ``dh += dz W[block]``; the all-reduce SUM of ``dh``
-    over TP is the column-parallel input gradient.
-
-    With ``logprob_gradient`` (no entropy): each chunk's logprobs are all-reduced over TP as they
-    are made, ``g_lp`` of the chunk is predicted from them, and ``dh[chunk] = dz W`` and
-    ``dW += dz^T h[chunk]`` are computed from the block in hand
-    (:meth:`_ForwardGradients.chunk`); the backward scales them by the received gradient's
-    ratio to the prediction.
-    """
+    """`hidden [T, H]`, `weight [V/TP, H]`, `target [T]` -> `(logprob [T], entropy [T])` fp32 of
+    `z = h W^T / tau`, chunked over tokens; saves `lse` and `H`, never `z`."""
 
     @staticmethod
     def forward(
@@ -138,11 +112,15 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             if in_forward is not None:
                 assert logprob_gradient is not None
                 chunk = logprobs[start:stop]
+                # with a predicted gradient each chunk's logprobs are all-reduced over TP as they
+                # are made, so the loss's gradient of the chunk can be predicted from them
                 chunk.copy_(torch.where(owned[start:stop], chunk, torch.zeros_like(chunk)))
                 all_reduce(chunk, tp_group, _SUM)
                 g = logprob_gradient(logprobs)[start:stop]  # [0, stop) final, the rest 0
                 in_forward.chunk(z, g, owned[start:stop], local[start:stop], start, temperature)
         if in_forward is None:
+            # log p_y = z_y - lse where owned, 0 elsewhere: one SUM over TP of each output at the
+            # end
             logprobs = torch.where(owned, logprobs, torch.zeros_like(logprobs))
             all_reduce(logprobs, tp_group, _SUM)
         else:
@@ -152,6 +130,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         ctx.params = (chunk_size, temperature, with_entropy, tp_group)
         ctx.in_forward = in_forward
         if not with_entropy:
+            # an empty entropy: the backward receives no gradient for it
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -161,6 +140,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local, owned, lse, entropy = ctx.saved_tensors
         chunk_size, temperature, with_entropy, tp_group = ctx.params
+        # ctx lets go of the forward's gradients here, so the fp32 [V/TP, H] accumulator is freed
+        # with this backward
         in_forward, ctx.in_forward = ctx.in_forward, None
         if in_forward is not None:
             grads = in_forward.finish(upcast(grad_logprobs), hidden.dtype, weight.dtype)
@@ -180,6 +161,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             if temperature != 1.0:
                 logp.div_(temperature)
             logp.sub_(lse.unsqueeze(-1))
+            # dz_v = (g_lp (1[v == y] - p_v) - g_H p_v (log p_v + H)) / tau, then dW[block] = dz^T h
+            # and dh += dz W[block]
             dz = logp.exp()
             if g_ent is not None:  # entropy term -g_H p (log p + H), built in the logp buffer
                 logp.add_(entropy.unsqueeze(-1)).mul_(dz).mul_(-g_ent)
@@ -195,6 +178,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             grad_weight[start:stop] = torch.matmul(dz_w.t(), hidden)
             grad_hidden.add_(torch.matmul(dz_w, w_block))
         all_reduce(grad_hidden, tp_group, _SUM)
+        # the all-reduce SUM of dh over TP above is the column-parallel input gradient
         return grad_hidden.to(hidden.dtype), grad_weight, *([None] * 7)
 
 
@@ -209,18 +193,8 @@ GEMM's speed wins at any chunk (not measured here)."""
 
 
 class _ForwardGradients:
-    """The head's gradients computed in the forward, for a predicted ``g_lp``.
-
-    Args:
-        hidden: ``[T, H]`` the kernel's input (the weight gradient's other operand).
-        weight: ``[V_l, H]``.
-
-    Attributes:
-        grad_hidden: ``[T, H]`` fp32, ``sum_v dz_tv W_v`` (all-reduced over TP after the last
-            chunk).
-        grad_weight: ``[V_l, H]`` fp32 accumulator of ``dz^T h`` over the chunks.
-        predicted: ``[T]`` fp32 ``g_lp`` the gradients were computed for.
-    """
+    """The head's gradients computed in the forward for a predicted `g_lp`: `grad_hidden [T, H]` and
+    `grad_weight [V/TP, H]` fp32, `predicted [T]` fp32."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
         self.hidden, self.weight = hidden, weight
@@ -238,9 +212,8 @@ class _ForwardGradients:
         start: int,
         temperature: float,
     ) -> None:
-        """Tokens ``[start, start + n)``: ``logp`` ``[n, V_l]`` fp32 log-probabilities (consumed:
-        it becomes ``dz``), ``g`` ``[n]`` their predicted ``g_lp``, ``owned``/``local`` ``[n]``
-        their targets in this shard."""
+        """Tokens `[start, start + n)`: `logp [n, V/TP]` fp32 (consumed: it becomes `dz`), `g [n]`
+        their predicted `g_lp`, `owned`/`local [n]` their targets in this shard."""
         stop = start + logp.shape[0]
         g_col = upcast(g).unsqueeze(-1)  # [n, 1]
         self.predicted[start:stop] = g_col.squeeze(-1)
@@ -260,8 +233,10 @@ class _ForwardGradients:
     def finish(
         self, received: torch.Tensor, hidden_dtype: torch.dtype, weight_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(dh, dW)`` for the received ``g_lp`` ``[T]``, or ``None`` (warned) when it is not
-        ``scale x`` the prediction (:data:`_PREDICTION_RTOL`)."""
+        """`(dh, dW)` for the received `g_lp [T]`, or `None` (warned) when it is not `scale x` the
+        prediction."""
+        # the backward scales the forward's gradients by the received gradient's ratio to the
+        # prediction (the schedule's loss scaling)
         scale = prediction_scale(received, self.predicted)
         if scale is None:
             warnings.warn(
@@ -281,8 +256,8 @@ class _ForwardGradients:
 
 
 def prediction_scale(received: torch.Tensor, predicted: torch.Tensor) -> float | None:
-    """The ``s`` with ``received ~= s * predicted`` (least squares, fp64), or ``None`` when the
-    residual exceeds :data:`_PREDICTION_RTOL` of ``max |received|`` (one host transfer)."""
+    """The `s` with `received ~= s * predicted` (least squares, fp64), or `None` when the residual
+    exceeds `_PREDICTION_RTOL` of `max |received|` (one host transfer)."""
     a, p = received.double(), predicted.double()
     pp = torch.dot(p, p)
     scale = torch.where(pp > 0, torch.dot(a, p) / pp.clamp_min(1e-300), torch.zeros_like(pp))
@@ -301,7 +276,7 @@ def _check_fused_args(
     chunk_size: int | None,
     temperature: float,
 ) -> int:
-    """Validate the LM-head operands; returns ``tp_size``."""
+    """Validate the LM-head operands; returns `tp_size`."""
     check_ndim(weight, 2, "weight", "[V_l, H]")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -335,28 +310,17 @@ def fused_linear_logprobs(
     return_entropy: bool = False,
     logprob_gradient: LogprobGradient | None = None,
 ) -> FusedLinearLogprobsOutput:
-    """Logprobs of ``target`` under ``softmax(hidden @ weight.T / temperature)``, fused and chunked.
+    """Logprobs `[T]` fp32 of `target [T]` under `softmax(hidden [T, H] @ weight [V/TP, H].T /
+    temperature)`, fused and chunked; gradients flow to `hidden` and `weight`.
 
     Args:
-        hidden: ``[T, H]`` final hidden states (replicated over TP), fp32 or bf16.
-        weight: ``[V_l, H]`` this TP rank's output-layer shard, same dtype as ``hidden``.
-        target: ``[T]`` global token ids (already aligned: ``target[t]`` is scored by ``hidden[t]``).
-        vocab_start_index: first global id of this shard (``tp_rank * V_l``).
-        vocab_end_index: ``vocab_start_index + V_l``.
-        tp_group: tensor-parallel group.
-        chunk_size: tokens per chunk; ``None`` picks the largest chunk whose fp32 logits block fits
-            in 64 MiB.
-        temperature: logits are divided by it (> 0).
-        return_entropy: also return the per-token entropy (differentiable, for an entropy bonus).
-        logprob_gradient: gradient in the forward (module docstring): the gradient the loss will
-            send to the logprobs, predicted chunk by chunk (:data:`LogprobGradient`); not with
-            ``return_entropy``. Only where the result's backward will run (training).
-
-    Returns:
-        :class:`FusedLinearLogprobsOutput`; gradients flow to ``hidden`` and ``weight``.
+        target: global ids, aligned: `target[t]` is scored by `hidden[t]`.
+        chunk_size: tokens per chunk; `None`: the largest whose fp32 logits block fits in 64 MiB.
+        return_entropy: also return the differentiable per-token entropy.
+        logprob_gradient: the loss's gradient at the logprobs, predicted chunk by chunk (training).
 
     Raises:
-        ValueError: ``logprob_gradient`` with ``return_entropy``; malformed operands.
+        ValueError: `logprob_gradient` with `return_entropy`; malformed operands.
     """
     check_ndim(hidden, 2, "hidden", "[T, H]")
     tp_size = _check_fused_args(
@@ -380,7 +344,7 @@ def fused_linear_logprobs(
 
 
 def _reject_filtering(sampling_params: TrainingSamplingParams | None) -> float:
-    """The temperature to use; raises if top-k/top-p is requested (not fusable)."""
+    """The temperature to use; raises `ValueError` if top-k/top-p is requested (not fusable)."""
     if sampling_params is None:
         return 1.0
     if sampling_params.filters:
@@ -420,26 +384,14 @@ def from_hidden_to_logprobs(
     return_entropy: bool = False,
     logprob_gradient: LogprobGradient | None = None,
 ) -> torch.Tensor | FusedLinearLogprobsOutput:
-    """Dense next-token logprobs from hidden states (fused counterpart of the logits path).
+    """Dense next-token logprobs `[B, S-1]` fp32 from this CP rank's zigzag shard of the final
+    hidden states `[B, S/CP, H]`, `weight [V/TP, H]` and unshifted `target [B, S]` (the fused
+    counterpart of `from_parallel_logits_to_logprobs`); with `return_entropy` a
+    `FusedLinearLogprobsOutput` of two `[B, S-1]`.
 
     Args:
-        hidden: ``[B, S/CP, H]`` this CP rank's zigzag shard of the final hidden states.
-        weight: ``[V_l, H]`` output-layer shard.
-        target: ``[B, S]`` unshifted token ids.
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: ``vocab_start_index + V_l``.
-        tp_group: tensor-parallel group.
-        cp_group: context-parallel group; ``None`` means CP = 1.
-        chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
-        sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
-        return_entropy: also return the entropy of the distribution scoring each next token.
-        logprob_gradient: gradient in the forward (module docstring), CP = 1 only:
-            ``gradient(logprobs [B, S-1]) -> dL/dlogprobs [B, S-1]``, called after each chunk
-            with the logprobs computed so far (0 elsewhere).
-
-    Returns:
-        ``[B, S-1]`` fp32, as :func:`~lightning_mcore_rl.ops.from_parallel_logits_to_logprobs`;
-        with ``return_entropy`` a :class:`FusedLinearLogprobsOutput` of two ``[B, S-1]``.
+        sampling_params: only `temperature` is used; top-k/top-p raise `ValueError`.
+        logprob_gradient: `gradient(logprobs [B, S-1]) -> dL/dlogprobs [B, S-1]`, CP = 1 only.
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
@@ -477,6 +429,8 @@ def from_hidden_to_logprobs(
 
 
 def _check_forward_gradient_cp(logprob_gradient: LogprobGradient | None, cp_size: int) -> None:
+    # the loss reads logprobs gathered over CP, so a per-chunk prediction of its gradient needs CP =
+    # 1
     if logprob_gradient is not None and cp_size > 1:
         raise ValueError(
             f"`logprob_gradient` (gradient in the forward) needs CP = 1, got a cp_group of size "
@@ -487,13 +441,13 @@ def _check_forward_gradient_cp(logprob_gradient: LogprobGradient | None, cp_size
 def _row_gradient(
     gradient: LogprobGradient, to_rows: Callable[[torch.Tensor], torch.Tensor]
 ) -> LogprobGradient:
-    """``gradient`` over the ``[B, S-1]`` rows as the kernel's ``[T]`` one: ``to_rows`` is the
-    (linear) map from the kernel's logprobs to the rows (:func:`run_dense` / :func:`run_packed`
-    at CP = 1), and its adjoint, by autograd, carries the rows' gradient back to the tokens
-    (0 for tokens no row reads)."""
+    """`gradient` over the `[B, S-1]` rows as the kernel's `[T]` one, through the linear map
+    `to_rows` (`run_dense` / `run_packed` at CP = 1) and its adjoint (0 for tokens no row reads)."""
 
     def flat(logprobs: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
+            # to_rows is linear: autograd's adjoint of it carries the rows' gradient back to the
+            # kernel's tokens
             leaf = logprobs.detach().requires_grad_()
             rows = to_rows(leaf)
             (grad,) = torch.autograd.grad(rows, leaf, grad_outputs=gradient(rows.detach()))
@@ -537,27 +491,16 @@ def from_hidden_to_logprobs_packed_sequences(
     return_entropy: bool = False,
     logprob_gradient: LogprobGradient | None = None,
 ) -> torch.Tensor | FusedLinearLogprobsOutput:
-    """Packed (THD) next-token logprobs from hidden states, with per-sequence rolls and CP gathers.
+    """Packed (THD) next-token logprobs `[B, S-1]` fp32 from this rank's packed hidden states
+    `[1, T/CP, H]` (per-sequence zigzag), `weight [V/TP, H]` and `target` (`[1, T]` full, or
+    `[1, T/CP]` pre-rolled and sharded); with `return_entropy` a `FusedLinearLogprobsOutput` of two
+    `[B, S-1]`.
 
     Args:
-        hidden: ``[1, T/CP, H]`` this rank's packed hidden states (per-sequence zigzag).
-        weight: ``[V_l, H]`` output-layer shard.
-        target: ``[1, T]`` full packed ids, or ``[1, T/CP]`` pre-rolled and sharded.
-        cu_seqlens_padded: ``[B+1]`` padded span boundaries.
-        unpacked_seqlen: ``S`` of the unpacked batch.
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: ``vocab_start_index + V_l``.
-        tp_group: tensor-parallel group.
-        cp_group: context-parallel group; ``None`` means CP = 1.
-        chunk_size: tokens per chunk (see :func:`fused_linear_logprobs`).
-        sampling_params: only ``temperature`` is used; top-k/top-p raise ``ValueError``.
-        target_is_pre_rolled: see ``target``.
-        return_entropy: also return the entropy of the distribution scoring each next token.
-        logprob_gradient: gradient in the forward, as in :func:`from_hidden_to_logprobs` (CP = 1).
-
-    Returns:
-        ``[B, S-1]`` fp32, as the packed logits path; with ``return_entropy`` a
-        :class:`FusedLinearLogprobsOutput` of two ``[B, S-1]``.
+        cu_seqlens_padded: `[B+1]` padded span boundaries.
+        unpacked_seqlen: `S` of the unpacked batch.
+        sampling_params: only `temperature` is used; top-k/top-p raise `ValueError`.
+        logprob_gradient: as in `from_hidden_to_logprobs` (CP = 1).
     """
     temperature = _reject_filtering(sampling_params)
     _, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)

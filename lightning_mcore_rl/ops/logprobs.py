@@ -1,10 +1,4 @@
-"""Next-token logprobs from TP/CP-sharded logits, dense ``[B, S]`` and packed (THD) layouts.
-
-Order of operations (docs/behaviour-reference.md §5.5/§5.6, trap 1): roll targets by -1 (per
-sequence inside its padded span when packed), right-pad to ``S_local * CP``, zigzag-shard for this
-CP rank, run the vocab-parallel kernel, all-gather over CP (per sequence when packed), drop the
-padding, drop the last position (it scored the wrapped-around first token) -> ``[B, S-1]``.
-"""
+"""Next-token logprobs `[B, S-1]` from TP/CP-sharded logits, dense `[B, S]` and packed (THD)."""
 
 from __future__ import annotations
 
@@ -38,17 +32,11 @@ TokenKernel = Callable[[torch.Tensor], torch.Tensor]
 def dense_local_targets(
     target: torch.Tensor, local_seq_len: int, cp_rank: int, cp_size: int
 ) -> torch.Tensor:
-    """Shift, pad and CP-shard unshifted dense targets.
-
-    Args:
-        target: ``[B, S]`` token ids, unshifted (``target[:, t]`` is token ``t``).
-        local_seq_len: ``S_l``, this rank's sequence length; ``S_l * CP >= S``.
-        cp_rank: this rank in the CP group.
-        cp_size: ``CP``.
-
-    Returns:
-        ``[B, S_l]``: ``roll(target, -1)`` right-padded with 0 to ``S_l * CP``, zigzag shard.
-    """
+    """`roll(target [B, S], -1)` right-padded with 0 to `S_l * CP`, this rank's zigzag shard
+    `[B, S_l]` (`local_seq_len` = `S_l`, `S_l * CP >= S`)."""
+    # order (docs/behaviour-reference.md 5.5/5.6, trap 1): roll by -1, right-pad to S_l * CP,
+    # zigzag-shard, run the kernel, all-gather over CP, drop the padding, then the last position (it
+    # scored the wrapped-around first token)
     rolled = target.roll(-1, dims=1)
     padded = F.pad(rolled, (0, local_seq_len * cp_size - target.shape[1]))
     return get_tokens_on_this_cp_rank(padded, cp_rank, cp_size, seq_dim=1)
@@ -61,18 +49,8 @@ def packed_local_targets(
     cp_rank: int,
     cp_size: int,
 ) -> torch.Tensor:
-    """Roll each packed sequence inside its own padded span, then CP-shard it per sequence.
-
-    Args:
-        target: ``[1, T]`` the full packed token ids (``T >= cu_seqlens_padded[-1]``).
-        cu_seqlens_padded: ``B+1`` padded span boundaries.
-        local_len: ``T/CP`` this rank's packed length.
-        cp_rank: this rank in the CP group.
-        cp_size: ``CP``.
-
-    Returns:
-        ``[1, T/CP]``; sequence ``i``'s shard sits at ``[start_i/CP : end_i/CP]``, 0 elsewhere.
-    """
+    """Each packed sequence of `target [1, T]` rolled inside its padded span (`cu_seqlens_padded`,
+    `B+1`), then CP-sharded per sequence: `[1, T/CP]`, sequence `i` at `[start_i/CP : end_i/CP]`."""
     out = target.new_zeros(1, local_len)
     for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:], strict=True):
         if end > start:
@@ -91,6 +69,8 @@ def _token_kernel(
     chunk_size: int | None,
     sampling_params: TrainingSamplingParams | None,
 ) -> TokenKernel:
+    # top-k/top-p needs whole vocab rows (an all-to-all per chunk); without filtering the
+    # vocab-parallel kernel needs only [..., 1] all-reduces
     if sampling_params is not None and sampling_params.filters:
         return lambda local_target: distributed_logprob_with_sampling(
             logits, local_target, vocab_start_index, vocab_end_index, tp_group,
@@ -105,13 +85,14 @@ def _token_kernel(
 def check_dense_layout(
     local_seq_len: int, batch: int, target: torch.Tensor, cp_size: int, global_vocab: int
 ) -> None:
-    """Validate dense targets ``[B, S]`` against a local shard of ``[B, S_l]`` tokens."""
+    """Validate dense targets `[B, S]` against a local shard of `[B, S_l]` tokens."""
     check_ndim(target, 2, "target", "[B, S]")
     if target.shape[0] != batch or target.shape[1] > local_seq_len * cp_size:
         raise ValueError(
             f"`target` [B, S] = {tuple(target.shape)} must have B = {batch} and S <= S_local * CP "
             f"= {local_seq_len} * {cp_size} = {local_seq_len * cp_size}"
         )
+    # a zigzag shard is two equal chunks
     if cp_size > 1 and local_seq_len % 2 != 0:
         raise ValueError(
             f"the padded sequence S_local * CP = {local_seq_len * cp_size} must be divisible by "
@@ -123,11 +104,12 @@ def check_dense_layout(
 def run_dense(
     kernel: TokenKernel, target: torch.Tensor, local_seq_len: int, cp_group: Any
 ) -> torch.Tensor:
-    """Shard dense targets, run ``kernel``, gather over CP, unpad, drop the last column."""
+    """Shard dense targets, run `kernel`, gather over CP, unpad, drop the last column."""
     cp_rank, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
     local = kernel(dense_local_targets(target, local_seq_len, cp_rank, cp_size))
     if cp_size > 1:
         local = allgather_cp_sharded_tensor(local, cp_group, seq_dim=1)
+    # the last position scored the wrapped-around first token
     return local[:, : target.shape[1] - 1]
 
 
@@ -142,22 +124,13 @@ def from_parallel_logits_to_logprobs(
     chunk_size: int | None = None,
     sampling_params: TrainingSamplingParams | None = None,
 ) -> torch.Tensor:
-    """Next-token logprobs of dense sequences from TP/CP-sharded logits.
+    """Next-token logprobs `[B, S-1]` fp32 (entry `t` is `log p(target[t+1] | target[<=t])`) of
+    unshifted `target [B, S]` from this rank's CP and vocab shard `logits [B, S/CP, V/TP]`
+    (temperature already applied; any float dtype).
 
     Args:
-        logits: ``[B, S/CP, V_l]`` this rank's CP zigzag shard and vocab shard (temperature
-            already applied); any float dtype (fp32 math inside).
-        target: ``[B, S]`` unshifted token ids (the model's ``input_ids``).
-        vocab_start_index: first global id of this shard (``tp_rank * V_l``).
-        vocab_end_index: ``vocab_start_index + V_l``.
-        tp_group: tensor-parallel group.
-        inference_only: no autograd.
-        cp_group: context-parallel group; ``None`` means CP = 1.
-        chunk_size: tokens per chunk for the chunked kernels (``None``: unchunked).
+        chunk_size: tokens per chunk for the chunked kernels (`None`: unchunked).
         sampling_params: top-k/top-p filtering when active (temperature is not applied here).
-
-    Returns:
-        ``[B, S-1]`` fp32; entry ``t`` is ``log p(target[t+1] | target[<=t])``.
     """
     cp_rank, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
     check_ndim(logits, 3, "logits", "[B, S/CP, V_l]")
@@ -175,10 +148,11 @@ def from_parallel_logits_to_logprobs(
 def normalise_cu_seqlens(
     cu_seqlens_padded: torch.Tensor | Sequence[int], local_len: int, cp_size: int
 ) -> list[int]:
-    """``cu_seqlens_padded`` as a checked list of ints (one host sync if a tensor)."""
+    """`cu_seqlens_padded` as a checked list of ints (one host sync if a tensor)."""
     cu = [
         int(v)
         for v in (
+            # the spans are walked on the host below: one sync here, none per span
             cu_seqlens_padded.tolist() if torch.is_tensor(cu_seqlens_padded) else cu_seqlens_padded
         )
     ]
@@ -193,6 +167,7 @@ def normalise_cu_seqlens(
             f"{local_len} * {cp_size}"
         )
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        # each span is zigzag-sharded on its own, so each must split into 2*CP equal chunks
         if cp_size > 1 and (b - a) % (2 * cp_size) != 0:
             raise ValueError(
                 f"packed sequence {i} has padded length {b - a}, not divisible by 2*CP = "
@@ -204,7 +179,7 @@ def normalise_cu_seqlens(
 def check_packed_target(
     target: torch.Tensor, local_len: int, cp_size: int, cu: list[int], pre_rolled: bool
 ) -> None:
-    """Validate packed targets: ``[1, T/CP]`` pre-rolled, else the full ``[1, T]``."""
+    """Validate packed targets: `[1, T/CP]` pre-rolled, else the full `[1, T]`."""
     if pre_rolled:
         if tuple(target.shape) != (1, local_len):
             raise ValueError(
@@ -227,7 +202,7 @@ def run_packed(
     cp_group: Any,
     target_is_pre_rolled: bool,
 ) -> torch.Tensor:
-    """Roll/shard packed targets, run ``kernel``, gather per sequence over CP, unpack."""
+    """Roll/shard packed targets, run `kernel`, gather per sequence over CP, unpack."""
     cp_rank, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
     if not target_is_pre_rolled:
         target = packed_local_targets(target, cu, local_len, cp_rank, cp_size)
@@ -261,26 +236,15 @@ def from_parallel_logits_to_logprobs_packed_sequences(
     sampling_params: TrainingSamplingParams | None = None,
     target_is_pre_rolled: bool = False,
 ) -> torch.Tensor:
-    """Next-token logprobs of packed (THD) sequences from TP/CP-sharded logits.
+    """Next-token logprobs `[B, S-1]` fp32 of packed (THD) sequences from this rank's packed CP
+    shard (per-sequence zigzag) and vocab shard `logits [1, T/CP, V/TP]`: row `i` holds
+    `min(len_i - 1, S - 1)` logprobs, zeros after.
 
     Args:
-        logits: ``[1, T/CP, V_l]`` this rank's packed CP shard (per-sequence zigzag) and vocab shard.
-        target: ``[1, T]`` full packed unshifted ids, or ``[1, T/CP]`` already rolled per sequence
-            and CP-sharded when ``target_is_pre_rolled``.
-        cu_seqlens_padded: ``[B+1]`` padded span boundaries (each span a multiple of 2*CP).
-        unpacked_seqlen: ``S`` of the unpacked batch.
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: ``vocab_start_index + V_l``.
+        target: `[1, T]` unshifted ids, or `[1, T/CP]` rolled and sharded if `target_is_pre_rolled`.
+        cu_seqlens_padded: `[B+1]` padded span boundaries (each span a multiple of 2*CP).
+        unpacked_seqlen: `S` of the unpacked batch.
         group: tensor-parallel group.
-        inference_only: no autograd.
-        cp_group: context-parallel group; ``None`` means CP = 1.
-        chunk_size: tokens per chunk for the chunked kernels.
-        sampling_params: top-k/top-p filtering when active.
-        target_is_pre_rolled: see ``target``.
-
-    Returns:
-        ``[B, S-1]`` fp32: row ``i`` holds ``min(len_i - 1, S - 1)`` logprobs of its padded span
-        (its last position excluded), zeros after.
     """
     cp_rank, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
     check_ndim(logits, 3, "logits", "[1, T/CP, V_l]")

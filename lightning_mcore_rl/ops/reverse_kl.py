@@ -1,11 +1,5 @@
-"""Full-vocabulary reverse KL between vocab-parallel student and teacher logits (on-policy distillation).
-
-All three per-token quantities are expectations under the student, ``F = sum_v p_v w_v``:
-reverse KL ``w = log p_s - log p_t``, negative entropy ``w = log p_s``, cross entropy
-``w = -log p_t``. Their gradient w.r.t. the student logits is ``dF/dz_v = p_v (w_v - F)``
-(docs/behaviour-reference.md §3.5); only the reverse KL is differentiable here, the other two are
-metrics.
-"""
+"""Full-vocabulary reverse KL between vocab-parallel student and teacher logits (on-policy
+distillation), with the negative entropy and cross entropy as metrics."""
 
 from __future__ import annotations
 
@@ -25,17 +19,16 @@ from lightning_mcore_rl.ops._checks import (
 )
 from lightning_mcore_rl.ops.vocab_parallel import global_logsumexp
 
+# all three per-token quantities are expectations under the student, F = sum_v p_v w_v: reverse KL w
+# = log p_s - log p_t, negative entropy w = log p_s, cross entropy w = -log p_t; dF/dz_v = p_v (w_v
+# - F) (docs/behaviour-reference.md 3.5). Only the reverse KL is differentiable here
 _SUM = dist.ReduceOp.SUM
 
 
 class ReverseKLOutput(NamedTuple):
-    """Per-token outputs of :func:`vocab_parallel_reverse_kl`, each ``[..., S]`` fp32.
-
-    Attributes:
-        reverse_kl: ``sum_v p_s (log p_s - log p_t)``, differentiable w.r.t. the student logits.
-        neg_entropy: ``sum_v p_s log p_s`` (the reference's "entropy" term), or ``None``.
-        cross_entropy: ``-sum_v p_s log p_t``, or ``None``.
-    """
+    """Per-token outputs of `vocab_parallel_reverse_kl`, each `[..., S]` fp32: `reverse_kl`
+    (differentiable w.r.t. the student), `neg_entropy` `sum p_s log p_s` and `cross_entropy`
+    `-sum p_s log p_t` (`None` unless requested)."""
 
     reverse_kl: torch.Tensor
     neg_entropy: torch.Tensor | None
@@ -43,20 +36,14 @@ class ReverseKLOutput(NamedTuple):
 
 
 def _log_probs(logits: torch.Tensor, start: int, stop: int, lse: torch.Tensor) -> torch.Tensor:
-    """fp32 ``log p`` of the seq chunk ``[start, stop)`` given its ``lse [..., stop-start]``."""
+    """fp32 `log p` of the seq chunk `[start, stop)` given its `lse [..., stop-start]`."""
     # out of place: ``.float()`` of fp32 logits is the caller's tensor itself
     return upcast(logits.narrow(-2, start, stop - start)) - lse.unsqueeze(-1)
 
 
 class _ChunkedReverseKL(torch.autograd.Function):
-    """Reverse KL ``F = sum_v p_v (log p_v - log q_v)`` over a TP-sharded vocab, chunked along seq.
-
-    Shapes: ``student [..., S, V_l]``, ``teacher [..., S, V_l]`` -> three ``[..., S]`` fp32
-    (reverse KL, ``sum p log p``, ``-sum p log q``; the last two empty unless requested).
-    Forward, per chunk: ``lse`` of both over TP, local partial sums; one all-reduce SUM at the end.
-    Backward (student only, teacher treated as constant), per chunk with ``p`` recomputed:
-    ``dF/dz_v = g * p_v (log p_v - log q_v - F)``; no collective.
-    """
+    """`student`, `teacher [..., S, V/TP]` -> reverse KL, `sum p log p`, `-sum p log q`, each
+    `[..., S]` fp32 (the last two empty unless requested), chunked along `S`."""
 
     @staticmethod
     def forward(
@@ -84,6 +71,7 @@ class _ChunkedReverseKL(torch.autograd.Function):
             if with_metrics:
                 sums[1].narrow(-1, start, stop - start).copy_((p_s * logp_s).sum(-1))
                 sums[2].narrow(-1, start, stop - start).copy_(-(p_s * logp_t).sum(-1))
+        # local partial sums per chunk, one all-reduce over TP at the end
         all_reduce(sums, tp_group, _SUM)
         reverse_kl = sums[0]
         extra = (sums[1], sums[2]) if with_metrics else (sums[:0], sums[:0])
@@ -103,6 +91,8 @@ class _ChunkedReverseKL(torch.autograd.Function):
             n = stop - start
             logp_s = _log_probs(student, start, stop, lse_s.narrow(-1, start, n))
             w = logp_s - _log_probs(teacher, start, stop, lse_t.narrow(-1, start, n))
+            # dF/dz_v = g * p_v (log p_v - log q_v - F), p recomputed per chunk, the teacher
+            # constant; no collective
             w.sub_(reverse_kl.narrow(-1, start, n).unsqueeze(-1)).mul_(logp_s.exp_())
             grad.narrow(-2, start, n).copy_(w.mul_(g.narrow(-1, start, n).unsqueeze(-1)))
         return grad, None, None, None, None
@@ -115,18 +105,12 @@ def vocab_parallel_reverse_kl(
     chunk_size: int | None = None,
     return_metrics: bool = False,
 ) -> ReverseKLOutput:
-    """Per-token full-vocab reverse KL ``KL(p_student || p_teacher)``, vocab-parallel and chunked.
+    """Per-token full-vocab `KL(p_student || p_teacher)` of `[..., S, V/TP]` shards, vocab-parallel
+    and chunked (`chunk_size=None`: one chunk); identical on every TP rank. The teacher is a
+    constant; `return_metrics` adds the two no-gradient metrics of `ReverseKLOutput`.
 
-    Args:
-        student_logits: ``[..., S, V_l]`` this TP rank's student shard (gradients flow here).
-        teacher_logits: ``[..., S, V_l]`` the teacher's logits for the same vocab shard, same dtype;
-            treated as a constant (no gradient).
-        tp_group: tensor-parallel group.
-        chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
-        return_metrics: also return ``sum p_s log p_s`` and ``-sum p_s log p_t`` (no gradient).
-
-    Returns:
-        :class:`ReverseKLOutput`, identical on every TP rank.
+    Raises:
+        ValueError: the two logits differ in shape or dtype, or are not `[..., S, V/TP]`.
     """
     if student_logits.dim() < 2:
         raise ValueError(
@@ -145,12 +129,18 @@ def vocab_parallel_reverse_kl(
     check_chunk_size(chunk_size)
     tp_rank, _ = group_rank_size(tp_group, "tp_group")
     local_vocab = student_logits.shape[-1]
+    # the bounds follow from the rank: this kernel takes no vocab range, only the shard
     check_vocab_shard(
         student_logits, tp_rank * local_vocab, (tp_rank + 1) * local_vocab, tp_group,
         name="student_logits",
     )  # fmt: skip
     kl, neg_entropy, cross_entropy = _ChunkedReverseKL.apply(
-        student_logits, teacher_logits.detach(), chunk_size, return_metrics, tp_group
+        # the teacher is a constant of the loss: no gradient flows to it
+        student_logits,
+        teacher_logits.detach(),
+        chunk_size,
+        return_metrics,
+        tp_group,
     )
     if not return_metrics:
         return ReverseKLOutput(kl, None, None)

@@ -1,12 +1,4 @@
-"""Training-time sampling parameters and top-k / top-p filtered logprobs over TP-sharded logits.
-
-Filtering needs whole vocab rows, so the kernel converts vocab-parallel ``[N, V_l]`` into
-row-parallel ``[N/TP, V]`` with one all-to-all, filters and log-softmaxes full rows, gathers the
-targets and all-gathers the per-token results; the backward sends row gradients back with the
-inverse all-to-all. Temperature is NOT applied here: the logits are expected to be
-temperature-scaled already (``train.apply_temperature_scaling``), so filtering happens after
-temperature, as at generation time.
-"""
+"""Training-time sampling parameters and top-k / top-p filtered logprobs over TP-sharded logits."""
 
 from __future__ import annotations
 
@@ -23,6 +15,12 @@ from lightning_mcore_rl.ops._checks import (
     seq_chunks,
     upcast,
 )
+
+# filtering needs whole vocab rows: the kernel turns vocab-parallel [N, V/TP] into row-parallel
+# [N/TP, V] with one all-to-all, filters and log-softmaxes full rows and all-gathers the per-token
+# results; the backward sends row gradients back with the inverse all-to-all. Temperature is NOT
+# applied here: the logits come temperature-scaled (`train.apply_temperature_scaling`), so filtering
+# follows temperature, as at generation time
 from lightning_mcore_rl.ops.vocab_parallel import _check_ids_against_logits
 
 
@@ -32,9 +30,8 @@ class TrainingSamplingParams:
 
     Attributes:
         temperature: logits are divided by it before any filtering (> 0).
-        top_k: keep the ``top_k`` largest logits per token (``None``: no top-k filter).
-        top_p: keep the smallest set of top tokens whose probability mass reaches ``top_p``
-            (``1.0``: no top-p filter).
+        top_k: keep the `top_k` largest logits per token (`None`: no top-k filter).
+        top_p: keep the smallest set of top tokens whose mass reaches `top_p` (`1.0`: no filter).
     """
 
     temperature: float = 1.0
@@ -58,26 +55,17 @@ class TrainingSamplingParams:
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: int | None, top_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM-style filtering of full-vocab rows: top-k first, then top-p on the survivors.
-
-    Top-k keeps every logit ``>=`` the k-th largest (ties are kept). Top-p sorts the survivors
-    ascending and drops those whose cumulative probability is ``<= 1 - top_p``, always keeping the
-    largest one.
-
-    Args:
-        logits: ``[N, V]`` full-vocab rows (fp32).
-        top_k: ``None`` or ``k > 0`` (``k >= V`` keeps everything).
-        top_p: in ``(0, 1]``.
-
-    Returns:
-        ``(filtered [N, V], keep [N, V] bool)`` with ``-inf`` at filtered positions.
-    """
+    """vLLM-style filtering of full-vocab rows `[N, V]` fp32: top-k, then top-p on the survivors;
+    returns `(filtered [N, V], keep [N, V] bool)` with `-inf` at filtered positions."""
     keep = torch.ones_like(logits, dtype=torch.bool)
     if top_k is not None and top_k < logits.shape[-1]:
+        # keeps every logit >= the k-th largest: ties are kept
         kth_largest = logits.topk(top_k, dim=-1).values[..., -1:]
         keep &= logits >= kth_largest
     if top_p < 1.0:
         survivors = logits.masked_fill(~keep, float("-inf"))
+        # drop the survivors whose ascending cumulative probability is <= 1 - top_p, always keeping
+        # the largest
         ascending, order = survivors.sort(dim=-1)
         drop_sorted = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
         drop_sorted[..., -1] = False
@@ -86,7 +74,7 @@ def apply_top_k_top_p(
 
 
 def _vocab_to_rows(x: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """All-to-all ``[n, V_l]`` vocab-parallel -> ``[n/TP, V]`` row-parallel (rank r: rows block r)."""
+    """All-to-all `[n, V/TP]` vocab-parallel -> `[n/TP, V]` row-parallel (rank r: rows block r)."""
     tp = tp_group.size()
     if tp == 1:
         return x
@@ -98,7 +86,7 @@ def _vocab_to_rows(x: torch.Tensor, tp_group: Any) -> torch.Tensor:
 
 
 def _rows_to_vocab(y: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """Inverse of :func:`_vocab_to_rows`: ``[n/TP, V]`` -> ``[n, V_l]``."""
+    """Inverse of `_vocab_to_rows`: `[n/TP, V]` -> `[n, V/TP]`."""
     tp = tp_group.size()
     if tp == 1:
         return y
@@ -110,15 +98,10 @@ def _rows_to_vocab(y: torch.Tensor, tp_group: Any) -> torch.Tensor:
 
 
 class _ChunkedDistributedLogprobWithSampling(torch.autograd.Function):
-    """Top-k/top-p filtered logprobs of vocab-parallel logits, chunked along seq.
-
-    Shapes: ``logits [B, S, V_l]``, ``target [B, S]`` global ids -> ``[B, S]`` fp32.
-    Forward, per chunk of ``c`` tokens (``B*c`` rows, divisible by TP): all-to-all to ``[B*c/TP, V]``,
-    fp32, ``apply_top_k_top_p``, ``log_softmax``, gather the targets of this rank's rows,
-    all-gather over TP. ``-inf`` where the target was filtered out.
-    Backward, per chunk (recomputed): ``dL/dz_v = g * (1[v == y] - p_v) * keep_v`` on row-parallel
-    rows (``p`` the filtered softmax), all-to-all back to ``[B*c, V_l]``. Saves only the raw logits.
-    """
+    """Top-k/top-p filtered logprobs `[B, S]` fp32 of `logits [B, S, V/TP]` at global
+    `target [B, S]`, chunked along `S` (`-inf` where the target was filtered out); saves only the
+    raw
+    logits."""
 
     @staticmethod
     def forward(
@@ -136,6 +119,7 @@ class _ChunkedDistributedLogprobWithSampling(torch.autograd.Function):
                 logits, target, start, stop, top_k, top_p, tp_group
             )
             picked = logp.gather(-1, rows_target.unsqueeze(-1)).squeeze(-1)
+            # saves only the raw logits: the filtered softmax is recomputed per chunk in backward
             out[:, start:stop] = _gather_rows(picked, tp_group).view(logits.shape[0], stop - start)
         ctx.save_for_backward(logits, target)
         ctx.params = (top_k, top_p, chunk_size, tp_group)
@@ -152,6 +136,8 @@ class _ChunkedDistributedLogprobWithSampling(torch.autograd.Function):
                 logits, target, start, stop, top_k, top_p, tp_group
             )
             g = _my_rows(upcast(grad_output[:, start:stop]).reshape(-1), tp_group)
+            # dL/dz_v = g * (1[v == y] - p_v) * keep_v on row-parallel rows (p the filtered softmax,
+            # recomputed per chunk), then all-to-all back to [B*c, V/TP]
             rows_grad = logp.exp_().mul_(-g.unsqueeze(-1))
             rows_grad.scatter_add_(-1, rows_target.unsqueeze(-1), g.unsqueeze(-1))
             rows_grad.mul_(keep)
@@ -162,7 +148,7 @@ class _ChunkedDistributedLogprobWithSampling(torch.autograd.Function):
 
 
 def _gather_rows(local: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """All-gather every TP rank's row block ``[n/TP]`` -> ``[n]`` (inverse of :func:`_my_rows`)."""
+    """All-gather every TP rank's row block `[n/TP]` -> `[n]` (inverse of `_my_rows`)."""
     if tp_group.size() == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(tp_group.size())]
@@ -171,7 +157,7 @@ def _gather_rows(local: torch.Tensor, tp_group: Any) -> torch.Tensor:
 
 
 def _my_rows(flat: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """This TP rank's contiguous block of ``flat [n]`` (``[n/TP]``)."""
+    """This TP rank's contiguous block `[n/TP]` of `flat [n]`."""
     rows = flat.shape[0] // tp_group.size()
     return flat[tp_group.rank() * rows : (tp_group.rank() + 1) * rows]
 
@@ -185,7 +171,7 @@ def _filtered_rows(
     top_p: float,
     tp_group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(log_softmax(filtered) [n/TP, V], keep [n/TP, V], target [n/TP])`` for seq ``[start, stop)``."""
+    """`(log_softmax(filtered) [n/TP, V], keep [n/TP, V], target [n/TP])` for seq `[start, stop)`."""
     chunk = logits[:, start:stop].reshape(-1, logits.shape[-1])  # [B*c, V_l]
     rows = upcast(_vocab_to_rows(chunk, tp_group))  # [B*c/TP, V]
     filtered, keep = apply_top_k_top_p(rows, top_k, top_p)
@@ -203,24 +189,12 @@ def distributed_logprob_with_sampling(
     inference_only: bool = False,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Logprobs under top-k/top-p filtering (``DistributedLogprobWithSampling``, chunked or not).
-
-    Args:
-        logits: ``[B, S, V_l]`` temperature-scaled vocab shard.
-        target: ``[B, S]`` global ids.
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: one past the last global id of this shard.
-        tp_group: tensor-parallel group.
-        sampling_params: its ``top_k``/``top_p`` are applied (temperature is not, see module doc).
-        inference_only: run without autograd.
-        chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
-
-    Returns:
-        ``[B, S]`` fp32; ``-inf`` where the target was filtered out.
+    """Logprobs `[B, S]` fp32 of global `target [B, S]` under top-k/top-p filtering of the
+    temperature-scaled vocab shard `logits [B, S, V/TP]` (`DistributedLogprobWithSampling`); `-inf`
+    where the target was filtered out.
 
     Raises:
-        ValueError: ``B*S`` or ``B*chunk`` not divisible by TP, or the checks of
-            :func:`~lightning_mcore_rl.ops.distributed_logprob`.
+        ValueError: `B*S` or `B*chunk` not divisible by TP, or the checks of `distributed_logprob`.
     """
     _, tp_size = check_vocab_shard(logits, vocab_start_index, vocab_end_index, tp_group)
     if logits.dim() != 3:
@@ -228,6 +202,7 @@ def distributed_logprob_with_sampling(
     _check_ids_against_logits(logits, target, tp_size, "target", trailing=0)
     check_chunk_size(chunk_size)
     batch, seq = target.shape
+    # each chunk's B*c rows are split over TP by the all-to-all
     for start, stop in seq_chunks(seq, chunk_size):
         if batch * (stop - start) % tp_size != 0:
             what = "B*S" if chunk_size is None else f"B*chunk (chunk [{start}, {stop}))"

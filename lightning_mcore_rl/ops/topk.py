@@ -54,23 +54,9 @@ def distributed_vocab_topk(
     vocab_end_index: int,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k over the full vocab of TP-sharded logits (no grad).
-
-    Per chunk of ``chunk_size`` tokens: fp32 upcast, local top-``min(k, V_l)``, shift ids by
-    ``vocab_start_index``, all-gather values and ids over TP, top-``min(k, V)`` of the union.
-
-    Args:
-        logits: ``[..., S, V_l]`` this TP rank's vocab shard.
-        k: number of entries per token (> 0); capped at ``V``.
-        tp_group: tensor-parallel group.
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: one past the last global id of this shard.
-        chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
-
-    Returns:
-        ``(values [..., S, k'] fp32, indices [..., S, k'] int64 global ids)``, ``k' = min(k, V)``,
-        values sorted descending, identical on every TP rank.
-    """
+    """Exact top-k over the full vocab of TP-sharded `logits [..., S, V/TP]` (no grad):
+    `(values [..., S, k'] fp32, indices [..., S, k'] int64 global ids)`, `k' = min(k, V)`, values
+    sorted descending, identical on every TP rank (`chunk_size=None`: one chunk)."""
     _check_k(k)
     _, tp_size = check_vocab_shard(logits, vocab_start_index, vocab_end_index, tp_group)
     check_chunk_size(chunk_size)
@@ -82,6 +68,8 @@ def distributed_vocab_topk(
     values = torch.empty(out_shape, dtype=compute_dtype(logits.dtype), device=logits.device)
     indices = torch.empty(out_shape, dtype=torch.long, device=logits.device)
     for start, stop in seq_chunks(logits.shape[-2], chunk_size):
+        # local top-min(k, V/TP) in fp32, shifted to global ids, all-gathered over TP; the
+        # top-min(k, V) of the union is exact
         local_vals, local_ids = upcast(logits.narrow(-2, start, stop - start)).topk(k_local, dim=-1)
         all_vals = _all_gather_last_dim(local_vals, tp_group)
         all_ids = _all_gather_last_dim(local_ids + vocab_start_index, tp_group)
@@ -92,14 +80,7 @@ def distributed_vocab_topk(
 
 
 class _GatherAtGlobalIndices(torch.autograd.Function):
-    """Logits at global vocab ids, vocab-parallel.
-
-    Shapes: ``logits [..., V_l]``, ``ids [..., K]`` -> ``[..., K]`` fp32.
-    Forward: local gather where this shard owns the id (0 elsewhere), all-reduce SUM over TP.
-    Backward: ``scatter_add`` of ``g`` at owned ids (duplicates accumulate); no collective.
-    For bf16/fp16 logits the scatter runs in fp32 blocks of at most 64 MiB, each rounded once
-    into the gradient in the logits' dtype (no full fp32 ``[..., V_l]`` buffer).
-    """
+    """`logits [..., V/TP]` at global `ids [..., K]` -> `[..., K]` fp32, vocab-parallel."""
 
     @staticmethod
     def forward(
@@ -112,6 +93,7 @@ class _GatherAtGlobalIndices(torch.autograd.Function):
     ) -> torch.Tensor:
         owned, local = localise_ids(ids, vocab_start, vocab_end)
         picked = upcast(logits.gather(-1, local))
+        # 0 where this shard does not own the id: the SUM over TP hands every rank the owner's value
         picked = torch.where(owned, picked, torch.zeros_like(picked))
         all_reduce(picked, tp_group, dist.ReduceOp.SUM)
         ctx.save_for_backward(owned, local)
@@ -123,12 +105,16 @@ class _GatherAtGlobalIndices(torch.autograd.Function):
         owned, local = ctx.saved_tensors
         shape, dtype, device = ctx.logits_meta
         math_dtype = compute_dtype(dtype)
+        # scatter_add of g at owned ids (duplicates accumulate), no collective. For bf16/fp16 logits
+        # the scatter runs in fp32 blocks of at most 64 MiB, each rounded once into the gradient: no
+        # full fp32 [..., V/TP] buffer
         g = torch.where(owned, grad_output.to(math_dtype), 0.0).reshape(-1, local.shape[-1])
         ids = local.reshape(-1, local.shape[-1])
         if math_dtype == dtype:
             grad = torch.zeros(ids.shape[0], shape[-1], dtype=dtype, device=device)
             return grad.scatter_add_(-1, ids, g).view(shape), None, None, None, None
         grad = torch.empty(ids.shape[0], shape[-1], dtype=dtype, device=device)
+        # blocks of rows: the fp32 scatter buffer stays within _BLOCK_BYTES whatever the vocab
         rows = max(1, _BLOCK_BYTES // (shape[-1] * torch.finfo(math_dtype).bits // 8))
         for start, stop in seq_chunks(ids.shape[0], rows):
             block = torch.zeros(stop - start, shape[-1], dtype=math_dtype, device=device)
@@ -140,7 +126,7 @@ class _GatherAtGlobalIndices(torch.autograd.Function):
 def _pad_and_shard_ids(
     indices: torch.Tensor, local_seq_len: int, cp_rank: int, cp_size: int
 ) -> torch.Tensor:
-    """``[B, S, K]`` -> right-pad ``S`` with id 0 to ``S_l * CP`` and take this rank's zigzag shard."""
+    """`[B, S, K]` -> right-pad `S` with id 0 to `S_l * CP` and take this rank's zigzag shard."""
     padded = F.pad(indices, (0, 0, 0, local_seq_len * cp_size - indices.shape[1]))
     return get_tokens_on_this_cp_rank(padded, cp_rank, cp_size, seq_dim=1)
 
@@ -156,6 +142,7 @@ def _check_indices(
             f"`{name}` {tuple(indices.shape)} must be [B, S, K] with B = {batch} and S <= S_local * "
             f"CP = {local_seq * cp_size}"
         )
+    # a zigzag shard is two equal chunks
     if cp_size > 1 and local_seq % 2 != 0:
         raise ValueError(
             f"S_local * CP = {local_seq * cp_size} must be divisible by 2*CP = {2 * cp_size}"
@@ -173,19 +160,9 @@ def gather_logits_at_global_indices(
     tp_group: Any,
     cp_group: Any = None,
 ) -> torch.Tensor:
-    """Differentiable gather of TP/CP-sharded logits at global ids in canonical token order.
-
-    Args:
-        logits: ``[B, S/CP, V_l]`` this rank's CP zigzag shard and vocab shard.
-        indices: ``[B, S, K]`` global ids, unsharded (``S <= S/CP * CP``; padded internally).
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: one past the last global id of this shard.
-        tp_group: tensor-parallel group.
-        cp_group: context-parallel group; ``None`` means CP = 1.
-
-    Returns:
-        ``[B, S, K]`` fp32 logits at ``indices``, identical on every TP/CP rank.
-    """
+    """Differentiable gather of this rank's CP and vocab shard `logits [B, S/CP, V/TP]` at global
+    `indices [B, S, K]` (unsharded, `S <= S/CP * CP`): `[B, S, K]` fp32 in token order, identical on
+    every TP/CP rank."""
     cp_rank, cp_size = group_rank_size(cp_group, "cp_group", allow_none=True)
     _, tp_size = check_vocab_shard(logits, vocab_start_index, vocab_end_index, tp_group)
     _check_indices(logits, indices, tp_size, cp_size, "indices")
@@ -199,14 +176,9 @@ def gather_logits_at_global_indices(
 
 
 class DistillationTopkLogprobs(NamedTuple):
-    """Top-k distillation inputs, next-token aligned (last position dropped).
-
-    Attributes:
-        student_topk_logprobs: ``[B, S-1, k]`` fp32 student logprobs at the teacher's ids.
-        teacher_topk_logprobs: ``[B, S-1, k]`` fp32 teacher logprobs renormalised over its top-k.
-        H_all: ``[B, S-1]`` fp32 student ``sum_v p log p`` over the full vocab (the NEGATIVE
-            entropy, reference name), or ``None`` when not requested.
-    """
+    """Top-k distillation inputs, next-token aligned: student and teacher logprobs
+    `[B, S-1, k]` fp32 at the teacher's ids, and `H_all [B, S-1]` fp32 (the student's
+    `sum_v p log p`, the NEGATIVE entropy, reference name) or `None`."""
 
     student_topk_logprobs: torch.Tensor
     teacher_topk_logprobs: torch.Tensor
@@ -224,26 +196,17 @@ def get_distillation_topk_logprobs_from_logits(
     tp_group: Any,
     cp_group: Any = None,
 ) -> DistillationTopkLogprobs:
-    """Student and teacher logprobs at the teacher's top-k ids (docs/behaviour-reference.md §5.10).
-
-    ``zero_outside_topk=True``: the student's full-vocab logprobs at the ids (chunked kernel,
-    chunk ``max(1, min(S_local, 1024))``), so mass outside the top-k is accounted for by ``H_all``.
-    ``False``: the student's logits at the ids, log-softmaxed over the k ids (renormalised).
-    The teacher is always renormalised over its k logits.
+    """Student and teacher logprobs `[B, S-1, k]` at the teacher's top-k ids
+    (docs/behaviour-reference.md 5.10) from the student's shard `[B, S/CP, V/TP]` (temperature
+    applied) and the teacher's `[B, S, k]` logits and global ids.
 
     Args:
-        student_logits: ``[B, S/CP, V_l]`` this rank's shard (temperature applied).
-        teacher_topk_logits: ``[B, S, k]`` teacher logits at its top-k ids.
-        teacher_topk_indices: ``[B, S, k]`` global ids.
-        zero_outside_topk: see above.
-        calculate_entropy: also return ``H_all`` (``sum p log p`` of the student, full vocab).
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: one past the last global id of this shard.
-        tp_group: tensor-parallel group.
-        cp_group: context-parallel group; ``None`` means CP = 1.
+        zero_outside_topk: the student's full-vocab logprobs at the ids; else its logits at the ids
+            renormalised over the k ids.
+        calculate_entropy: also return `H_all` (`sum p log p` of the student, full vocab).
 
-    Returns:
-        :class:`DistillationTopkLogprobs`, each ``[B, S-1, ...]``.
+    Raises:
+        ValueError: teacher shapes or dtype do not match, or bad ids.
     """
     if teacher_topk_indices.dim() != 3 or teacher_topk_indices.shape[-1] <= 0:
         raise ValueError(
@@ -268,6 +231,8 @@ def get_distillation_topk_logprobs_from_logits(
             local = allgather_cp_sharded_tensor(local, cp_group, seq_dim=1)
         return local[:, : seq_len - 1]
 
+    # full-vocab logprobs at the ids: the mass outside the top-k is accounted for by `H_all`; the
+    # teacher is always renormalised over its k logits
     if zero_outside_topk:
         local_ids = _pad_and_shard_ids(teacher_topk_indices, local_seq, cp_rank, cp_size)
         student = canonical(
@@ -280,9 +245,11 @@ def get_distillation_topk_logprobs_from_logits(
             student_logits, teacher_topk_indices, vocab_start_index, vocab_end_index, tp_group,
             cp_group,
         )  # fmt: skip
+        # the student renormalised over the teacher's k ids (mass outside them ignored)
         student = F.log_softmax(picked, dim=-1)[:, : seq_len - 1]
     neg_entropy = None
     if calculate_entropy:
+        # the reference's `H_all` is sum p log p, the negative of the entropy
         neg_entropy = canonical(-vocab_parallel_entropy(student_logits, tp_group, chunk))
     teacher = F.log_softmax(upcast(teacher_topk_logits), dim=-1)[:, : seq_len - 1]
     return DistillationTopkLogprobs(student, teacher, neg_entropy)

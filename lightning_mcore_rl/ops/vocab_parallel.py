@@ -1,19 +1,6 @@
-"""Vocab-parallel log-softmax, token logprobs and entropy over a TP-sharded last dim.
-
-TP rank ``r`` holds logits ``[..., V_l]`` for global ids ``[r*V_l, (r+1)*V_l)``. Every kernel
-computes in fp32 (fp64 inputs stay fp64) and is exact: the global max and the global ``sum exp``
-are all-reduced over ``tp_group``, so each rank sees the same log-normaliser
-``lse = log sum_v exp z_v``.
-
-The chunked kernels walk the sequence dim (``-2``) in pieces of ``chunk_size`` tokens, upcast one
-chunk at a time and rematerialise the softmax in backward from the saved raw logits and the saved
-``lse`` (one fp32 value per token), so bf16 logits never exist as a full fp32 copy. Their
-backward writes each chunk's fp32 gradient into one gradient in the logits' dtype: for bf16
-logits that is one rounding per element, the same one the backward of an fp32 upcast
-(``logits.float()``, megatron's ``Float16Module``) applies, so deferred bf16 logits
-(``train.logits_dtype``) get the fp32-logit path's gradient bitwise. The unchunked kernels
-(``chunk_size=None``, and :func:`distributed_log_softmax`) upcast the whole input by design.
-"""
+"""Vocab-parallel log-softmax, token logprobs and entropy over a TP-sharded last dim: TP rank `r`
+holds logits `[..., V/TP]` for global ids `[r*V/TP, (r+1)*V/TP)`; results are fp32 (fp64 stays
+fp64) and exact, identical on every TP rank."""
 
 from __future__ import annotations
 
@@ -33,19 +20,23 @@ from lightning_mcore_rl.ops._checks import (
     upcast,
 )
 
+# the chunked kernels walk the sequence dim (-2) in pieces of `chunk_size` tokens, upcast one chunk
+# at a time and rematerialise the softmax in backward from the raw logits and the saved `lse` (one
+# fp32 value per token), so bf16 logits never exist as a full fp32 copy. The unchunked kernels
+# (`chunk_size=None`, `distributed_log_softmax`) upcast the whole input by design
 _MAX = dist.ReduceOp.MAX
 _SUM = dist.ReduceOp.SUM
 
 
 def vocab_range_for_rank(global_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """``[vocab_start, vocab_end)`` owned by TP rank ``tp_rank`` under uniform contiguous sharding.
+    """`[vocab_start, vocab_end)` owned by TP rank `tp_rank` under uniform contiguous sharding.
 
     Raises:
-        ValueError: ``global_vocab_size`` is not divisible by ``tp_size`` (pad the vocab, as
-            Megatron's ``make_vocab_size_divisible_by`` does), or the rank is out of range.
+        ValueError: `global_vocab_size % tp_size != 0`, or the rank is out of range.
     """
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"`tp_rank` must be in [0, tp_size={tp_size}), got {tp_rank}")
+    # a vocab not divisible by TP must be padded, as megatron's `make_vocab_size_divisible_by` does
     if global_vocab_size % tp_size != 0:
         raise ValueError(
             f"vocab size {global_vocab_size} is not divisible by TP = {tp_size}; pad the vocab to "
@@ -56,7 +47,7 @@ def vocab_range_for_rank(global_vocab_size: int, tp_rank: int, tp_size: int) -> 
 
 
 def global_logsumexp(z: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """``log sum_v exp z_v`` over the full (TP-sharded) vocab; ``z [..., V_l]`` fp32 -> ``[...]``."""
+    """`log sum_v exp z_v` over the full (TP-sharded) vocab: `z [..., V/TP]` fp32 -> `[...]`."""
     z_max = z.amax(dim=-1, keepdim=True)
     all_reduce(z_max, tp_group, _MAX)
     sum_exp = (z - z_max).exp_().sum(dim=-1, keepdim=True)
@@ -67,20 +58,14 @@ def global_logsumexp(z: torch.Tensor, tp_group: Any) -> torch.Tensor:
 def localise_ids(
     ids: torch.Tensor, vocab_start: int, vocab_end: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(owned, local)``: which global ``ids`` this shard owns, and their local column (0 if not)."""
+    """`(owned, local)`: which global `ids` this shard owns, and their local column (0 if not)."""
     owned = (ids >= vocab_start) & (ids < vocab_end)
     local = torch.where(owned, ids - vocab_start, torch.zeros_like(ids)).long()
     return owned, local
 
 
 class _DistributedLogSoftmax(torch.autograd.Function):
-    """Log-softmax over a TP-sharded vocab.
-
-    Shapes: ``logits [..., V_l]`` -> ``logp [..., V_l]`` fp32.
-    Forward: ``logp_v = z_v - lse`` with ``lse`` all-reduced (MAX then SUM) over TP.
-    Backward: ``dL/dz_v = g_v - p_v * sum_u g_u``; the sum runs over the full vocab, so it is the
-    one all-reduce (SUM, ``[..., 1]`` values) of the backward.
-    """
+    """`logits [..., V/TP]` -> fp32 `logp [..., V/TP]`."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
@@ -94,6 +79,8 @@ class _DistributedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (logp,) = ctx.saved_tensors
+        # dL/dz_v = g_v - p_v * sum_u g_u: the sum runs over the full vocab, the backward's one
+        # all-reduce
         grad_sum = grad_output.sum(dim=-1, keepdim=True)
         all_reduce(grad_sum, ctx.tp_group, _SUM)
         grad = grad_output - logp.exp() * grad_sum
@@ -101,9 +88,10 @@ class _DistributedLogSoftmax(torch.autograd.Function):
 
 
 def distributed_log_softmax(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
-    """Differentiable log-softmax of vocab-parallel ``logits [..., V_l]`` -> fp32 ``[..., V_l]``.
+    """Differentiable log-softmax of vocab-parallel `logits [..., V/TP]` -> fp32 `[..., V/TP]`.
 
-    Forward: two all-reduces (max, sum-exp) over ``tp_group``; backward: one (sum of grads).
+    Raises:
+        ValueError: `logits` is not floating point.
     """
     group_rank_size(tp_group, "tp_group")
     if not logits.is_floating_point():
@@ -112,15 +100,8 @@ def distributed_log_softmax(logits: torch.Tensor, tp_group: Any) -> torch.Tensor
 
 
 class _DistributedLogprob(torch.autograd.Function):
-    """Logprob of one global target id per token, vocab-parallel, unchunked.
-
-    Shapes: ``logits [..., V_l]``, ``target [...]`` global ids -> ``logprob [...]`` fp32.
-    Forward: ``log p_y = z_y - lse`` on the shard owning ``y`` and ``0`` elsewhere, then an
-    all-reduce SUM over TP so every rank receives the owner's value. Saves the fp32 softmax.
-    Backward: ``dL/dz_v = g * (1[v == y and owned] - p_v)``, local only (no all-reduce): the
-    forward SUM's backward is the identity on a TP-replicated upstream gradient. The saved softmax
-    is turned into the gradient in place (backward may run once), as Megatron's cross entropy does.
-    """
+    """Logprob `[...]` fp32 of one global `target [...]` id per token under `logits [..., V/TP]`,
+    unchunked (saves the fp32 softmax)."""
 
     @staticmethod
     def forward(
@@ -140,6 +121,8 @@ class _DistributedLogprob(torch.autograd.Function):
         all_reduce(sum_exp, tp_group, _SUM)
         lse = (z_max + sum_exp.log()).squeeze(-1)
         picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) - lse
+        # z_y - lse on the shard owning y, 0 elsewhere: the SUM over TP hands every rank the owner's
+        # value
         picked = torch.where(owned, picked, torch.zeros_like(picked))
         all_reduce(picked, tp_group, _SUM)
         probs.div_(sum_exp)
@@ -159,29 +142,25 @@ class _DistributedLogprob(torch.autograd.Function):
         ctx.backward_done = True
         probs, local, owned = ctx.saved_tensors
         g = upcast(grad_output)
+        # dL/dz_v = g * (1[v == y and owned] - p_v), local only: the forward SUM's backward is the
+        # identity on a TP-replicated upstream gradient. The saved softmax becomes the gradient in
+        # place (as megatron's cross entropy does), hence the single backward
         grad = probs.mul_(-g.unsqueeze(-1))
         grad.scatter_add_(-1, local.unsqueeze(-1), torch.where(owned, g, 0.0).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def _workspace(logits: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
-    """One reusable compute-dtype buffer ``[..., chunk, V_l]`` (fresh pages once, not per chunk)."""
+    """One reusable compute-dtype buffer `[..., chunk, V/TP]`."""
+    # one buffer for every chunk: fresh pages are touched once, not once per chunk
     rows = logits.shape[-2] if chunk_size is None else min(chunk_size, logits.shape[-2])
     shape = (*logits.shape[:-2], rows, logits.shape[-1])
     return torch.empty(shape, dtype=compute_dtype(logits.dtype), device=logits.device)
 
 
 class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
-    """Full-vocab logprobs at ``K`` global ids per token, vocab-parallel, chunked along seq.
-
-    Shapes: ``logits [..., S, V_l]``, ``ids [..., S, K]`` -> ``logprobs [..., S, K]`` fp32.
-    Forward, per chunk of ``chunk_size`` tokens: upcast the chunk, ``lse`` over TP, gather
-    ``z_id - lse`` where owned (0 elsewhere); one all-reduce SUM of the result at the end.
-    Saves the raw logits, the ids and ``lse [..., S]`` (never a softmax).
-    Backward, per chunk: ``dL/dz_v = -p_v * sum_k g_k + sum_k g_k 1[v == id_k and owned]``
-    with ``p`` recomputed as ``exp(z - lse)``, written into one preallocated gradient in the
-    logits' dtype; no collective.
-    """
+    """Full-vocab logprobs `[..., S, K]` fp32 at `ids [..., S, K]` under `logits [..., S, V/TP]`,
+    chunked along `S`; saves the raw logits, the ids and `lse [..., S]`, never a softmax."""
 
     @staticmethod
     def forward(
@@ -229,8 +208,14 @@ class _ChunkedDistributedGatherLogprob(torch.autograd.Function):
             probs = work.narrow(-2, 0, n)
             probs.copy_(logits.narrow(-2, start, n))
             probs.sub_(lse.narrow(-1, start, n).unsqueeze(-1)).exp_()
+            # dL/dz_v = -p_v * sum_k g_k + sum_k g_k 1[v == id_k and owned], p recomputed as exp(z -
+            # lse); no collective
             probs.mul_(-g_sum.narrow(-2, start, n))
             probs.scatter_add_(-1, local.narrow(-2, start, n), g_owned.narrow(-2, start, n))
+            # each chunk's fp32 gradient is written into one gradient in the logits' dtype: for bf16
+            # logits one rounding per element, the same one the backward of an fp32 upcast
+            # (megatron's `Float16Module`) applies, so deferred bf16 logits (`train.logits_dtype`)
+            # get the fp32-logit path's gradient bitwise
             grad.narrow(-2, start, n).copy_(probs)
         return grad, None, None, None, None, None
 
@@ -257,20 +242,15 @@ def distributed_logprob(
     inference_only: bool = False,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Logprob of each token's target under vocab-parallel logits (``DistributedLogprob``).
+    """Logprob `[..., S]` fp32 of each token's global `target [..., S]` under this rank's vocab
+    shard `logits [..., S, V/TP]` (`DistributedLogprob`), identical on every TP rank.
 
     Args:
-        logits: ``[..., S, V_l]`` this TP rank's vocab shard, any float dtype.
-        target: ``[..., S]`` global token ids in ``[0, V_l * TP)``.
-        vocab_start_index: first global id of this shard (``tp_rank * V_l``).
-        vocab_end_index: one past the last global id of this shard.
-        tp_group: tensor-parallel group the vocab is sharded over.
         inference_only: run without autograd (nothing saved for backward).
-        chunk_size: tokens per chunk along ``S``; ``None`` uses the unchunked kernel (which saves an
-            fp32 softmax), an int the chunked kernel (fp32 upcast per chunk, softmax recomputed).
+        chunk_size: tokens per chunk along `S`; `None`: the unchunked kernel.
 
-    Returns:
-        ``[..., S]`` fp32 logprobs, identical on every TP rank.
+    Raises:
+        ValueError: shapes, ids, shard bounds or `chunk_size` do not match.
     """
     _, tp_size = check_vocab_shard(logits, vocab_start_index, vocab_end_index, tp_group)
     _check_ids_against_logits(logits, target, tp_size, "target", trailing=0)
@@ -293,18 +273,11 @@ def distributed_logprobs_at_indices(
     tp_group: Any,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Full-vocab logprobs gathered at ``K`` global ids per token (``ChunkedDistributedGatherLogprob``).
+    """Full-vocab logprobs `[..., S, K]` fp32 at global `indices [..., S, K]` under
+    `logits [..., S, V/TP]` (`ChunkedDistributedGatherLogprob`; `chunk_size=None`: one chunk).
 
-    Args:
-        logits: ``[..., S, V_l]`` this TP rank's vocab shard.
-        indices: ``[..., S, K]`` global ids in ``[0, V_l * TP)``.
-        vocab_start_index: first global id of this shard.
-        vocab_end_index: one past the last global id of this shard.
-        tp_group: tensor-parallel group.
-        chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
-
-    Returns:
-        ``[..., S, K]`` fp32, differentiable w.r.t. ``logits``.
+    Raises:
+        ValueError: shapes, ids, shard bounds or `chunk_size` do not match.
     """
     _, tp_size = check_vocab_shard(logits, vocab_start_index, vocab_end_index, tp_group)
     _check_ids_against_logits(logits, indices, tp_size, "indices", trailing=1)
@@ -315,13 +288,7 @@ def distributed_logprobs_at_indices(
 
 
 class _ChunkedDistributedEntropy(torch.autograd.Function):
-    """Entropy ``H = -sum_v p_v log p_v`` of vocab-parallel logits, chunked along seq.
-
-    Shapes: ``logits [..., S, V_l]`` -> ``H [..., S]`` fp32 (positive entropy).
-    Forward: per chunk ``lse`` over TP, local ``-sum p log p``; one all-reduce SUM at the end.
-    Backward: ``dH/dz_v = -p_v (log p_v + H)`` times ``g``, recomputed per chunk from the saved
-    logits, ``lse`` and ``H``; no collective.
-    """
+    """Entropy `[..., S]` fp32 (>= 0) of `logits [..., S, V/TP]`, chunked along `S`."""
 
     @staticmethod
     def forward(
@@ -350,6 +317,8 @@ class _ChunkedDistributedEntropy(torch.autograd.Function):
         for start, stop in seq_chunks(logits.shape[-2], ctx.chunk_size):
             n = stop - start
             logp = upcast(logits.narrow(-2, start, n)) - lse.narrow(-1, start, n).unsqueeze(-1)
+            # dH/dz_v = -p_v (log p_v + H) times g, recomputed per chunk from the saved logits, lse
+            # and H; no collective
             weight = (logp + entropy.narrow(-1, start, n).unsqueeze(-1)).mul_(logp.exp_())
             grad.narrow(-2, start, n).copy_(weight.mul_(-g.narrow(-1, start, n).unsqueeze(-1)))
         return grad, None, None
@@ -358,16 +327,11 @@ class _ChunkedDistributedEntropy(torch.autograd.Function):
 def vocab_parallel_entropy(
     logits: torch.Tensor, tp_group: Any, chunk_size: int | None = None
 ) -> torch.Tensor:
-    """Per-token entropy ``-sum_v p_v log p_v`` of vocab-parallel logits (differentiable).
+    """Per-token entropy `-sum_v p_v log p_v`, `[..., S]` fp32 (>= 0), of vocab-parallel
+    `logits [..., S, V/TP]`, differentiable (`chunk_size=None`: one chunk).
 
-    Args:
-        logits: ``[..., S, V_l]`` this TP rank's vocab shard.
-        tp_group: tensor-parallel group.
-        chunk_size: tokens per chunk along ``S`` (``None``: one chunk).
-
-    Returns:
-        ``[..., S]`` fp32 entropy (>= 0), identical on every TP rank. The reference's ``H_all`` in
-        distillation is the *negative* entropy ``sum p log p``.
+    Raises:
+        ValueError: `logits` is not a floating-point `[..., S, V/TP]` tensor, or a bad `chunk_size`.
     """
     group_rank_size(tp_group, "tp_group")
     if not logits.is_floating_point() or logits.dim() < 2:
@@ -376,4 +340,5 @@ def vocab_parallel_entropy(
             f"{tuple(logits.shape)}"
         )
     check_chunk_size(chunk_size)
+    # the positive entropy: the reference's `H_all` in distillation is the negative one, sum p log p
     return _ChunkedDistributedEntropy.apply(logits, chunk_size, tp_group)
