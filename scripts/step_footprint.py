@@ -43,7 +43,9 @@ def measure() -> dict[str, set[str]]:
             return
         path = frame.f_code.co_filename
         if path.startswith(root):
-            entered[path[len(root) :]].add(frame.f_code.co_qualname)
+            # `co_qualname` is Python 3.11+; 3.10 names the bare function
+            code = frame.f_code
+            entered[path[len(root) :]].add(getattr(code, "co_qualname", code.co_name))
 
     class ProfileOneStep(Callback):
         """Wraps the epoch loop's ``advance`` (one whole batch) so the chosen call is profiled."""
@@ -63,7 +65,7 @@ def measure() -> dict[str, set[str]]:
                     return advance(data_fetcher)
                 finally:
                     sys.setprofile(None)
-                    threading.setprofile(None)  # type: ignore[arg-type]
+                    threading.setprofile(None)
 
             loop.advance = profiled  # type: ignore[method-assign]
 

@@ -47,7 +47,6 @@ from lightning_mcore_rl.train.post_processors import (
     TeacherFullPayloadPostProcessor,
     TopkLogitsPostProcessor,
 )
-from lightning_mcore_rl.train.router_stats import RouterCall, RouterStatistic, RouterStatistics
 from lightning_mcore_rl.train.schedule import (
     megatron_forward_backward,
     run_schedule,
@@ -77,9 +76,6 @@ __all__ = [
     "ParallelGroups",
     "StepContext",
     "StepOutput",
-    "RouterCall",
-    "RouterStatistic",
-    "RouterStatistics",
     "GlobalBatch",
     "LogprobsPostProcessor",
     "LossPostProcessor",

@@ -9,7 +9,7 @@ forward step and to every post-processor; nothing below reads megatron's ``paral
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train.config import PolicyConfig
 from lightning_mcore_rl.train.microbatch import check_microbatching
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.train.extension import StepExtension
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class StepContext:
             ``loss_fn`` path (:mod:`~lightning_mcore_rl.train.draft`), on the last pipeline
             stage; ``None`` elsewhere.
         train_draft: whether a draft is trained (on every rank, also those without one).
+        extensions: the step's extensions (`train/extension.py`); `None`: the ones the chunks'
+            config turns on, looked up per pass (`step_extensions`).
     """
 
     groups: ParallelGroups
@@ -84,6 +89,7 @@ class StepContext:
     defer_fp32_logits: bool | None = None
     draft_model: Any = None
     train_draft: bool = False
+    extensions: tuple[StepExtension, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and not self.train_draft:

@@ -28,6 +28,7 @@ from lightning_mcore_rl.train.draft import (
     check_draft,
     draft_logits,
 )
+from lightning_mcore_rl.train.extension import StepExtension, entered
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
@@ -41,7 +42,6 @@ from lightning_mcore_rl.train.fused import (
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.mtp import mtp_loss_weights, with_mtp_metrics
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
-from lightning_mcore_rl.train.router_replay import after_replay_forward, arm_replay_forward
 
 
 def _is_last_stage(model: torch.nn.Module) -> bool:
@@ -299,10 +299,10 @@ def forward_with_post_processing_fn(
     enable_hidden_capture: bool | None = False,
     enable_opd_full_capture: bool = False,
     use_fused_linear_logprobs: bool = False,
-    use_router_replay: bool = False,
-    router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
     *,
+    extensions: Sequence[StepExtension] = (),
+    training: bool = False,
     groups: ParallelGroups | None = None,
     num_microbatches: int | None = None,
 ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, dict[str, Any]]]]:
@@ -328,13 +328,9 @@ def forward_with_post_processing_fn(
         enable_opd_full_capture: Capture pre-LM-head hidden states for the teacher payload.
         use_fused_linear_logprobs: See :func:`model_forward`; the loss / logprobs post-processor
             then gets ``lm_head=FusedLMHead(...)`` on the last stage.
-        use_router_replay: Route with the microbatch's recorded experts
-            (``ProcessedMicrobatch.routed_experts_cp_sharded``; megatron's REPLAY_FORWARD).
-        router_replay_train: A training pass: after the replayed forward, arm REPLAY_BACKWARD
-            so activation recompute in the backward routes the same way (NeMo RL passes
-            ``not eval_mode``); ``False`` clears the action after the forward. Requires
-            ``use_router_replay``.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        extensions: each one's `forward_scope` around the model forward.
+        training: a forward-backward pass (the extensions' scopes see it).
         groups: This rank's groups, handed to the post-processor (and the CP/TP helpers);
             ``None``: read from megatron's initialised state (the seed API's callers).
         num_microbatches: ``M`` of the pass, handed to a :class:`LossPostProcessor` (its
@@ -347,8 +343,7 @@ def forward_with_post_processing_fn(
         TypeError: Unknown post-processor type.
         ValueError: Options the fused path cannot serve (:func:`check_fused_linear_logprobs`;
             megatron_forward_backward checks them before the schedule already).
-        ValueError: ``router_replay_train`` without ``use_router_replay``; replay without
-            ``routed_experts`` in the microbatch; what the draft path cannot serve
+        ValueError: what an extension's scope refuses; what the draft path cannot serve
             (:func:`~lightning_mcore_rl.train.draft.check_draft`).
     """
     groups = resolve_groups(groups)  # the seed API's callers pass none
@@ -361,21 +356,13 @@ def forward_with_post_processing_fn(
     check_fused_linear_logprobs(
         [model], post_processing_fn, sampling_params, use_fused_linear_logprobs
     )
-    if router_replay_train and not use_router_replay:
-        raise ValueError("`router_replay_train=True` needs `use_router_replay=True`")
     draft = bool(enable_hidden_capture) and _is_last_stage(model)
     if enable_hidden_capture:
         check_draft(model, draft_model, groups)
     mb = next(data_iterator)
-    if use_router_replay:
-        if mb.routed_experts_cp_sharded is None:
-            raise ValueError(
-                "`use_router_replay=True` but the microbatch has no `routed_experts` "
-                "[B, S, L, K]; the rollout source records it"
-            )
-        arm_replay_forward(model, mb.routed_experts_cp_sharded, groups.tp_rank, groups.tp_size)
     aux = aux_layers(draft_model) if draft else ()
     with (
+        entered([ext.forward_scope(model, mb, groups, training) for ext in extensions]),
         _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured,
         capture_layer_outputs(model, aux, groups) as layer_outputs,
     ):
@@ -388,8 +375,6 @@ def forward_with_post_processing_fn(
             model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
             groups=groups,
         )  # fmt: skip
-    if use_router_replay:
-        after_replay_forward(model, train=router_replay_train)
     data_dict = mb.data_dict
     if draft:
         student = draft_logits(

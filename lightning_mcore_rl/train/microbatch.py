@@ -29,12 +29,6 @@ from lightning_mcore_rl.data import (
     round_up,
 )
 from lightning_mcore_rl.data.packed_checks import shared_causal_mask
-from lightning_mcore_rl.train.router_replay import (
-    ROUTED_EXPERTS,
-    packable_token_ids,
-    routed_experts_in_model_order,
-    routed_token_index,
-)
 
 
 @dataclass
@@ -145,6 +139,12 @@ def process_microbatch(
                 pad_packed_to, cp_rank, cp_size,
             ).packed_local  # fmt: skip
         if routing:
+            # the MoE extension's token order, imported only for a model with routers
+            from lightning_mcore_rl.extensions.moe.replay import (
+                packable_token_ids,
+                routed_token_index,
+            )
+
             located = pack_sequences(
                 packable_token_ids(batch, width, input_ids.device), lengths, pad_individual,
                 pad_packed_multiple, pad_packed_to, cp_rank, cp_size,
@@ -180,6 +180,8 @@ def process_microbatch(
     position_ids = torch.arange(padded_width, device=input_ids.device).expand(batch, -1)
     token_index = padding_mask = None
     if routing:
+        from lightning_mcore_rl.extensions.moe.replay import routed_token_index
+
         row_lengths = data_dict.get(seq_length_key)
         token_index = routed_token_index(
             batch, width, None if row_lengths is None else torch.as_tensor(row_lengths),
@@ -213,7 +215,14 @@ def _response_mask(data_dict: BatchedDataDict) -> Tensor:
 def _routed_experts(data_dict: BatchedDataDict, token_index: Tensor | None) -> Tensor | None:
     """``routed_experts`` in the routers' token order, or ``None`` without the key (or without
     routers: ``token_index`` ``None``)."""
-    if token_index is None or ROUTED_EXPERTS not in data_dict:
+    if token_index is None:
+        return None
+    from lightning_mcore_rl.extensions.moe.replay import (
+        ROUTED_EXPERTS,
+        routed_experts_in_model_order,
+    )
+
+    if ROUTED_EXPERTS not in data_dict:
         return None
     return routed_experts_in_model_order(cast(Tensor, data_dict[ROUTED_EXPERTS]), token_index)
 

@@ -13,13 +13,13 @@ from torch import Tensor
 
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
+from lightning_mcore_rl.train.extension import StepExtension, entered
 from lightning_mcore_rl.train.forward import (
     check_fused_linear_logprobs,
     forward_with_post_processing_fn,
 )
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
-from lightning_mcore_rl.train.router_replay import router_replay_pass
 
 ModelChunks = torch.nn.Module | list[torch.nn.Module]
 
@@ -91,10 +91,9 @@ def megatron_forward_backward(
     enable_hidden_capture: bool | None = False,
     enable_opd_full_capture: bool = False,
     use_fused_linear_logprobs: bool = False,
-    use_router_replay: bool = False,
-    router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
     *,
+    extensions: Sequence[StepExtension] = (),
     groups: ParallelGroups | None = None,
 ) -> list[dict[str, Any]]:
     """Run Megatron's forward-backward schedule (no pipelining, 1F1B or interleaved).
@@ -122,9 +121,9 @@ def megatron_forward_backward(
         use_fused_linear_logprobs: See :func:`~lightning_mcore_rl.train.model_forward`; what
             it cannot serve raises here, on every rank, before the schedule
             (:func:`~lightning_mcore_rl.train.forward.check_fused_linear_logprobs`).
-        use_router_replay: See :func:`forward_with_post_processing_fn`.
-        router_replay_train: See :func:`forward_with_post_processing_fn`.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        extensions: the step's extensions: each one's `pass_scope` around the schedule, its
+            `forward_scope` around every microbatch's forward.
         groups: This rank's groups, passed to the forward step and every post-processor
             (with ``num_microbatches``, which a :class:`LossPostProcessor` scales by);
             ``None``: read from megatron's initialised state (the seed API's callers).
@@ -145,9 +144,9 @@ def megatron_forward_backward(
         enable_hidden_capture=enable_hidden_capture,
         enable_opd_full_capture=enable_opd_full_capture,
         use_fused_linear_logprobs=use_fused_linear_logprobs,
-        use_router_replay=use_router_replay,
-        router_replay_train=router_replay_train,
         model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
+        extensions=extensions,
+        training=not forward_only,
         groups=groups,
         num_microbatches=num_microbatches,
     )
@@ -156,7 +155,7 @@ def megatron_forward_backward(
         chunks, post_processing_fn, sampling_params, use_fused_linear_logprobs
     )
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-    with router_replay_pass(chunks, use_router_replay):  # no stale replay state either side
+    with entered([ext.pass_scope(chunks, not forward_only) for ext in extensions]):
         return run_schedule(
             forward_step,
             chunks,

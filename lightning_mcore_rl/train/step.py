@@ -21,7 +21,6 @@ schedule runner (:func:`~lightning_mcore_rl.train.schedule.run_schedule`):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -40,6 +39,7 @@ from lightning_mcore_rl.train.draft import (
     finish_draft_gradients,
     normalise_deferred_draft_metrics,
 )
+from lightning_mcore_rl.train.extension import StepExtension, entered, resolve_extensions
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.logits_dtype import defers_fp32_logits
 from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
@@ -50,8 +50,6 @@ from lightning_mcore_rl.train.microbatch import (
 )
 from lightning_mcore_rl.train.mtp import mtp_depths, mtp_metric_normalizations
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
-from lightning_mcore_rl.train.router_replay import check_routed_experts, replay_enabled
-from lightning_mcore_rl.train.router_stats import moe_config, moe_pass
 from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
 from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
 from lightning_mcore_rl.train.validation import (
@@ -78,6 +76,7 @@ def split_global_batch(
     batch: Mapping[str, Any],
     groups: ParallelGroups,
     microbatching: Microbatching,
+    *,
     routing: bool = False,
     mtp: bool = False,
 ) -> GlobalBatch:
@@ -194,10 +193,11 @@ def run_global_batch(
         or microbatching.max_tokens_per_microbatch is not None,
         max_positions=model_position_limit(chunks),
     )
-    if _checked_inputs_skip(batch, spec, input_check, None if spec.lm else chunks):
+    skip, extensions = _checked_inputs_skip(batch, spec, input_check, chunks, context)
+    if skip:
         return StepOutput(loss=torch.tensor(float("nan")))
     counts = batch_counts(batch)
-    router = None  # the MoE router statistics (``loss_fn`` path of a MoE model)
+    states: list[Any] = []  # what each extension's statistics scope yielded
     draft = loss is not None and context.train_draft and not forward_only  # trained in the pass
     if forward_step_func is not None:
         microbatches = split_lm_batch(batch, microbatching)
@@ -222,15 +222,19 @@ def run_global_batch(
             normalizations = {**(normalizations or {}), **DRAFT_METRIC_NORMALIZATIONS}
             if context.draft_model is not None:
                 context.draft_model.zero_grad_buffer()
+        training = not forward_only
+        for ext in extensions:
+            normalizations = {**(normalizations or {}), **ext.normalizations(chunks, training)}
         global_batch = split_global_batch(
-            batch, groups, microbatching, routing=moe_config(chunks) is not None,
-            mtp=bool(depths) and not forward_only,
+            batch, groups, microbatching, mtp=bool(depths) and not forward_only,
+            **_split_options(extensions, training),
         )  # fmt: skip
-        with moe_pass(
-            chunks, global_batch.microbatches, groups, training=not forward_only,
-            device=context.device,
-        ) as router:  # fmt: skip
-            outputs = _megatron_pass(chunks, global_batch, loss, context, forward_only)
+        scopes = [
+            ext.statistics_scope(chunks, global_batch.microbatches, context, training)
+            for ext in extensions
+        ]
+        with entered(scopes) as states:
+            outputs = _megatron_pass(chunks, global_batch, loss, context, forward_only, extensions)
         if draft and context.draft_model is not None:
             deferred = loss.defer_draft_normalization  # its one division, at the step's end
             finish_draft_gradients(
@@ -243,10 +247,9 @@ def run_global_batch(
     )  # fmt: skip
     if loss is not None and draft and loss.defer_draft_normalization:
         out = normalise_deferred_draft_metrics(out, global_batch.global_valid_toks)
-    if router is None:
-        return out
-    routed = router.reduce(groups, context.world_group)
-    return dataclasses.replace(out, metrics={**out.metrics, **routed})
+    for ext, state in zip(extensions, states, strict=False):  # none on the LM path
+        out = ext.finish(out, state, context)
+    return out
 
 
 def run_forward_only(
@@ -280,12 +283,12 @@ def run_forward_only(
         or microbatching.max_tokens_per_microbatch is not None,
         max_positions=model_position_limit(chunks),
     )
-    _checked_inputs_skip(batch, spec, input_check, chunks)
+    _, extensions = _checked_inputs_skip(batch, spec, input_check, chunks, context)
     with _eval_mode(chunks), torch.no_grad():
         global_batch = split_global_batch(
-            batch, groups, microbatching, routing=moe_config(chunks) is not None
+            batch, groups, microbatching, **_split_options(extensions, False)
         )
-        outputs = _megatron_pass(chunks, global_batch, post_processor, context, True)
+        outputs = _megatron_pass(chunks, global_batch, post_processor, context, True, extensions)
     result: dict[str, Tensor] | None = None
     if groups.is_pipeline_last_stage:
         keys = [k for k in outputs[0] if isinstance(outputs[0][k], Tensor) and outputs[0][k].dim()]
@@ -298,29 +301,38 @@ def run_forward_only(
     return result
 
 
+def _split_options(extensions: Sequence[StepExtension], training: bool) -> dict[str, bool]:
+    options: dict[str, bool] = {}
+    for ext in extensions:
+        options.update(ext.split_options(training))
+    return options
+
+
 def _checked_inputs_skip(
     batch: Mapping[str, Any],
     spec: BatchSpec,
     input_check: InputCheck | None,
-    chunks: Sequence[torch.nn.Module] | None,
-) -> bool:
-    """ONE validation pass of ``batch`` (host only; with ``chunks``, its ``routed_experts``
-    against their MoE config too); the verdict and the batch's
-    :func:`~lightning_mcore_rl.train.validation.batch_summary` through ``input_check``."""
-    from megatron.core.utils import get_model_config
-
+    chunks: Sequence[torch.nn.Module],
+    context: StepContext,
+) -> tuple[bool, tuple[StepExtension, ...]]:
+    """ONE validation pass of ``batch`` (host only; each extension's `check_batch` too); the
+    verdict and the batch's `batch_summary` through ``input_check`` -> (skip, the pass's
+    extensions: none on the LM path)."""
+    extensions: tuple[StepExtension, ...] = ()
     try:
         finding = validate_batch(batch, spec)
-        if chunks:
-            check_routed_experts(batch, get_model_config(chunks[0]))
+        if not spec.lm:
+            extensions = resolve_extensions(context, chunks)
+        for ext in extensions:
+            ext.check_batch(batch, chunks)
     except (ValueError, TypeError) as err:
         if input_check is None:
             raise
         input_check(None, err, None)  # agrees with the other ranks, then re-raises ``err``
         raise
     if input_check is None:
-        return False
-    return input_check(finding, None, batch_summary(batch, spec))
+        return False, extensions
+    return input_check(finding, None, batch_summary(batch, spec)), extensions
 
 
 def _megatron_pass(
@@ -329,6 +341,7 @@ def _megatron_pass(
     post: PostProcessingFunction,
     context: StepContext,
     forward_only: bool,
+    extensions: Sequence[StepExtension],
 ) -> list[dict[str, Any]]:
     _check_temperature(post, context.sampling_params)
     if global_batch.microbatches[0].packed_seq_params is not None:
@@ -336,9 +349,6 @@ def _megatron_pass(
             check_packed_core_attention(chunk)  # before megatron's schedule runs
     capture = post.captures_hidden_states
     draft = context.train_draft and not forward_only and post.trains
-    replay = global_batch.microbatches[0].routed_experts_cp_sharded is not None and replay_enabled(
-        chunks
-    )  # checked up front: replaying routers need `routed_experts` (check_routed_experts)
     iterators = [global_batch.iterator() for _ in chunks]
     return megatron_forward_backward(
         list(chunks) if len(chunks) > 1 else chunks[0],
@@ -358,8 +368,7 @@ def _megatron_pass(
         draft_model=context.draft_model if draft else None,
         enable_hidden_capture=draft,
         use_fused_linear_logprobs=context.use_fused_linear_logprobs,
-        use_router_replay=replay,
-        router_replay_train=replay and not forward_only,  # REPLAY_BACKWARD for recompute
+        extensions=extensions,
         groups=context.groups,
     )
 

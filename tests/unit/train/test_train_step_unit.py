@@ -267,9 +267,6 @@ def test_forward_step_rejects_unknown_post_processors_and_missing_components() -
     never = iter(())  # nothing is consumed before the checks
     with pytest.raises(TypeError, match="Unknown post-processing function type"):
         forward_with_post_processing_fn(never, _Model(), lambda *a: None, groups=G)
-    post = LogprobsPostProcessor(None)
-    with pytest.raises(ValueError, match="`router_replay_train=True` needs `use_router_replay"):
-        forward_with_post_processing_fn(never, _Model(), post, router_replay_train=True, groups=G)
     loss = LossPostProcessor(NLLLossFn(), None)
     with pytest.raises(ValueError, match="`enable_hidden_capture=True` on the last pipeline stage "
                        "needs the `draft_model`"):  # fmt: skip

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mcore_rl.extensions.moe.replay import moe_layer_numbers, sequence_parallel_slice
 from lightning_mcore_rl.parallel import ParallelGroups
-from lightning_mcore_rl.train.router_replay import moe_layer_numbers, sequence_parallel_slice
 
 ROUTER_LOSS_NAMES = (
     "load_balancing_loss",

@@ -1,0 +1,2 @@
+"""Optional step capabilities, one module or folder each, plugged into the core step through
+`lightning_mcore_rl.train.extension.StepExtension`; a default (dense, no draft) step imports none."""

@@ -1,0 +1,107 @@
+"""The step's extension interface: optional capabilities plug into the core at its hook points.
+
+The core (`train/step.py`, `train/forward.py`) runs plan -> per microbatch forward ->
+post-process -> loss -> backward -> statistics; a `StepExtension` adds to it at the points below
+(`extensions.base.NoExtension` implements each as a no-op). An extension lives in its own module under
+`lightning_mcore_rl/extensions/` and is imported only when its feature is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.losses import MetricNormalizer
+    from lightning_mcore_rl.parallel import ParallelGroups
+    from lightning_mcore_rl.train.context import StepContext
+    from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+    from lightning_mcore_rl.train.statistics import StepOutput
+
+
+class StepExtension(Protocol):
+    """A capability hooked into the step at the core's points."""
+
+    def check_batch(self, batch: Mapping[str, Any], chunks: Sequence[torch.nn.Module]) -> None:
+        """Validate the batch's keys this extension reads (host only, before any collective).
+
+        Raises:
+            ValueError, TypeError: a malformed batch.
+        """
+        ...
+
+    def split_options(self, training: bool) -> dict[str, bool]:
+        """Keyword flags for `split_global_batch` (which extra per-microbatch tensors to build)."""
+        ...
+
+    def normalizations(
+        self, chunks: Sequence[torch.nn.Module], training: bool
+    ) -> Mapping[str, MetricNormalizer]:
+        """The normalisations of the metrics this extension adds to the step."""
+        ...
+
+    def statistics_scope(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        microbatches: Sequence[ProcessedMicrobatch],
+        context: StepContext,
+        training: bool,
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The block around a `run_global_batch` schedule; what it yields goes to `finish`."""
+        ...
+
+    def pass_scope(
+        self, chunks: Sequence[torch.nn.Module], training: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The block around every schedule run (training, validation and forward-only passes)."""
+        ...
+
+    def forward_scope(
+        self,
+        model: torch.nn.Module,
+        microbatch: ProcessedMicrobatch,
+        groups: ParallelGroups,
+        training: bool,
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The block around one microbatch's model forward."""
+        ...
+
+    def finish(self, out: StepOutput, state: Any, context: StepContext) -> StepOutput:
+        """The step's output after the statistics' reduction; `state`: what `statistics_scope`
+        yielded."""
+        ...
+
+
+def step_extensions(chunks: Sequence[torch.nn.Module]) -> tuple[StepExtension, ...]:
+    """The extensions a model's config turns on (an extension module is imported only then)."""
+    from megatron.core.utils import get_model_config
+
+    found: list[StepExtension] = []
+    if any(getattr(get_model_config(c), "num_moe_experts", None) for c in chunks):
+        from lightning_mcore_rl.extensions.moe import MoEExtension
+
+        found.append(MoEExtension())
+    return tuple(found)
+
+
+def resolve_extensions(
+    context: StepContext, chunks: Sequence[torch.nn.Module]
+) -> tuple[StepExtension, ...]:
+    """The context's extensions; a context built without a list (`None`) gets the chunks'
+    `step_extensions`."""
+    if context.extensions is not None:
+        return tuple(context.extensions)
+    return step_extensions(chunks)
+
+
+@contextlib.contextmanager
+def entered(scopes: Sequence[contextlib.AbstractContextManager[Any]]) -> Iterator[list[Any]]:
+    """Enter `scopes` in order (exit in reverse, also on error); yields what each yielded."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(scope) for scope in scopes]
+
+
+__all__ = ["StepExtension", "entered", "resolve_extensions", "step_extensions"]
