@@ -1,12 +1,7 @@
-"""Batches, THD sequence packing, microbatching and global valid counts.
-
-A global batch becomes this data-parallel rank's :class:`BatchedDataDict` (``shard_by_batch_size``),
-then exact microbatches: fixed size (``make_microbatch_iterator``) or token-budget
-(:func:`make_token_budget_microbatches`), each optionally packed into one THD row
-(:func:`pack_sequences` with the padding knobs of :func:`get_pack_sequence_parameters`).
-:func:`compute_global_valid_counts` gives the loss normalisers over the DP group.
-Shape notation: see :mod:`lightning_mcore_rl`.
-"""
+"""Batches, THD sequence packing, microbatching and global valid counts: a global batch becomes
+this DP rank's `BatchedDataDict` (`shard_by_batch_size`), then fixed-size or token-budget
+microbatches, each optionally packed into one THD row; `compute_global_valid_counts` gives the
+loss normalisers. Shape notation: see `lightning_mcore_rl`."""
 
 from lightning_mcore_rl.data.batched_data_dict import (
     BatchedDataDict,

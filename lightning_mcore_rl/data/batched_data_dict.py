@@ -1,10 +1,4 @@
-"""``BatchedDataDict``: a dict of per-sample tensors and lists that share dim 0.
-
-A batch holds ``B`` samples; every tensor value is ``[B, ...]`` and every list value has ``B``
-entries. Every tensor with two or more dims is per-token with the sequence at dim 1
-(``input_ids [B,S]``, ``token_mask [B,S]``, ``teacher_topk_logits [B,S,K]``...), and all of them
-must share the width ``S``.
-"""
+"""`BatchedDataDict`: a dict of per-sample tensors and lists that share dim 0."""
 
 from __future__ import annotations
 
@@ -17,15 +11,13 @@ Value = torch.Tensor | list[Any]
 
 
 class BatchedDataDict(dict[str, Value]):
-    """A ``dict[str, Tensor | list]`` whose values share dim 0 (samples).
-
-    Keys used by this project: ``input_ids [B,S]``, ``input_lengths [B]``, ``token_mask [B,S]``,
-    ``sample_mask [B]``, and per algorithm ``advantages``, ``prev_logprobs``, ... ``[B,S]``.
-    """
+    """A `dict[str, Tensor | list]` of `B` samples: tensors `[B, ...]`, lists of `B` entries;
+    tensors of two or more dims are per-token `[B, S, ...]` and share the width `S`
+    (`input_ids [B, S]`, `input_lengths [B]`, `token_mask [B, S]`, `sample_mask [B]`, ...)."""
 
     @property
     def size(self) -> int:
-        """``B``, the shared dim-0 size; raises ``ValueError`` if values disagree (0 if empty)."""
+        """`B`, the shared dim-0 size (0 if empty); raises `ValueError` if values disagree."""
         sizes = {key: _batch_len(value) for key, value in self.items()}
         if not sizes:
             return 0
@@ -38,18 +30,9 @@ class BatchedDataDict(dict[str, Value]):
         return distinct.pop()
 
     def sequence_width(self, reference_key: str = "input_ids") -> int:
-        """The shared sequence width ``S`` (dim 1) of the per-token tensors.
-
-        Args:
-            reference_key: the key whose dim 1 defines ``S``.
-
-        Returns:
-            ``S``.
-
-        Raises:
-            ValueError: ``reference_key`` is missing or not at least 2-D, or another tensor with
-                ndim >= 2 has a different dim 1 (ragged widths).
-        """
+        """The shared width `S`: dim 1 of `reference_key` and of every other per-token tensor;
+        raises
+        `ValueError` if `reference_key` is missing or not 2-D, or the widths are ragged."""
         if reference_key not in self:
             raise ValueError(f"batch has no `{reference_key}` key; keys: {sorted(self)}")
         reference = self[reference_key]
@@ -59,6 +42,8 @@ class BatchedDataDict(dict[str, Value]):
             )
         width = reference.shape[1]
         for key, value in self.items():
+            # every tensor of two or more dims is per-token (`teacher_topk_logits [B, S, K]` too),
+            # so all share S
             if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] != width:
                 raise ValueError(
                     f"ragged widths: `{key}` has shape {tuple(value.shape)} but "
@@ -72,15 +57,9 @@ class BatchedDataDict(dict[str, Value]):
         required_keys: Iterable[str] = ("input_ids", "input_lengths", "sample_mask"),
         length_key: str = "input_lengths",
     ) -> None:
-        """Check the data contract: required keys, shared dim 0, shared width, lengths <= width.
-
-        Args:
-            required_keys: keys that must be present.
-            length_key: key holding the real length of each sample ``[B]`` (checked if present).
-
-        Raises:
-            ValueError: naming the offending key, the expected and the actual value.
-        """
+        """Check the data contract: required keys, shared dim 0, shared width, `0 <= length_key <=
+        S`;
+        raises `ValueError` naming the offending key, the expected and the actual value."""
         missing = [key for key in required_keys if key not in self]
         if missing:
             raise ValueError(
@@ -96,6 +75,7 @@ class BatchedDataDict(dict[str, Value]):
                         f"`{length_key}` must have shape [B]=({batch_size},), got "
                         f"{tuple(lengths.shape)}"
                     )
+                # a length beyond S would index past the row when packing and masking
                 if lengths.numel() and (int(lengths.max()) > width or int(lengths.min()) < 0):
                     raise ValueError(
                         f"`{length_key}` must lie in [0, S={width}], got min "
@@ -103,47 +83,28 @@ class BatchedDataDict(dict[str, Value]):
                     )
 
     def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict:
-        """A new batch holding the samples at ``indices`` (in that order).
-
-        Args:
-            indices: sample indices ``[b]`` into dim 0.
-
-        Returns:
-            ``BatchedDataDict`` of size ``b``.
-        """
+        """A new batch of the samples at `indices [b]` (in that order)."""
         index = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         out = BatchedDataDict()
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
+                # the index moves to each value's device: a batch may hold CPU and device tensors
                 out[key] = value.index_select(0, index.to(value.device))
             else:
                 out[key] = [value[i] for i in index.tolist()]
         return out
 
     def slice(self, start: int, end: int) -> BatchedDataDict:
-        """Samples ``[start, end)`` (tensor values are views).
-
-        Args:
-            start: first sample.
-            end: one past the last sample.
-
-        Returns:
-            ``BatchedDataDict`` of size ``end - start``.
-        """
+        """Samples `[start, end)` (tensor values are views); raises `ValueError` out of range."""
         size = self.size
         if not 0 <= start <= end <= size:
             raise ValueError(f"slice [{start}, {end}) is out of range for a batch of size {size}")
         return BatchedDataDict({key: value[start:end] for key, value in self.items()})
 
     def truncate_width(self, width: int) -> BatchedDataDict:
-        """Keep the first ``width`` positions of every per-token tensor (dim 1); others unchanged.
-
-        Args:
-            width: new sequence width, ``<= S``.
-
-        Returns:
-            ``BatchedDataDict`` whose per-token tensors are ``[B, width, ...]`` views.
-        """
+        """The first `width <= S` positions of every per-token tensor (views `[B, width, ...]`);
+        others
+        unchanged."""
         current = self.sequence_width()
         if not 0 < width <= current:
             raise ValueError(f"`width` must be in [1, S={current}], got {width}")
@@ -163,17 +124,7 @@ class BatchedDataDict(dict[str, Value]):
         balance_lengths: bool = False,
         length_key: str = "input_lengths",
     ) -> list[torch.Tensor]:
-        """Sample indices of each data-parallel shard (see :meth:`shard_by_batch_size`).
-
-        Args:
-            shards: number of data-parallel ranks ``DP``.
-            batch_size: global batch size; default the whole batch.
-            balance_lengths: balance token counts across shards instead of contiguous pieces.
-            length_key: per-sample length ``[B]`` used when balancing.
-
-        Returns:
-            ``shards`` index tensors, each ``[size / shards]``.
-        """
+        """Sample indices `[size / shards]` of each DP shard (see `shard_by_batch_size`)."""
         size = self.size
         batch_size = size if batch_size is None else batch_size
         if shards < 1:
@@ -198,10 +149,13 @@ class BatchedDataDict(dict[str, Value]):
             chunk = list(range(start, start + batch_size))
             if balance_lengths:
                 lengths = torch.as_tensor(self[length_key])[start : start + batch_size].tolist()
+                # equal sample counts, balanced token sums; each piece keeps its samples in input
+                # order
                 groups = balanced_equal_count_partition(lengths, shards)
                 pieces = [[chunk[i] for i in group] for group in groups]
             else:
                 step = batch_size // shards
+                # contiguous pieces: each shard still holds whole local batches in step order
                 pieces = [chunk[r * step : (r + 1) * step] for r in range(shards)]
             for rank, piece in enumerate(pieces):
                 per_shard[rank].extend(piece)
@@ -214,39 +168,18 @@ class BatchedDataDict(dict[str, Value]):
         balance_lengths: bool = False,
         length_key: str = "input_lengths",
     ) -> list[BatchedDataDict]:
-        """Split into ``shards`` data-parallel shards, one global batch of ``batch_size`` at a time.
-
-        Each global batch (consecutive ``batch_size`` samples) is divided into ``shards`` pieces of
-        ``batch_size / shards`` samples; shard ``r`` concatenates piece ``r`` of every global batch,
-        so each shard still holds whole "local" batches in step order. With ``balance_lengths``,
-        the pieces are chosen to balance the sum of ``length_key`` per shard (equal sample counts),
-        and each piece keeps its samples in input order.
-
-        Args:
-            shards: number of data-parallel ranks ``DP``.
-            batch_size: global batch size; default the whole batch.
-            balance_lengths: balance token counts across shards instead of contiguous pieces.
-            length_key: per-sample length ``[B]`` used when balancing.
-
-        Returns:
-            ``shards`` batches of ``size / shards`` samples each.
+        """Split into `shards` data-parallel shards of `size / shards` samples, one global batch of
+        `batch_size` (default: all) at a time, balancing `length_key [B]` sums if `balance_lengths`.
 
         Raises:
-            ValueError: ``size`` not divisible by ``batch_size`` or ``batch_size`` by ``shards``,
-                or ``length_key`` missing when balancing.
+            ValueError: `size` not divisible by `batch_size` or `batch_size` by `shards`, or
+                `length_key` missing when balancing.
         """
         indices = self.shard_indices(shards, batch_size, balance_lengths, length_key)
         return [self.select_indices(index) for index in indices]
 
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[BatchedDataDict]:
-        """Fixed-size microbatches in order.
-
-        Args:
-            microbatch_size: samples per microbatch; must divide ``size``.
-
-        Yields:
-            ``BatchedDataDict`` slices of ``microbatch_size`` samples.
-        """
+        """Fixed-size microbatches (slices) in order; `microbatch_size` must divide `size`."""
         size = self.size
         if microbatch_size < 1 or size % microbatch_size != 0:
             raise ValueError(
@@ -255,7 +188,7 @@ class BatchedDataDict(dict[str, Value]):
         return (self.slice(s, s + microbatch_size) for s in range(0, size, microbatch_size))
 
     def to(self, device: torch.device | str) -> BatchedDataDict:
-        """Move every tensor to ``device`` (lists unchanged); returns a new batch."""
+        """A new batch with every tensor on `device` (lists unchanged)."""
         return BatchedDataDict(
             {
                 key: value.to(device) if isinstance(value, torch.Tensor) else value
@@ -269,14 +202,9 @@ class BatchedDataDict(dict[str, Value]):
         batches: Sequence[Mapping[str, Value]],
         pad_values: Mapping[str, float] | None = None,
     ) -> BatchedDataDict:
-        """Concatenate batches along dim 0; per-token tensors of different widths are right-padded.
-
-        Args:
-            batches: batches with identical key sets.
-            pad_values: fill value per key when padding dim 1 (default 0).
-
-        Returns:
-            The concatenated ``BatchedDataDict``.
+        """Concatenate batches with identical keys along dim 0; per-token tensors of different
+        widths
+        are right-padded with `pad_values[key]` (default 0).
 
         Raises:
             ValueError: no batches, differing key sets, or tensors that differ beyond dim 1.
@@ -294,6 +222,7 @@ class BatchedDataDict(dict[str, Value]):
         for key in keys:
             values = [batch[key] for batch in batches]
             if all(isinstance(v, torch.Tensor) for v in values):
+                # rollouts of different lengths: per-token tensors are right-padded to the widest
                 out[key] = _cat_padded(
                     key, cast(list[torch.Tensor], values), pad_values.get(key, 0)
                 )
@@ -306,24 +235,15 @@ class BatchedDataDict(dict[str, Value]):
 
 
 def balanced_equal_count_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Partition ``len(lengths)`` items into ``parts`` groups of equal count with balanced sums.
-
-    Greedy longest-processing-time: items in decreasing length go to the group with the smallest
-    sum that still has room. Each group's indices are returned in increasing order.
-
-    Args:
-        lengths: item weights ``[n]``, ``n % parts == 0``.
-        parts: number of groups.
-
-    Returns:
-        ``parts`` lists of ``n / parts`` indices.
-    """
+    """`parts` lists of `n / parts` indices (each increasing) of `lengths [n]`, equal counts with
+    balanced sums; raises `ValueError` unless `n % parts == 0`."""
     count = len(lengths)
     if count % parts != 0:
         raise ValueError(f"{count} items cannot be split into {parts} groups of equal count")
     capacity = count // parts
     groups: list[list[int]] = [[] for _ in range(parts)]
     sums = [0] * parts
+    # greedy longest-processing-time: the longest item goes to the open group with the smallest sum
     for index in sorted(range(count), key=lambda i: (-lengths[i], i)):
         open_groups = [g for g in range(parts) if len(groups[g]) < capacity]
         target = min(open_groups, key=lambda g: (sums[g], g))

@@ -1,12 +1,4 @@
-"""Token-budget (dynamic) microbatching and global valid counts.
-
-RL rollouts have long-tailed lengths, so a fixed number of sequences per microbatch either wastes
-compute on padding or runs out of memory on the long tail. Here each data-parallel rank groups its
-sequences into microbatches whose token cost fits ``max_tokens_per_microbatch`` (first-fit
-decreasing), then the ranks agree on one microbatch count (Megatron's schedule runs the same number
-of microbatches on every rank) by splitting their largest microbatches. Outputs computed per
-microbatch are put back in input order with :meth:`TokenBudgetMicrobatches.restore_order`.
-"""
+"""Token-budget (dynamic) microbatching and global valid counts."""
 
 from __future__ import annotations
 
@@ -23,17 +15,13 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
+# RL rollouts have long-tailed lengths: a fixed number of sequences per microbatch wastes compute on
+# padding or runs out of memory on the long tail. Each DP rank groups its sequences by token cost
+# instead; the ranks then agree on one microbatch count (megatron's schedule runs the same number on
+# every rank) by splitting their largest microbatches
 def microbatch_cost(lengths: Sequence[int], *, packed: bool, pad_individual: int = 1) -> int:
-    """Tokens a microbatch of sequences with ``lengths`` processes.
-
-    Args:
-        lengths: real lengths of the microbatch's sequences.
-        packed: THD packing (sum of spans) rather than padding to the longest sequence.
-        pad_individual: per-sequence multiple (packed span / padded width rounding).
-
-    Returns:
-        ``sum(round_up(len, pad))`` when packed, ``n * round_up(max(len), pad)`` when padded.
-    """
+    """Tokens a microbatch of sequences of `lengths` processes: `sum(round_up(len, pad))` when
+    `packed` (THD), `n * round_up(max(len), pad)` when padded."""
     if not lengths:
         return 0
     if packed:
@@ -43,12 +31,8 @@ def microbatch_cost(lengths: Sequence[int], *, packed: bool, pad_individual: int
 
 @dataclass(frozen=True)
 class MicrobatchPlan:
-    """Assignment of a batch's samples to microbatches.
-
-    Attributes:
-        indices: per microbatch, the sample indices (increasing) into the local batch.
-        costs: per microbatch, the tokens it processes (see :func:`microbatch_cost`).
-    """
+    """Assignment of a batch's samples to microbatches: per microbatch its sample `indices`
+    (increasing) and its `costs` (`microbatch_cost`)."""
 
     indices: tuple[tuple[int, ...], ...]
     costs: tuple[int, ...]
@@ -67,27 +51,12 @@ def plan_token_budget_microbatches(
     pad_individual: int = 1,
     min_num_microbatches: int = 1,
 ) -> MicrobatchPlan:
-    """Group sequences into microbatches whose cost fits a token budget (first-fit decreasing).
-
-    Sequences are visited longest first and placed in the first microbatch that stays within
-    the budget. If fewer than ``min_num_microbatches`` result, the microbatch with the largest
-    cost among those holding >= 2 sequences is split in two (greedy balanced halves) until the
-    count is reached; splitting never raises a cost, so the budget still holds.
-
-    Args:
-        seq_lengths: real lengths ``[B]``.
-        max_tokens_per_microbatch: token budget per microbatch.
-        packed: cost as THD-packed (True) or padded to the microbatch's longest sequence.
-        pad_individual: per-sequence rounding multiple used in the cost.
-        min_num_microbatches: at least this many microbatches (e.g. the DP-wide maximum).
-
-    Returns:
-        The :class:`MicrobatchPlan`, microbatches in creation order (the first holds the longest
-        sequence; split-off microbatches come last).
+    """Group sequences of `seq_lengths [B]` into microbatches whose `microbatch_cost` (`packed`,
+    `pad_individual`) fits the token budget, at least `min_num_microbatches` of them.
 
     Raises:
         ValueError: empty batch, a budget below the longest sequence's cost, or
-            ``min_num_microbatches`` above the number of sequences.
+            `min_num_microbatches` above the number of sequences.
     """
     lengths = [int(length) for length in seq_lengths]
     if not lengths:
@@ -116,6 +85,8 @@ def plan_token_budget_microbatches(
     costs: list[int] = []  # running cost of each bin: O(1) per placement attempt
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         span = round_up(lengths[index], pad_individual)
+        # first-fit decreasing: longest first, into the first microbatch that stays within the
+        # budget
         for b, bin_ in enumerate(bins):
             # visited longest first, so a padded bin's width is its first sequence's
             new_cost = costs[b] + (span if packed else costs[b] // len(bin_))
@@ -127,6 +98,8 @@ def plan_token_budget_microbatches(
             bins.append([index])
             costs.append(span)
     while len(bins) < min_num_microbatches:
+        # split the costliest microbatch of >= 2 sequences in two: splitting never raises a cost, so
+        # the budget still holds; split-off microbatches come last
         splittable = [b for b in bins if len(b) >= 2]
         largest = max(splittable, key=cost)
         bins.remove(largest)
@@ -139,6 +112,7 @@ def _split_in_two(bin_: list[int], lengths: list[int]) -> list[list[int]]:
     halves: list[list[int]] = [[], []]
     sums = [0, 0]
     for index in sorted(bin_, key=lambda i: (-lengths[i], i)):
+        # greedy balanced halves: longest first, to the half with the smaller sum
         target = 0 if (sums[0], len(halves[0])) <= (sums[1], len(halves[1])) else 1
         halves[target].append(index)
         sums[target] += lengths[index]
@@ -158,16 +132,8 @@ class TokenBudgetMicrobatches(NamedTuple):
     def restore_order(
         self, outputs: Sequence[torch.Tensor], pad_value: float = 0.0
     ) -> torch.Tensor:
-        """Concatenate per-microbatch outputs and put the samples back in input order.
-
-        Args:
-            outputs: per microbatch, ``[b_i, ...]`` or ``[b_i, s_i, ...]`` (e.g. logprobs);
-                per-token outputs narrower than the input are right-padded.
-            pad_value: fill for the padded positions.
-
-        Returns:
-            ``[B, ...]`` (per-token outputs ``[B, S, ...]``) in the input batch's order.
-        """
+        """Per-microbatch outputs `[b_i, ...]` or `[b_i, s_i, ...]` concatenated in input order:
+        `[B, ...]` (per-token: right-padded with `pad_value` to `[B, S, ...]`)."""
         if len(outputs) != self.plan.num_microbatches:
             raise ValueError(
                 f"got {len(outputs)} outputs for {self.plan.num_microbatches} microbatches"
@@ -199,30 +165,20 @@ def make_token_budget_microbatches(
     pad_individual: int = 1,
     length_key: str = "input_lengths",
 ) -> TokenBudgetMicrobatches:
-    """Split this data-parallel rank's batch into token-budget microbatches, equal in number on
-    every rank of ``dp_group`` (one all-reduce MAX of the count).
-
-    Args:
-        batch: this rank's samples, with ``input_ids [B,S]`` and ``length_key [B]``.
-        max_tokens_per_microbatch: token budget (see :func:`microbatch_cost`).
-        dp_group: the data-parallel group (every rank must call this).
-        packed: budget as THD-packed microbatches (else padded to each microbatch's longest).
-        pad_individual: per-sequence multiple used for costs and for the trimmed width.
-        length_key: per-sample real length key.
-
-    Returns:
-        :class:`TokenBudgetMicrobatches`; every microbatch's per-token tensors are trimmed to
-        ``min(S, round_up(longest, pad_individual))``.
+    """Split this data-parallel rank's batch (`input_ids [B, S]`, `length_key [B]`) into
+    token-budget microbatches, equal in number on every rank of `dp_group` (one all-reduce MAX),
+    each trimmed to `min(S, round_up(longest, pad_individual))`.
 
     Raises:
-        ValueError: before any collective, if ``length_key`` is missing, lengths exceed ``S``, or
-            the budget is below the longest sequence; after it, if this rank has fewer sequences
-            than the DP-wide microbatch count (ranks must hold equal sample counts).
+        ValueError: before any collective, if `length_key` is missing, lengths exceed `S`, or the
+            budget is below the longest sequence; after it, if this rank has fewer sequences than
+            the DP-wide microbatch count.
     """
     import torch.distributed as dist
 
     batch.validate(required_keys=("input_ids", length_key), length_key=length_key)
     width = batch.sequence_width()
+    # the plan is built on the host: one sync for all lengths
     lengths = torch.as_tensor(batch[length_key]).tolist()
     local = plan_token_budget_microbatches(
         lengths, max_tokens_per_microbatch, packed=packed, pad_individual=pad_individual
@@ -232,6 +188,8 @@ def make_token_budget_microbatches(
     count = torch.tensor([local.num_microbatches], dtype=torch.long, device=input_ids.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     target = int(count.item())
+    # ranks must hold equal sample counts: a rank cannot make more microbatches than it has
+    # sequences
     if target > len(lengths):
         raise ValueError(
             f"this data-parallel rank holds {len(lengths)} sequences but another rank needs "
@@ -251,16 +209,16 @@ def make_token_budget_microbatches(
     microbatches = []
     for index in plan.indices:
         longest = max(lengths[i] for i in index)
+        # trimmed to its own longest sequence: columns beyond it would be padding computed for
+        # nothing (at least 1 wide for an all-empty microbatch)
         trimmed = min(width, max(1, round_up(longest, pad_individual)))
         microbatches.append(batch.select_indices(list(index)).truncate_width(trimmed))
     return TokenBudgetMicrobatches(microbatches, plan, width)
 
 
 class GlobalValidCounts(NamedTuple):
-    """Normalisers shared by every microbatch's loss in one global batch.
-
-    See docs/behaviour-reference.md §2.10.
-    """
+    """Normalisers shared by every microbatch's loss in one global batch
+    (docs/behaviour-reference.md §2.10)."""
 
     global_valid_seqs: torch.Tensor
     """0-d float32: ``sum(sample_mask)`` over the data-parallel group."""
@@ -271,22 +229,11 @@ class GlobalValidCounts(NamedTuple):
 def compute_global_valid_counts(
     batch: BatchedDataDict, dp_group: ProcessGroup
 ) -> GlobalValidCounts:
-    """Valid sequence and token counts of the global batch, summed over data parallelism only.
-
-    Context-parallel ranks hold identical data, so summing over DP x CP would over-count
-    (docs/behaviour-reference.md trap 4). Both counts travel in one all-reduce. Without
-    ``token_mask`` every position counts: ``local_valid_toks = local_valid_seqs * S``.
-
-    Args:
-        batch: this DP rank's share of the global batch: ``sample_mask [B]``, optional
-            ``token_mask [B,S]`` (and ``input_ids [B,S]`` for ``S`` when ``token_mask`` is absent).
-        dp_group: the data-parallel process group.
-
-    Returns:
-        :class:`GlobalValidCounts` on ``sample_mask``'s device.
+    """Valid sequence and token counts of the global batch (`sample_mask [B]`, optional
+    `token_mask [B, S]`), summed over data parallelism only, on `sample_mask`'s device.
 
     Raises:
-        ValueError: ``sample_mask`` missing or not ``[B]``, ``token_mask`` not ``[B, S]``.
+        ValueError: `sample_mask` missing or not `[B]`, `token_mask` not `[B, S]`.
     """
     import torch.distributed as dist
 
@@ -298,6 +245,8 @@ def compute_global_valid_counts(
     sample_mask = torch.as_tensor(batch["sample_mask"])
     if sample_mask.ndim != 1:
         raise ValueError(f"`sample_mask` must be [B], got shape {tuple(sample_mask.shape)}")
+    # summed over DP only: CP ranks hold identical data, so DP x CP would over-count
+    # (docs/behaviour-reference.md trap 4)
     valid_seqs = sample_mask.double().sum()
     if "token_mask" in batch:
         token_mask = torch.as_tensor(batch["token_mask"])
@@ -306,8 +255,10 @@ def compute_global_valid_counts(
                 f"`token_mask` must be [B, S] with B={sample_mask.shape[0]}, got shape "
                 f"{tuple(token_mask.shape)}"
             )
+        # position 0 is never predicted (next-token convention): the loss sees S-1 tokens per row
         valid_toks = (token_mask[:, 1:].double() * sample_mask.double()[:, None]).sum()
     else:
+        # without `token_mask` every position counts
         valid_toks = valid_seqs * batch.sequence_width()
     counts = torch.stack([valid_seqs, valid_toks])  # [2]: one collective for both
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)

@@ -1,13 +1,7 @@
-"""THD sequence packing for megatron-core (docs/behaviour-reference.md §6.1, §6.2).
-
-A microbatch of ``B`` right-padded rows ``[B, S]`` becomes one packed row ``[1, T]``: sequence ``i``
-occupies the span ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])`` holding its ``len_i`` real
-tokens followed by zeros. Spans are ``round_up(len_i, pad_individual)`` long except the last, which
-absorbs all bin padding (to ``pad_packed_to`` or a multiple of ``pad_packed_multiple``). With
-context parallelism each span is zigzag-sharded on its own, so a CP rank holds ``[1, T/CP]``:
-the concatenation of its shard of every span (never a shard of the whole row,
-docs/behaviour-reference.md trap 3).
-"""
+"""THD sequence packing for megatron-core (docs/behaviour-reference.md §6.1, §6.2): `B`
+right-padded rows `[B, S]` become one packed row `[1, T]`, sequence `i` in the span
+`[cu_seqlens_padded[i], cu_seqlens_padded[i+1])` (its real tokens, then zeros); a CP rank holds
+`[1, T/CP]`."""
 
 from __future__ import annotations
 
@@ -35,10 +29,8 @@ _HYBRIDEP_DIVISOR = 128
 
 
 class PackedSequences(NamedTuple):
-    """Result of :func:`pack_sequences`.
-
-    Unpacks as the reference packer's 5-tuple (docs/behaviour-reference.md §6.2).
-    """
+    """Result of `pack_sequences`; unpacks as the reference packer's 5-tuple
+    (docs/behaviour-reference.md §6.2)."""
 
     packed_full: torch.Tensor
     """``[1, T]`` all spans, unsharded."""
@@ -53,23 +45,16 @@ class PackedSequences(NamedTuple):
 
 
 def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is ``>= value``."""
+    """Smallest multiple of `multiple` that is `>= value`."""
     return -(-value // multiple) * multiple
 
 
 def minimum_pad_individual(
     *, tensor_model_parallel_size: int, sequence_parallel: bool, context_parallel_size: int
 ) -> int:
-    """Smallest per-sequence pad factor the parallel layout needs: ``(2*CP if CP>1) * (TP if SP)``.
-
-    Args:
-        tensor_model_parallel_size: ``TP``.
-        sequence_parallel: megatron sequence parallelism (splits tokens over TP ranks).
-        context_parallel_size: ``CP``.
-
-    Returns:
-        The factor (1 without CP and SP).
-    """
+    """Smallest per-sequence pad factor the parallel layout needs: `(2*CP if CP>1) * (TP if SP)`."""
+    # CP splits each sequence into 2*CP zigzag chunks; sequence parallelism splits the tokens over
+    # TP as well
     cp_factor = 2 * context_parallel_size if context_parallel_size > 1 else 1
     tp_factor = (
         tensor_model_parallel_size if tensor_model_parallel_size > 1 and sequence_parallel else 1
@@ -89,37 +74,13 @@ def get_pack_sequence_parameters(
     moe_token_dispatcher_type: MoeTokenDispatcherType = "allgather",
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = "deepep",
 ) -> tuple[int, int, int | None]:
-    """Padding knobs for :func:`pack_sequences` under a parallel layout.
-
-    See docs/behaviour-reference.md §6.1.
-
-    Args:
-        tensor_model_parallel_size: ``TP``.
-        sequence_parallel: megatron sequence parallelism.
-        pipeline_model_parallel_size: ``PP``; with PP > 1 every microbatch is padded to one length.
-        context_parallel_size: ``CP``.
-        pad_individual: configured per-sequence multiple; must be a multiple of
-            :func:`minimum_pad_individual`.
-        max_seq_len_in_batch: with PP > 1, the longest packed microbatch (sum of its padded
-            spans) of the global batch; every microbatch is padded up to it.
-        fp8: FP8 recipe, or ``None`` without FP8.
-        moe_token_dispatcher_type: megatron's MoE token dispatcher (its config field, default
-            ``"allgather"``).
-        moe_flex_dispatcher_backend: megatron's backend of the ``"flex"`` dispatcher (its
-            config field, default ``"deepep"``); ``"hybridep"`` with the flex dispatcher needs
-            packed totals divisible by 128.
-
-    Returns:
-        ``(pad_individual, pad_packed_multiple, pad_packed_to)``: ``pad_packed_multiple`` is
-        ``divisor * minimum_pad_individual`` when a divisor applies, else 1, the divisor being
-        the largest of FP8's (16 tensorwise/delayed, 128 blockwise, 32 mxfp8) and HybridEP's
-        (128, flex dispatcher with the ``"hybridep"`` backend); ``pad_packed_to`` is
-        ``max_seq_len_in_batch`` rounded up to ``pad_packed_multiple`` when PP > 1, else
-        ``None``.
+    """`(pad_individual, pad_packed_multiple, pad_packed_to)` for `pack_sequences` under a parallel
+    layout (docs/behaviour-reference.md §6.1); `fp8` and the MoE dispatcher fields as megatron's
+    config names them.
 
     Raises:
-        ValueError: a size < 1, an unknown ``fp8`` recipe or MoE dispatcher option, or a
-            ``pad_individual`` that is not a multiple of the layout's minimum.
+        ValueError: a size < 1, an unknown `fp8` recipe or MoE dispatcher option, or a
+            `pad_individual` that is not a multiple of `minimum_pad_individual`.
     """
     sizes = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
@@ -153,7 +114,11 @@ def get_pack_sequence_parameters(
     divisor = _FP8_DIVISOR[fp8] if fp8 is not None else 1
     if moe_token_dispatcher_type == "flex" and moe_flex_dispatcher_backend == "hybridep":
         divisor = max(divisor, _HYBRIDEP_DIVISOR)  # 128 is a multiple of every FP8 divisor
+    # times the per-sequence minimum: the last span absorbs the bin padding and must stay divisible
+    # by 2*CP (and TP under SP)
     pad_packed_multiple = divisor * minimum if divisor > 1 else 1
+    # with PP > 1 every microbatch is padded to one length: the pipeline's send/recv shapes are
+    # fixed
     pad_packed_to = (
         round_up(max_seq_len_in_batch, pad_packed_multiple)
         if pipeline_model_parallel_size > 1
@@ -168,20 +133,12 @@ def padded_span_lengths(
     pad_packed_multiple: int = 1,
     pad_packed_to: int | None = None,
 ) -> list[int]:
-    """Span length of each sequence in the packed row (the last span absorbs bin padding).
-
-    Args:
-        seq_lengths: real lengths ``[B]``.
-        pad_individual: per-sequence multiple.
-        pad_packed_multiple: multiple of the packed total.
-        pad_packed_to: exact packed total (overrides ``pad_packed_multiple``).
-
-    Returns:
-        ``[B]`` span lengths summing to ``T``.
+    """`[B]` span lengths of `seq_lengths [B]` in the packed row, summing to `T`: each rounded up to
+    `pad_individual`, the last absorbing the padding to `pad_packed_to` (exact) or a multiple of
+    `pad_packed_multiple`.
 
     Raises:
-        ValueError: ``pad_packed_to`` not a multiple of ``pad_packed_multiple`` or smaller than
-            the sum of the per-sequence padded lengths.
+        ValueError: `pad_packed_to` not a multiple of `pad_packed_multiple` or below the padded sum.
     """
     spans = [round_up(length, pad_individual) for length in seq_lengths]
     total = sum(spans)
@@ -200,6 +157,7 @@ def padded_span_lengths(
         target = pad_packed_to
     else:
         target = round_up(total, pad_packed_multiple)
+    # the last span absorbs all bin padding
     spans[-1] += target - total
     return spans
 
@@ -213,28 +171,18 @@ def pack_sequences(
     cp_rank: int = 0,
     cp_size: int = 1,
 ) -> PackedSequences:
-    """Pack right-padded rows into one THD row for megatron-core.
-
-    See docs/behaviour-reference.md §6.2.
+    """Pack right-padded rows `input_ids [B, S]` of real lengths `seq_lengths [B]` (0 allowed)
+    into one THD row: `PackedSequences(packed_full [1, T], packed_local [1, T/CP],
+    packed_seq_params,
+    cu_seqlens [B+1], cu_seqlens_padded [B+1])` (docs/behaviour-reference.md §6.2).
 
     Args:
-        input_ids: ``[B, S]`` right-padded token ids.
-        seq_lengths: ``[B]`` real lengths, ``0 <= len_i <= S`` (zero-length sequences allowed).
-        pad_individual: each sequence's span is rounded up to this multiple.
-        pad_packed_multiple: the packed total ``T`` is rounded up to this multiple.
-        pad_packed_to: exact ``T`` (pipeline parallelism needs equal shapes).
-        cp_rank: this rank's context-parallel rank.
-        cp_size: ``CP``; every span must then be a multiple of ``2*CP``.
-
-    Returns:
-        :class:`PackedSequences` ``(packed_full [1,T], packed_local [1,T/CP], packed_seq_params,
-        cu_seqlens [B+1], cu_seqlens_padded [B+1])``. ``packed_seq_params`` holds the padded
-        boundaries in both the q/kv and the ``*_padded`` fields (padding is part of each span;
-        causal attention keeps real tokens unaffected) and ``max_seqlen_q/kv`` = the longest span
-        (the longest real length when no padding is requested).
+        pad_individual: each sequence's span is rounded up to this multiple (of `2*CP` under CP).
+        pad_packed_multiple: the packed total `T` is rounded up to this multiple.
+        pad_packed_to: exact `T` (pipeline parallelism needs equal shapes).
 
     Raises:
-        ValueError: bad shapes, lengths outside ``[0, S]``, pad factors < 1, or spans that the CP
+        ValueError: bad shapes, lengths outside `[0, S]`, pad factors < 1, or spans that the CP
             zigzag layout cannot split.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -260,12 +208,18 @@ def pack_sequences(
 
     width = input_ids.shape[1]
     real = torch.arange(width, device=device)[None, :] < seq_lengths.to(device)[:, None]  # [B, S]
+    # every real token scattered to its position in its span in one indexing op
     destination = cu_seqlens_padded[:-1, None].long() + torch.arange(width, device=device)[None, :]
     packed_full = input_ids.new_zeros(1, total)
     packed_full[0, destination[real]] = input_ids[real]
+    # each span is zigzag-sharded on its own, never the whole row (docs/behaviour-reference.md trap
+    # 3)
     local_index = cp_local_indices(cu_seqlens_padded, cp_rank, cp_size)
     packed_local = packed_full[:, local_index] if cp_size > 1 else packed_full
 
+    # the padded boundaries in both the q/kv and the *_padded fields: padding is part of each span,
+    # and causal attention keeps the real tokens unaffected; max_seqlen is the longest span (the
+    # longest real length when nothing is padded)
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens_padded,
@@ -279,16 +233,8 @@ def pack_sequences(
 
 
 def cp_local_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Positions of the packed row that CP rank ``cp_rank`` holds, in its local order.
-
-    Args:
-        cu_seqlens_padded: ``[B+1]`` span boundaries; every span a multiple of ``2*CP``.
-        cp_rank: context-parallel rank.
-        cp_size: ``CP``.
-
-    Returns:
-        ``[T/CP]`` long indices into ``[0, T)``: the zigzag shard of each span, concatenated.
-    """
+    """`[T/CP]` long positions of the packed row that CP rank `cp_rank` holds: the zigzag shard
+    of each span of `cu_seqlens_padded [B+1]` (each a multiple of `2*CP`), concatenated."""
     bounds = cu_seqlens_padded.tolist()
     device = cu_seqlens_padded.device
     pieces = [
@@ -306,16 +252,10 @@ def cp_local_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int
 def restore_packed_from_cp_shards(
     shards: list[torch.Tensor], cu_seqlens_padded: torch.Tensor
 ) -> torch.Tensor:
-    """Reassemble the full packed row from every CP rank's local row, span by span.
-
-    Args:
-        shards: ``CP`` tensors ``[1, T/CP, ...]``, CP rank ``r``'s at index ``r``.
-        cu_seqlens_padded: ``[B+1]`` span boundaries of the full row.
-
-    Returns:
-        ``[1, T, ...]`` in packed order.
-    """
+    """The full packed row `[1, T, ...]` from every CP rank's local row `[1, T/CP, ...]` (rank `r`
+    at index `r`), span by span."""
     cp_size = len(shards)
+    # a rank holds 1/CP of every span, starting at the span's start / CP
     bounds = [b // cp_size for b in cu_seqlens_padded.tolist()]
     spans = [
         restore_from_cp_shards([shard[:, start:end] for shard in shards], seq_dim=1)
@@ -328,22 +268,13 @@ def restore_packed_from_cp_shards(
 def packed_position_ids(
     cu_seqlens_padded: torch.Tensor, cp_rank: int = 0, cp_size: int = 1
 ) -> torch.Tensor:
-    """Per-document position ids of the packed row (restart at 0 in every span).
-
-    Learned absolute position embeddings need these; RoPE derives positions from ``cu_seqlens``.
-
-    Args:
-        cu_seqlens_padded: ``[B+1]`` span boundaries.
-        cp_rank: context-parallel rank.
-        cp_size: ``CP``.
-
-    Returns:
-        ``[1, T/CP]`` long position ids, laid out like ``packed_local``.
-    """
+    """Per-document position ids `[1, T/CP]` of the packed row (restarting at 0 in every span),
+    laid out like `packed_local`."""
     total = int(cu_seqlens_padded[-1])
     device = cu_seqlens_padded.device
     spans = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).long()
     starts = torch.repeat_interleave(cu_seqlens_padded[:-1].long(), spans, output_size=total)
+    # learned absolute position embeddings need these; RoPE derives positions from cu_seqlens
     positions = torch.arange(total, device=device) - starts
     if cp_size > 1:
         positions = positions[cp_local_indices(cu_seqlens_padded, cp_rank, cp_size)]
@@ -357,20 +288,11 @@ def unpack_sequences(
     width: int,
     pad_value: float = 0.0,
 ) -> torch.Tensor:
-    """Inverse of packing: scatter each span's real tokens back into right-padded rows.
-
-    Args:
-        packed: ``[1, T, ...]`` full (unsharded) packed tensor, e.g. ``packed_full`` or logprobs.
-        cu_seqlens: ``[B+1]`` real-length prefix sums.
-        cu_seqlens_padded: ``[B+1]`` span boundaries.
-        width: ``S`` of the output rows (``>=`` every real length).
-        pad_value: fill value beyond each real length.
-
-    Returns:
-        ``[B, S, ...]``.
+    """Inverse of packing: each span's real tokens of the full `packed [1, T, ...]` back into
+    right-padded rows `[B, S, ...]` (`S` = `width`, beyond each length `pad_value`).
 
     Raises:
-        ValueError: ``width`` is smaller than the longest real length.
+        ValueError: `width` is smaller than the longest real length.
     """
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     if lengths.numel() and int(lengths.max()) > width:
@@ -389,6 +311,7 @@ def _prefix_sums(values: list[int], device: torch.device) -> torch.Tensor:
     cumulative = [0]
     for value in values:
         cumulative.append(cumulative[-1] + value)
+    # int32: the dtype megatron's and Transformer Engine's THD kernels take for cu_seqlens
     return torch.tensor(cumulative, dtype=torch.int32, device=device)
 
 
@@ -409,6 +332,7 @@ def _check_pack_inputs(
         )
     if seq_lengths.is_floating_point():
         raise TypeError(f"`seq_lengths` must be an integer tensor, got {seq_lengths.dtype}")
+    # one host sync: the spans are laid out on the host
     lengths = [int(length) for length in seq_lengths.tolist()]
     if min(lengths) < 0 or max(lengths) > width:
         raise ValueError(

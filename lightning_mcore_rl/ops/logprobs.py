@@ -34,7 +34,7 @@ def dense_local_targets(
 ) -> torch.Tensor:
     """`roll(target [B, S], -1)` right-padded with 0 to `S_l * CP`, this rank's zigzag shard
     `[B, S_l]` (`local_seq_len` = `S_l`, `S_l * CP >= S`)."""
-    # order (docs/behaviour-reference.md 5.5/5.6, trap 1): roll by -1, right-pad to S_l * CP,
+    # order (docs/behaviour-reference.md §5.5/§5.6, trap 1): roll by -1, right-pad to S_l * CP,
     # zigzag-shard, run the kernel, all-gather over CP, drop the padding, then the last position (it
     # scored the wrapped-around first token)
     rolled = target.roll(-1, dims=1)

@@ -21,7 +21,7 @@ from lightning_mcore_rl.ops.vocab_parallel import global_logsumexp
 
 # all three per-token quantities are expectations under the student, F = sum_v p_v w_v: reverse KL w
 # = log p_s - log p_t, negative entropy w = log p_s, cross entropy w = -log p_t; dF/dz_v = p_v (w_v
-# - F) (docs/behaviour-reference.md 3.5). Only the reverse KL is differentiable here
+# - F) (docs/behaviour-reference.md §3.5). Only the reverse KL is differentiable here
 _SUM = dist.ReduceOp.SUM
 
 

@@ -197,7 +197,7 @@ def get_distillation_topk_logprobs_from_logits(
     cp_group: Any = None,
 ) -> DistillationTopkLogprobs:
     """Student and teacher logprobs `[B, S-1, k]` at the teacher's top-k ids
-    (docs/behaviour-reference.md 5.10) from the student's shard `[B, S/CP, V/TP]` (temperature
+    (docs/behaviour-reference.md §5.10) from the student's shard `[B, S/CP, V/TP]` (temperature
     applied) and the teacher's `[B, S, k]` logits and global ids.
 
     Args:
