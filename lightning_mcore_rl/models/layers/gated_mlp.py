@@ -1,20 +1,4 @@
-"""A SwiGLU MLP whose backward keeps only the first linear's output, without Transformer Engine.
-
-megatron-core's unfused gated MLP (``MLP.forward`` with ``bias_activation_fusion=False``, the
-local spec's path on CPU and on a GPU without TE) computes ``silu(gate) * (up + glu_linear_offset)``
-op by op, so autograd keeps, per layer, beside ``linear_fc1``'s output ``[s, b, 2F]``: the
-``silu(gate)`` output and the ``up + 0.0`` copy (``[s, b, F]`` each). :class:`GatedMLP` runs the
-same MLP with :func:`swiglu`, one autograd function that keeps only ``linear_fc1``'s output and
-recomputes the sigmoid in its backward: ``2 * s * b * F`` elements less per layer (44 MiB per
-layer at 4096 fp32 tokens and F=1408, the peer benchmark's Llama). The forward is bitwise
-megatron's; the backward evaluates the same formulas as torch's ``silu`` backward, in fp32, in
-blocks of rows (:mod:`~lightning_mcore_rl.models.layers.row_blocks`: its temporaries stay small).
-
-megatron's own extension point carries it: ``MLPSubmodules.activation_func`` (a module applied to
-the whole ``linear_fc1`` output), which ``MLP`` uses under ``config.use_te_activation_func``.
-:class:`GatedMLP` sets that flag on its own copy of the config, and only for a plain SwiGLU
-(:func:`lean_swiglu_applies`); the model's config is not changed.
-"""
+"""A SwiGLU MLP whose backward keeps only the first linear's output, without Transformer Engine."""
 
 from __future__ import annotations
 
@@ -31,8 +15,12 @@ from torch import Tensor
 from lightning_mcore_rl.models.layers.row_blocks import row_slices
 
 
+# megatron's unfused gated MLP (the local spec's path on CPU and on a GPU without TE) computes
+# silu(gate) * (up + glu_linear_offset) op by op, so autograd keeps, beside linear_fc1's output [s,
+# b, 2F], the silu(gate) output and the up + 0.0 copy ([s, b, F] each). This function keeps only
+# linear_fc1's output and recomputes the sigmoid in its backward; the forward is bitwise megatron's
 class _SwiGLUFunction(torch.autograd.Function):
-    """``[..., 2F] -> [..., F]``: ``silu(x[..., :F]) * x[..., F:]``, keeping only ``x``."""
+    """`[..., 2F] -> [..., F]`: `silu(x[..., :F]) * x[..., F:]`, keeping only `x`."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
@@ -42,12 +30,13 @@ class _SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        """``[..., F] -> [..., 2F]`` in blocks of rows, in fp32, rounded once to ``x``'s dtype."""
+        """`[..., F] -> [..., 2F]` in blocks of rows, in fp32, rounded once to `x`'s dtype."""
         (x,) = ctx.saved_tensors
         width = x.shape[-1] // 2
         rows_x, rows_grad = x.reshape(-1, 2 * width), grad.reshape(-1, width)
         out = torch.empty_like(rows_x)
         for rows in row_slices(rows_x.shape[0], width, x.device):
+            # blocks of rows in fp32 (`row_blocks`): the temporaries stay small at the step's peak
             gate, up = torch.chunk(rows_x[rows].float(), 2, dim=-1)
             g = rows_grad[rows].float()
             sigmoid = torch.sigmoid(gate)
@@ -58,32 +47,31 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 
 def swiglu(x: Tensor) -> Tensor:
-    """SwiGLU of ``x [..., 2F]`` (gate half first, megatron's ``linear_fc1`` layout, also per
-    TP shard) -> ``[..., F]``; its backward keeps only ``x``."""
+    """SwiGLU of `x [..., 2F]` (gate half first, megatron's `linear_fc1` layout, also per TP shard)
+    -> `[..., F]`; its backward keeps only `x`. Raises `ValueError` for an odd last dim."""
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu needs an even last dimension (gate and up), got {x.shape}")
     return _SwiGLUFunction.apply(x)
 
 
 class SwiGLU(MegatronModule):
-    """:func:`swiglu` as the module ``MLPSubmodules.activation_func`` builds (``config=``); a
-    ``MegatronModule`` without parameters (its ``sharded_state_dict`` is empty)."""
+    """`swiglu` as the module `MLPSubmodules.activation_func` builds (`config=`); no parameters."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``[..., 2F] -> [..., F]``."""
+        """`[..., 2F] -> [..., F]`."""
         return swiglu(x)
 
 
 def lean_swiglu_applies(config: Any) -> bool:
-    """Whether ``config``'s MLP is a plain SwiGLU that megatron would run unfused: gated, silu,
-    no bias-activation fusion (megatron's fused kernel keeps only its input already), no TE
-    activation, no clamp, ``glu_linear_offset`` 0."""
+    """Whether `config`'s MLP is a plain SwiGLU that megatron would run unfused: gated, silu, no
+    bias-activation fusion, no TE activation, no clamp, `glu_linear_offset` 0."""
     return bool(
         config.gated_linear_unit
         and config.activation_func is F.silu
+        # megatron's fused bias-activation kernel keeps only its input already
         and not config.bias_activation_fusion
         and not config.use_te_activation_func
         and getattr(config, "activation_func_clamp_value", None) is None
@@ -92,16 +80,13 @@ def lean_swiglu_applies(config: Any) -> bool:
     )
 
 
+# in a layer spec it stands where megatron's dense `MLP` stood (`_compat.replace_dense_mlp`): the
+# class before megatron-core 0.19, built on megatron's global TP group;
+# `partial(GatedMLP.as_mlp_submodule, ...)` from 0.19, built with the layer's TP group
 class GatedMLP(MLP):
-    """megatron's ``MLP`` with :class:`SwiGLU` as its activation where
-    :func:`lean_swiglu_applies` (else exactly megatron's ``MLP``, ``activation_func`` left out).
-    Same parameters, checkpoint keys and forward.
-
-    In a layer spec it stands where megatron's dense ``MLP`` stood (`_compat.replace_dense_mlp`:
-    the class before megatron-core 0.19, built on megatron's global tensor-parallel group;
-    ``partial(GatedMLP.as_mlp_submodule, ...)`` from 0.19, built with the layer's TP group),
-    with the local spec's linear layers (:meth:`local_submodules`) by default.
-    """
+    """megatron's `MLP` with `SwiGLU` as its activation where `lean_swiglu_applies` (else exactly
+    megatron's `MLP`): same parameters, checkpoint keys and forward; the local spec's linear layers
+    (`local_submodules`) by default."""
 
     @staticmethod
     def local_submodules() -> MLPSubmodules:
@@ -115,6 +100,8 @@ class GatedMLP(MLP):
     ) -> None:
         submodules = self.local_submodules() if submodules is None else submodules
         if lean_swiglu_applies(config):
+            # megatron's own extension point: `MLPSubmodules.activation_func` (a module applied to
+            # the whole linear_fc1 output), which `MLP` uses under `config.use_te_activation_func`
             config = copy.copy(config)  # this module's own view; the model's config unchanged
             config.use_te_activation_func = True
             submodules = dataclasses.replace(submodules, activation_func=SwiGLU)

@@ -1,35 +1,5 @@
-"""Core attention that honours THD ``cu_seqlens`` without Transformer Engine, also under CP.
-
-megatron-core's local ``DotProductAttention`` rejects ``packed_seq_params`` (only
-``TEDotProductAttention`` takes THD input) and context parallelism, so packing could not run on
-CPU or on the local layer spec. :class:`PackedDotProductAttention` is a drop-in
-``core_attention`` for ``get_gpt_layer_local_spec()``: with ``packed_seq_params``
-(``qkv_format="thd"``) it runs causal attention within each span
-``[cu_seqlens_q[i], cu_seqlens_q[i+1])`` — block-diagonal causal attention, computed span by span
-with ``torch.nn.functional.scaled_dot_product_attention`` so the cost is ``sum(len_i^2)``, not
-``T^2``. Padded ``[sq, b, np, hn]`` input with a causal mask (the strategy's, or ``None``) runs
-the same ``scaled_dot_product_attention`` over the whole width with ``is_causal=True``: on CPU its
-flash kernel keeps a ``[b, np, sq]`` log-sum-exp for the backward instead of megatron's
-``[b, np, sq, sk]`` fp32 scores and probabilities (64 MiB per layer at ``b=8, np=8, s=512``). Any
-other mask, attention dropout in training, or ``config.attention_backend = AttnBackend.unfused``
-runs megatron's own ``DotProductAttention`` (an instance it holds), bitwise the plain local spec.
-
-Context parallelism (CP > 1, packed input only): each CP rank holds the zigzag shard of every span
-(a span of ``L`` tokens is cut into ``2*CP`` chunks; rank ``r`` holds chunks ``r`` and
-``2*CP-1-r``, :func:`~lightning_mcore_rl.data.packing.cp_local_indices`). Keys and values are
-all-gathered over the CP group megatron hands the attention (``pg_collection.cp``, read at
-construction) with :func:`~lightning_mcore_rl.ops.context_parallel.allgather_cp_to_positions`
-(backward: a reduce-scatter of their gradients to the owners), and each local query attends to
-the keys of its span at global positions ``<=`` its own. Per rank the cost is ``sum(len_i^2)/CP``.
-
-Supported with packing: learned absolute position embeddings with per-document ``position_ids``
-(:func:`~lightning_mcore_rl.data.packing.packed_position_ids`, laid out like the CP shard) and RoPE
-(megatron's attention applies it per span from ``cu_seqlens_q_padded`` with CP-aware positions,
-``rope_utils._apply_rotary_pos_emb_thd``) and causal sliding windows (``config.window_size =
-(left, 0)`` on the layers ``window_attn_skip_freq`` selects: query ``i`` attends keys
-``i - left <= j <= i`` of its span). Not supported: CP on padded input (CP needs packing),
-windows looking ahead (``right != 0``) and non-vanilla softmax; these raise.
-"""
+"""Core attention that honours THD `cu_seqlens` without Transformer Engine, also under CP, and the
+local layer spec built around it (`get_packed_local_layer_spec`)."""
 
 from __future__ import annotations
 
@@ -64,35 +34,34 @@ __all__ = [
     "shared_causal_mask",
 ]
 
+# megatron's local `DotProductAttention` rejects `packed_seq_params` (only TE's takes THD input) and
+# context parallelism, so packing could not run on CPU or on the local spec. Supported with packing:
+# learned absolute position embeddings with per-document `position_ids`
+# (`data.packing.packed_position_ids`), RoPE (megatron's attention applies it per span from
+# `cu_seqlens_q_padded` with CP-aware positions) and causal sliding windows `(left, 0)` on the
+# layers `window_attn_skip_freq` selects
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
 class PackedDotProductAttention(MegatronModule):
-    """Local (non-TE) core attention with THD packed-sequence support.
-
-    Shapes (``np`` heads and ``ng`` key/value groups on this TP rank, ``hn`` head dim):
-
-    * padded: ``query [sq, b, np, hn]``, ``key/value [sk, b, ng, hn]`` -> ``[sq, b, np*hn]``
-    * packed (thd): ``query [T, np, hn]``, ``key/value [T, ng, hn]`` -> ``[T, np*hn]``
-
-    Padded input runs SDPA when the mask is causal (module docstring), megatron's
-    ``DotProductAttention`` otherwise. Output
-    ``o_t = sum_{s <= t, s in span(t)} softmax_s(scale * q_t . k_s) v_s``: tokens attend
-    causally within their own span only (and ``s >= t - window_size[0]`` on a windowed layer).
-    Padding is part of each span, so real tokens (which precede their span's padding) never see it. Under CP, ``T`` above is this rank's ``T/CP``
-    tokens (its zigzag shard of every span) and ``t``, ``s`` are positions in the full span.
+    """Local (non-TE) core attention with THD packed-sequence support, a drop-in `core_attention`
+    for `get_gpt_layer_local_spec()` (`np` heads, `ng` key/value groups on this TP rank, `hn` head
+    dim): padded `query [sq, b, np, hn]`, `key/value [sk, b, ng, hn]` -> `[sq, b, np*hn]`; packed
+    `query [T/CP, np, hn]`, `key/value [T/CP, ng, hn]` -> `[T/CP, np*hn]`, causal within each span.
 
     Args:
         config: the transformer config.
-        layer_number: 1-based layer index (query-key layer scaling).
+        layer_number: 1-based layer index.
         attn_mask_type: the layer's mask type; packed input requires a causal type.
-        attention_type: ``"self"`` (recorded only, as in megatron).
-        attention_dropout: dropout probability; default ``config.attention_dropout``.
-        softmax_scale: default ``1/sqrt(hn)``.
-        cp_comm_type: accepted for signature compatibility; keys/values are always all-gathered
-            (TE's ``"all_gather"`` scheme).
-        pg_collection: process groups (``tp``, and ``cp`` under context parallelism); default
-            megatron's global groups.
+        attention_type: `"self"` (recorded only, as in megatron).
+        attention_dropout: dropout probability; default `config.attention_dropout`.
+        softmax_scale: default `1/sqrt(hn)`.
+        cp_comm_type: accepted for signature compatibility; keys/values are always all-gathered.
+        pg_collection: process groups (`tp`, and `cp` under CP); default megatron's global groups.
+
+    Raises:
+        ValueError: a window looking ahead, a non-vanilla softmax, or a CP group that does not
+            match `config.context_parallel_size`.
     """
 
     def __init__(
@@ -108,6 +77,8 @@ class PackedDotProductAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         window = config.window_size
+        # query i attends keys i - left <= j <= i of its span; windows looking ahead are not
+        # supported
         if window is not None and window[1] != 0:
             raise ValueError(f"only causal windows `window_size = (left, 0)` work, got {window}")
         windowed = is_layer_window_attention(window, config.window_attn_skip_freq, layer_number)
@@ -140,6 +111,10 @@ class PackedDotProductAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        # padded input with a causal mask runs SDPA over the whole width with is_causal=True: on CPU
+        # its flash kernel keeps a [b, np, sq] log-sum-exp for the backward instead of megatron's
+        # [b, np, sq, sk] fp32 scores and probabilities. Any other mask, dropout in training or the
+        # `unfused` backend runs megatron's own attention (bitwise the plain local spec)
         self.padded_sdpa = config.attention_backend != AttnBackend.unfused
         self.dense: DotProductAttention | None = None
         if self.cp_group is None:  # padded input with any other mask: megatron's local attention
@@ -158,27 +133,24 @@ class PackedDotProductAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        """Attention over padded ``[s, b, h, d]`` or packed ``[T, h, d]`` input (class docstring).
+        """Attention over padded `[sq, b, np, hn]` / `[sk, b, ng, hn]` input (-> `[sq, b, np*hn]`)
+        or
+        packed `[T, np, hn]` / `[T, ng, hn]` (-> `[T, np*hn]`).
 
         Args:
-            query: ``[sq, b, np, hn]``, or ``[T, np, hn]`` when packed.
-            key: ``[sk, b, ng, hn]``, or ``[T, ng, hn]`` when packed.
-            value: same shape as ``key``.
-            attention_mask: padded only: megatron's boolean mask ``[b|1, 1, sq, sk]``, True =
-                masked out; ``None`` gives causal attention (on a causal layer). Ignored when
-                packed.
-            attn_mask_type: overrides the layer's mask type.
-            attention_bias: unsupported, must be ``None``.
-            packed_seq_params: THD boundaries; ``cu_seqlens_q`` must equal ``cu_seqlens_kv``.
+            attention_mask: padded only: megatron's boolean `[b|1, 1, sq, sk]`, True = masked out;
+                `None` gives causal attention on a causal layer.
+            packed_seq_params: THD boundaries; `cu_seqlens_q` must equal `cu_seqlens_kv`.
 
-        Returns:
-            ``[sq, b, np*hn]`` padded, or ``[T, np*hn]`` packed.
+        Raises:
+            ValueError: an `attention_bias`, padded input under CP, or malformed packed input.
         """
         if attention_bias is not None:
             raise ValueError("PackedDotProductAttention does not support `attention_bias`")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if packed_seq_params is not None:
             return self._forward_packed(query, key, value, mask_type, packed_seq_params)
+        # CP needs packing: the zigzag shard of each span is defined by cu_seqlens
         if self.dense is None:
             raise ValueError(
                 f"context parallelism (CP={self.config.context_parallel_size}) needs packed THD "
@@ -196,10 +168,10 @@ class PackedDotProductAttention(MegatronModule):
         attention_mask: torch.Tensor | None,
         mask_type: AttnMaskType,
     ) -> bool:
-        """Whether padded input takes SDPA: a causal self-attention mask (``None`` on a causal
-        layer, :func:`shared_causal_mask` — the strategy's —, or on CPU any mask equal to it), no
-        dropout to draw, the backend not ``unfused``. Off the CPU only the shared mask counts: a
-        value check would wait for the device in every layer."""
+        """Whether padded input takes SDPA: a causal self-attention mask (`None` on a causal layer,
+        the shared `shared_causal_mask`, or on CPU any mask equal to it), no dropout to draw, the
+        backend
+        not `unfused`."""
         sq, sk = query.shape[0], key.shape[0]
         if not self.padded_sdpa or sq != sk or (self.training and self.dropout_p > 0.0):
             return False
@@ -208,6 +180,8 @@ class PackedDotProductAttention(MegatronModule):
         causal = shared_causal_mask(sq, attention_mask.device)
         if attention_mask is causal:
             return True
+        # off the CPU only the shared mask counts: a value check would wait for the device in every
+        # layer
         if attention_mask.device.type != "cpu" or attention_mask.dtype != torch.bool:
             return False
         if attention_mask.dim() != 4 or attention_mask.shape[-3:] != (1, sq, sk):
@@ -217,8 +191,8 @@ class PackedDotProductAttention(MegatronModule):
     def _forward_padded(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
-        """Causal padded attention: ``query [s, b, np, hn]``, ``key/value [s, b, ng, hn]`` ->
-        ``[s, b, np*hn]`` (within the window on a windowed layer)."""
+        """Causal padded attention: `query [s, b, np, hn]`, `key/value [s, b, ng, hn]` ->
+        `[s, b, np*hn]` (within the window on a windowed layer)."""
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         if self.window_left is None:
@@ -272,8 +246,9 @@ class PackedDotProductAttention(MegatronModule):
     def _forward_packed_cp(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor
     ) -> torch.Tensor:
-        """Packed attention under CP: ``query/key/value [T/CP, n, hn]`` (this rank's zigzag
-        shard of every span) -> ``[T/CP, np*hn]``; keys and values gathered to ``[T, ng, hn]``."""
+        """Packed attention under CP: `query/key/value [T/CP, n, hn]` (this rank's zigzag shard of
+        every
+        span) -> `[T/CP, np*hn]`."""
         cp_group = self.cp_group
         assert cp_group is not None  # only called under CP
         cp_rank, cp_size = cp_group.rank(), cp_group.size()
@@ -284,6 +259,10 @@ class PackedDotProductAttention(MegatronModule):
                     f"span [{start}, {end}) of cu_seqlens_q is not a multiple of 2*CP = "
                     f"{2 * cp_size}; pack with pad_individual a multiple of 2*CP"
                 )
+        # each rank holds the zigzag shard of every span (`cp_local_indices`); keys and values are
+        # all-gathered over the CP group megatron hands the attention (backward: a reduce-scatter to
+        # the owners), and each local query attends the keys of its span at global positions <= its
+        # own: sum(len_i^2)/CP per rank
         positions = torch.cat([cp_local_indices(cu, r, cp_size) for r in range(cp_size)])
         # one all-gather for keys and values: [T/CP, ng, 2*hn] -> [T, ng, 2*hn]
         kv = allgather_cp_to_positions(torch.cat([key, value], dim=-1), positions, cp_group)
@@ -303,8 +282,8 @@ class PackedDotProductAttention(MegatronModule):
         return torch.cat(pieces, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
 
     def _allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """``[len(q_pos), len(k_pos)]``, True where the query attends the key: causal, and
-        ``q - k <= window_size[0]`` on a windowed layer."""
+        """`[len(q_pos), len(k_pos)]`, True where the query attends the key: causal, and
+        `q - k <= window_size[0]` on a windowed layer."""
         offset = q_pos[:, None] - k_pos[None, :]
         allowed = offset >= 0
         if self.window_left is not None:
@@ -319,11 +298,10 @@ class PackedDotProductAttention(MegatronModule):
         attn_mask: torch.Tensor | None,
         is_causal: bool,
     ) -> torch.Tensor:
-        """SDPA on ``q [b, np, sq, hn]``, ``k/v [b, ng, sk, hn]``. Grouped queries go to SDPA as
-        they are (``enable_gqa``): keys and values are not repeated to ``np`` heads. What SDPA
-        keeps for its backward is compact (:func:`_own_storage`): the value, a view into
-        ``linear_qkv``'s whole output, would keep all of it. At the peer benchmark's 8/4 heads
-        and 4096 fp32 tokens the layer keeps 16 MiB for q, k, v instead of 24."""
+        """SDPA on `q [b, np, sq, hn]`, `k/v [b, ng, sk, hn]` -> `[b, np, sq, hn]`."""
+        # grouped queries go to SDPA as they are (`enable_gqa`): keys and values are not repeated to
+        # np heads. What SDPA keeps for its backward is made compact: the value, a view into
+        # `linear_qkv`'s whole output, would keep all of it
         q, k, v = (_own_storage(x) for x in (q, k, v))
         return torch.nn.functional.scaled_dot_product_attention(
             q,
@@ -338,26 +316,18 @@ class PackedDotProductAttention(MegatronModule):
 
 
 def _own_storage(x: torch.Tensor) -> torch.Tensor:
-    """``x``, copied when it views a larger storage (a slice of a fused projection's output),
-    so that saving it for the backward does not keep the rest of that storage."""
+    """`x`, copied when it views a larger storage (a slice of a fused projection's output)."""
+    # saving a view for the backward would keep the rest of its storage
     if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
         return x
     return x.clone(memory_format=torch.contiguous_format)
 
 
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
-    """megatron's local GPT layer spec with :class:`PackedDotProductAttention` as core attention,
-    in a dense layer :class:`~lightning_mcore_rl.models.layers.gated_mlp.GatedMLP` as its MLP
-    (megatron's ``MLP``, whose SwiGLU keeps only ``linear_fc1``'s output for the backward), and
-    :class:`~lightning_mcore_rl.models.layers.rms_norm.LocalNorm` for the layer's norms (an RMSNorm whose
-    backward keeps only its input; megatron's ``WrappedTorchNorm`` for a LayerNorm).
-
-    Args:
-        **kwargs: forwarded to ``get_gpt_layer_local_spec`` (e.g. ``qk_layernorm``).
-
-    Returns:
-        The layer ``ModuleSpec`` (pass it to ``GPTModel(transformer_layer_spec=...)``).
-    """
+    """megatron's local GPT layer spec (`**kwargs` to `get_gpt_layer_local_spec`, e.g.
+    `qk_layernorm`) with `PackedDotProductAttention` as core attention, `GatedMLP` as a dense
+    layer's
+    MLP and `LocalNorm` for the norms; pass it to `GPTModel(transformer_layer_spec=...)`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -367,6 +337,9 @@ def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
 
     spec = get_gpt_layer_local_spec(**kwargs)
     attention = spec.submodules.self_attention.submodules
+    # GatedMLP: megatron's `MLP` whose SwiGLU keeps only `linear_fc1`'s output for the backward;
+    # LocalNorm: an RMSNorm whose backward keeps only its input (megatron's `WrappedTorchNorm` for a
+    # LayerNorm)
     attention.core_attention = PackedDotProductAttention
     gated = replace_dense_mlp(spec.submodules.mlp, GatedMLP, GatedMLP.local_submodules())
     if gated is not None:  # a dense layer (a MoE layer keeps megatron's experts)

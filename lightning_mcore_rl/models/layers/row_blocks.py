@@ -1,11 +1,11 @@
-"""Blocks of rows for the hand-written backwards of the local spec (``gated_mlp``,
-``rms_norm``): each computes in fp32 a block of ``[rows, width]`` at a time, so its temporaries
-stay small at the step's peak (the first layers' backward, with every activation still held)."""
+"""Blocks of rows for the hand-written fp32 backwards of the local spec (`gated_mlp`, `rms_norm`)."""
 
 from __future__ import annotations
 
 import torch
 
+# a block of [rows, width] at a time keeps the temporaries small at the step's peak (the first
+# layers' backward, with every activation still held)
 CPU_BLOCK = 1 << 20
 """Elements of ``[rows, width]`` per block on CPU: each fp32 temporary 4 MiB."""
 
