@@ -7,11 +7,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.losses import MetricNormalizer
     from lightning_mcore_rl.parallel import ParallelGroups
     from lightning_mcore_rl.train.context import StepContext
+    from lightning_mcore_rl.train.extension import LossFunc
     from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
     from lightning_mcore_rl.train.statistics import StepOutput
 
@@ -52,6 +54,21 @@ class NoExtension:
         training: bool,
     ) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
+
+    def forward_kwargs(
+        self, microbatch: ProcessedMicrobatch, global_valid_toks: Tensor | None
+    ) -> dict[str, Any]:
+        return {}
+
+    def wrap_loss(
+        self,
+        fn: LossFunc,
+        model: torch.nn.Module,
+        microbatch: ProcessedMicrobatch,
+        groups: ParallelGroups,
+        trains: bool,
+    ) -> LossFunc:
+        return fn
 
     def finish(self, out: StepOutput, state: Any, context: StepContext) -> StepOutput:
         return out

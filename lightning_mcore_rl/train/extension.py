@@ -9,10 +9,11 @@ post-process -> loss -> backward -> statistics; a `StepExtension` adds to it at 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.losses import MetricNormalizer
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.train.context import StepContext
     from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
     from lightning_mcore_rl.train.statistics import StepOutput
+
+LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
+"""A microbatch's bound post-processor: `fn(output) -> (loss, metrics)`."""
 
 
 class StepExtension(Protocol):
@@ -69,6 +73,24 @@ class StepExtension(Protocol):
         """The block around one microbatch's model forward."""
         ...
 
+    def forward_kwargs(
+        self, microbatch: ProcessedMicrobatch, global_valid_toks: Tensor | None
+    ) -> dict[str, Any]:
+        """Extra keyword arguments of `model_forward` for one microbatch."""
+        ...
+
+    def wrap_loss(
+        self,
+        fn: LossFunc,
+        model: torch.nn.Module,
+        microbatch: ProcessedMicrobatch,
+        groups: ParallelGroups,
+        trains: bool,
+    ) -> LossFunc:
+        """The microbatch's bound `fn(output) -> (loss, metrics)`, wrapped (e.g. extra metrics);
+        `trains`: the post-processor is a training loss."""
+        ...
+
     def finish(self, out: StepOutput, state: Any, context: StepContext) -> StepOutput:
         """The step's output after the statistics' reduction; `state`: what `statistics_scope`
         yielded."""
@@ -84,6 +106,10 @@ def step_extensions(chunks: Sequence[torch.nn.Module]) -> tuple[StepExtension, .
         from lightning_mcore_rl.extensions.moe import MoEExtension
 
         found.append(MoEExtension())
+    if any(getattr(get_model_config(c), "mtp_num_layers", None) for c in chunks):
+        from lightning_mcore_rl.extensions.multi_token_prediction import MTPExtension
+
+        found.append(MTPExtension())
     return tuple(found)
 
 
@@ -104,4 +130,4 @@ def entered(scopes: Sequence[contextlib.AbstractContextManager[Any]]) -> Iterato
         yield [stack.enter_context(scope) for scope in scopes]
 
 
-__all__ = ["StepExtension", "entered", "resolve_extensions", "step_extensions"]
+__all__ = ["LossFunc", "StepExtension", "entered", "resolve_extensions", "step_extensions"]

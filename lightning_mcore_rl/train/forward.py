@@ -40,7 +40,6 @@ from lightning_mcore_rl.train.fused import (
     reject_filtering,
 )
 from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
-from lightning_mcore_rl.train.mtp import mtp_loss_weights, with_mtp_metrics
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
 
@@ -175,7 +174,7 @@ def model_forward(
         defer_fp32_logits: Keep the logits in the model dtype (else cast to fp32; a
             ``Float16Module`` gets ``fp32_output=False``, as with fused linear logprobs).
         mtp_loss_mask: Passed as ``loss_mask`` (multi-token prediction: the forward step passes
-            its weights ``token_mask * sample_mask / N_t``, :mod:`.mtp`).
+            its weights ``token_mask * sample_mask / N_t``, `extensions/multi_token_prediction.py`).
         padding_mask: MoE-routing padding mask (see :func:`_prepare_padding_mask_for_model`).
         straggler_timer: Called once; the forward runs inside the returned context.
         use_fused_linear_logprobs: On the last stage, return the final hidden states (after the
@@ -360,6 +359,9 @@ def forward_with_post_processing_fn(
     if enable_hidden_capture:
         check_draft(model, draft_model, groups)
     mb = next(data_iterator)
+    extra: dict[str, Any] = {}  # the extensions' model kwargs (MTP's loss weights)
+    for ext in extensions:
+        extra.update(ext.forward_kwargs(mb, global_valid_toks))
     aux = aux_layers(draft_model) if draft else ()
     with (
         entered([ext.forward_scope(model, mb, groups, training) for ext in extensions]),
@@ -369,11 +371,10 @@ def forward_with_post_processing_fn(
         output = model_forward(
             model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
             mb.packed_seq_params, defer_fp32_logits,
-            mtp_loss_mask=mtp_loss_weights(mb.mtp_loss_mask, global_valid_toks),
             padding_mask=mb.padding_mask, straggler_timer=straggler_timer,
             use_fused_linear_logprobs=use_fused_linear_logprobs,
             model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,
-            groups=groups,
+            groups=groups, **extra,
         )  # fmt: skip
     data_dict = mb.data_dict
     if draft:
@@ -396,6 +397,6 @@ def forward_with_post_processing_fn(
             global_valid_toks, head, captured.get("hidden_states"),
         )
     )  # fmt: skip
-    if post_processing_fn.trains and mb.mtp_loss_mask is not None and _is_last_stage(model):
-        fn = with_mtp_metrics(fn, model, groups)
+    for ext in extensions:
+        fn = ext.wrap_loss(fn, model, mb, groups, post_processing_fn.trains)
     return output, fn

@@ -48,7 +48,6 @@ from lightning_mcore_rl.train.microbatch import (
     layout_padding,
     process_global_batch,
 )
-from lightning_mcore_rl.train.mtp import mtp_depths, mtp_metric_normalizations
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 from lightning_mcore_rl.train.schedule import megatron_forward_backward, run_schedule
 from lightning_mcore_rl.train.statistics import StepOutput, batch_counts, reduce_step_statistics
@@ -215,9 +214,6 @@ def run_global_batch(
     else:
         assert loss is not None  # exactly one of the two, checked above
         _check_per_token_loss(chunks)
-        depths = mtp_depths(chunks)
-        if depths and not forward_only:  # the MTP term trains with the policy loss
-            normalizations = {**(normalizations or {}), **mtp_metric_normalizations(depths)}
         if draft:  # the draft trains in the same pass, on its own gradient buffer
             normalizations = {**(normalizations or {}), **DRAFT_METRIC_NORMALIZATIONS}
             if context.draft_model is not None:
@@ -226,8 +222,7 @@ def run_global_batch(
         for ext in extensions:
             normalizations = {**(normalizations or {}), **ext.normalizations(chunks, training)}
         global_batch = split_global_batch(
-            batch, groups, microbatching, mtp=bool(depths) and not forward_only,
-            **_split_options(extensions, training),
+            batch, groups, microbatching, **_split_options(extensions, training),
         )  # fmt: skip
         scopes = [
             ext.statistics_scope(chunks, global_batch.microbatches, context, training)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mcore_rl.losses import MetricNormalizer
-from lightning_mcore_rl.parallel import ParallelGroups
-from lightning_mcore_rl.recipes import TinyGPTSpec
-from lightning_mcore_rl.train.mtp import (
+from lightning_mcore_rl.extensions.multi_token_prediction import (
     mtp_loss_weights,
     mtp_metric_normalizations,
     with_mtp_metrics,
 )
+from lightning_mcore_rl.losses import MetricNormalizer
+from lightning_mcore_rl.parallel import ParallelGroups
+from lightning_mcore_rl.recipes import TinyGPTSpec
 
 
 def test_metric_normalizations_declare_every_mtp_metric_as_a_token_mean() -> None:

@@ -1,4 +1,5 @@
-"""Multi-token prediction (MTP) in the training step: its loss weights and its metrics.
+"""Multi-token prediction (MTP) in the training step: its loss weights and its metrics
+(`MTPExtension`).
 
 A model with megatron's MTP layers (``config.mtp_num_layers = D``, e.g. the tiny GPT's
 :class:`~lightning_mcore_rl.models.mtp.MTPGPTModel`) gets, per microbatch, the seed's
@@ -13,15 +14,19 @@ summed over microbatches and data-parallel ranks, which gives the global token m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mcore_rl.extensions.base import NoExtension
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.parallel import ParallelGroups, unwrap_model
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
 
 MTP_LOSS = "mtp_loss"
 """Metric: the MTP cross entropy averaged over depths (unscaled by ``mtp_loss_scaling_factor``)."""
@@ -99,7 +104,44 @@ def with_mtp_metrics(
     return loss_and_metrics
 
 
+class MTPExtension(NoExtension):
+    """The MTP term of a training pass: its `mtp_loss_mask` built per microbatch, passed to the
+    model as weights `mask / N_t`, its metrics added to the loss's."""
+
+    def split_options(self, training: bool) -> dict[str, bool]:
+        """The `mtp_loss_mask` per microbatch (training passes only: no backward otherwise)."""
+        return {"mtp": training}
+
+    def normalizations(
+        self, chunks: Sequence[torch.nn.Module], training: bool
+    ) -> Mapping[str, MetricNormalizer]:
+        """The MTP metrics' reductions (training passes)."""
+        return mtp_metric_normalizations(mtp_depths(chunks)) if training else {}
+
+    def forward_kwargs(
+        self, microbatch: ProcessedMicrobatch, global_valid_toks: Tensor | None
+    ) -> dict[str, Any]:
+        """`mtp_loss_mask`: the weights `mask / N_t` (`mtp_loss_weights`)."""
+        weights = mtp_loss_weights(microbatch.mtp_loss_mask, global_valid_toks)
+        return {} if weights is None else {"mtp_loss_mask": weights}
+
+    def wrap_loss(
+        self,
+        fn: Callable[[Tensor], tuple[Tensor, dict[str, Any]]],
+        model: torch.nn.Module,
+        microbatch: ProcessedMicrobatch,
+        groups: ParallelGroups,
+        trains: bool,
+    ) -> Callable[[Tensor], tuple[Tensor, dict[str, Any]]]:
+        """A training loss of the last stage gets the MTP metrics (`with_mtp_metrics`)."""
+        last = bool(getattr(unwrap_model(model), "post_process", True))
+        if trains and microbatch.mtp_loss_mask is not None and last:
+            return with_mtp_metrics(fn, model, groups)
+        return fn
+
+
 __all__ = [
+    "MTPExtension",
     "MTP_LOSS",
     "mtp_depths",
     "mtp_loss_weights",
