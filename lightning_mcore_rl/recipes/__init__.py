@@ -1,6 +1,5 @@
-"""Ready-made LightningModules (Lightning-integration layer) built from the RL recipe pieces:
-GRPO (RLOO / REINFORCE++), PPO, SFT, DPO, a Bradley-Terry reward model and on-policy
-distillation, and prompt files (``docs/recipes.md``, ``docs/data.md``)."""
+"""Ready-made LightningModules built from the RL recipe pieces: GRPO (RLOO / REINFORCE++), PPO,
+SFT, DPO, a reward model and on-policy distillation, and prompt files (``docs/recipes.md``)."""
 
 from lightning_mcore_rl.recipes.arithmetic import (
     ArithmeticProblem,

@@ -1,12 +1,5 @@
-"""Arithmetic word problems made locally (no download) for the text-task example
-(``examples/arithmetic``): seeded templated problems, their JSONL files, a word-level tokenizer
-trained on them with ``tokenizers``, a random-init tiny Llama, and a greedy ``transformers``
-evaluation scored by :class:`~lightning_mcore_rl.rewards.NumericAnswerReward`.
-
-A problem is one sentence of lower-case words and numbers separated by single spaces, e.g.
-``"tom has 3 apples and gets 4 more . how many apples does tom have now ?"`` with answer ``7``;
-its SFT response is the bare answer (``"7"``), which the reward's last-number rule reads.
-"""
+"""Arithmetic word problems made locally (no download) for ``examples/arithmetic``: problems, their
+JSONL files, a word-level tokenizer, tiny random-init HF models and a greedy evaluation."""
 
 from __future__ import annotations
 
@@ -21,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+# A problem is one sentence of lower-case words and numbers separated by single spaces, e.g.
+# "tom has 3 apples and gets 4 more . how many apples does tom have now ?" with answer 7; its SFT
+# response is the bare answer ("7"), which NumericAnswerReward's last-number rule reads.
 Operation = Literal["add", "subtract", "multiply"]
 
 NAMES = ("tom", "anna", "li", "sara", "omar", "mia", "ken", "zoe")
@@ -49,12 +45,7 @@ _TEMPLATES: dict[Operation, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class ArithmeticProblem:
-    """One word problem.
-
-    Attributes:
-        prompt: the question (space-separated lower-case words and numbers).
-        answer: the non-negative integer answer.
-    """
+    """One word problem: its ``prompt`` (lower-case words, numbers) and its ``answer`` (>= 0)."""
 
     prompt: str
     answer: int
@@ -71,7 +62,7 @@ def _operands(op: Operation, rng: random.Random, max_operand: int) -> tuple[int,
         a, b = rng.randint(1, min(5, max_operand)), rng.randint(1, min(5, max_operand))
         return a, b, a * b
     a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-    if op == "subtract":
+    if op == "subtract":  # the larger first, so the answer stays >= 0
         a, b = max(a, b), min(a, b)
         return a, b, a - b
     return a, b, a + b
@@ -80,8 +71,7 @@ def _operands(op: Operation, rng: random.Random, max_operand: int) -> tuple[int,
 def random_problem(
     rng: random.Random, operations: Sequence[Operation], max_operand: int
 ) -> ArithmeticProblem:
-    """One problem drawn from ``rng``: an operation, a template, two different names, an object
-    and operands in ``[0, max_operand]``."""
+    """One problem drawn from ``rng``, operands in ``[0, max_operand]``."""
     op = rng.choice(list(operations))
     template = rng.choice(_TEMPLATES[op])
     name, other = rng.sample(NAMES, 2)
@@ -99,13 +89,8 @@ def make_splits(
 ) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
     """Disjoint train and validation problems (no prompt text in both), drawn with ``seed``.
 
-    Problems are drawn until ``num_train + num_val`` distinct prompts exist; the first
-    ``num_val`` distinct ones are the validation split.
-
     Raises:
-        ValueError: a count below 0, an unknown operation, ``max_operand < 1``, or more problems
-            asked than 100 draws per problem find.
-    """
+        ValueError: a negative count, unknown operation, ``max_operand < 1``, too few problems."""
     if num_train < 0 or num_val < 0:
         raise ValueError(f"`num_train` and `num_val` must be >= 0, got {num_train}, {num_val}.")
     unknown = sorted(set(operations) - set(_TEMPLATES))
@@ -113,6 +98,8 @@ def make_splits(
         raise ValueError(f"`operations` must be a non-empty subset of {sorted(_TEMPLATES)}.")
     if max_operand < 1:
         raise ValueError(f"`max_operand` must be >= 1, got {max_operand}.")
+    # draw until num_train + num_val distinct prompts exist (at most 100 draws per problem); the
+    # first num_val distinct ones are the validation split
     rng = random.Random(seed)
     total = num_train + num_val
     seen: dict[str, ArithmeticProblem] = {}
@@ -151,20 +138,17 @@ def _write_jsonl(rows: Iterable[dict[str, str]], path: Path) -> Path:
 def train_tokenizer(
     texts: Iterable[str], out_dir: str | os.PathLike[str] | None = None
 ) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the whitespace-split words of ``texts`` (trained with
-    ``tokenizers``' ``WordLevelTrainer``), with :data:`SPECIAL_TOKENS` as ids 0-3 and BOS put
-    before every encoded text; saved to ``out_dir`` when given.
-
-    Decoding joins words with single spaces, so ``decode(encode(t), skip_special_tokens=True)``
-    is ``t`` for any text of the corpus's words in that form. Words outside the corpus map to
-    ``<unk>``.
-    """
+    """A word-level tokenizer over the whitespace-split words of ``texts``, `SPECIAL_TOKENS` as
+    ids 0-3 and BOS before every text; saved to ``out_dir`` when given."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     pad, unk, bos, eos = SPECIAL_TOKENS
     tok = Tokenizer(models.WordLevel(unk_token=unk))
+    # Decoding joins words with single spaces, so decode(encode(t), skip_special_tokens=True) is t
+    # for any text of the corpus's words in that form; other words map to <unk>.
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # min_frequency=1: every word of the corpus gets an id
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS), min_frequency=1)
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
@@ -192,16 +176,11 @@ def write_tiny_llama(
     seed: int = 0,
     random_pad_embedding: bool = False,
 ) -> Path:
-    """Save a random-init fp32 ``LlamaForCausalLM`` and ``tokenizer`` in ``out_dir``
-    (safetensors), its BOS/EOS/pad ids the tokenizer's.
-
-    ``vocab_size`` is ``len(tokenizer)`` rounded up to ``vocab_multiple`` (megatron splits the
-    vocabulary over TP without padding it), so TP = 2 needs an even multiple.
-    ``random_pad_embedding``: see :func:`write_tiny_qwen3_moe`.
+    """Save a random-init fp32 ``LlamaForCausalLM`` and ``tokenizer`` in ``out_dir``; ``vocab_size``
+    is ``len(tokenizer)`` rounded up to ``vocab_multiple``.
 
     Raises:
-        ValueError: heads or query groups not divisible as Llama requires.
-    """
+        ValueError: heads or query groups not divisible as Llama requires."""
     from transformers import LlamaConfig
 
     _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
@@ -233,20 +212,12 @@ def write_tiny_qwen3_moe(
     seed: int = 0,
     random_pad_embedding: bool = False,
 ) -> Path:
-    """Save a random-init fp32 ``Qwen3MoeForCausalLM`` (every layer MoE, top-k probabilities
-    renormalised, no router aux-loss output) and ``tokenizer`` in ``out_dir``; the vocabulary
-    as in :func:`write_tiny_llama`.
-
-    transformers initialises the pad token's embedding row to zeros (``padding_idx``).
-    ``random_pad_embedding=True`` draws it like every other row (``N(0, initializer_range)``,
-    its own generator: no other weight changes), for tasks that feed the pad id as content, as
-    the toy counting tasks do (ids 0-15): a zero row through RMSNorm has a gradient of
-    ``1/sqrt(eps)`` (measured 3.3e4 for that row in a tiny Qwen3-MoE vs <= 30 for every other;
-    grad norm 353 at the first GRPO step instead of 0.6), which no trained checkpoint has.
+    """Save a random-init fp32 ``Qwen3MoeForCausalLM`` (every layer MoE) and ``tokenizer`` in
+    ``out_dir``; the vocabulary as `write_tiny_llama`'s. ``random_pad_embedding``: draw the pad
+    row like every other (transformers zeroes it).
 
     Raises:
-        ValueError: heads or query groups not divisible.
-    """
+        ValueError: heads or query groups not divisible."""
     from transformers import Qwen3MoeConfig
 
     _check_heads(hidden_size, num_attention_heads, num_key_value_heads)
@@ -258,7 +229,7 @@ def write_tiny_qwen3_moe(
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         moe_intermediate_size=moe_intermediate_size,
-        norm_topk_prob=True,
+        norm_topk_prob=True,  # top-k probabilities renormalised
         max_position_embeddings=max_position_embeddings,
         **_token_fields(tokenizer, vocab_multiple),
     )
@@ -276,6 +247,7 @@ def _check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads
 def _token_fields(tokenizer: PreTrainedTokenizerFast, vocab_multiple: int) -> dict[str, Any]:
     """``vocab_size`` (``len(tokenizer)`` rounded up to ``vocab_multiple``) and the special ids."""
     return {
+        # megatron splits the vocabulary over TP without padding it: TP = 2 needs an even multiple
         "vocab_size": -(-len(tokenizer) // vocab_multiple) * vocab_multiple,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -290,13 +262,16 @@ def _save_random_causal_lm(
     seed: int,
     random_pad_embedding: bool,
 ) -> Path:
-    """Random-init the causal LM of ``config`` (seeded; the pad row redrawn with
-    ``random_pad_embedding``), save it and ``tokenizer`` to ``out_dir``."""
+    """Random-init the causal LM of ``config``; save it and ``tokenizer`` in ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    # For tasks that feed the pad id as content (the toy counting tasks' ids 0-15): transformers
+    # zeroes the pad row (padding_idx), and a zero row through RMSNorm has a gradient of
+    # 1/sqrt(eps), which no trained checkpoint has. Drawn N(0, initializer_range) from its own
+    # generator, so no other weight changes.
     if random_pad_embedding and config.pad_token_id is not None:
         generator = torch.Generator().manual_seed(seed)
         embedding = model.get_input_embeddings().weight
@@ -315,12 +290,11 @@ def greedy_completions(
     max_new_tokens: int = 8,
     batch_size: int = 64,
 ) -> list[str]:
-    """The ``transformers`` model in ``hf_dir`` continuing each prompt greedily: batches of
-    ``batch_size`` left-padded prompts through ``generate(do_sample=False)``, up to
-    ``max_new_tokens`` or EOS, decoded without special tokens."""
+    """Greedy continuations of ``prompts`` by the model in ``hf_dir``, without special tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # left-padded batches of batch_size prompts through generate(do_sample=False)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     completions: list[str] = []
@@ -347,12 +321,10 @@ def evaluate_hf(
     max_new_tokens: int = 8,
     batch_size: int = 64,
 ) -> float:
-    """Greedy accuracy of the ``transformers`` model in ``hf_dir`` on ``problems``: the mean
-    ``NumericAnswerReward`` of its :func:`greedy_completions`.
+    """Greedy accuracy of the model in ``hf_dir`` on ``problems``: the mean ``NumericAnswerReward``.
 
     Raises:
-        ValueError: no problems.
-    """
+        ValueError: no problems."""
     from lightning_mcore_rl.rewards import NumericAnswerReward
 
     if not problems:

@@ -1,6 +1,5 @@
-"""What every recipe shares: the model choice (:class:`TinyGPTSpec` or :class:`HFModelSpec`), its
-chunk building and the frozen initial weights (:class:`RecipeModel`), and the per-rank loaders of
-the recipes' DataModules (:func:`rank_train_loader`, :func:`rank_val_loader`)."""
+"""What every recipe shares: the model choice (`TinyGPTSpec` or `HFModelSpec`), its chunks and
+initial weights (`RecipeModel`), and the per-rank loaders of the recipes' DataModules."""
 
 from __future__ import annotations
 
@@ -39,17 +38,14 @@ class TinyGPTSpec:
         hidden_size: ``H``.
         num_attention_heads: heads (divisible by TP).
         seed: weight seed (weights are identical under any TP layout).
-        mtp_num_layers: megatron's multi-token-prediction layers on the last stage (0: none);
-            they train next to the recipe's loss and log ``mtp_loss``
-            (:mod:`lightning_mcore_rl.train.mtp`).
-        mtp_loss_scaling_factor: weight of the MTP term in the gradient (megatron's
-            ``mtp_loss_scaling_factor``, divided over the depths).
-    """
+        mtp_num_layers: megatron's multi-token-prediction layers on the last stage (0: none).
+        mtp_loss_scaling_factor: weight of the MTP term in the gradient, divided over the depths."""
 
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
     seed: int = 0
+    # MTP layers train next to the recipe's loss and log mtp_loss (`lightning_mcore_rl.train.mtp`)
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
 
@@ -71,13 +67,12 @@ class TinyGPTSpec:
 
 @dataclass
 class HFModelSpec:
-    """A Hugging Face causal LM as the model (see ``docs/models.md`` for the architectures).
+    """A Hugging Face causal LM as the model (architectures: ``docs/models.md``).
 
     Attributes:
-        path: a directory with ``config.json`` and ``*.safetensors``; its vocabulary must cover
-            the data's token ids and ``max_position_embeddings`` the longest row.
-    """
+        path: a directory with ``config.json`` and ``*.safetensors``."""
 
+    # its vocabulary must cover the data's token ids, max_position_embeddings the longest row
     path: str
 
 
@@ -86,17 +81,11 @@ ModelSpec = TinyGPTSpec | HFModelSpec
 
 
 class RecipeModel:
-    """A recipe's model: builds its chunks and swaps its initial weights back in.
+    """A recipe's model of ``spec`` for data of ``vocab_size`` and rows of ``max_sequence_length``
+    (derived as ``length_name`` says): builds its chunks and swaps its initial weights back in."""
 
-    Args:
-        spec: the tiny GPT's size or the Hugging Face checkpoint.
-        vocab_size: ``V`` of the data: the tiny GPT is built with it; an HF model's vocabulary
-            must cover it.
-        max_sequence_length: the longest row: the tiny GPT's position table; an HF model's
-            ``max_position_embeddings`` must cover it.
-        length_name: how the recipe derives ``max_sequence_length`` (for the error message).
-    """
-
+    # An HF model's vocabulary and max_position_embeddings must cover vocab_size and
+    # max_sequence_length; the tiny GPT is built with them.
     def __init__(
         self,
         spec: ModelSpec,
@@ -111,8 +100,11 @@ class RecipeModel:
         self._bridge: HFBridge | None = None
 
     def hf_bridge(self) -> HFBridge:
-        """The :class:`~lightning_mcore_rl.models.HFBridge` of an :class:`HFModelSpec`, checked
-        against the data (``ValueError``: vocabulary or positions too small; read once)."""
+        """The `HFBridge` of an `HFModelSpec`, read once.
+
+        Raises:
+            TypeError: not an `HFModelSpec`.
+            ValueError: its vocabulary or positions are too small for the data."""
         from lightning_mcore_rl.models import HFBridge
 
         spec = self.spec
@@ -135,8 +127,7 @@ class RecipeModel:
         return self._bridge
 
     def build_chunk(self, module: MCoreRLModule, vp_stage: int | None) -> torch.nn.Module:
-        """The chunk for ``vp_stage`` with ``module``'s strategy config: the tiny GPT
-        (layout-invariant deterministic weights, dropout off) or the HF checkpoint's shards."""
+        """The tiny GPT's chunk for ``vp_stage`` or the HF checkpoint's shards."""
         from lightning_mcore_rl.models.tiny_gpt import tiny_gpt
 
         spec, groups = self.spec, module.parallel_groups
@@ -144,6 +135,7 @@ class RecipeModel:
             bridge = self.hf_bridge()
             config = module.transformer_config(**bridge.config_fields())
             return bridge.build_chunk(config, vp_stage, groups=groups)
+        # layout-invariant deterministic weights, dropout off
         config = module.transformer_config(
             num_layers=spec.num_layers,
             hidden_size=spec.hidden_size,
@@ -169,15 +161,12 @@ class RecipeModel:
         self, chunks: Sequence[torch.nn.Module], groups: ParallelGroups
     ) -> Iterator[None]:
         """Temporarily give ``chunks`` (this rank's, of ``groups``' layout) their initial weights
-        (a frozen reference model).
-
-        The initial weights are regenerated instead of kept as a second copy (the tiny GPT's are
-        a pure function of the seed whatever the layout; an HF model's shards are re-read from
-        its checkpoint), so a resumed run keeps the same reference. The current weights are
-        restored on exit, also on error.
-        """
+        (a frozen reference model); the current ones are restored on exit."""
         from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
 
+        # Regenerated instead of kept as a second copy: the tiny GPT's are a pure function of the
+        # seed whatever the layout, an HF model's shards are re-read from its checkpoint; so a
+        # resumed run keeps the same reference.
         spec = self.spec
         params = [p for chunk in chunks for p in chunk.parameters()]
         current = [p.detach().clone() for p in params]
@@ -188,36 +177,36 @@ class RecipeModel:
                 else:
                     load_deterministic_weights(unwrap(chunk), spec.seed, groups)
             yield
-        finally:
+        finally:  # also on error
             with torch.no_grad():
                 for param, value in zip(params, current, strict=True):
                     param.copy_(value)
 
 
 class RecipeModule(MCoreRLModule):
-    """What every recipe module shares: its model (``self.policy``, a :class:`RecipeModel`) built
-    per virtual-pipeline stage, and megatron's Adam at ``self.lr`` (clipping from
-    ``Trainer(gradient_clip_val=...)``). Subclasses set both in ``__init__``."""
+    """What every recipe module shares: its model (``self.policy``) built per virtual-pipeline
+    stage, and megatron's Adam at ``self.lr``; subclasses set both in ``__init__``."""
 
+    # set by each subclass's __init__
     policy: RecipeModel
     lr: float
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The model chunk for ``vp_stage`` (:meth:`RecipeModel.build_chunk`: the tiny GPT with
-        layout-invariant deterministic weights, or the HF checkpoint's shards)."""
+        """The model chunk for ``vp_stage`` (`RecipeModel.build_chunk`)."""
         return self.policy.build_chunk(self, vp_stage)
 
     def configure_optimizers(self) -> Any:
         """Megatron Adam at ``lr``, no weight decay."""
         from megatron.core.optimizer import OptimizerConfig
 
+        # clipping comes from Trainer(gradient_clip_val=...)
         return OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=0.0)
 
 
 def data_parallel_size(trainer: Trainer | None) -> int:
-    """The Trainer's data-parallel size (the recipes run under ``MCoreRLStrategy``, a
-    ``ParallelStrategy``; Lightning attaches the Trainer before the loader hooks)."""
+    """The Trainer's data-parallel size."""
     assert trainer is not None  # Lightning attaches the Trainer before the hooks
+    # the recipes run under MCoreRLStrategy, a ParallelStrategy
     strategy = cast(ParallelStrategy, trainer.strategy)
     return int(strategy.distributed_sampler_kwargs["num_replicas"])
 
@@ -231,33 +220,22 @@ def rank_train_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     drop_last: bool = False,
 ) -> ResumableLoader:
-    """This data-parallel rank's loader: ``global_batch / DP`` items per batch, shuffled with a
-    fixed seed (re-permuted per epoch), resumable mid-epoch
-    (:class:`~lightning_mcore_rl.strategy.ResumableLoader`).
-
-    Args:
-        trainer: the Trainer (set up).
-        dataset: a map-style dataset.
-        global_batch: items per optimizer step over all data-parallel ranks.
-        name: the DataModule argument that set ``global_batch`` (for the error message).
-        seed: the sampler seed.
-        collate_fn: the ``DataLoader``'s collate function (default: torch's).
-        drop_last: drop the epoch's last, partial batch.
+    """This DP rank's resumable, shuffled loader of ``global_batch / DP`` items per batch (``name``:
+    the DataModule argument that set ``global_batch``).
 
     Raises:
-        ValueError: ``global_batch`` is not divisible by the data-parallel size.
-    """
+        ValueError: ``global_batch`` is not divisible by the data-parallel size."""
     dp = data_parallel_size(trainer)
     check_divisible_by_dp(global_batch, dp, name)
     assert trainer is not None  # checked by data_parallel_size
+    # a fixed seed, re-permuted per epoch; resumable mid-epoch (ResumableLoader)
     return resumable_dataloader(
         dataset, trainer, global_batch // dp, seed=seed, collate_fn=collate_fn, drop_last=drop_last
     )
 
 
 def check_divisible_by_dp(global_batch: int, dp: int, name: str) -> None:
-    """``ValueError`` unless ``global_batch`` (the DataModule argument ``name``) divides over the
-    ``dp`` data-parallel ranks."""
+    """``ValueError`` unless ``global_batch`` (DataModule argument ``name``) divides over ``dp``."""
     if global_batch % dp != 0:
         raise ValueError(
             f"`{name}` ({global_batch}) must be divisible by the data-parallel size ({dp})."
@@ -267,28 +245,17 @@ def check_divisible_by_dp(global_batch: int, dp: int, name: str) -> None:
 def check_step_microbatches(
     module: MCoreRLModule, per_step: str, rows_per_item: int = 1, rows_source: str = ""
 ) -> None:
-    """At setup, before the first step (and a recipe's first rollout): the strategy's
-    ``micro_batch_size`` divides this data-parallel rank's batch, ``per_step`` (the attached
-    DataModule's items per optimizer step) / DP x ``rows_per_item`` rows.
-
-    Nothing to check with a token budget (``max_tokens_per_microbatch``) or when the Trainer has
-    no DataModule with a ``per_step`` argument (loaders passed directly: the step checks).
-
-    Args:
-        module: the recipe module (attached to its Trainer).
-        per_step: the DataModule argument holding the global items per step.
-        rows_per_item: training rows per item (GRPO: completions per prompt; DPO: 2 per pair).
-        rows_source: where ``rows_per_item`` comes from (for the message), e.g.
-            ``"GRPOModule(rollout.group_size=4)"``.
+    """At setup: the strategy's ``micro_batch_size`` divides this DP rank's batch, the DataModule's
+    ``per_step`` items / DP x ``rows_per_item`` rows (``rows_source``: the factor's origin).
 
     Raises:
-        ValueError: ``per_step`` not divisible by DP, or ``micro_batch_size`` not dividing the
-            local batch; the message names the DataModule argument, the DP size and the factor.
-    """
+        ValueError: ``per_step`` not divisible by DP, or ``micro_batch_size`` not dividing it."""
     trainer = module.trainer
     datamodule = getattr(trainer, "datamodule", None)  # set by fit(datamodule=...)
     items = getattr(datamodule, per_step, None)
     batching = module.mcore_strategy.microbatching
+    # nothing to check with a token budget, or without a DataModule holding `per_step` (loaders
+    # passed directly: the step checks); checked here, before a recipe's first rollout
     if not isinstance(items, int) or batching.max_tokens_per_microbatch is not None:
         return
     dp = data_parallel_size(trainer)
@@ -312,13 +279,10 @@ def rank_val_loader(
     name: str,
     collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """A validation loader of ``dataset`` (``len(dataset)`` items, named ``name``) in batches of
-    ``global_batch / DP``; Lightning gives each data-parallel rank its share (a
-    ``DistributedSampler`` over the DP group, no shuffling).
+    """A validation loader of ``dataset`` (named ``name``) in batches of ``global_batch / DP``.
 
     Raises:
-        ValueError: ``len(dataset)`` is not divisible by the data-parallel size.
-    """
+        ValueError: ``len(dataset)`` is not divisible by the data-parallel size."""
     dp = data_parallel_size(trainer)
     size = len(cast(Any, dataset))  # map-style datasets of the recipes are sized
     if size % dp != 0:
@@ -326,16 +290,14 @@ def rank_val_loader(
             f"`{name}` ({size}) must be divisible by the data-parallel size ({dp}): every rank "
             "must run the same number of batches."
         )
+    # no sampler here: Lightning gives each DP rank its share (a DistributedSampler over the DP
+    # group, no shuffling)
     return DataLoader(dataset, batch_size=max(global_batch // dp, 1), collate_fn=collate_fn)
 
 
 def agree_on_batch(module: MCoreRLModule, check: Callable[[], None]) -> None:
-    """Run a recipe's host-side batch ``check`` on every rank and agree on the verdict (one
-    all-reduce, ``reduce_boolean_decision``) before the step's first collective: the rank whose
-    batch is bad raises its ``ValueError``/``TypeError``, the others a ``BatchRejectedError``
-    naming each rejecting rank and its reason (one more collective, only then:
-    :func:`~lightning_mcore_rl.reliability.nonfinite.batch_rejection`), instead of waiting for it
-    in the step."""
+    """Run a recipe's host-side batch ``check`` on every rank and agree on the verdict before the
+    step's first collective: the bad rank raises its error, the others a ``BatchRejectedError``."""
     from lightning_mcore_rl.reliability.nonfinite import batch_rejection
 
     error: ValueError | TypeError | None = None
@@ -343,6 +305,8 @@ def agree_on_batch(module: MCoreRLModule, check: Callable[[], None]) -> None:
         check()
     except (ValueError, TypeError) as err:
         error = err
+    # One all-reduce; only on a rejection one more collective (`batch_rejection`) names each
+    # rejecting rank and its reason, instead of the others waiting for the bad rank in the step.
     strategy = module.mcore_strategy
     if strategy.reduce_boolean_decision(error is not None, all=False):
         raise batch_rejection(error, strategy.world_group, f" in {type(module).__name__}")
@@ -351,12 +315,11 @@ def agree_on_batch(module: MCoreRLModule, check: Callable[[], None]) -> None:
 def check_rows(
     owner: str, batch: Mapping[str, Any], keys: Sequence[str], max_sequence_length: int
 ) -> None:
-    """The recipe-level checks of a ``loss_fn`` batch (the strategy checks shapes, dtypes and
-    masks): ``keys`` present, rows no wider than the model's ``max_sequence_length``.
+    """Check that a ``loss_fn`` batch has ``keys`` and rows within ``max_sequence_length``.
 
     Raises:
-        ValueError: naming ``owner``, the key and the expected and actual values.
-    """
+        ValueError: naming ``owner``, the key and the expected and actual values."""
+    # the strategy checks shapes, dtypes and masks
     if not isinstance(batch, Mapping):
         raise TypeError(f"{owner} takes a mapping batch, got {type(batch).__name__}.")
     for key in keys:

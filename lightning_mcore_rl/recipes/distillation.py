@@ -1,27 +1,5 @@
 """On-policy distillation on the embedded toy task: the student samples, a hosted frozen teacher
-scores every sampled position, the student is trained towards it — one optimizer step per
-Lightning batch of prompts.
-
-Each ``training_step`` receives this data-parallel rank's prompts ``[b, P]`` and:
-
-1. samples ``G`` completions per prompt with the student (from the ``RolloutSpec.backend``
-   source, the embedded sampler by default, seeded per step and DP rank as
-   :class:`~lightning_mcore_rl.recipes.GRPOModule` does) and scores them with the task (the reward
-   is logged, not trained on);
-2. runs the hosted teacher forward-only on the samples (``teacher=True``): its exact top-``K``
-   logits and ids ``[B, S, K]`` (``vocabulary="topk"``) or its full-vocabulary payload — logits
-   ``[B, S, V]`` or pre-LM-head hidden states ``[B, S, H_t]`` (``vocabulary="full"``);
-3. runs megatron's schedule with :class:`~lightning_mcore_rl.losses.DistillationLossFn` (forward,
-   reverse or mixed KL over the teacher's top-k, optional tail term) or
-   :class:`~lightning_mcore_rl.losses.OPDFullLossFn` (the exact full-vocabulary reverse KL), a
-   token mean over the completion tokens of the global batch, whatever the TP/DP layout.
-
-The teacher is any model the recipes build (:class:`TinyGPTSpec`, :class:`HFModelSpec`), its
-weights optionally replaced from a megatron ``dist_checkpointing`` directory (a Lightning
-checkpoint of an ``MCoreRLStrategy`` run, e.g. a GRPO-trained policy) with
-:func:`~lightning_mcore_rl.strategy.load_dist_checkpoint`. Prompts come from
-:class:`~lightning_mcore_rl.recipes.PromptDataModule`.
-"""
+scores every sampled position, the student is trained towards it."""
 
 from __future__ import annotations
 
@@ -81,22 +59,18 @@ class TeacherSpec:
     """The hosted teacher.
 
     Attributes:
-        model: the architecture: a tiny GPT (its size; its seed gives the weights when there is no
-            ``checkpoint``) or a Hugging Face directory (its weights, unless ``checkpoint``).
-        checkpoint: a megatron ``dist_checkpointing`` directory (e.g. ``trainer.save_checkpoint``
-            of a GRPO run, saved under any TP/PP layout) whose weights replace the built ones; it
-            must hold a model of ``model``'s shapes (a tiny GPT: the same size, ``V`` and
-            ``P + N`` positions as this run). ``None``: the built weights.
-        checkpoint_prefix: the weights' key prefix in ``checkpoint``: ``""`` for a run's policy,
-            ``"teacher."`` for a teacher saved with ``save_teacher_in_checkpoint``.
-        backend: how the teacher samples for ``val_teacher_reward``, as ``RolloutSpec.backend``
-            (a name, a :class:`~lightning_mcore_rl.rollout.RolloutSource` or a factory); a
-            refit source is refit once from the hosted teacher's weights.
-    """
+        model: a tiny GPT (its seed gives the weights) or a Hugging Face directory.
+        checkpoint: a ``dist_checkpointing`` directory whose weights replace the built ones.
+        checkpoint_prefix: the weights' key prefix in ``checkpoint`` (``""``: a run's policy).
+        backend: how the teacher samples for ``val_teacher_reward``, as ``RolloutSpec.backend``."""
 
     model: TinyGPTSpec | HFModelSpec = field(default_factory=TinyGPTSpec)
+    # e.g. trainer.save_checkpoint of a GRPO run, saved under any TP/PP layout; it must hold a
+    # model of `model`'s shapes (a tiny GPT: the same size, V and P + N positions as this run)
     checkpoint: str | None = None
+    # "" for a run's policy, "teacher." for a teacher saved with save_teacher_in_checkpoint
     checkpoint_prefix: str = ""
+    # a refit source is refit once, from the hosted teacher's weights
     backend: RolloutChoice = "megatron"
 
 
@@ -121,25 +95,17 @@ class DistillationModule(RecipeModule):
     """On-policy distillation of a hosted frozen teacher into a student that samples itself.
 
     Args:
-        task: the task of the prompts; its reward is logged (``reward``, ``val_reward``), not
-            trained on.
-        model: the student (:class:`TinyGPTSpec` or :class:`HFModelSpec`).
-        teacher: the teacher (:class:`TeacherSpec`). Student and teacher share one vocabulary
-            ``V``: the task's, or the HF model's when either is one (two HF models must agree).
-        rollout: the student's sampling settings and source (``backend``); its temperature is
-            also applied to the student's and the teacher's logits in the loss
-            (``sampling_params``); ``max_staleness=0`` and no top-k/top-p only.
-        vocabulary: ``"topk"``: :class:`~lightning_mcore_rl.losses.DistillationLossFn` over the
-            teacher's top-``topk`` ids; ``"full"``:
-            :class:`~lightning_mcore_rl.losses.OPDFullLossFn` over the whole vocabulary.
+        task: the task of the prompts; its reward is logged, not trained on.
+        model: the student (`TinyGPTSpec` or `HFModelSpec`).
+        teacher: the teacher (`TeacherSpec`), of the student's vocabulary.
+        rollout: the student's sampling settings and source (synchronous, no top-k/top-p).
+        vocabulary: ``"topk"`` (`DistillationLossFn`) or ``"full"`` (`OPDFullLossFn`).
         topk: ``K`` of the top-k signal, in ``[1, V]``.
-        topk_loss: the top-k loss (``kl_type`` forward / reverse / mixed, ``mixed_kl_weight``,
-            ``zero_outside_topk`` for the tail term).
+        topk_loss: the top-k loss (forward / reverse / mixed KL, optional tail term).
         payload: the full-vocabulary teacher payload, ``"logits"`` or ``"hidden_states"``.
-        full_loss: the full-vocabulary loss (token or sequence mean, optional reference KL).
+        full_loss: the full-vocabulary loss (token or sequence mean).
         lr: Adam learning rate.
-        pass_at_k: the ``k`` of ``val_pass@k`` (each ``<= group_size``).
-    """
+        pass_at_k: the ``k`` of ``val_pass@k`` (each ``<= group_size``)."""
 
     def __init__(
         self,
@@ -157,6 +123,7 @@ class DistillationModule(RecipeModule):
     ) -> None:
         _choice("vocabulary", vocabulary, ("topk", "full"))
         _choice("payload", payload, ("logits", "hidden_states"))
+        # no reference policy here: the teacher is the target
         if full_loss is not None and full_loss.reference_policy_kl_penalty != 0:
             raise ValueError(
                 "DistillationModule has no reference policy: `full_loss.reference_policy_kl_"
@@ -171,12 +138,14 @@ class DistillationModule(RecipeModule):
             if vocabulary == "topk"
             else OPDFullLossFn(full_loss or DEFAULT_FULL_LOSS)
         )
+        # the sampling temperature also scales the student's and the teacher's logits in the loss
         super().__init__(
             loss_fn=loss_fn, sampling_params=TrainingSamplingParams(temperature=rollout.temperature)
         )
         self.task = task or ModularCountingTask()
         self.model_spec = replace(model) if model is not None else TinyGPTSpec()
         teacher = teacher or TeacherSpec()
+        # copied down to its model spec: the defaults are shared instances
         self.teacher_spec = replace(teacher, model=replace(teacher.model))
         self.rollout = rollout
         self.vocabulary = vocabulary
@@ -212,14 +181,13 @@ class DistillationModule(RecipeModule):
         )
 
     def _shared_vocab_size(self) -> int:
-        """``V`` of student and teacher: the task's, or an HF model's vocabulary (read from its
-        ``config.json``).
+        """``V`` of student and teacher: the task's, or an HF model's.
 
         Raises:
-            ValueError: two HF models of different vocabularies, or one below the task's.
-        """
+            ValueError: two HF models of different vocabularies."""
         from lightning_mcore_rl.models import HFBridge
 
+        # an HF model's vocabulary, read from its config.json; two HF models must agree
         sizes = {
             role: HFBridge.from_pretrained(spec.path).vocab_size
             for role, spec in (("model", self.model_spec), ("teacher", self.teacher_spec.model))
@@ -235,8 +203,7 @@ class DistillationModule(RecipeModule):
     # ---------------------------------------------------------------- models
 
     def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The teacher's chunk for ``vp_stage``: built like a recipe model, then (collective, on
-        every rank) its weights from ``teacher.checkpoint`` when one is given."""
+        """The teacher's chunk, its weights from ``teacher.checkpoint`` if given (collective)."""
         from lightning_mcore_rl.strategy import load_dist_checkpoint
 
         chunk = self.teacher_model.build_chunk(self, vp_stage)
@@ -246,8 +213,8 @@ class DistillationModule(RecipeModule):
         return chunk
 
     def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
-        """The default post-processor; with the ``"hidden_states"`` payload it also gets the
-        teacher's LM-head shard ``[V/TP, H_t]`` (on the last pipeline stage) to project them."""
+        """The default post-processor; with the ``"hidden_states"`` payload also the teacher's
+        LM-head shard ``[V/TP, H_t]`` (last pipeline stage) that projects them."""
         from lightning_mcore_rl.train import LossPostProcessor
 
         weight = self.teacher_output_weight() if self.payload == "hidden_states" else None
@@ -262,10 +229,9 @@ class DistillationModule(RecipeModule):
         )
 
     def setup(self, stage: str) -> None:
-        """The reward metrics (torchmetrics over the data-parallel group, known once the strategy
-        has built megatron's groups, which happens before this hook); when fitting,
-        ``micro_batch_size`` must divide the rank's ``prompts_per_step / DP x group_size``
-        completions (:func:`~.common.check_step_microbatches`, before any rollout)."""
+        """Build the reward metrics; when fitting, check the micro-batching."""
+        # megatron's groups exist by now; micro_batch_size must divide the rank's
+        # prompts_per_step / DP x group_size completions, checked before any rollout
         if stage == "fit":
             size = self.rollout.group_size
             owner = f"{type(self).__name__}(rollout.group_size={size})"
@@ -287,14 +253,15 @@ class DistillationModule(RecipeModule):
     def training_step(  # type: ignore[override]
         self, batch: torch.Tensor, batch_idx: int = 0
     ) -> dict[str, Any]:
-        """Student rollout, teacher signal, one distillation step.
-
-        Args:
-            batch: ``[b, P]`` prompts of this data-parallel rank.
-        """
+        """Student rollout, teacher signal, a distillation step on the rank's prompts ``[b, P]``."""
+        # G completions per prompt from the student, seeded per step and DP rank as GRPO's;
+        # their reward is logged, not trained on
         seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(batch, seed)
+        # the hosted teacher, forward-only on the samples (teacher=True)
         data = self.teacher_signal(rollout_batch(out))
+        # DistillationLossFn (KL over the teacher's top-k) or OPDFullLossFn (the exact
+        # full-vocabulary reverse KL): a token mean over the global batch's completion tokens
         step = self.forward_backward(data)
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
@@ -305,18 +272,12 @@ class DistillationModule(RecipeModule):
     def validation_step(  # type: ignore[override]
         self, batch: torch.Tensor, batch_idx: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Sample ``G`` completions per held-out prompt with the student and, from the same
-        seeds, with the teacher; score both (``val_reward`` and the other
-        :class:`~lightning_mcore_rl.recipes.evaluation.RolloutEvaluation` metrics of the student,
-        ``val_teacher_reward`` of the teacher).
-
-        Returns:
-            This rank's student ``rewards``, ``correct``, ``lengths``, ``truncated`` ``[b*G]``
-            and the teacher's ``teacher_rewards [b*G]``.
-        """
+        """Score ``G`` completions per held-out prompt of the student and (same seeds) the teacher:
+        ``rewards``, ``correct``, ``lengths``, ``truncated``, ``teacher_rewards`` ``[b*G]``."""
         assert self.evaluation is not None and self.teacher_reward is not None  # setup()
         seed = validation_seed(self.rollout, batch_idx, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(batch, seed)
+        # the same seeds: student and teacher are compared on the same draws
         _, teacher_rewards = self._sample(batch, seed, teacher=True)
         scores = rollout_scores(out, rewards, self.rollout.max_new_tokens)
         self.evaluation.update(**scores)
@@ -330,8 +291,7 @@ class DistillationModule(RecipeModule):
     def _sample(
         self, prompts: torch.Tensor, seed: int, *, teacher: bool = False
     ) -> tuple[Rollout, torch.Tensor]:
-        """``G`` completions per prompt (group-major ``[b*G, P+N]``) sampled by the student's (or
-        the teacher's) source and their rewards ``[b*G]``."""
+        """``G`` completions per prompt ``[b*G, P+N]`` of the student (or teacher), and rewards."""
         if teacher:
             generate = rollout_generate(
                 self, self.teacher_rollout, self.teacher_model, teacher=True
@@ -342,15 +302,15 @@ class DistillationModule(RecipeModule):
 
     @torch.no_grad()
     def teacher_signal(self, data: BatchedDataDict) -> BatchedDataDict:
-        """``data`` plus the hosted teacher's forward-only signal on it (every rank):
-        ``teacher_topk_logits``/``teacher_topk_indices [B, S, K]`` (``"topk"``), or
-        ``teacher_full_payload`` ``[B, S, V]`` (``"logits"``) / ``[B, S, H_t]`` with
-        ``teacher_index [B]`` = 0 (``"hidden_states"``)."""
+        """``data`` plus the teacher's ``teacher_topk_logits``/``_indices [B, S, K]``, or
+        ``teacher_full_payload`` ``[B, S, V]`` / ``[B, S, H_t]`` (with ``teacher_index [B]``)."""
         if self.vocabulary == "topk":
             values, indices = self.compute_topk_logits(data, self.topk, teacher=True)
             return BatchedDataDict(
                 {**data, "teacher_topk_logits": values, "teacher_topk_indices": indices}
             )
+        # its logits [B, S, V], or its pre-LM-head hidden states [B, S, H_t], projected in the
+        # loss with its LM-head shard
         _, payload = self.compute_teacher_payload(data, self.payload, torch.float32, teacher=True)
         extra: dict[str, torch.Tensor] = {"teacher_full_payload": payload}
         if self.payload == "hidden_states":

@@ -1,19 +1,5 @@
-"""Direct Preference Optimization (arXiv:2305.18290 Eq. 7) against a frozen reference model.
-
-Each ``training_step`` receives this data-parallel rank's preference batch — rows interleaved
-``chosen_0, rejected_0, chosen_1, ...`` with ``input_ids [2b, S]``, ``input_lengths [2b]``,
-``token_mask [2b, S]`` (1 on response tokens) and ``sample_mask [2b]`` — and:
-
-1. checks it on every rank (keys, whole pairs, pair-equal ``sample_mask``, no
-   ``reference_policy_logprobs`` of its own);
-2. computes the reference logprobs forward-only (dropout off) with the initial weights swapped
-   in (regenerated from the tiny GPT's seed or re-read from the HF checkpoint), and stores them in
-   the layout :class:`~lightning_mcore_rl.losses.DPOLossFn` reads (shifted left by one);
-3. runs megatron's schedule with ``DPOLossFn`` (optionally plus the SFT term on the chosen rows).
-
-So at step 0, where the policy is the reference, every implicit reward is 0 and the loss is
-exactly ``ln 2``.
-"""
+"""Direct Preference Optimization (arXiv:2305.18290 Eq. 7) against a frozen reference model, on
+interleaved ``chosen_0, rejected_0, chosen_1, ...`` rows (``[2b, S]``)."""
 
 from __future__ import annotations
 
@@ -55,9 +41,7 @@ DEFAULT_DPO_LOSS = DPOLossConfig()
 
 
 class PreferenceDataModule(LightningDataModule):
-    """Chosen/rejected pairs of the counting task (:class:`~.toy_data.CountingPreferenceDataset`):
-    ``pairs_per_step`` pairs per optimizer step over all data-parallel ranks, each rank's batch
-    interleaved (``[2 * pairs_per_step / DP, S]``, :func:`~.toy_data.collate_pairs`).
+    """Chosen/rejected pairs of the counting task, ``pairs_per_step`` per step, interleaved rows.
 
     Args:
         task: the prompts' task (``V = task.vocab_size``, ``P = task.prompt_length``).
@@ -67,9 +51,7 @@ class PreferenceDataModule(LightningDataModule):
         seed: data seed, also the seed of the (per-epoch) shuffled order.
         val_pairs: held-out pairs (0: no validation loop), divisible by DP.
         val_seed: seed of the held-out pairs.
-        chosen_demonstration: chosen responses are the SFT demonstrations (an easier task; see
-            :class:`~.toy_data.CountingPreferenceDataset`).
-    """
+        chosen_demonstration: chosen responses are the SFT demonstrations (an easier task)."""
 
     def __init__(
         self,
@@ -118,9 +100,7 @@ def check_preference_batch(owner: str, batch: Mapping[str, Any], max_sequence_le
     """The host-side checks of an interleaved preference batch (before any collective).
 
     Raises:
-        ValueError: a missing key, rows wider than ``max_sequence_length``, an odd number of
-            rows, or a pair whose chosen and rejected ``sample_mask`` differ.
-    """
+        ValueError: a missing key, too wide rows, an odd row count, or unequal pair masks."""
     check_rows(owner, batch, PREFERENCE_KEYS, max_sequence_length)
     rows = int(batch["input_ids"].shape[0])
     if rows % 2:
@@ -128,6 +108,7 @@ def check_preference_batch(owner: str, batch: Mapping[str, Any], max_sequence_le
             f"{owner}: a preference batch interleaves chosen/rejected rows, so `input_ids` needs "
             f"an even number of rows; got {rows}."
         )
+    # the loss pairs rows [::2] with [1::2]
     mask = batch["sample_mask"]
     unequal = mask[::2] != mask[1::2]
     if bool(unequal.any()):
@@ -139,11 +120,11 @@ def check_preference_batch(owner: str, batch: Mapping[str, Any], max_sequence_le
 
 
 def check_pair_microbatching(owner: str, micro_batch_size: int, token_budget: int | None) -> None:
-    """Microbatches must hold whole chosen/rejected pairs (the loss splits rows ``[::2]``).
+    """Microbatches must hold whole chosen/rejected pairs.
 
     Raises:
-        ValueError: a token budget (it regroups rows by length) or an odd ``micro_batch_size``.
-    """
+        ValueError: a token budget (it regroups rows by length) or an odd ``micro_batch_size``."""
+    # the loss splits each microbatch's rows [::2] / [1::2]
     if token_budget is not None:
         raise ValueError(
             f"{owner} needs microbatches of whole chosen/rejected pairs, but "
@@ -158,30 +139,20 @@ def check_pair_microbatching(owner: str, micro_batch_size: int, token_budget: in
 
 
 def shift_left(logprobs: Tensor) -> Tensor:
-    """Stored logprobs ``[B, S]`` (``lp[:, t] = log p(x_t | x_<t)``, 0 at ``t = 0``) in DPO's
-    layout ``[B, S]``: ``out[:, t] = log p(x_{t+1} | x_<=t)`` (the last column is the 0)."""
+    """Stored logprobs ``[B, S]`` (``lp[:, t] = log p(x_t | x_<t)``) in DPO's layout ``[B, S]``:
+    ``out[:, t] = log p(x_{t+1} | x_<=t)``, the last column 0."""
     return logprobs.roll(-1, dims=1)
 
 
 class DPOModule(RecipeModule):
-    """DPO of a tiny GPT or a Hugging Face model against its initial weights.
+    """DPO of a tiny GPT or an HF model against its initial weights, on `PREFERENCE_KEYS` batches.
 
     Args:
-        model: a tiny GPT (:class:`TinyGPTSpec`) or a Hugging Face checkpoint
-            (:class:`HFModelSpec`); its initial weights are the frozen reference.
+        model: a tiny GPT (`TinyGPTSpec`) or an HF checkpoint (`HFModelSpec`), its own reference.
         vocab_size: ``V`` of the data (the tiny GPT's vocabulary; an HF model's must cover it).
-        max_sequence_length: the widest row ``S`` (the tiny GPT's positions; an HF model's
-            ``max_position_embeddings`` must cover it).
-        loss: ``DPOLossFn`` settings (NeMo RL keys): ``reference_policy_kl_penalty`` (beta),
-            ``sft_loss_weight`` (the NLL term on the chosen rows), averaging flags; default
-            :data:`DEFAULT_DPO_LOSS`.
-        lr: Adam learning rate.
-
-    Batches: :data:`PREFERENCE_KEYS`, rows interleaved chosen/rejected. Microbatches must hold
-    whole pairs: an even ``micro_batch_size`` and no ``max_tokens_per_microbatch``; with
-    ``sequence_packing=True`` each packed microbatch is scored in one loss call
-    (``fuse_loss``), so its pairs stay together.
-    """
+        max_sequence_length: the widest row ``S`` (the tiny GPT's positions).
+        loss: ``DPOLossFn`` settings (NeMo RL keys): beta, the SFT term's weight, averaging flags.
+        lr: Adam learning rate."""
 
     def __init__(
         self,
@@ -208,7 +179,8 @@ class DPOModule(RecipeModule):
 
     def setup(self, stage: str) -> None:
         """Reject microbatching that would split pairs or, when fitting, not divide the rank's
-        ``2 x pairs_per_step / DP`` rows (same verdict on every rank, before any step)."""
+        ``2 x pairs_per_step / DP`` rows."""
+        # the same verdict on every rank, before any step
         batching = self.mcore_strategy.microbatching
         check_pair_microbatching(
             type(self).__name__, batching.micro_batch_size, batching.max_tokens_per_microbatch
@@ -217,13 +189,14 @@ class DPOModule(RecipeModule):
             check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
     def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
-        """The base hook's loss callback, with packed microbatches scored in one loss call
-        (``fuse_loss``): the per-sequence wrapper would call the loss on single rows."""
+        """The base hook's loss callback, with packed microbatches scored in one loss call."""
         from lightning_mcore_rl.train import LossPostProcessor
 
         loss_fn: Any = self.loss_fn  # the DPOLossFn of __init__ (the base types it loosely)
         strategy = self.mcore_strategy
         cfg = strategy.policy_config()
+        # fuse_loss: the per-sequence wrapper would call the loss on single rows and split the
+        # pairs of a packed microbatch
         return LossPostProcessor(
             loss_fn,
             replace(cfg, fuse_loss=cfg.sequence_packing),
@@ -234,8 +207,8 @@ class DPOModule(RecipeModule):
 
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
-        """Temporarily give the model its initial weights (the frozen reference; see
-        :meth:`~lightning_mcore_rl.recipes.common.RecipeModel.initial_weights`)."""
+        """Temporarily give the model its initial weights (the frozen reference)."""
+        # regenerated from the tiny GPT's seed or re-read from the HF checkpoint
         with self.policy.initial_weights(self.mcore_strategy.model_chunks, self.parallel_groups):
             yield
 
@@ -243,9 +216,7 @@ class DPOModule(RecipeModule):
         """The checked batch plus ``reference_policy_logprobs [2b, S]`` (shifted left by one).
 
         Raises:
-            ValueError: see :func:`check_preference_batch`; also when the batch brings its own
-                ``reference_policy_logprobs`` (this recipe computes them).
-        """
+            ValueError: as `check_preference_batch`; a batch with ``reference_policy_logprobs``."""
         owner = type(self).__name__
 
         def check() -> None:
@@ -256,15 +227,20 @@ class DPOModule(RecipeModule):
                     "remove the key from the batch."
                 )
 
+        # checked on every rank: keys, whole pairs, pair-equal sample_mask
         agree_on_batch(self, check)
         data = BatchedDataDict(dict(batch))
+        # forward-only, dropout off: at step 0, where the policy is the reference, every implicit
+        # reward is 0 and the loss is exactly ln 2
         with self.reference_weights():
             reference = self.compute_logprobs(data)  # [2b, S], 0 at position 0
+        # DPOLossFn reads them shifted left by one
         data["reference_policy_logprobs"] = shift_left(reference)
         return data
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """Reference logprobs, then one optimizer step of the DPO loss."""
+        # DPOLossFn, optionally plus the SFT term on the chosen rows
         return self.forward_backward(self.preference_batch(batch)).as_step_result()
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:

@@ -14,19 +14,8 @@ from lightning_mcore_rl.metrics import PassAtK, StandardDeviation
 
 
 class RolloutEvaluation(torch.nn.Module):
-    """Reward, pass@k and response-length metrics of ``n`` sampled completions per prompt.
-
-    Each metric is a torchmetrics ``Metric`` over ``process_group`` (the data-parallel group:
-    every DP rank scores its own prompts; TP/PP ranks of a replica hold the same samples), so the
-    epoch value equals the value on all DP ranks' samples concatenated. Logged as
-    ``val_reward``, ``val_reward_std``, ``val_pass@k`` per ``k``, ``val_response_length_mean``,
-    ``val_response_length_max``, ``val_truncated_fraction``.
-
-    Args:
-        pass_at_k: the ``k`` values (each ``<= n``).
-        num_samples: ``n`` completions per prompt.
-        process_group: the data-parallel group.
-    """
+    """Reward, pass@k (each ``k <= num_samples``) and response-length metrics of ``num_samples``
+    completions per prompt, synchronised over ``process_group`` (the DP group)."""
 
     def __init__(
         self, pass_at_k: Sequence[int], num_samples: int, process_group: Any | None
@@ -38,6 +27,9 @@ class RolloutEvaluation(torch.nn.Module):
                     f"pass@k needs 1 <= k <= n (the group size {num_samples}), got k={k}"
                 )
         self.num_samples = num_samples
+        # Each metric synchronises over the DP group (every DP rank scores its own prompts; a
+        # replica's TP/PP ranks hold the same samples): the epoch value is that of all DP ranks'
+        # samples concatenated.
         self.reward = MeanMetric(process_group=process_group)
         self.reward_std = StandardDeviation(process_group=process_group)
         self.pass_at = torch.nn.ModuleDict(
@@ -48,25 +40,20 @@ class RolloutEvaluation(torch.nn.Module):
         self.truncated = MeanMetric(process_group=process_group)
 
     def update(self, rewards: Tensor, correct: Tensor, lengths: Tensor, truncated: Tensor) -> None:
-        """Add one batch of prompts.
-
-        Args:
-            rewards: ``[b*n]`` rewards, group-major (prompt ``p``'s samples are ``p*n .. p*n+n-1``).
-            correct: ``[b*n]`` bool, the sample solves its prompt.
-            lengths: ``[b*n]`` completion tokens.
-            truncated: ``[b*n]`` bool, the completion hit the length limit.
-        """
+        """Add one batch: ``rewards``, bool ``correct``, ``lengths``, bool ``truncated``, each
+        ``[b*n]`` group-major (prompt ``p``'s samples are ``p*n .. p*n+n-1``)."""
         self.reward.update(rewards)
         self.reward_std.update(rewards)
         for metric in self.pass_at.values():
+            # [b, n]: pass@k of each prompt over its n samples
             cast(PassAtK, metric).update(correct.view(-1, self.num_samples))
         self.length_mean.update(lengths.float())
         self.length_max.update(lengths.float())
         self.truncated.update(truncated.float())
 
     def log(self, module: LightningModule) -> None:
-        """``module.log`` every metric (Lightning computes, synchronises and resets them per
-        epoch)."""
+        """``module.log`` every metric (Lightning syncs and resets them per epoch)."""
+        # val_pass@k per k, the others by name
         values: dict[str, Any] = {
             "val_reward": self.reward,
             "val_reward_std": self.reward_std,

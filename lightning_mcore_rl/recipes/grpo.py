@@ -1,24 +1,5 @@
-"""GRPO: generate with the policy, score, train — one optimizer step per Lightning batch of
-prompts, on the embedded counting task or a text task (:class:`~.text_task.TextRewardTask`).
-
-Each ``training_step`` receives this data-parallel rank's prompts (``[b, P]`` ids of the counting
-task, or a :class:`~.prompt_data.PromptBatch` of a text task) and:
-
-1. samples ``G`` completions per prompt from the ``RolloutSpec.backend`` rollout source (a
-   backend name, a :class:`~lightning_mcore_rl.rollout.RolloutSource` or a factory, through
-   :func:`~.rollout_choice.recipe_rollout`: ``generation_logprobs``); a text task's
-   completions end at the tokenizer's EOS (``RolloutSpec.stop_at_eos``);
-2. scores them with the task (a text task decodes them and calls its reward function) and turns
-   rewards into advantages (``advantage_estimator``: NeMo
-   RL's ``"grpo"`` group-relative, with ``use_leave_one_out_baseline`` the RLOO baseline, or
-   ``"reinforce_plus_plus"``);
-3. recomputes the logprobs of the current weights forward-only (``prev_logprobs``; the PPO ratio
-   uses them, the sampler's logprobs drive the importance-sampling metrics) and, with a reference
-   KL, the reference policy's (``reference_model``: the initial weights swapped back in, or a
-   hosted frozen copy);
-4. runs megatron's schedule with :class:`~lightning_mcore_rl.losses.ClippedPGLossFn` — the loss is
-   a global token mean whatever the TP/PP/DP layout.
-"""
+"""GRPO: generate with the policy, score, train; one optimizer step per Lightning batch of
+prompts, on the embedded counting task or a text task (`TextRewardTask`)."""
 
 from __future__ import annotations
 
@@ -92,27 +73,12 @@ class RolloutSpec:
         group_size: ``G`` completions per prompt.
         max_new_tokens: completion length.
         temperature: sampling temperature (the loss uses the same one).
-        top_k: sample from the ``top_k`` largest scaled logits only (``None``: all); the loss's
-            logprobs use the same filter (:meth:`training_params`).
-        top_p: then from the smallest set of the largest whose probability reaches ``top_p``
-            (``1.0``: all); vLLM's filters, in its order. Not with ``max_staleness > 0``.
+        top_k: sample from the ``top_k`` largest scaled logits only (``None``: all).
+        top_p: then from the smallest top set reaching probability ``top_p`` (``1.0``: all).
         seed: base seed; each step and data-parallel rank derives its own stream.
-        backend: the rollout source (``docs/rollout.md``): ``"megatron"``, the embedded sampler
-            on the training model; ``"hf"``, a ``transformers`` copy of an :class:`HFModelSpec`
-            policy refit after every optimizer step (needed for prompts of different lengths);
-            or a :class:`~lightning_mcore_rl.rollout.RolloutSource` (used as is) or a factory
-            ``(RolloutSetup) -> RolloutSource`` (called at the first rollout), e.g. an
-            inference-engine adapter; ``"vllm"``, a vLLM engine refit in place.
-        stop_at_eos: with a text task, a completion ends at the tokenizer's EOS token (then
-            padded with its pad id, masked out of the loss); the counting task has no EOS.
-        max_staleness: asynchronous GRPO (``GRPOModule`` only): the rollouts of the next
-            ``max_staleness`` prompt batches are submitted before a step trains, so a source
-            that samples in the background (``"vllm"``, ``"hf"``) samples them while the
-            trainer trains, and a batch is trained by weights up to ``max_staleness`` optimizer
-            steps newer than the ones that sampled it (logged as ``rollout_staleness``; the
-            loss's importance-sampling correction applies). 0: synchronous. Needs a train
-            loader with ``peek`` (:class:`~lightning_mcore_rl.strategy.ResumableLoader`).
-    """
+        backend: ``"megatron"``, ``"hf"``, ``"vllm"``, a `RolloutSource` or a factory of one.
+        stop_at_eos: with a text task, a completion ends at the tokenizer's EOS token.
+        max_staleness: asynchronous GRPO: rollouts submitted this many batches ahead (0: sync)."""
 
     group_size: int = 4
     max_new_tokens: int = 8
@@ -128,6 +94,8 @@ class RolloutSpec:
         if self.max_staleness < 0:
             raise ValueError(f"`max_staleness` must be >= 0, got {self.max_staleness}")
         params = self.training_params()  # checks temperature, top_k and top_p
+        # a token sampled by older weights may lie outside the current weights' filtered set,
+        # where its logprob is -inf and the ratio undefined
         if self.max_staleness and params.filters:
             raise ValueError(
                 f"`max_staleness={self.max_staleness}` cannot be combined with `top_k="
@@ -138,11 +106,11 @@ class RolloutSpec:
 
     def training_params(self) -> TrainingSamplingParams:
         """The trainer's sampling parameters, the sampler's (temperature, top-k, top-p)."""
+        # the loss's logprobs use the same filters as the draw (vLLM's, in its order)
         return TrainingSamplingParams(self.temperature, self.top_k, self.top_p)
 
     def check_synchronous(self, owner: str) -> None:
-        """``ValueError`` naming ``owner`` unless this spec samples synchronously and without
-        top-k/top-p (what PPO and distillation support)."""
+        """``ValueError`` naming ``owner`` unless this spec samples synchronously, unfiltered."""
         if self.training_params().filters:
             raise ValueError(
                 f"{owner} samples without top-k/top-p: `rollout.top_k` must be None and "
@@ -173,9 +141,9 @@ ReferenceModel = Literal["recompute", "frozen_copy"]
 
 
 class PromptDataset(Dataset):
-    """``num_prompts`` fixed random prompts of a task (map-style, so a ``DistributedSampler``
-    splits them over data-parallel ranks)."""
+    """``num_prompts`` fixed random prompts of a task (map-style)."""
 
+    # map-style, so a DistributedSampler splits it over the DP ranks
     def __init__(self, task: ModularCountingTask, num_prompts: int, seed: int = 0) -> None:
         self.prompts = task.prompts(num_prompts, torch.Generator().manual_seed(seed))
 
@@ -187,18 +155,15 @@ class PromptDataset(Dataset):
 
 
 class PromptDataModule(LightningDataModule):
-    """Prompts for GRPO: ``prompts_per_step`` prompts per optimizer step over all data-parallel
-    ranks (each rank's loader yields its ``prompts_per_step / DP`` share).
+    """Prompts for GRPO: ``prompts_per_step`` per optimizer step over all data-parallel ranks.
 
     Args:
         task: the task that makes the prompts.
         prompts_per_step: global prompts per optimizer step (divisible by DP).
         num_steps: how many steps' worth of distinct prompts to make (one epoch).
         seed: prompt seed, also the seed of their (per-epoch) shuffled order.
-        val_prompts: held-out prompts for validation (0: no validation loop), split over DP
-            (divisible by DP) in batches of ``prompts_per_step / DP``.
-        val_seed: seed of the held-out prompts.
-    """
+        val_prompts: held-out prompts for validation (0: none), divisible by DP.
+        val_seed: seed of the held-out prompts."""
 
     def __init__(
         self,
@@ -221,20 +186,18 @@ class PromptDataModule(LightningDataModule):
         self.val_seed = val_seed
 
     def train_dataloader(self) -> ResumableLoader:
-        """Per-rank batches of ``prompts_per_step / DP`` prompts ``[b, P]``: each data-parallel
-        rank reads its own prompts, shuffled with a fixed seed (re-permuted per epoch). The loader
-        is a :class:`~lightning_mcore_rl.strategy.ResumableLoader`, so ``fit(ckpt_path=...)``
-        mid-epoch continues with the next unseen batch."""
+        """This rank's batches of ``prompts_per_step / DP`` prompts ``[b, P]`` (shuffled)."""
+        # a ResumableLoader: fit(ckpt_path=...) mid-epoch continues with the next unseen batch
         dataset = PromptDataset(self.task, self.prompts_per_step * self.num_steps, self.seed)
         return rank_train_loader(
             self.trainer, dataset, self.prompts_per_step, "prompts_per_step", self.seed
         )
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """Held-out prompts ``[b, P]`` (``val_prompts``; none when 0). Lightning gives each
-        data-parallel rank its share (a ``DistributedSampler`` over the DP group, no shuffling)."""
+        """This rank's share of the held-out prompts ``[b, P]`` (none when ``val_prompts`` is 0)."""
         if self.val_prompts == 0:
             return []
+        # a DistributedSampler over the DP group, no shuffling; batches of prompts_per_step / DP
         dataset = PromptDataset(self.task, self.val_prompts, self.val_seed)
         return rank_val_loader(self.trainer, dataset, self.prompts_per_step, "val_prompts")
 
@@ -243,37 +206,17 @@ class GRPOModule(RecipeModule):
     """Group Relative Policy Optimization (DeepSeekMath, arXiv:2402.03300).
 
     Args:
-        task: the rewarded task: the embedded :class:`ModularCountingTask` (prompts from
-            :class:`PromptDataModule`) or a :class:`~.text_task.TextRewardTask` (prompts from
-            :class:`~.prompt_data.PromptFileDataModule`, left-padded; needs an
-            :class:`HFModelSpec` policy, whose tokenizer decodes the completions).
-        model: the policy: a tiny GPT (:class:`TinyGPTSpec`) or a Hugging Face checkpoint
-            (:class:`HFModelSpec`, imported with :class:`~lightning_mcore_rl.models.HFBridge`).
+        task: the counting task (`PromptDataModule`) or a `TextRewardTask` (`PromptFileDataModule`).
+        model: the policy: a tiny GPT (`TinyGPTSpec`) or a Hugging Face checkpoint (`HFModelSpec`).
         rollout: sampling settings.
-        loss: ``ClippedPGLossFn`` settings (NeMo RL keys), e.g. clip ratios; default
-            :data:`DEFAULT_GRPO_LOSS` (NeMo RL's defaults without the reference KL). With
-            ``reference_policy_kl_penalty > 0`` the reference policy is the initial model, its
-            KL in the loss or, with ``use_kl_in_reward=True`` (``"reinforce_plus_plus"`` only,
-            NeMo RL's semantics), subtracted from the token rewards as
-            ``reference_policy_kl_penalty * KL(prev_logprobs || reference)`` before the
-            whitening, and zero in the loss.
+        loss: ``ClippedPGLossFn`` settings (NeMo RL keys); default: no reference KL.
         lr: Adam learning rate.
-        pass_at_k: the ``k`` of the validation's ``val_pass@k`` (each ``<= group_size``: the
-            validation samples ``group_size`` completions per held-out prompt; a completion is
-            correct when its reward is 1).
-        advantage_estimator: ``"grpo"``: ``(r - baseline) / (std + 1e-6)`` per group;
-            ``"reinforce_plus_plus"``: ``r - group mean`` (``minus_baseline``), the optional
-            reward KL, then whitened over the global batch's completion tokens.
+        pass_at_k: the ``k`` of the validation's ``val_pass@k`` (each ``<= group_size``).
+        advantage_estimator: ``"grpo"`` (group-relative) or ``"reinforce_plus_plus"``.
         normalize_rewards: ``"grpo"``: divide by the group's standard deviation.
-        use_leave_one_out_baseline: ``"grpo"``: the baseline of each completion is the mean of
-            the group's other ``G - 1`` rewards (RLOO, arXiv:2402.14740).
+        use_leave_one_out_baseline: ``"grpo"``: RLOO's baseline (arXiv:2402.14740).
         minus_baseline: ``"reinforce_plus_plus"``: subtract the group mean first.
-        reference_model: ``"recompute"`` (default): each step temporarily loads the initial
-            weights into the policy (regenerated from the tiny GPT's seed, or re-read from the
-            HF checkpoint), no extra memory; ``"frozen_copy"``: a frozen copy of the initial
-            model is hosted next to the policy (:meth:`build_teacher_chunk`, one more set of
-            weights in memory, no weight swap or checkpoint read per step).
-    """
+        reference_model: ``"recompute"`` (swap the initial weights in) or ``"frozen_copy"``."""
 
     def __init__(
         self,
@@ -314,6 +257,7 @@ class GRPOModule(RecipeModule):
         self.rollout_source = recipe_rollout(rollout.backend, self.policy)
         self.rollout_queue = RolloutQueue(rollout.max_staleness)
         self.lr = lr
+        # validation samples group_size completions per held-out prompt; reward 1 is correct
         self.pass_at_k = tuple(pass_at_k)
         self.evaluation: RolloutEvaluation | None = None
         self.rollout_reward: MeanMetric | None = None
@@ -333,12 +277,10 @@ class GRPOModule(RecipeModule):
         )
 
     def _text_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        """A text task's tokenizer: the :class:`HFModelSpec` policy's (``None`` for the counting
-        task).
+        """A text task's tokenizer: the `HFModelSpec` policy's (``None`` for the counting task).
 
         Raises:
-            ValueError: a text task with a policy that is not a Hugging Face checkpoint.
-        """
+            ValueError: a text task with a policy that is not a Hugging Face checkpoint."""
         if not isinstance(self.task, TextRewardTask):
             return None
         if not isinstance(self.model_spec, HFModelSpec):
@@ -351,8 +293,7 @@ class GRPOModule(RecipeModule):
         return AutoTokenizer.from_pretrained(self.model_spec.path)
 
     def _recipe_model(self) -> RecipeModel:
-        """The policy, sized by the task: the counting task's vocabulary and ``P + N`` rows, or
-        the tokenizer's vocabulary and ``max_prompt_length + N`` rows."""
+        """The policy, sized by the task's vocabulary and prompt plus completion length."""
         new_tokens = self.rollout.max_new_tokens
         if isinstance(self.task, TextRewardTask):
             assert self.tokenizer is not None  # set for text tasks
@@ -379,21 +320,19 @@ class GRPOModule(RecipeModule):
             )
 
     def _advantages_need_logprobs(self) -> bool:
-        """Whether the advantages wait for the step's logprobs (:meth:`make_rollout` then
-        leaves zeros and :meth:`training_step` fills them)."""
+        """Whether the advantages wait for the step's logprobs (`training_step` fills them)."""
         return bool(self.loss_config.use_kl_in_reward)
 
     def build_teacher_chunk(self, vp_stage: int | None) -> torch.nn.Module | None:
-        """With ``reference_model="frozen_copy"`` and a reference KL: a second copy of the
-        initial policy (built like :meth:`build_chunk`: the seed's weights, or the HF
-        checkpoint's), frozen and hosted by the strategy; else no teacher."""
+        """A frozen copy of the initial policy for ``reference_model="frozen_copy"``, else none."""
+        # one more set of weights in memory, for no weight swap or checkpoint read per step
+        # none without a reference KL either
         if self.reference_model != "frozen_copy" or self.kl_penalty == 0:
             return None
         return self.policy.build_chunk(self, vp_stage)
 
     def hf_bridge(self) -> HFBridge:
-        """The :class:`~lightning_mcore_rl.models.HFBridge` of an :class:`HFModelSpec` policy,
-        checked against the task (``ValueError``: vocabulary or positions too small)."""
+        """The `HFBridge` of an `HFModelSpec` policy (``ValueError``: too small for the task)."""
         return self.policy.hf_bridge()
 
     # The base step takes Mapping batches; this recipe's loader yields prompt tensors and the
@@ -401,20 +340,22 @@ class GRPOModule(RecipeModule):
     def training_step(  # type: ignore[override]
         self, batch: torch.Tensor | PromptBatch, batch_idx: int = 0
     ) -> dict[str, Any]:
-        """Rollout, score, advantages, ``prev_logprobs``, one policy-gradient step.
-
-        Args:
-            batch: this data-parallel rank's ``b`` prompts (``[b, P]`` ids, or a
-                :class:`~.prompt_data.PromptBatch` for a text task).
-        """
+        """Rollout, score, advantages, ``prev_logprobs``, one policy-gradient step on this rank's
+        ``b`` prompts (``[b, P]`` ids, or a `PromptBatch` for a text task)."""
+        # G completions per prompt from the rollout source (`recipe_rollout`), scored by the
+        # task (a text task decodes them), rewards turned into advantages
         data, rewards = self.make_rollout(batch)
+        # the current weights' logprobs, forward-only: the PPO ratio uses them, the sampler's
+        # generation_logprobs drive the importance-sampling metrics
         data["prev_logprobs"] = self.compute_logprobs(data)
         mismatch = mismatch_extrema(data, self.mcore_strategy.groups.dp_group)
         self.log_dict(mismatch, on_step=True, on_epoch=False, batch_size=1)
         if self.kl_penalty > 0:
+            # the reference policy is the initial model (swapped back in, or a hosted copy)
             data["reference_policy_logprobs"] = self.reference_logprobs(data)
         if self._advantages_need_logprobs():
             data["advantages"] = self.advantages(rewards, data)
+        # ClippedPGLossFn: a global token mean whatever the TP/PP/DP layout
         out = self.forward_backward(data)
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
@@ -422,23 +363,19 @@ class GRPOModule(RecipeModule):
         return out.as_step_result()
 
     def reference_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
-        """The reference policy's token logprobs ``[B, S]`` of this rank's batch: the hosted
-        frozen copy's (``reference_model="frozen_copy"``) or the policy's with its initial
-        weights swapped in (:meth:`reference_weights`)."""
+        """The reference policy's token logprobs ``[B, S]`` of this rank's batch."""
         if self.reference_model == "frozen_copy":
             return self.compute_logprobs(batch, teacher=True)
         with self.reference_weights():
             return self.compute_logprobs(batch)
 
     def advantages(self, rewards: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Token advantages ``[b*G, S]`` of the ``advantage_estimator`` from the rewards
-        ``[b*G]`` and the batch's ``token_mask`` (with ``use_kl_in_reward`` also its
-        ``prev_logprobs`` and ``reference_policy_logprobs``); REINFORCE++ whitens over the
-        data-parallel group, so every layout sees the global batch's statistics.
-
-        A group with a NaN/inf reward gets NaN advantages (its rewards count as 0 in the
-        estimator, so the other groups' are unchanged): the step's input agreement then skips
-        the step on every rank, as the non-finite policy does for any non-finite input."""
+        """Token advantages ``[b*G, S]`` of the ``advantage_estimator`` from ``rewards [b*G]`` and
+        the batch's ``token_mask`` (with ``use_kl_in_reward`` also its logprobs); NaN for a group
+        with a NaN/inf reward."""
+        # A NaN/inf reward's group counts as 0 in the estimator (the other groups' advantages are
+        # unchanged) and gets NaN advantages: the step's input agreement then skips the step on
+        # every rank, as the non-finite policy does for any non-finite input.
         bad = nonfinite_reward_groups(rewards, self.rollout.group_size)  # [b*G]
         if not bool(bad.any()):
             return self._advantages(rewards, batch)
@@ -456,6 +393,8 @@ class GRPOModule(RecipeModule):
 
     def _advantages(self, rewards: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
         token_mask, group_size = batch["token_mask"], self.rollout.group_size
+        # "grpo": (r - baseline) / (std + 1e-6) per group; the baseline is the group mean, or the
+        # mean of the other G - 1 rewards with use_leave_one_out_baseline (RLOO)
         if self.advantage_estimator == "grpo":
             per_sample = grpo_advantages(
                 rewards,
@@ -466,6 +405,8 @@ class GRPOModule(RecipeModule):
             return token_level_advantages(per_sample, token_mask)
         kl = None
         cfg = self.loss_config
+        # NeMo RL's semantics: with use_kl_in_reward, penalty * KL(prev_logprobs || reference) is
+        # subtracted from the token rewards before the whitening, and the loss has no KL term
         if cfg.use_kl_in_reward and self.kl_penalty > 0:
             kl = calculate_kl(
                 batch["prev_logprobs"],
@@ -474,6 +415,8 @@ class GRPOModule(RecipeModule):
                 cfg.kl_input_clamp_value,
                 cfg.kl_output_clamp_value,
             )
+        # r - group mean, the optional reward KL, then whitened over the DP group: every layout
+        # sees the global batch's statistics
         return reinforce_plus_plus_advantages(
             rewards,
             group_size,
@@ -486,18 +429,15 @@ class GRPOModule(RecipeModule):
 
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
-        """Temporarily give the model its initial weights (the reference policy; regenerated
-        from the seed or re-read from the checkpoint, see
-        :meth:`~lightning_mcore_rl.recipes.common.RecipeModel.initial_weights`); the current
-        weights are restored on exit, also on error."""
+        """Temporarily give the model its initial weights (the reference policy)."""
+        # regenerated from the tiny GPT's seed or re-read from the HF checkpoint: no extra memory
         with self.policy.initial_weights(self.mcore_strategy.model_chunks, self.parallel_groups):
             yield
 
     def setup(self, stage: str) -> None:
-        """The rollout reward and validation metrics (torchmetrics over the data-parallel group,
-        known once the strategy has built megatron's groups, which happens before this hook);
-        when fitting, ``micro_batch_size`` must divide the rank's ``prompts_per_step / DP x
-        group_size`` completions (:func:`~.common.check_step_microbatches`, before any rollout)."""
+        """Build the reward and validation metrics; when fitting, check the micro-batching."""
+        # megatron's groups exist by now (the strategy builds them before this hook); the
+        # micro-batch check runs before any rollout
         if stage == "fit":
             size = self.rollout.group_size
             owner = f"{type(self).__name__}(rollout.group_size={size})"
@@ -514,11 +454,8 @@ class GRPOModule(RecipeModule):
     def validation_step(  # type: ignore[override]
         self, batch: torch.Tensor | PromptBatch, batch_idx: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Sample ``G`` completions per held-out prompt and score them (no training).
-
-        Returns:
-            This rank's ``rewards``, ``correct``, ``lengths`` and ``truncated`` ``[b*G]``.
-        """
+        """Score ``G`` completions per held-out prompt: ``rewards``, ``correct``, ``lengths``,
+        ``truncated`` ``[b*G]``."""
         assert self.evaluation is not None  # built in setup()
         seed = validation_seed(self.rollout, batch_idx, self.mcore_strategy.groups.dp_rank)
         out, rewards = self._sample(batch, seed)
@@ -539,14 +476,8 @@ class GRPOModule(RecipeModule):
     def make_rollout(
         self, prompts: torch.Tensor | PromptBatch
     ) -> tuple[BatchedDataDict, torch.Tensor]:
-        """Sample ``G`` completions per prompt and build the GRPO batch (with
-        ``rollout.max_staleness > 0`` the rollout submitted ahead, :meth:`take_rollout`).
-
-        Returns:
-            ``(batch, rewards [b*G])``: :func:`rollout_batch` rows plus ``advantages
-            [b*G, P+N]`` (zeros with ``use_kl_in_reward``: :meth:`training_step` fills them
-            after the logprobs).
-        """
+        """Sample ``G`` completions per prompt (or take those submitted ahead): ``(batch, rewards
+        [b*G])``, the `rollout_batch` rows plus ``advantages [b*G, P+N]``."""
         if self.rollout.max_staleness == 0:
             seed = rollout_seed(self.rollout, self.global_step, self.mcore_strategy.groups.dp_rank)
             out, rewards = self._sample(prompts, seed)
@@ -562,14 +493,11 @@ class GRPOModule(RecipeModule):
         return batch, rewards
 
     def take_rollout(self, prompts: torch.Tensor | PromptBatch) -> Rollout:
-        """Asynchronous GRPO: this step's rollout (submitted a step or more ahead, or now) after
-        submitting those of the next ``max_staleness`` batches (the train loader's ``peek``;
-        none past ``max_steps``); logs ``rollout_staleness``, the optimizer steps between the
-        weights that sampled the rollout and the ones it trains.
+        """Asynchronous GRPO: this step's rollout, after submitting those of the next
+        ``max_staleness`` batches; logs ``rollout_staleness``.
 
         Raises:
-            TypeError: the train loader has no ``peek`` (on every rank, before any collective).
-        """
+            TypeError: the train loader has no ``peek`` (on every rank, before any collective)."""
         peek = getattr(self.trainer.train_dataloader, "peek", None)
         if peek is None:
             raise TypeError(
@@ -578,7 +506,11 @@ class GRPOModule(RecipeModule):
                 "(a ResumableLoader, as PromptDataModule's and PromptFileDataModule's), got "
                 f"{type(self.trainer.train_dataloader).__name__}."
             )
+        # A source that samples in the background ("vllm", "hf") samples the next batches while
+        # the trainer trains them; a batch is trained by weights up to max_staleness steps newer
+        # than those that sampled it (the loss's importance-sampling correction applies).
         ahead = self.rollout.max_staleness
+        # none past max_steps
         if self.trainer.max_steps >= 0:
             ahead = min(ahead, self.trainer.max_steps - self.global_step - 1)
         upcoming = peek(ahead) if ahead > 0 else []
@@ -590,25 +522,27 @@ class GRPOModule(RecipeModule):
             return submit(*group_request(batch, self.rollout, seed, self.task, self.tokenizer))
 
         submitted = self.rollout_queue.take(prompts, upcoming, start)
-        out = submitted.pending.result()
+        out = submitted.pending.result()  # collective over the source's group
+        # optimizer steps between the weights that sampled the rollout and those it trains
         staleness = float(self.global_step - submitted.weights_step)
         self.log("rollout_staleness", staleness, on_step=True, on_epoch=False, batch_size=1)
         return out
 
     def on_train_end(self) -> None:
-        """Wait for the rollouts still being sampled ahead and drop them (no step trains
-        them)."""
+        """Wait for the rollouts still being sampled ahead and drop them."""
         self.rollout_queue.clear()
         self.rollout_source.wait()
 
 
 def rollout_seed(spec: RolloutSpec, global_step: int, dp_rank: int) -> int:
     """The sampling seed of a training step's rollouts on data-parallel rank ``dp_rank``."""
+    # a prime stride: no two (step, DP rank) pairs share a seed below a million ranks
     return spec.seed + 1_000_003 * global_step + dp_rank
 
 
 def validation_seed(spec: RolloutSpec, batch_idx: int, dp_rank: int) -> int:
     """The sampling seed of validation batch ``batch_idx`` on data-parallel rank ``dp_rank``."""
+    # a stride of its own, so validation draws differ from the training steps'
     return spec.seed + 7_000_003 * (batch_idx + 1) + dp_rank
 
 
@@ -620,21 +554,10 @@ def sample_groups(
     task: Task,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> tuple[Rollout, torch.Tensor]:
-    """``spec.group_size`` completions per prompt from ``generate`` (a rollout source's) and the
-    task's rewards ``[b*G]``.
-
-    Args:
-        generate: ``(prompts [B, P], sampling, prompt_lengths [B] | None) -> Rollout``.
-        prompts: ``[b, P]`` counting-task prompts, or a text task's :class:`PromptBatch`.
-        spec: group size and sampling settings.
-        seed: the draw's seed.
-        task: scores the completions.
-        tokenizer: a text task's (decodes the completions; its EOS stops them with
-            ``spec.stop_at_eos``).
-
-    Returns:
-        The group-major rollout ``[b*G, P+N]`` and its rewards ``[b*G]``.
-    """
+    """``spec.group_size`` completions per prompt from ``generate`` and the task's rewards:
+    the group-major rollout ``[b*G, P+N]`` and rewards ``[b*G]``."""
+    # generate: (prompts [B, P], sampling, prompt_lengths [B] | None) -> Rollout; a text task's
+    # tokenizer decodes the completions (and its EOS may stop them)
     out = generate(*group_request(prompts, spec, seed, task, tokenizer))
     return out, group_rewards(out, prompts, spec, task, tokenizer)
 
@@ -646,9 +569,8 @@ def group_request(
     task: Task,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> tuple[torch.Tensor, SamplingConfig, torch.Tensor | None]:
-    """What a rollout source samples for ``spec.group_size`` completions per prompt:
-    ``(prompts [b*G, P]`` group-major, the sampling settings, ``prompt_lengths [b*G]`` of a text
-    task's left-padded prompts or ``None)`` (arguments as :func:`sample_groups`)."""
+    """``(prompts [b*G, P]`` group-major, sampling settings, ``prompt_lengths [b*G]`` or
+    ``None)`` for ``spec.group_size`` completions per prompt (arguments as `sample_groups`)."""
     group = spec.group_size
     if isinstance(task, TextRewardTask):
         assert tokenizer is not None and isinstance(prompts, PromptBatch)  # GRPOModule's check
@@ -663,6 +585,7 @@ def group_request(
             spec.top_k,
             spec.top_p,
         )
+        # group-major: a prompt's G rows are adjacent, the groups the advantages normalise over
         return ids.repeat_interleave(group, dim=0), sampling, lengths.repeat_interleave(group)
     assert isinstance(prompts, torch.Tensor)  # the counting task's loaders yield tensors
     sampling = SamplingConfig(
@@ -678,8 +601,7 @@ def group_rewards(
     task: Task,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> torch.Tensor:
-    """The task's rewards ``[b*G]`` of the group-major rollout of ``prompts`` (a text task
-    decodes the completions and calls its reward function)."""
+    """The task's rewards ``[b*G]`` of the group-major rollout of ``prompts``."""
     if isinstance(task, TextRewardTask):
         assert tokenizer is not None and isinstance(prompts, PromptBatch)  # GRPOModule's check
         return task.rewards(prompts, out, spec.group_size, tokenizer)
@@ -688,6 +610,7 @@ def group_rewards(
 
 def stop_tokens(spec: RolloutSpec, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
     """The ids that end a completion: a text task's EOS with ``spec.stop_at_eos``, else none."""
+    # the counting task has no EOS; a stopped completion is padded and masked out of the loss
     eos = None if tokenizer is None else tokenizer.eos_token_id
     return (int(eos),) if spec.stop_at_eos and eos is not None else ()
 
@@ -699,9 +622,8 @@ def rollout_scores(
     stop_token_ids: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Per-sample ``rewards``, ``correct``, completion ``lengths`` and ``truncated`` ``[B]``
-    (what :class:`~lightning_mcore_rl.recipes.evaluation.RolloutEvaluation` aggregates): a
-    completion is truncated when it has ``max_new_tokens`` tokens and does not end with one of
-    ``stop_token_ids``."""
+    (truncated: ``max_new_tokens`` long without a stop token at the end)."""
+    # (what RolloutEvaluation aggregates)
     lengths = out.completion_mask.sum(dim=1)
     prompt_width = out.prompt_width
     last = out.tokens.gather(1, (prompt_width + lengths - 1)[:, None])[:, 0]
@@ -715,17 +637,11 @@ def rollout_scores(
 
 
 def rollout_batch(out: Rollout) -> BatchedDataDict:
-    """The training rows of a rollout, right-aligned to the data contract: row ``i`` is its
-    prompt's real tokens, its completion, then zeros (a left-padded prompt's pad columns move
-    to the end, so positions start at 0 at the prompt's first token, as the rollout sources'
-    do).
-
-    Returns:
-        ``input_ids [B, P+N]``, ``input_lengths [B]`` (prompt + completion tokens),
-        ``token_mask [B, P+N]`` (1 on the completion), ``generation_logprobs [B, P+N]``,
-        ``sample_mask [B]``, and the source's ``routed_experts [B, P+N, L, K]`` when it
-        recorded them (a MoE model; moved like the tokens, 0 past ``input_lengths``).
-    """
+    """A rollout's training rows, right-aligned (prompt's real tokens, completion, zeros):
+    ``input_ids``, ``token_mask``, ``generation_logprobs`` ``[B, P+N]``; ``input_lengths``,
+    ``sample_mask`` ``[B]``; ``routed_experts [B, P+N, L, K]`` when the source recorded them."""
+    # A left-padded prompt's pad columns move to the end (the data contract), so positions
+    # start at 0 at the prompt's first token, as the rollout sources' do.
     rows, width = out.tokens.shape
     prompt_width = out.prompt_width
     columns = torch.arange(width)[None, :]

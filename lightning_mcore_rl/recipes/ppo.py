@@ -1,26 +1,5 @@
 """PPO with a value model on the embedded toy task: GRPO's rollout loop, GAE advantages from a
-learned value model instead of group baselines, and a clipped value loss.
-
-The value model is a second GPT trunk (the policy's architecture and initial weights, its final
-hidden states into a zero-initialised scalar head ``H -> 1``) inside the SAME megatron chunk as
-the policy (:class:`PolicyValueChunk`): the strategy has one model and one optimizer, so both
-trunks are trained by one optimizer step on the combined loss ``L_pg + vf_coef * L_value``
-(:class:`PPOLossFn`). Their parameters are disjoint, so each gets the gradient of its own loss
-only and Adam updates them independently; what they share is the learning rate and the global
-gradient-norm clipping.
-
-Each ``training_step`` (GRPO's, with PPO's :meth:`PPOModule.advantages`) receives this
-data-parallel rank's prompts ``[b, P]`` and:
-
-1. samples ``G`` completions per prompt (GRPO's rollout) and scores them;
-2. recomputes the policy's logprobs (``prev_logprobs``), the reference's with a KL, and the value
-   model's old values ``V(s_t)`` (forward-only, right-shifted: ``values[:, t]`` is the value of the
-   state before token ``t``);
-3. turns the terminal rewards (minus the reference KL per token with ``use_kl_in_reward``) into
-   GAE advantages and returns (:func:`~lightning_mcore_rl.algorithms.gae_advantages`), whitened
-   over the global batch's completion tokens (``normalize_advantages``);
-4. runs megatron's schedule on the chunk's policy logits and values with :class:`PPOLossFn`.
-"""
+learned value model instead of group baselines, and a clipped value loss."""
 
 from __future__ import annotations
 
@@ -63,20 +42,15 @@ DEFAULT_VALUE_LOSS = MseValueLossConfig(cliprange=0.2)
 """``PPOModule``'s default value loss: PPO's value clipping at 0.2 around the old values."""
 
 
+# The value model is a second GPT trunk (the policy's architecture and initial weights, its final
+# hidden states into a zero-initialised scalar head H -> 1) inside the SAME megatron chunk as the
+# policy: the strategy has one model and one optimizer, so both trunks are trained by one step on
+# L_pg + vf_coef * L_value. Their parameters are disjoint, so each gets the gradient of its own
+# loss only and Adam updates them independently; they share the learning rate and the global
+# gradient-norm clipping.
 class PolicyValueChunk(MegatronModule):
-    """A policy GPT and a value GPT with a scalar head, as one megatron chunk.
-
-    By default the chunk is the policy (``forward`` returns its logits ``[B, S, V/TP]``, so the
-    sampler, ``compute_logprobs`` and the reference swap see a plain GPT). Under
-    :meth:`emitting_values` it returns ``[B, S, V/TP + 1]``: the policy logits with the values
-    ``[B, S]`` appended as the last column (the one tensor megatron's schedule hands the loss;
-    :func:`prepare_policy_value_input` splits it). The value trunk's vocabulary output layer is
-    bypassed (its final hidden states feed the head) and frozen unless tied to the embedding.
-
-    Args:
-        policy: the policy's ``GPTModel`` (one pipeline stage holding the whole model).
-        value: the value trunk's ``GPTModel`` (same config).
-    """
+    """A policy GPT and a value GPT (same config) with a scalar head, as one megatron chunk: the
+    policy's logits ``[B, S, V/TP]``, with `emit_values` ``[B, S, V/TP + 1]``."""
 
     def __init__(self, policy: torch.nn.Module, value: torch.nn.Module) -> None:
         config = cast(Any, policy).config
@@ -88,6 +62,8 @@ class PolicyValueChunk(MegatronModule):
         torch.nn.init.zeros_(head.bias)
         self.value_head = head
         trunk = cast(Any, value)
+        # the value trunk's final hidden states feed the head, so its vocabulary output layer is
+        # frozen unless tied to the embedding
         if not trunk.share_embeddings_and_output_weights:
             trunk.output_layer.weight.requires_grad_(False)  # bypassed: never used
         for name in ("pre_process", "post_process", "model_type"):  # megatron reads them
@@ -109,17 +85,19 @@ class PolicyValueChunk(MegatronModule):
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, attention_mask: Any, **kwargs: Any
     ) -> Tensor:
-        """Policy logits ``[B, S, V/TP]``, or with :attr:`emit_values` ``[B, S, V/TP + 1]``."""
+        """Policy logits ``[B, S, V/TP]``, or with `emit_values` ``[B, S, V/TP + 1]``."""
+        # by default a plain GPT to the sampler, compute_logprobs and the reference swap
         logits = cast(Tensor, self.policy(input_ids, position_ids, attention_mask, **kwargs))
         if not self.emit_values:
             return logits
         values = self.values(input_ids, position_ids, attention_mask)
+        # one tensor, because megatron's schedule hands the loss one output
         return torch.cat([logits, values.unsqueeze(-1).to(logits.dtype)], dim=-1)
 
 
 def shift_values(raw: Tensor) -> Tensor:
-    """Right-shift raw value-head outputs ``[B, S]``: ``out[:, t] = raw[:, t-1]`` (the value of
-    the state before token ``t``), ``out[:, 0] = 0``."""
+    """Right-shift raw values ``[B, S]``: ``out[:, t] = raw[:, t-1]``, ``out[:, 0] = 0``."""
+    # raw[:, t] scores the prefix tokens[:t+1]; shifted, out[:, t] is the state before token t
     return torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
 
 
@@ -134,15 +112,11 @@ def prepare_policy_value_input(
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
 ) -> tuple[dict[str, Any], BatchedDataDict]:
-    """The ``LossPostProcessor`` ``prepare_fn`` of :class:`PPOLossFn`.
-
-    Splits the chunk's ``[B, S, V/TP + 1]`` output: the logits go through
-    :func:`~lightning_mcore_rl.losses.prepare_loss_input` for the policy loss
-    (``next_token_logprobs [B, S-1]``, ``entropy`` when needed); the last column, multiplied back
-    by the temperature (the forward step divides the whole output by it in place), is
-    right-shifted into ``values [B, S]``.
-    """
+    """The ``LossPostProcessor`` ``prepare_fn`` of `PPOLossFn`: the chunk's ``[B, S, V/TP + 1]``
+    output into the policy loss's inputs (``next_token_logprobs [B, S-1]``, ...) and
+    ``values [B, S]`` (right-shifted)."""
     logits, raw = output[..., :-1], output[..., -1]
+    # the forward step divided the whole output by the temperature in place: undo it for values
     if sampling_params is not None and sampling_params.temperature != 1.0:
         raw = raw * sampling_params.temperature
     policy_input, data = prepare_loss_input(
@@ -153,20 +127,9 @@ def prepare_policy_value_input(
 
 
 class PPOLossFn:
-    """``L = L_pg + vf_coef * L_value``: :class:`~lightning_mcore_rl.losses.ClippedPGLossFn` on
-    the policy logprobs and :class:`~lightning_mcore_rl.losses.MseValueLossFn` on the values.
-
-    Metrics: the policy loss's (``loss`` is the total), ``policy_loss``, ``value_loss`` and the
-    value loss's diagnostics (``vf_clipfrac``, ``returns_mean``, ``values_mean``, ...).
-
-    Args:
-        policy_loss: the policy-gradient loss.
-        value_loss: the value loss (data keys ``returns``, ``values`` = old values).
-        vf_coef: weight of the value loss.
-
-    Inputs: ``next_token_logprobs [B, S-1]``, ``values [B, S]`` (right-shifted), optional
-    ``entropy``; data: the union of both losses' keys.
-    """
+    """``L = L_pg + vf_coef * L_value``: `ClippedPGLossFn` on the policy logprobs and
+    `MseValueLossFn` on ``values [B, S]``; metrics ``loss`` (the total), ``policy_loss``,
+    ``value_loss`` and both losses' own."""
 
     input_type = LossInputType.LOGIT
     loss_type = LossType.TOKEN_LEVEL
@@ -180,6 +143,7 @@ class PPOLossFn:
         self.value_loss = value_loss
         self.vf_coef = vf_coef
         self.loss_type = policy_loss.loss_type
+        # the policy loss's `loss` and sample count stand for the total's
         value_norms = {
             k: v
             for k, v in value_loss.metric_normalizations.items()
@@ -221,31 +185,21 @@ class PPOLossFn:
 
 
 class PPOModule(GRPOModule):
-    """PPO (Schulman et al. 2017, arXiv:1707.06347) with a learned value model and GAE.
-
-    Takes :class:`~lightning_mcore_rl.recipes.PromptDataModule` batches (prompts ``[b, P]``); the
-    model runs unpipelined (PP = CP = 1: the old values come from a direct call of the whole
-    chunk; no sequence parallelism: the embedded sampler's limit) under any TP/DP.
+    """PPO (arXiv:1707.06347) with a learned value model and GAE, on `PromptDataModule` batches.
 
     Args:
         task: the rewarded task.
-        model: the policy (:class:`TinyGPTSpec` or :class:`HFModelSpec`); the value model is the
-            same architecture with the same initial weights and a zero scalar head.
+        model: the policy (`TinyGPTSpec` or `HFModelSpec`); the value model starts as its copy.
         rollout: sampling settings (``backend="megatron"``, ``max_staleness=0``, no top-k/top-p).
-        loss: the policy's ``ClippedPGLossFn`` settings; ``reference_policy_kl_penalty > 0``
-            adds the reference KL to the loss or, with ``use_kl_in_reward``, subtracts it from
-            the token rewards (NeMo RL's GAE semantics).
+        loss: the policy's ``ClippedPGLossFn`` settings (a reference KL in loss or reward).
         value_loss: ``MseValueLossFn`` settings (default: value clipping 0.2).
         vf_coef: weight of the value loss in the combined loss.
         gae_gamma: GAE discount (NeMo RL's PPO default 1).
         gae_lambda: GAE lambda (NeMo RL's default 0.95).
-        normalize_advantages: whiten the advantages over the global batch's completion tokens
-            (unbiased variance, NeMo RL's ``normalize_advantages``).
+        normalize_advantages: whiten the advantages over the global batch's completion tokens.
         lr: Adam learning rate of both trunks and the head.
         pass_at_k: validation ``val_pass@k``.
-        reference_model: the reference policy with a KL (see :class:`GRPOModule`; the recompute
-            path swaps the initial weights into the policy trunk only).
-    """
+        reference_model: the reference policy with a KL (as `GRPOModule`'s)."""
 
     def __init__(
         self,
@@ -262,9 +216,11 @@ class PPOModule(GRPOModule):
         pass_at_k: tuple[int, ...] = (1,),
         reference_model: ReferenceModel = "recompute",
     ) -> None:
+        # any TP/DP; PP = CP = 1 and no sequence parallelism (checked in build_chunk)
         for name, value in (("gae_gamma", gae_gamma), ("gae_lambda", gae_lambda)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"`{name}` must be in [0, 1], got {value}.")
+        # the HF backend's refit exports a plain GPT chunk, not the policy + value chunk
         if rollout is not None and rollout.backend != "megatron":
             raise ValueError(
                 f"PPOModule samples with the embedded sampler only: `rollout.backend` must be "
@@ -274,6 +230,7 @@ class PPOModule(GRPOModule):
         if rollout is not None:
             rollout.check_synchronous("PPOModule")
         super().__init__(task, model, rollout, loss, lr, pass_at_k, reference_model=reference_model)
+        # replaces GRPO's loss; the policy part keeps GRPO's loss config
         self.loss_fn = PPOLossFn(
             ClippedPGLossFn(self.loss_config), MseValueLossFn(value_loss), vf_coef
         )
@@ -289,16 +246,13 @@ class PPOModule(GRPOModule):
         return True
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """A :class:`PolicyValueChunk` of two chunks built like GRPO's policy.
+        """A `PolicyValueChunk` of two chunks built like GRPO's policy.
 
         Raises:
-            ValueError: at model build, before any step: pipeline or context parallelism (the
-                old values come from a direct call of the whole chunk), sequence parallelism
-                (the embedded sampler's limit), fused linear logprobs or sequence
-                packing (the values are a column of the chunk's unpacked full output).
-        """
+            ValueError: PP, CP or SP, fused linear logprobs or sequence packing (at model build)."""
         strategy = self.mcore_strategy
         cfg = strategy.policy_config()
+        # the values are a column of the chunk's unpacked full output
         if strategy.use_fused_linear_logprobs or cfg.sequence_packing:
             raise ValueError(
                 "PPOModule needs `MCoreRLStrategy(logprobs=LogprobKernelConfig("
@@ -308,6 +262,7 @@ class PPOModule(GRPOModule):
             )
         policy = self.policy.build_chunk(self, vp_stage)
         config = cast(Any, policy).config
+        # the old values come from a direct call of the whole chunk
         for name in ("pipeline_model_parallel_size", "context_parallel_size"):
             if getattr(config, name) != 1:
                 raise ValueError(
@@ -315,6 +270,7 @@ class PPOModule(GRPOModule):
                     f"old values come from a direct call of the whole chunk): {name} must be 1, "
                     f"got {getattr(config, name)}."
                 )
+        # the embedded sampler's limit
         if config.sequence_parallel:
             raise ValueError(
                 "PPOModule does not support sequence_parallel=True (the embedded sampler's "
@@ -323,8 +279,7 @@ class PPOModule(GRPOModule):
         return PolicyValueChunk(policy, self.policy.build_chunk(self, vp_stage))
 
     def loss_post_processor(self, num_microbatches: int | None = None) -> Any:
-        """The loss callback with :func:`prepare_policy_value_input` (its layout limits are
-        checked by :meth:`build_chunk`)."""
+        """The loss callback with `prepare_policy_value_input`."""
         from lightning_mcore_rl.train import LossPostProcessor
 
         cfg = self.mcore_strategy.policy_config()
@@ -344,6 +299,7 @@ class PPOModule(GRPOModule):
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
         """The initial weights in the policy trunk (the value model keeps its own)."""
+        # the recompute path swaps the policy trunk only
         trunks = [chunk.policy for chunk in self._chunks()]
         with self.policy.initial_weights(trunks, self.parallel_groups):
             yield
@@ -362,8 +318,8 @@ class PPOModule(GRPOModule):
 
     @torch.no_grad()
     def compute_values(self, batch: Mapping[str, Any]) -> Tensor:
-        """The value model's right-shifted values ``[B, S]`` of this rank's batch (forward-only,
-        the whole rows at once on the one unpipelined chunk)."""
+        """The value model's right-shifted values ``[B, S]`` of this rank's batch (forward-only)."""
+        # the whole rows at once, on the one unpipelined chunk
         ids = cast(Tensor, batch["input_ids"])
         positions = torch.arange(ids.shape[1]).expand_as(ids)
         raw = self._chunks()[0].values(ids, positions, None)
@@ -380,19 +336,21 @@ class PPOModule(GRPOModule):
                 batch["prev_logprobs"], batch["reference_policy_logprobs"],
                 cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value,
             )  # fmt: skip
+        # NeMo RL's GAE semantics: the terminal reward minus the per-token reference KL (with
+        # use_kl_in_reward); the loss's KL term stays as configured
         token_rewards = terminal_token_rewards(rewards, mask, kl, self.kl_penalty)
         advantages, returns = gae_advantages(
             token_rewards, batch["values"], mask, self.gae_gamma, self.gae_lambda
         )
+        # unbiased variance over the DP group: NeMo RL's normalize_advantages
         if self.normalize_advantages:
             group = self.mcore_strategy.groups.dp_group
             advantages = masked_whiten(advantages, mask, unbiased=True, group=group) * mask
         return advantages, returns
 
     def advantages(self, rewards: Tensor, batch: Mapping[str, Any]) -> Tensor:
-        """GAE advantages ``[b*G, S]``; also puts the old ``values`` (:meth:`compute_values`)
-        and the value targets ``returns`` ``[b*G, S]`` into ``batch`` (GRPO's training step
-        calls this after the logprobs, :meth:`_advantages_need_logprobs`)."""
+        """GAE advantages ``[b*G, S]``; puts the old ``values`` and ``returns`` into ``batch``."""
+        # GRPO's training step calls this after the logprobs (`_advantages_need_logprobs`)
         data = cast(dict[str, Any], batch)  # the step's own BatchedDataDict
         data["values"] = self.compute_values(batch)
         advantages, data["returns"] = self.gae(rewards, batch)

@@ -1,12 +1,5 @@
-"""Prompt files for RL: JSONL/Parquet rows read with the ``datasets`` library, tokenized with a
-Hugging Face tokenizer (optionally through its chat template), filtered by prompt length, and
-served per data-parallel rank with exact mid-epoch resume (``docs/data.md``).
-
-A row holds a prompt field (a string, or a list of ``{"role", "content"}`` chat messages) and
-metadata fields that the reward functions read (e.g. ``"answer"``,
-:mod:`lightning_mcore_rl.rewards`). Each Lightning batch is a :class:`PromptBatch` of this rank's
-``prompts_per_step / DP`` prompts.
-"""
+"""Prompt files for RL: JSONL/Parquet rows tokenized (optionally through a chat template),
+filtered by length and served per data-parallel rank in `PromptBatch` form (``docs/data.md``)."""
 
 from __future__ import annotations
 
@@ -31,40 +24,32 @@ if TYPE_CHECKING:
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
+# A row holds a prompt field (a string, or a list of {"role", "content"} chat messages) and
+# metadata fields that the reward functions read (e.g. "answer", `lightning_mcore_rl.rewards`).
+
+
 @dataclass
 class PromptBatch:
-    """``b`` prompts of one data-parallel rank.
-
-    Attributes:
-        input_ids: ``[b, P]`` token ids, ``P`` the longest prompt, padded with the pad id on the
-            ``padding_side`` (left by default: every prompt ends at the last column).
-        input_lengths: ``[b]`` real tokens per prompt.
-        prompts: the ``b`` texts that were tokenized (the rendered chat template when used).
-        metadata: the ``b`` rows' metadata fields.
-        indices: ``[b]`` the rows' positions in the files (before filtering).
-        padding_side: where the pad ids are.
-    """
+    """``b`` prompts of one data-parallel rank: ``input_ids [b, P]`` padded on ``padding_side``,
+    ``input_lengths [b]``, the tokenized ``prompts`` texts, the rows' ``metadata`` and their
+    ``indices [b]`` in the files (before filtering)."""
 
     input_ids: Tensor
     input_lengths: Tensor
     prompts: list[str]
     metadata: list[dict[str, Any]]
     indices: Tensor
+    # left by default: every prompt ends at the last column, where sampling starts
     padding_side: Literal["left", "right"] = "left"
 
 
 def read_prompt_files(files: str | Sequence[str], cache_dir: str | None = None) -> Any:
-    """A ``datasets.Dataset`` of the rows of local JSONL (``.jsonl``/``.json``, one object per
-    line) or Parquet files, in order.
-
-    Args:
-        files: one path or several of the same format.
-        cache_dir: the ``datasets`` cache (default: its own, ``~/.cache/huggingface/datasets``).
+    """A ``datasets.Dataset`` of the rows of local JSONL (``.jsonl``/``.json``) or Parquet
+    ``files`` (one format), in order, cached in ``cache_dir`` (``None``: the ``datasets`` default).
 
     Raises:
         FileNotFoundError: a file does not exist.
-        ValueError: no files, an unknown suffix, or a mix of formats.
-    """
+        ValueError: no files, an unknown suffix, or a mix of formats."""
     import datasets  # type: ignore[import-untyped]  # no py.typed marker
 
     paths = [files] if isinstance(files, str) else list(files)
@@ -95,23 +80,11 @@ def render_prompt(
     chat_template: bool,
     system_prompt: str | None = None,
 ) -> str:
-    """The text the policy is given for row ``index``'s prompt field.
-
-    Without ``chat_template`` the prompt must be a string and is used as it is. With it, a string
-    becomes ``[system?, user]`` messages (``system_prompt`` first when given), a list of
-    ``{"role", "content"}`` messages is used as it is, and the tokenizer's template renders them
-    with the generation prompt (``apply_chat_template(add_generation_prompt=True)``).
-
-    Args:
-        prompt: the row's prompt field.
-        tokenizer: the tokenizer whose chat template renders the messages.
-        index: the row's position (for the error message).
-        chat_template: render with the chat template.
-        system_prompt: the system message put before a string prompt.
+    """The text the policy is given for row ``index``'s ``prompt`` field: the string itself, or
+    with ``chat_template`` the messages rendered with the generation prompt.
 
     Raises:
-        ValueError: the prompt is neither a string nor (with ``chat_template``) a message list.
-    """
+        ValueError: the prompt is neither a string nor (with ``chat_template``) a message list."""
     if isinstance(prompt, str) and not chat_template:
         return prompt
     if not chat_template:
@@ -119,6 +92,7 @@ def render_prompt(
             f"Row {index}: the prompt is a {type(prompt).__name__}; without `chat_template=True` "
             "it must be a string."
         )
+    # a string becomes [system?, user] messages; a message list is used as it is
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
         if system_prompt is not None:
@@ -138,31 +112,11 @@ def render_prompt(
 
 
 class PromptFileDataset(Dataset):
-    """Tokenized prompts of JSONL/Parquet files, the rows longer than ``max_prompt_length``
-    dropped (map-style, so a ``DistributedSampler`` splits it over data-parallel ranks).
-
-    All prompts are rendered and tokenized once, in memory, when the dataset is built.
-
-    Args:
-        files: JSONL or Parquet files (:func:`read_prompt_files`).
-        tokenizer: a Hugging Face tokenizer (e.g. ``HFBridge.tokenizer()``).
-        prompt_key: the prompt field.
-        metadata_keys: the fields kept as metadata (default: every field but the prompt).
-        max_prompt_length: drop prompts with more tokens (``None``: keep all).
-        chat_template: render prompts with the tokenizer's chat template
-            (:func:`render_prompt`; its text carries the special tokens, so no others are added);
-            otherwise the tokenizer adds its usual special tokens (e.g. BOS).
-        system_prompt: with ``chat_template``, a system message put before string prompts.
-        cache_dir: the ``datasets`` cache.
-
-    Attributes:
-        num_rows: rows in the files.
-        num_filtered: rows dropped as longer than ``max_prompt_length``.
+    """Tokenized prompts of JSONL/Parquet files, rows longer than ``max_prompt_length`` dropped
+    (``num_filtered`` of ``num_rows``); arguments as `PromptFileDataModule`'s.
 
     Raises:
-        ValueError: a missing field (naming it and the fields present), no chat template on the
-            tokenizer, a prompt with no tokens, or every prompt filtered out.
-    """
+        ValueError: a missing field, no chat template, an empty prompt, or all filtered out."""
 
     def __init__(
         self,
@@ -193,11 +147,14 @@ class PromptFileDataset(Dataset):
                 )
         if rows.num_rows == 0:
             raise ValueError(f"The prompt files {files!r} hold no rows.")
+        # every prompt rendered and tokenized once, in memory, here
         table = rows.select_columns([prompt_key, *keys]).to_dict()
         texts = [
             render_prompt(p, tokenizer, i, chat_template=chat_template, system_prompt=system_prompt)
             for i, p in enumerate(table[prompt_key])
         ]
+        # a rendered chat template carries its special tokens; a plain prompt gets the
+        # tokenizer's usual ones (e.g. BOS)
         encoded = tokenizer(texts, add_special_tokens=not chat_template)["input_ids"]
         self.num_rows = len(texts)
         self.max_prompt_length = max_prompt_length
@@ -238,7 +195,7 @@ def collate_prompts(
     pad_token_id: int,
     padding_side: Literal["left", "right"] = "left",
 ) -> PromptBatch:
-    """Pad ``b`` :class:`PromptFileDataset` items to the longest into one :class:`PromptBatch`."""
+    """Pad ``b`` `PromptFileDataset` items to the longest into one `PromptBatch`."""
     lengths = torch.tensor([len(item["input_ids"]) for item in items], dtype=torch.long)
     width = int(lengths.max()) if len(items) else 0
     input_ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)  # [b, P]
@@ -257,20 +214,11 @@ def collate_prompts(
 
 
 class PromptFileDataModule(LightningDataModule):
-    """Prompts from JSONL/Parquet files: ``prompts_per_step`` prompts per optimizer step over all
-    data-parallel ranks, each rank's loader yielding its ``prompts_per_step / DP`` share as a
-    :class:`PromptBatch`.
-
-    The train loader is a :class:`~lightning_mcore_rl.strategy.ResumableLoader` over a
-    ``DistributedSampler`` on megatron's data-parallel group (all TP/PP/CP ranks of a replica read
-    the same prompts), shuffled with ``seed`` and re-permuted per epoch, with the epoch's last
-    partial step dropped: every step has ``prompts_per_step`` prompts, and ``fit(ckpt_path=...)``
-    mid-epoch continues with the next unseen prompts.
+    """Prompts from JSONL/Parquet files, ``prompts_per_step`` per step in `PromptBatch` batches.
 
     Args:
         train_files: JSONL or Parquet files of the training prompts.
-        tokenizer: a Hugging Face tokenizer or the directory ``AutoTokenizer`` loads it from
-            (e.g. the HF model's).
+        tokenizer: a Hugging Face tokenizer or the directory ``AutoTokenizer`` loads it from.
         prompt_key: the prompt field.
         metadata_keys: the metadata fields (default: every field but the prompt).
         max_prompt_length: drop longer prompts (the count is logged on rank 0).
@@ -278,12 +226,10 @@ class PromptFileDataModule(LightningDataModule):
         system_prompt: with ``chat_template``, a system message before string prompts.
         prompts_per_step: global prompts per optimizer step (divisible by DP).
         seed: the shuffling seed.
-        val_files: held-out prompts (``None``: no validation loop), split over DP (their count
-            after filtering divisible by DP) in batches of ``prompts_per_step / DP``.
+        val_files: held-out prompts (``None``: no validation loop); their count divisible by DP.
         padding_side: where the pad ids go.
         pad_token_id: the pad id (default: the tokenizer's).
-        cache_dir: the ``datasets`` cache.
-    """
+        cache_dir: the ``datasets`` cache."""
 
     def __init__(
         self,
@@ -350,6 +296,7 @@ class PromptFileDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         """Read and tokenize the files (once per process; the filtered counts go to the log)."""
+        # setup runs per stage: the datasets, once built, are kept
         if self.train_dataset is None:
             self.train_dataset = self._dataset(self.train_files, "train")
         if self.val_files is not None and self.val_dataset is None:
@@ -367,27 +314,30 @@ class PromptFileDataModule(LightningDataModule):
         return functools.partial(collate_prompts, pad_token_id=pad, padding_side=self.padding_side)
 
     def train_dataloader(self) -> ResumableLoader:
-        """This rank's batches (:class:`PromptBatch`) of ``prompts_per_step / DP`` prompts.
+        """This rank's batches (`PromptBatch`) of ``prompts_per_step / DP`` prompts.
 
         Raises:
-            ValueError: ``prompts_per_step`` not divisible by DP, or fewer prompts per rank than
-                one step needs.
-        """
+            ValueError: ``prompts_per_step`` not divisible by DP, or too few prompts for a step."""
         assert self.trainer is not None and self.train_dataset is not None  # after setup()
         if len(self.train_dataset) < self.prompts_per_step:
             raise ValueError(
                 f"{len(self.train_dataset)} training prompts (after filtering) are fewer than "
                 f"`prompts_per_step` ({self.prompts_per_step}): an epoch would have no step."
             )
+        # A ResumableLoader over a DistributedSampler on megatron's DP group (a replica's TP/PP/CP
+        # ranks read the same prompts), reshuffled per epoch. The epoch's last partial step is
+        # dropped, so every step has prompts_per_step prompts and fit(ckpt_path=...) mid-epoch
+        # continues with the next unseen prompts.
         return rank_train_loader(
             self.trainer, self.train_dataset, self.prompts_per_step, "prompts_per_step",
             self.seed, collate_fn=self._collate(), drop_last=True,
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """The held-out prompts (none without ``val_files``) as batches (:class:`PromptBatch`)."""
+        """The held-out prompts (none without ``val_files``) as batches (`PromptBatch`)."""
         if self.val_dataset is None:
             return []
+        # split over DP in batches of prompts_per_step / DP
         return rank_val_loader(
             self.trainer, self.val_dataset, self.prompts_per_step, "val prompts", self._collate()
         )

@@ -1,11 +1,5 @@
-"""Prompt/response files for SFT: JSONL/Parquet rows ``{"prompt", "response"}`` read with the
-``datasets`` library (:func:`~.prompt_data.read_prompt_files`), tokenized with a Hugging Face
-tokenizer and served per data-parallel rank as :class:`~.sft.SFTModule` batches.
-
-A row is ``prompt tokens`` (the tokenizer's special tokens included, e.g. BOS, as
-:class:`~.prompt_data.PromptFileDataset` tokenizes GRPO prompts) followed by ``response tokens +
-EOS`` (no special tokens added); the loss is on the response and EOS only.
-"""
+"""Prompt/response files for SFT: JSONL/Parquet rows ``{"prompt", "response"}`` tokenized with a
+Hugging Face tokenizer and served per data-parallel rank as `SFTModule` batches."""
 
 from __future__ import annotations
 
@@ -26,23 +20,11 @@ if TYPE_CHECKING:
 
 
 class ResponseFileDataset(Dataset):
-    """Tokenized prompt/response rows of JSONL/Parquet files (map-style), right-padded to the
-    widest row of the files ``S`` so every batch of every rank has the same width.
-
-    Args:
-        files: JSONL or Parquet files.
-        tokenizer: a Hugging Face tokenizer with an EOS and a pad token.
-        prompt_key: the prompt field (a string).
-        response_key: the response field (a string).
-        cache_dir: the ``datasets`` cache.
-
-    Items: ``input_ids [S]`` (pad id after the row), ``input_lengths []`` (prompt + response +
-    EOS tokens), ``token_mask [S]`` (1.0 on the response and EOS tokens), ``sample_mask []`` (1.0).
+    """Tokenized prompt/response rows right-padded to the widest row ``S`` (items: `__getitem__`);
+    arguments as `ResponseFileDataModule`'s.
 
     Raises:
-        ValueError: a missing field (naming it and the fields present), no rows, a non-string
-            prompt or response, an empty response, or a tokenizer without EOS or pad token.
-    """
+        ValueError: a missing field, no rows, a non-string or empty field, no EOS or pad token."""
 
     def __init__(
         self,
@@ -74,12 +56,17 @@ class ResponseFileDataset(Dataset):
                     f"Row {i}: `{prompt_key}` and `{response_key}` must be strings, got "
                     f"{type(prompt).__name__} and {type(response).__name__}."
                 )
+        # A row is the prompt's tokens with the tokenizer's special tokens (e.g. BOS, as
+        # PromptFileDataset tokenizes GRPO prompts), then the response's without any, then EOS;
+        # the loss is on the response and EOS only.
         prompt_ids = tokenizer(prompts)["input_ids"]
         response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
         empty = [i for i, ids in enumerate(response_ids) if not ids]
         if empty:
             raise ValueError(f"Rows {empty[:5]} have responses with no tokens.")
+        # + 1: the EOS
         lengths = [len(p) + len(r) + 1 for p, r in zip(prompt_ids, response_ids, strict=True)]
+        # the widest row of the files: every batch of every rank has the same width
         width = max(lengths)
         n = len(lengths)
         self.input_ids = torch.full((n, width), pad, dtype=torch.long)  # [n, S]
@@ -93,8 +80,7 @@ class ResponseFileDataset(Dataset):
         return len(self.input_lengths)
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        """Row ``index``: ``input_ids [S]``, ``input_lengths []``, ``token_mask [S]``,
-        ``sample_mask []``."""
+        """Row ``index``: ``input_ids``, ``token_mask`` (response and EOS) ``[S]``, and scalars."""
         return {
             "input_ids": self.input_ids[index],
             "input_lengths": self.input_lengths[index],
@@ -104,14 +90,7 @@ class ResponseFileDataset(Dataset):
 
 
 class ResponseFileDataModule(LightningDataModule):
-    """Prompt/response files for :class:`~.sft.SFTModule`: ``samples_per_step`` rows per
-    optimizer step over all data-parallel ranks, each rank's loader yielding its
-    ``samples_per_step / DP`` share (``input_ids [b, S]``, ``input_lengths [b]``,
-    ``token_mask [b, S]``, ``sample_mask [b]``).
-
-    The train loader is a :class:`~lightning_mcore_rl.strategy.ResumableLoader` (shuffled with
-    ``seed``, re-permuted per epoch, the epoch's last partial step dropped, resumable mid-epoch);
-    all TP/PP/CP ranks of a replica read the same rows.
+    """Prompt/response files for `SFTModule`: ``samples_per_step`` rows per step in ``[b, S]``.
 
     Args:
         train_files: JSONL or Parquet files of ``{"prompt", "response"}`` rows.
@@ -121,11 +100,7 @@ class ResponseFileDataModule(LightningDataModule):
         samples_per_step: global rows per optimizer step (divisible by DP).
         seed: the shuffling seed.
         val_files: held-out rows (``None``: no validation loop; their count divisible by DP).
-        cache_dir: the ``datasets`` cache.
-
-    Raises:
-        ValueError: ``samples_per_step < 1``.
-    """
+        cache_dir: the ``datasets`` cache."""
 
     def __init__(
         self,
@@ -177,14 +152,15 @@ class ResponseFileDataModule(LightningDataModule):
         """This rank's ``samples_per_step / DP`` rows per step (resumable mid-epoch).
 
         Raises:
-            ValueError: ``samples_per_step`` not divisible by DP, or fewer rows than one step.
-        """
+            ValueError: ``samples_per_step`` not divisible by DP, or fewer rows than one step."""
         assert self.train_dataset is not None  # after setup()
         if len(self.train_dataset) < self.samples_per_step:
             raise ValueError(
                 f"{len(self.train_dataset)} training rows are fewer than `samples_per_step` "
                 f"({self.samples_per_step}): an epoch would have no step."
             )
+        # shuffled with seed, reshuffled per epoch, the epoch's last partial step dropped; a
+        # replica's TP/PP/CP ranks read the same rows
         return rank_train_loader(
             self.trainer, self.train_dataset, self.samples_per_step, "samples_per_step",
             self.seed, drop_last=True,

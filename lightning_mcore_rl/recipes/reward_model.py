@@ -1,12 +1,5 @@
 """A Bradley-Terry reward model: a megatron GPT (the tiny GPT or a Hugging Face checkpoint) whose LM
-head is replaced by a scalar head, trained on chosen/rejected pairs with
-:class:`~lightning_mcore_rl.losses.PreferenceLossFn`.
-
-The score of a row is the head's value at its last real token (``input_lengths - 1``); the loss
-is ``-log sigmoid(s_chosen - s_rejected)`` averaged over the global batch's pairs, and
-``accuracy`` is the fraction of pairs with ``s_chosen > s_rejected``. Batches are the preference
-batches of :mod:`~lightning_mcore_rl.recipes.dpo` (rows interleaved chosen/rejected).
-"""
+head is replaced by a scalar head, trained on chosen/rejected pairs with `PreferenceLossFn`."""
 
 from __future__ import annotations
 
@@ -34,20 +27,19 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.train import LossPostProcessor
 
 
+# The loss is -log sigmoid(s_chosen - s_rejected) averaged over the global batch's pairs, the
+# score of a row the head's value at its last real token; accuracy is the fraction of pairs with
+# s_chosen > s_rejected.
+
+
 class ScalarHead(torch.nn.Module):
-    """The reward head in place of ``GPTModel.output_layer``: ``values = h @ w^T``.
-
-    ``h`` is the final hidden state ``[S, B, H]`` (full on every TP rank without sequence
-    parallelism), ``w`` is ``[1, H]``, replicated on the TP ranks (not TP-sharded: each TP rank
-    computes the same values and the same gradient, megatron counts it once in the grad norm).
-
-    Args:
-        hidden_size: ``H``.
-        dtype: parameter dtype.
-    """
+    """The reward head in place of ``GPTModel.output_layer``: ``values = h @ w^T``, ``w [1, H]``."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
+        # Replicated on the TP ranks, not sharded: h [S, B, H] is full on every TP rank without
+        # sequence parallelism, so each computes the same values and gradient, and megatron
+        # counts it once in the grad norm.
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
 
     def forward(
@@ -56,8 +48,8 @@ class ScalarHead(torch.nn.Module):
         weight: Tensor | None = None,
         runtime_gather_output: bool | None = None,
     ) -> tuple[Tensor, None]:
-        """``[S, B, H] -> ([S, B, 1], None)``; ``weight``/``runtime_gather_output`` are the LM
-        head's call arguments (a tied output weight; unused: the head is never tied)."""
+        """``[S, B, H] -> ([S, B, 1], None)``; the LM head's other call arguments are unused."""
+        # the head is never tied, so no output weight comes in
         return hidden_states @ self.weight.t(), None
 
 
@@ -69,31 +61,22 @@ def last_token_scores(
     vocab_parallel_group: Any = None,
     context_parallel_group: Any = None,
 ) -> tuple[dict[str, Tensor], BatchedDataDict]:
-    """The loss input of the reward model (``LossPostProcessor``'s ``prepare_fn`` signature):
-    ``{"logits": [B]}``, each row's value ``[B, S, 1]`` at its last real token."""
+    """The reward model's loss input (a ``prepare_fn``): ``{"logits": [B]}``, each row's value
+    ``[B, S, 1]`` at its last real token."""
+    # rows are right-padded: the last real token is at input_lengths - 1
     lengths = torch.as_tensor(data["input_lengths"], device=logits.device).long()  # [B]
     rows = torch.arange(logits.shape[0], device=logits.device)
     return {"logits": logits[rows, lengths - 1, 0]}, data
 
 
 class RewardModelModule(RecipeModule):
-    """A Bradley-Terry reward model (a megatron GPT with a scalar head) on preference pairs.
+    """A Bradley-Terry reward model (a GPT with a scalar head) on `PreferenceDataModule` pairs.
 
     Args:
-        model: the tiny GPT's size and seed (the head's initial weights come from the same
-            seed, as ``output_layer.weight``), or a Hugging Face checkpoint
-            (:class:`HFModelSpec`: the backbone's weights from it, its LM head dropped, the
-            score head initialised to zero, so every score is 0 and the loss ``ln 2`` at step
-            0).
+        model: the tiny GPT's size and seed, or a Hugging Face checkpoint (`HFModelSpec`).
         vocab_size: ``V`` of the data.
         max_sequence_length: the widest row ``S``.
-        lr: Adam learning rate.
-
-    Batches: :data:`~lightning_mcore_rl.recipes.dpo.PREFERENCE_KEYS`, rows interleaved
-    chosen/rejected (:class:`~lightning_mcore_rl.recipes.PreferenceDataModule`). Layouts: TP,
-    PP and DP with an even ``micro_batch_size``; no sequence parallelism, packing,
-    context parallelism or token budget (the score is read at a padded row's last real token).
-    """
+        lr: Adam learning rate."""
 
     causal_lm = False
     """The LM head is the score head (:class:`ScalarHead`, ``[1, H]``): no causal-LM export
@@ -125,18 +108,16 @@ class RewardModelModule(RecipeModule):
         )
 
     def build_chunk(self, vp_stage: int | None) -> torch.nn.Module:
-        """The model's chunk; on the last stage its LM head replaced by a :class:`ScalarHead`
-        (the tiny GPT: deterministic initial weights from the seed; an HF checkpoint: zeros).
+        """The model's chunk; on the last stage its LM head replaced by a `ScalarHead`.
 
         Raises:
-            ValueError: an HF checkpoint with tied input/output embeddings under pipeline
-                parallelism (megatron would all-reduce the first stage's embedding gradient
-                with the last stage's head, which the score head replaced).
-        """
+            ValueError: an HF checkpoint with tied embeddings under pipeline parallelism."""
         from lightning_mcore_rl.models.tiny_gpt import load_deterministic_weights
 
         chunk = self.policy.build_chunk(self, vp_stage)
         gpt: Any = unwrap(chunk)  # a megatron GPTModel
+        # megatron would all-reduce the first stage's embedding gradient with the last stage's
+        # head, which the score head replaced
         if gpt.share_embeddings_and_output_weights and not (gpt.pre_process and gpt.post_process):
             raise ValueError(
                 "RewardModelModule: the HF checkpoint ties its input and output embeddings, "
@@ -145,23 +126,27 @@ class RewardModelModule(RecipeModule):
             )
         if gpt.post_process:
             gpt.output_layer = ScalarHead(gpt.config.hidden_size, gpt.config.params_dtype)
+            # The tiny GPT's head comes from the seed, as output_layer.weight; an HF model's LM
+            # head is dropped and the head stays zero: every score 0, the loss ln 2 at step 0.
             if isinstance(self.model_spec, TinyGPTSpec):
                 load_deterministic_weights(gpt, self.model_spec.seed, self.parallel_groups)
         return chunk
 
     def setup(self, stage: str) -> None:
         """Reject layouts the last-token score cannot follow and, when fitting, a
-        ``micro_batch_size`` not dividing the rank's ``2 x pairs_per_step / DP`` rows (same
-        verdict on every rank, before any step)."""
+        ``micro_batch_size`` not dividing the rank's ``2 x pairs_per_step / DP`` rows."""
+        # TP, PP and DP remain, with an even micro_batch_size
         strategy = self.mcore_strategy
         owner = type(self).__name__
         parallel = strategy.parallel
+        # the score is read at a padded row's last real token; context parallelism needs packing
         if parallel.sequence_packing or parallel.sequence_parallel:
             raise ValueError(
                 f"{owner} reads each padded row's last real token: `sequence_packing` and "
                 "`sequence_parallel` must be False (so is context parallelism, which needs "
                 "packing)."
             )
+        # the same verdict on every rank, before any step
         batching = strategy.microbatching
         check_pair_microbatching(
             owner, batching.micro_batch_size, batching.max_tokens_per_microbatch
@@ -170,8 +155,7 @@ class RewardModelModule(RecipeModule):
             check_step_microbatches(self, "pairs_per_step", 2, "2 rows per chosen/rejected pair")
 
     def loss_post_processor(self, num_microbatches: int | None = None) -> LossPostProcessor:
-        """The base hook's loss callback with :func:`last_token_scores` as the input
-        preparation (the loss reads one score per row)."""
+        """The base hook's loss callback with `last_token_scores` as the input preparation."""
         from lightning_mcore_rl.train import LossPostProcessor
 
         loss_fn: Any = self.loss_fn  # the PreferenceLossFn of __init__

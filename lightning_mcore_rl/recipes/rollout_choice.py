@@ -1,7 +1,5 @@
-"""How the recipes sample: the one code path from a rollout choice (``RolloutSpec.backend`` of
-GRPO, PPO and the distillation student, ``TeacherSpec.backend`` of the distillation teacher: a
-backend name, a :class:`~lightning_mcore_rl.rollout.RolloutSource` or a factory) to a
-:class:`~lightning_mcore_rl.rollout.PolicyRollout` of a recipe model, and its ``generate``."""
+"""How the recipes sample: the one code path from a rollout choice (``RolloutSpec.backend``,
+``TeacherSpec.backend``) to a `PolicyRollout` of a recipe model, and its ``generate``."""
 
 from __future__ import annotations
 
@@ -35,20 +33,13 @@ Submit = Callable[[Tensor, SamplingConfig, Tensor | None], SubmittedRollout]
 def recipe_rollout(
     choice: RolloutChoice, model: RecipeModel, *, frozen: bool = False
 ) -> PolicyRollout:
-    """The rollout of ``model`` from ``choice`` (checked at construction).
-
-    Args:
-        choice: a backend name (``"megatron"``, ``"hf"``, ``"vllm"``), a source or a factory
-            ``(RolloutSetup) -> RolloutSource``.
-        model: the recipe model that samples.
-        frozen: ``model`` never steps (a hosted teacher): refit once.
+    """The rollout of ``model`` from ``choice`` (checked at construction); ``frozen``: a teacher.
 
     Raises:
-        ValueError: ``"hf"``, or a source instance with ``refit_required``, for a model that is
-            not an :class:`~.common.HFModelSpec` (a refit streams its HF export); an unknown name.
+        ValueError: an unknown name; ``"hf"`` or a refit source for a non-HF model.
         TypeError: ``choice`` is neither a name, a source nor a callable.
-        ImportError: ``"vllm"`` without vLLM installed (naming how to install it).
-    """
+        ImportError: ``"vllm"`` without vLLM installed (naming how to install it)."""
+    # "hf", "vllm" and any refit source are refit from the model's HF export
     hf = isinstance(model.spec, HFModelSpec)
     if isinstance(choice, str) and choice in ("hf", "vllm") and not hf:
         raise ValueError(
@@ -72,13 +63,13 @@ def recipe_rollout(
 def rollout_generate(
     module: MCoreRLModule, rollout: PolicyRollout, model: RecipeModel, *, teacher: bool = False
 ) -> Generate:
-    """``rollout``'s ``generate`` for this step: the setup of ``model`` (the policy's chunks, or
-    with ``teacher`` the hosted teacher's), refit if ``module`` has stepped since the last one."""
+    """``rollout``'s ``generate`` for this step on ``model``'s (or the teacher's) chunks."""
+    # refit first if the module has stepped since the last refit
     return functools.partial(rollout.generate, _setup(module, model, teacher), module.global_step)
 
 
 def _setup(module: MCoreRLModule, model: RecipeModel, teacher: bool = False) -> RolloutSetup:
-    """The :class:`RolloutSetup` of ``model`` (the policy's chunks, or the hosted teacher's)."""
+    """The `RolloutSetup` of ``model`` (the policy's chunks, or the hosted teacher's)."""
     strategy = module.mcore_strategy
     chunks = strategy.teacher.chunks if teacher else strategy.model_chunks
     bridge = model.hf_bridge() if isinstance(model.spec, HFModelSpec) else None
@@ -86,14 +77,13 @@ def _setup(module: MCoreRLModule, model: RecipeModel, teacher: bool = False) -> 
 
 
 def rollout_submit(module: MCoreRLModule, rollout: PolicyRollout, model: RecipeModel) -> Submit:
-    """``rollout``'s ``submit`` for this step (:func:`rollout_generate`'s, sampled in the
-    background by a source that can)."""
+    """``rollout``'s ``submit`` for this step (`rollout_generate`'s, in the background)."""
     return functools.partial(rollout.submit, _setup(module, model), module.global_step)
 
 
 def describe_choice(choice: RolloutChoice) -> str:
-    """A rollout choice for the hyperparameters: the backend name, or the source's class / the
-    factory's qualified name (neither is copied into the checkpoint)."""
+    """A rollout choice for the hyperparameters: its name, or the qualified name of its class."""
+    # neither a source nor a factory is copied into the checkpoint
     if isinstance(choice, str):
         return choice
     named = choice if isinstance(choice, type) or not isinstance(choice, RolloutSource) else None
@@ -102,12 +92,11 @@ def describe_choice(choice: RolloutChoice) -> str:
 
 
 def spec_hparams(spec: Any) -> dict[str, Any]:
-    """``asdict(spec)`` of a recipe spec dataclass, its rollout ``backend`` described by
-    :func:`describe_choice` (``asdict`` would deep-copy a source)."""
+    """``asdict(spec)`` of a recipe spec dataclass, its rollout ``backend`` `describe_choice`'d."""
     out: dict[str, Any] = {}
     for field in fields(spec):
         value = getattr(spec, field.name)
-        if field.name == "backend":
+        if field.name == "backend":  # asdict would deep-copy a source
             out[field.name] = describe_choice(value)
         elif is_dataclass(value) and not isinstance(value, type):
             out[field.name] = asdict(value)

@@ -1,8 +1,4 @@
-"""Asynchronous GRPO's look-ahead: the rollouts of the next ``max_staleness`` prompt batches are
-submitted before the current step trains, so a background source (a vLLM engine, the Hugging
-Face copy) samples them while the trainer trains; a batch is then trained by weights up to
-``max_staleness`` optimizer steps newer than the ones that sampled it (one-step off-policy at
-``max_staleness=1``)."""
+"""Asynchronous GRPO's look-ahead: the rollouts of the next ``max_staleness`` prompt batches."""
 
 from __future__ import annotations
 
@@ -19,23 +15,21 @@ Start = Callable[[Any, int], SubmittedRollout]
 ``ahead`` steps after the current one."""
 
 
+# A background source (a vLLM engine, the HF copy) samples the submitted rollouts while the trainer
+# trains; a batch is then trained by weights up to max_staleness optimizer steps newer than those
+# that sampled it (one-step off-policy at max_staleness=1).
+
+
 class _Queued(NamedTuple):
     prompts: Any
     submitted: SubmittedRollout
 
 
 class RolloutQueue:
-    """The rollouts submitted ahead of the steps that train them, in loader order.
-
-    Args:
-        max_staleness: how many batches ahead are submitted (0: none, every rollout is
-            submitted by the step that trains it).
-
-    Raises:
-        ValueError: ``max_staleness`` < 0.
-    """
+    """The rollouts submitted up to ``max_staleness`` batches ahead of their steps, in order."""
 
     def __init__(self, max_staleness: int) -> None:
+        # 0: nothing ahead, every rollout is submitted by the step that trains it
         if max_staleness < 0:
             raise ValueError(f"`max_staleness` must be >= 0, got {max_staleness}")
         self.max_staleness = max_staleness
@@ -45,21 +39,19 @@ class RolloutQueue:
         return len(self._queue)
 
     def take(self, prompts: Any, upcoming: Sequence[Any], start: Start) -> SubmittedRollout:
-        """The rollout of this step's ``prompts``: the one submitted for them ahead, or one
-        submitted now; then the rollouts of ``upcoming`` (the next batches, at most
-        ``max_staleness``, e.g. the loader's ``peek``) not submitted yet.
+        """The rollout of this step's ``prompts`` (submitted ahead, or now); then submit those of
+        the ``upcoming`` batches (at most ``max_staleness``) not submitted yet.
 
         Raises:
             ValueError: more than ``max_staleness`` upcoming batches.
-            RuntimeError: ``prompts`` are not the batch submitted ahead for this step (the
-                loader's look-ahead showed other batches than it then yielded).
-        """
+            RuntimeError: ``prompts`` are not the batch submitted ahead for this step."""
         if len(upcoming) > self.max_staleness:
             raise ValueError(
                 f"{len(upcoming)} upcoming batches, at most max_staleness={self.max_staleness}"
             )
         if self._queue:
             queued = self._queue.popleft()
+            # the loader's look-ahead (peek) must have shown the batches it then yields
             if not same_prompts(queued.prompts, prompts):
                 raise RuntimeError(
                     "The prompt batch of this step is not the one its rollout was submitted for "
@@ -70,19 +62,20 @@ class RolloutQueue:
         else:
             current = start(prompts, 0)
         for ahead, batch in enumerate(upcoming, start=1):
+            # the batches already queued were submitted by an earlier step
             if ahead > len(self._queue):
                 self._queue.append(_Queued(batch, start(batch, ahead)))
         return current
 
     def clear(self) -> None:
-        """Drop the submitted rollouts (their sampling is waited for by the rollout's
-        ``wait()``; their collective ``result()`` is never called, on any rank)."""
+        """Drop the submitted rollouts."""
+        # their sampling is waited for by the rollout's wait(); their collective result() is
+        # never called, on any rank
         self._queue.clear()
 
 
 def same_prompts(a: Any, b: Any) -> bool:
-    """Whether two prompt batches hold the same prompts: equal tensors, or equal
-    ``input_ids`` and ``input_lengths`` (a text task's :class:`~.prompt_data.PromptBatch`)."""
+    """Whether two prompt batches hold the same prompts (tensors, or `PromptBatch` ids/lengths)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     return all(

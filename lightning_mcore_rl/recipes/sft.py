@@ -1,12 +1,4 @@
-"""Supervised fine-tuning: next-token NLL on the response tokens of prompt/response rows.
-
-Each ``training_step`` receives this data-parallel rank's rows (``input_ids [b, S]``,
-``input_lengths [b]``, ``token_mask [b, S]`` = 1 on response tokens, ``sample_mask [b]``) and runs
-megatron's schedule with :class:`~lightning_mcore_rl.losses.NLLLossFn`: the loss is the mean NLL
-over every response token of the global batch, whatever the TP/PP/DP layout, microbatch split,
-packing (``MCoreRLStrategy(sequence_packing=True)``) or token budget
-(``max_tokens_per_microbatch``).
-"""
+"""Supervised fine-tuning: next-token NLL on the response tokens of prompt/response rows."""
 
 from __future__ import annotations
 
@@ -39,8 +31,7 @@ SFT_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 
 
 class SFTDataModule(LightningDataModule):
-    """Demonstrations of the counting task (:class:`~.toy_data.CountingSFTDataset`):
-    ``samples_per_step`` rows per optimizer step over all data-parallel ranks.
+    """Demonstrations of the counting task, ``samples_per_step`` rows per optimizer step.
 
     Args:
         task: the prompts' task (``V = task.vocab_size``, ``P = task.prompt_length``).
@@ -49,8 +40,7 @@ class SFTDataModule(LightningDataModule):
         num_steps: steps' worth of distinct rows (one epoch).
         seed: data seed, also the seed of the (per-epoch) shuffled order.
         val_samples: held-out rows (0: no validation loop), divisible by DP.
-        val_seed: seed of the held-out rows.
-    """
+        val_seed: seed of the held-out rows."""
 
     def __init__(
         self,
@@ -90,19 +80,13 @@ class SFTDataModule(LightningDataModule):
 
 
 class SFTModule(RecipeModule):
-    """Supervised fine-tuning of a tiny GPT or a Hugging Face model (NLL on response tokens).
+    """Supervised fine-tuning of a tiny GPT or a Hugging Face model on `SFT_KEYS` batches.
 
     Args:
-        model: a tiny GPT (:class:`TinyGPTSpec`) or a Hugging Face checkpoint
-            (:class:`HFModelSpec`).
+        model: a tiny GPT (`TinyGPTSpec`) or a Hugging Face checkpoint (`HFModelSpec`).
         vocab_size: ``V`` of the data (the tiny GPT's vocabulary; an HF model's must cover it).
-        max_sequence_length: the widest row ``S`` (the tiny GPT's positions; an HF model's
-            ``max_position_embeddings`` must cover it).
-        lr: Adam learning rate.
-
-    Batches: :data:`SFT_KEYS` (``input_ids [b, S]``, ``input_lengths [b]``, ``token_mask [b, S]``:
-    1 on the tokens to learn, ``sample_mask [b]``).
-    """
+        max_sequence_length: the widest row ``S`` (the tiny GPT's positions).
+        lr: Adam learning rate."""
 
     def __init__(
         self,
@@ -125,8 +109,7 @@ class SFTModule(RecipeModule):
         )
 
     def setup(self, stage: str) -> None:
-        """When fitting: ``micro_batch_size`` divides the rank's ``samples_per_step / DP`` rows
-        (:func:`~.common.check_step_microbatches`, before any step)."""
+        """When fitting: ``micro_batch_size`` divides the rank's ``samples_per_step / DP`` rows."""
         if stage == "fit":
             check_step_microbatches(self, "samples_per_step")
 
@@ -137,6 +120,8 @@ class SFTModule(RecipeModule):
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int = 0) -> dict[str, Any]:
         """One optimizer step of the token-mean NLL over the global batch."""
+        # NLLLossFn: the mean over every response token of the global batch, whatever the
+        # TP/PP/DP layout, microbatch split, packing or token budget
         self.check_batch(batch)
         return self.forward_backward(batch).as_step_result()
 

@@ -1,10 +1,5 @@
-"""A text task for the RL recipes: prompts from files (:class:`~.prompt_data.PromptBatch`
-batches of :class:`~.prompt_data.PromptFileDataModule`), completions decoded with the policy's
-tokenizer and scored on the host by a reward function (:mod:`lightning_mcore_rl.rewards`).
-
-Shapes: ``b`` prompts of this data-parallel rank, ``G`` completions per prompt, ``B = b*G``
-sampled rows (group-major), ``P`` prompt columns, ``N`` new tokens.
-"""
+"""A text task for the RL recipes: file prompts (`PromptBatch`), completions decoded with the
+policy's tokenizer and scored on the host by a reward function (`lightning_mcore_rl.rewards`)."""
 
 from __future__ import annotations
 
@@ -22,20 +17,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# Shapes: b prompts of this DP rank, G completions per prompt, B = b*G sampled rows (group-major),
+# P prompt columns, N new tokens.
+
+
 @dataclass
 class TextRewardTask:
     """Rewarded text completions of file prompts.
 
     Attributes:
-        reward: scores ``(prompts, completions, metadata) -> [B]`` (e.g.
-            :class:`~lightning_mcore_rl.rewards.NumericAnswerReward`; metadata are the prompt
-            rows' fields, e.g. ``{"answer": "42"}``).
-        max_prompt_length: ``P`` at most (the data module's ``max_prompt_length`` filter must
-            not exceed it); with the rollout's ``max_new_tokens`` it bounds the rows the model
-            sees.
-    """
+        reward: scores ``(prompts, completions, metadata) -> [B]`` (e.g. `NumericAnswerReward`).
+        max_prompt_length: ``P`` at most (the data module's ``max_prompt_length`` at most this)."""
 
+    # metadata are the prompt rows' fields, e.g. {"answer": "42"}
     reward: AnyReward
+    # with the rollout's max_new_tokens it bounds the rows the model sees
     max_prompt_length: int
 
     def __post_init__(self) -> None:
@@ -51,14 +47,14 @@ class TextRewardTask:
         """This rank's left-padded prompt ids ``[b, P]`` and real lengths ``[b]``.
 
         Raises:
-            TypeError: ``batch`` is not a :class:`PromptBatch`.
-            ValueError: right-padded prompts, or ``P`` above ``max_prompt_length``.
-        """
+            TypeError: ``batch`` is not a `PromptBatch`.
+            ValueError: right-padded prompts, or ``P`` above ``max_prompt_length``."""
         if not isinstance(batch, PromptBatch):
             raise TypeError(
                 f"TextRewardTask takes PromptBatch batches (PromptFileDataModule), got "
                 f"{type(batch).__name__}."
             )
+        # sampling starts after each prompt's last token
         if batch.padding_side != "left":
             raise ValueError(
                 "TextRewardTask samples after each prompt's last token: the prompts must be "
@@ -80,25 +76,16 @@ class TextRewardTask:
         group_size: int,
         tokenizer: PreTrainedTokenizerBase,
     ) -> Tensor:
-        """Decode each completion (its ``completion_mask`` tokens, special tokens such as the
-        stop token skipped) and score it with its prompt's text and metadata.
-
-        Args:
-            batch: the ``b`` prompts sampled from.
-            out: their ``B = b*G`` group-major rows.
-            group_size: ``G``.
-            tokenizer: the policy's tokenizer.
-
-        Returns:
-            ``[B]`` float32 rewards.
+        """``[B]`` float32 rewards of the ``B = b*G`` group-major rows ``out`` of ``batch``.
 
         Raises:
-            ValueError: the reward returns other than ``B`` finite values.
-        """
+            ValueError: the reward returns other than ``B`` finite values."""
+        # a completion's completion_mask tokens, special tokens such as the stop token skipped
         completions = [
             str(tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True))
             for row, mask in zip(out.tokens, out.completion_mask, strict=True)
         ]
+        # group-major: prompt i's completions are rows i*G .. i*G + G - 1
         prompts = [text for text in batch.prompts for _ in range(group_size)]
         metadata: list[Any] = [meta for meta in batch.metadata for _ in range(group_size)]
         rewards = torch.as_tensor(self.reward(prompts, completions, metadata), dtype=torch.float32)

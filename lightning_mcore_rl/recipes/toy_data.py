@@ -1,16 +1,5 @@
-"""Locally generated supervised and preference data for the counting task (no download).
-
-Rows are ``[P + N]`` wide: a task prompt of ``P`` tokens, a response of ``1..N`` tokens, right
-padding with id 0. For :class:`~lightning_mcore_rl.rollout.ModularCountingTask` (continue the
-count modulo ``m``):
-
-* the SFT demonstration continues with the smallest id of each next residue,
-  ``r_i = (r_{i-1} + 1) % m`` (``r_0`` follows the prompt's last token): one right answer per
-  position, reward 1;
-* a preference pair shares a prompt and a length; the chosen response follows the rule with a
-  random id of the right residue at every token (reward 1), the rejected one breaks it at every
-  token (reward 0). Both spread over the whole vocabulary, so only the rule tells them apart.
-"""
+"""Locally generated supervised and preference data for the counting task (no download): rows
+``[P + N]`` of a task prompt, a response of ``1..N`` tokens, right padding with id 0."""
 
 from __future__ import annotations
 
@@ -25,6 +14,7 @@ from lightning_mcore_rl.rollout import ModularCountingTask
 
 def demonstration(task: ModularCountingTask, prompts: Tensor, length: int) -> Tensor:
     """The correct ``length``-token continuation ``[n, N]`` of ``prompts [n, P]``."""
+    # the smallest id of each next residue: one right answer per position, reward 1
     steps = torch.arange(1, length + 1)  # the i-th response token is i counts past the prompt
     return (prompts[:, -1:] + steps) % task.modulus
 
@@ -37,8 +27,10 @@ def random_continuation(
     follow_rule: bool,
 ) -> Tensor:
     """A random ``length``-token continuation ``[n, N]`` of ``prompts [n, P]`` whose every token
-    follows the counting rule (``follow_rule``: reward 1) or breaks it (reward 0): its residue is
-    (or is not) its predecessor's + 1; the id is uniform among those with that residue."""
+    follows the counting rule (``follow_rule``: reward 1) or breaks it (reward 0)."""
+    # Each token's residue is (or is not) its predecessor's + 1, its id uniform among those of
+    # that residue: chosen and rejected both spread over the whole vocabulary, so only the rule
+    # tells them apart.
     m, v = task.modulus, task.vocab_size
     tokens, previous = [], prompts[:, -1]
     for _ in range(length):
@@ -70,17 +62,8 @@ def _rows(prompts: Tensor, responses: Tensor, lengths: Tensor) -> dict[str, Tens
 
 
 class CountingSFTDataset(Dataset):
-    """``num_samples`` prompt/demonstration rows (map-style).
-
-    Args:
-        task: the prompts' task.
-        num_samples: rows.
-        max_new_tokens: ``N``, the longest response (each response has ``1..N`` tokens).
-        seed: prompt and length seed.
-
-    Items: ``input_ids [P+N]``, ``input_lengths []``, ``token_mask [P+N]`` (1 on the response
-    tokens), ``sample_mask []``.
-    """
+    """``num_samples`` prompt/demonstration rows: ``input_ids``, ``token_mask`` (response)
+    ``[P+N]``, ``input_lengths``, ``sample_mask`` ``[]``; responses of 1 to ``max_new_tokens``."""
 
     def __init__(
         self, task: ModularCountingTask, num_samples: int, max_new_tokens: int, seed: int = 0
@@ -98,21 +81,8 @@ class CountingSFTDataset(Dataset):
 
 
 class CountingPreferenceDataset(Dataset):
-    """``num_pairs`` chosen/rejected pairs (map-style): one prompt, a random rule-following
-    response (chosen) and a random rule-breaking one (rejected), both of the pair's length.
-
-    Args:
-        task: the prompts' task.
-        num_pairs: pairs.
-        max_new_tokens: ``N``, the longest response (each pair has ``1..N`` tokens).
-        seed: prompt, length and response seed.
-        chosen_demonstration: the chosen response is the SFT demonstration (ids below ``m``)
-            instead of a random rule-following one: an easier task, where the response's ids
-            alone nearly tell the pair apart.
-
-    Items: every key of :class:`CountingSFTDataset` with a leading pair dimension ``[2, ...]``
-    (chosen first); :func:`collate_pairs` interleaves them.
-    """
+    """``num_pairs`` chosen (rule-following) / rejected (rule-breaking) pairs of one prompt and
+    length, items `CountingSFTDataset`'s as ``[2, ...]`` (chosen first)."""
 
     def __init__(
         self,
@@ -125,6 +95,8 @@ class CountingPreferenceDataset(Dataset):
         generator = torch.Generator().manual_seed(seed)
         prompts = task.prompts(num_pairs, generator)
         lengths = torch.randint(1, max_new_tokens + 1, (num_pairs,), generator=generator)
+        # chosen_demonstration: the SFT demonstration (ids below m), an easier task: its ids
+        # alone nearly tell the pair apart
         chosen = (
             demonstration(task, prompts, max_new_tokens)
             if chosen_demonstration
@@ -142,7 +114,7 @@ class CountingPreferenceDataset(Dataset):
 
 
 def collate_pairs(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Stack ``b`` pair items ``{key: [2, ...]}`` into the interleaved preference batch
-    ``{key: [2b, ...]}``: rows ``chosen_0, rejected_0, chosen_1, ...``."""
+    """Stack ``b`` pair items ``{key: [2, ...]}`` into a batch ``{key: [2b, ...]}``."""
+    # rows chosen_0, rejected_0, chosen_1, ...: the layout the preference losses read
     batch: dict[str, Any] = default_collate(items)  # {key: [b, 2, ...]}
     return {key: value.flatten(0, 1) for key, value in batch.items()}
