@@ -31,8 +31,7 @@ class BatchedDataDict(dict[str, Value]):
 
     def sequence_width(self, reference_key: str = "input_ids") -> int:
         """The shared width `S`: dim 1 of `reference_key` and of every other per-token tensor;
-        raises
-        `ValueError` if `reference_key` is missing or not 2-D, or the widths are ragged."""
+        raises `ValueError` if `reference_key` is missing or not 2-D, or the widths are ragged."""
         if reference_key not in self:
             raise ValueError(f"batch has no `{reference_key}` key; keys: {sorted(self)}")
         reference = self[reference_key]
@@ -57,9 +56,9 @@ class BatchedDataDict(dict[str, Value]):
         required_keys: Iterable[str] = ("input_ids", "input_lengths", "sample_mask"),
         length_key: str = "input_lengths",
     ) -> None:
-        """Check the data contract: required keys, shared dim 0, shared width, `0 <= length_key <=
-        S`;
-        raises `ValueError` naming the offending key, the expected and the actual value."""
+        """Check the data contract: required keys, shared dim 0, shared width,
+        `0 <= length_key <= S`; raises `ValueError` naming the offending key, the expected and the
+        actual value."""
         missing = [key for key in required_keys if key not in self]
         if missing:
             raise ValueError(
@@ -103,8 +102,7 @@ class BatchedDataDict(dict[str, Value]):
 
     def truncate_width(self, width: int) -> BatchedDataDict:
         """The first `width <= S` positions of every per-token tensor (views `[B, width, ...]`);
-        others
-        unchanged."""
+        others unchanged."""
         current = self.sequence_width()
         if not 0 < width <= current:
             raise ValueError(f"`width` must be in [1, S={current}], got {width}")
@@ -203,8 +201,7 @@ class BatchedDataDict(dict[str, Value]):
         pad_values: Mapping[str, float] | None = None,
     ) -> BatchedDataDict:
         """Concatenate batches with identical keys along dim 0; per-token tensors of different
-        widths
-        are right-padded with `pad_values[key]` (default 0).
+        widths are right-padded with `pad_values[key]` (default 0).
 
         Raises:
             ValueError: no batches, differing key sets, or tensors that differ beyond dim 1.

@@ -1,5 +1,5 @@
-"""THD sequence packing for megatron-core (docs/behaviour-reference.md §6.1, §6.2): `B`
-right-padded rows `[B, S]` become one packed row `[1, T]`, sequence `i` in the span
+"""THD sequence packing for megatron-core (docs/behaviour-reference.md §6.1, §6.2): `B` right-padded
+rows `[B, S]` become one packed row `[1, T]`, sequence `i` in the span
 `[cu_seqlens_padded[i], cu_seqlens_padded[i+1])` (its real tokens, then zeros); a CP rank holds
 `[1, T/CP]`."""
 
@@ -171,10 +171,10 @@ def pack_sequences(
     cp_rank: int = 0,
     cp_size: int = 1,
 ) -> PackedSequences:
-    """Pack right-padded rows `input_ids [B, S]` of real lengths `seq_lengths [B]` (0 allowed)
-    into one THD row: `PackedSequences(packed_full [1, T], packed_local [1, T/CP],
-    packed_seq_params,
-    cu_seqlens [B+1], cu_seqlens_padded [B+1])` (docs/behaviour-reference.md §6.2).
+    """Pack right-padded rows `input_ids [B, S]` of real lengths `seq_lengths [B]` (0 allowed) into
+    one THD row:
+    `PackedSequences(packed_full [1, T], packed_local [1, T/CP], packed_seq_params, cu_seqlens [B+1], cu_seqlens_padded [B+1])`
+    (docs/behaviour-reference.md §6.2).
 
     Args:
         pad_individual: each sequence's span is rounded up to this multiple (of `2*CP` under CP).

@@ -1,6 +1,5 @@
-"""The parallel layout the model builders take as an argument (this rank's
-:class:`~lightning_mcore_rl.train.ParallelGroups`, read once by the strategy): the config sizes
-it implies, and the check that a config was made for it."""
+"""The parallel layout the model builders take (this rank's `ParallelGroups`): the config sizes
+it implies, and the checks that a config was made for it."""
 
 from __future__ import annotations
 
@@ -22,29 +21,25 @@ _SIZES = (
 
 
 def layout_groups(groups: ParallelGroups | None) -> ParallelGroups:
-    """``groups``, or the single-rank layout (:meth:`ParallelGroups.single`) for ``None``."""
+    """`groups`, or the single-rank layout (`ParallelGroups.single`) for `None`."""
     from lightning_mcore_rl.parallel import ParallelGroups
 
     return ParallelGroups.single() if groups is None else groups
 
 
 def parallel_config_fields(groups: ParallelGroups) -> dict[str, Any]:
-    """``TransformerConfig`` fields of ``groups``' layout: TP, PP, VPP, CP, EP and ETP sizes and the
-    pipeline p2p settings (:func:`~lightning_mcore_rl.megatron_defaults.pipeline_p2p_settings`)."""
+    """`TransformerConfig` fields of `groups`' layout: the TP/PP/VPP/CP/EP/ETP sizes and the
+    pipeline p2p settings."""
     fields: dict[str, Any] = {field: getattr(groups, size) for field, size in _SIZES}
     return {**fields, **pipeline_p2p_settings(groups.vpp_size)}
 
 
 def check_config_layout(config: Any, groups: ParallelGroups) -> None:
-    """Refuse a model config made for another layout than ``groups`` (e.g. a multi-rank config
-    with ``groups`` omitted, which would otherwise build or load the wrong shards). Reads only
-    sizes, so it runs before any collective.
-
-    Raises:
-        ValueError: naming the config field, ``groups``' size and both values; or MoE layers
-            in a layout gloo cannot run (:func:`check_expert_collectives`).
-    """
+    """Refuse (`ValueError`, naming the field and both values) a model config made for another
+    layout than `groups`, or MoE layers in a layout gloo cannot run (`check_expert_collectives`)."""
     for field, size in _SIZES:
+        # e.g. a multi-rank config with `groups` omitted would otherwise build or load the wrong
+        # shards; only sizes are read, so this runs before any collective
         if getattr(config, field) != getattr(groups, size):
             raise ValueError(
                 f"The model config has {field}={getattr(config, field)!r} but `groups` has "
@@ -57,8 +52,8 @@ def check_config_layout(config: Any, groups: ParallelGroups) -> None:
 
 
 def gloo_carries(backend: str, device_type: str) -> bool:
-    """Whether gloo runs the collectives of ``device_type`` tensors under the process-group
-    ``backend`` (``"gloo"``, ``"nccl"`` or a per-device map such as ``"cpu:gloo,cuda:nccl"``)."""
+    """Whether gloo runs the collectives of `device_type` tensors under the process-group `backend`
+    (`"gloo"`, `"nccl"` or a per-device map such as `"cpu:gloo,cuda:nccl"`)."""
     if ":" not in backend:
         return backend == "gloo"
     devices = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
@@ -68,19 +63,9 @@ def gloo_carries(backend: str, device_type: str) -> bool:
 def check_expert_collectives(
     tp: int, ep: int, expert_tp: int, backend: str, device_type: str, what: str
 ) -> None:
-    """Refuse expert tensor parallelism combined with expert parallelism where gloo carries the
-    collectives (CPU). Reads only sizes and the backend's name: no collective.
-
-    Args:
-        tp, ep, expert_tp: the tensor-, expert- and expert-tensor-parallel sizes.
-        backend: the process-group backend (see :func:`gloo_carries`).
-        device_type: where the tensors live (``"cpu"``, ``"cuda"``).
-        what: who refuses (the start of the message).
-
-    Raises:
-        ValueError: ``ep > 1`` and ``expert_tp > 1`` on gloo, naming the sizes and the layouts
-            that run.
-    """
+    """Refuse (`ValueError`, naming the sizes and the layouts that run) `ep > 1` with
+    `expert_tp > 1` where gloo carries the collectives; `what` starts the message."""
+    # reads only sizes and the backend's name: no collective
     if ep == 1 or expert_tp == 1 or not gloo_carries(backend, device_type):
         return
     # megatron's token dispatchers all-gather the tokens each expert-TP rank routed to this EP
@@ -99,12 +84,8 @@ def check_expert_collectives(
 
 
 def check_group_expert_collectives(groups: ParallelGroups, what: str) -> None:
-    """:func:`check_expert_collectives` for ``groups``' sizes and the backend of its expert-TP
-    group (nothing to check without an initialised process group).
-
-    Raises:
-        ValueError: see :func:`check_expert_collectives`.
-    """
+    """`check_expert_collectives` for `groups`' sizes and the backend of its expert-TP group
+    (nothing to check without an initialised process group)."""
     import torch
     import torch.distributed as dist
 

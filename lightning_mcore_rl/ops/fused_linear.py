@@ -310,8 +310,9 @@ def fused_linear_logprobs(
     return_entropy: bool = False,
     logprob_gradient: LogprobGradient | None = None,
 ) -> FusedLinearLogprobsOutput:
-    """Logprobs `[T]` fp32 of `target [T]` under `softmax(hidden [T, H] @ weight [V/TP, H].T /
-    temperature)`, fused and chunked; gradients flow to `hidden` and `weight`.
+    """Logprobs `[T]` fp32 of `target [T]` under
+    `softmax(hidden [T, H] @ weight [V/TP, H].T / temperature)`, fused and chunked; gradients flow
+    to `hidden` and `weight`.
 
     Args:
         target: global ids, aligned: `target[t]` is scored by `hidden[t]`.

@@ -100,8 +100,7 @@ def _rows_to_vocab(y: torch.Tensor, tp_group: Any) -> torch.Tensor:
 class _ChunkedDistributedLogprobWithSampling(torch.autograd.Function):
     """Top-k/top-p filtered logprobs `[B, S]` fp32 of `logits [B, S, V/TP]` at global
     `target [B, S]`, chunked along `S` (`-inf` where the target was filtered out); saves only the
-    raw
-    logits."""
+    raw logits."""
 
     @staticmethod
     def forward(

@@ -1,6 +1,5 @@
-""":class:`HFBridge`: build megatron-core ``GPTModel`` chunks from a Hugging Face directory and
-write them back (gathered over TP/PP/VPP, experts over EP and expert TP) as a directory
-``transformers`` loads."""
+"""`HFBridge`: megatron-core `GPTModel` chunks from a Hugging Face directory, and back (gathered
+over TP/PP/VPP, experts over EP and expert TP) to a directory `transformers` loads."""
 
 from __future__ import annotations
 
@@ -51,14 +50,11 @@ if TYPE_CHECKING:
 
 
 def _mark_tensor_parallel(model: torch.nn.Module, maps: dict[str, ParamMap]) -> None:
-    """Give every TP-split (experts: expert-TP-split) parameter megatron's
-    ``tensor_model_parallel`` attributes, by its layout in the weight map ``maps``
-    (``dim0``/``qkv``/``fc1``: rows, ``dim1``: columns).
-
-    megatron-core 0.16 sets them only inside its random initialisers, which
-    ``perform_initialization=False`` skips; without them megatron's gradient norm (and so
-    clipping) counts only TP rank 0's shards of every such parameter.
-    """
+    """Give every TP-split (experts: expert-TP-split) parameter megatron's `tensor_model_parallel`
+    attributes, by its layout in `maps` (`dim0`/`qkv`/`fc1`: rows, `dim1`: columns)."""
+    # megatron-core 0.16 sets them only inside its random initialisers, which
+    # `perform_initialization=False` skips; without them megatron's gradient norm (and so clipping)
+    # counts only TP rank 0's shards
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     for name, param in model.named_parameters():
@@ -69,12 +65,12 @@ def _mark_tensor_parallel(model: torch.nn.Module, maps: dict[str, ParamMap]) -> 
 
 
 def _global_layer(model: torch.nn.Module, name: str) -> int | None:
-    """0-based whole-model index of the decoder layer ``name`` belongs to (PP/VPP offset included:
-    megatron's ``layer_number`` is ``1 + get_transformer_layer_offset + local index``)."""
+    """0-based whole-model index of the decoder layer `name` belongs to (PP/VPP offset included)."""
     parts = name.split(".")
     if parts[:2] != ["decoder", "layers"]:
         return None
     layer: Any = model.get_submodule(f"decoder.layers.{parts[2]}")
+    # megatron's layer_number is 1 + get_transformer_layer_offset + the local index
     return int(layer.layer_number) - 1
 
 
@@ -85,10 +81,8 @@ def default_layer_spec(
     pp_rank: int = 0,
     vp_stage: int | None = None,
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """Transformer Engine's GPT layer spec when TE is importable and CUDA is available, else the
-    packed-capable local spec (:func:`local_layer_spec`: padded ``[b, s]`` and packed THD input,
-    no fused kernels). MoE models get the decoder block spec of stage ``pp_rank`` (``vp_stage``)
-    instead (:func:`~lightning_mcore_rl.models.hf.moe.moe_block_spec`)."""
+    """Transformer Engine's GPT layer spec when TE is importable and CUDA is available, else
+    `local_layer_spec`; MoE models get the decoder block spec of stage `pp_rank` (`vp_stage`)."""
     if torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None:
         if arch.moe is not None:
             return moe_block_spec(
@@ -109,18 +103,19 @@ def local_layer_spec(
     pp_rank: int = 0,
     vp_stage: int | None = None,
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """megatron's local GPT layer spec with the project's packed-capable core attention; for a
-    MoE model the local decoder block spec of stage ``pp_rank`` (``vp_stage``), dense and MoE
-    layers as ``config.moe_layer_freq`` says."""
+    """megatron's local GPT layer spec with the packed-capable core attention; for a MoE model the
+    local decoder block spec of stage `pp_rank` (`vp_stage`), dense and MoE layers per
+    `config.moe_layer_freq`."""
     from lightning_mcore_rl.models.layers import get_packed_local_layer_spec
 
     if arch.moe is not None:
+        # a MoE model needs a decoder block spec of this stage's layers, not one layer spec
         return moe_block_spec(config, pp_rank=pp_rank, vp_stage=vp_stage, transformer_engine=False)
     return get_packed_local_layer_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
 
 
 def missing_hf_directory(directory: Path) -> str:
-    """Why ``directory`` (without a ``config.json``) is not a Hugging Face model directory."""
+    """Why `directory` (without a `config.json`) is not a Hugging Face model directory."""
     where = directory.resolve()
     expected = (
         "a Hugging Face model directory holds config.json and the *.safetensors weights "
@@ -134,16 +129,12 @@ def missing_hf_directory(directory: Path) -> str:
 
 
 class HFBridge:
-    """A Hugging Face checkpoint directory seen as megatron-core ``GPTModel`` chunks.
-
-    Supported ``model_type``: ``llama`` (incl. llama3 RoPE scaling), ``qwen2``, ``qwen3``,
-    ``mistral`` (sliding windows included), and the routed-expert ``qwen3_moe`` (dense layers
-    from ``decoder_sparse_step``/``mlp_only_layers`` included) and ``mixtral``, whose experts
-    split over expert parallelism (EP) and expert TP. Build with :meth:`from_pretrained`.
-    """
+    """A Hugging Face checkpoint directory seen as megatron-core `GPTModel` chunks (`llama`,
+    `qwen2`, `qwen3`, `mistral`, and the routed-expert `qwen3_moe` and `mixtral`); build with
+    `from_pretrained`."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Same as :meth:`from_pretrained`."""
+        """Same as `from_pretrained`."""
         self.directory = Path(path)
         config_file = self.directory / "config.json"
         if not config_file.is_file():
@@ -157,13 +148,12 @@ class HFBridge:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> HFBridge:
-        """Open an HF directory: ``config.json`` and ``*.safetensors`` (sharded or not), plus any
-        tokenizer files. Reads only the safetensors headers.
+        """Open an HF directory (`config.json`, `*.safetensors` sharded or not, any tokenizer
+        files), reading only the safetensors headers.
 
         Raises:
-            FileNotFoundError: no ``config.json`` or no safetensors weights.
-            ValueError: unsupported architecture/field (checked first), or tensors that do not
-                match the config.
+            FileNotFoundError: no `config.json` or no safetensors weights.
+            ValueError: unsupported architecture/field, or tensors that do not match the config.
         """
         return cls(path)
 
@@ -188,20 +178,20 @@ class HFBridge:
 
     @property
     def vocab_size(self) -> int:
-        """``V`` (``config.json`` ``vocab_size``; never padded)."""
+        """`V` (`config.json`'s `vocab_size`; never padded)."""
         return self.arch.vocab_size
 
     def config_fields(self) -> dict[str, Any]:
-        """The architecture's ``TransformerConfig`` kwargs, without parallel sizes or dtypes (so a
-        LightningModule's ``transformer_config(**fields)`` can add the strategy's)."""
+        """The architecture's `TransformerConfig` kwargs, without parallel sizes or dtypes."""
+        # no parallel sizes or dtypes: a LightningModule's `transformer_config(**fields)` adds the
+        # strategy's
         return self.arch.config_fields()
 
     def transformer_config(
         self, groups: ParallelGroups | None = None, **overrides: Any
     ) -> TransformerConfig:
-        """``TransformerConfig`` of the architecture with the parallel sizes of ``groups``
-        (``None``: one rank, no parallelism) and ``pipeline_dtype = params_dtype`` (fp32 by
-        default); ``overrides`` win over both."""
+        """`TransformerConfig` of the architecture with the parallel sizes of `groups` (`None`: one
+        rank) and `pipeline_dtype = params_dtype` (fp32 by default); `overrides` win over both."""
         from megatron.core.transformer import TransformerConfig
 
         fields = {
@@ -220,30 +210,17 @@ class HFBridge:
         groups: ParallelGroups | None = None,
         transformer_layer_spec: ModuleSpec | TransformerBlockSubmodules | None = None,
     ) -> GPTModel:
-        """This rank's ``GPTModel`` chunk for virtual stage ``vp_stage``, its TP shards of the HF
-        weights loaded (each rank reads only its slices: under EP only its experts, each
-        expert's expert-TP shard).
-
-        Args:
-            config: e.g. :meth:`transformer_config`; its parallel sizes must be ``groups``'.
-            vp_stage: virtual pipeline stage (``None`` without VPP).
-            groups: this rank's layout (stage flags from its PP rank and ``vp_stage``, TP shards
-                from its TP rank, experts from its EP and expert-TP ranks); ``None``: one rank,
-                no parallelism. Megatron's parallel state must be initialised for the same layout
-                (megatron's layers read it).
-            transformer_layer_spec: default :func:`default_layer_spec` (a MoE model needs a
-                decoder block spec of this stage's layers).
+        """This rank's `GPTModel` chunk for virtual stage `vp_stage`, its shards of the HF weights
+        loaded (`config` e.g. `transformer_config`, sized for `groups`; `None`: one rank).
 
         Raises:
-            ValueError: the layers do not split evenly over ``config``'s PP (and VPP) stages, or
-                ``vocab_size``, key/value heads or MLP width are not divisible by its TP size
-                (the vocab is never padded), or the experts not by EP / their width not by the
-                expert TP size, or TP > 1 with MoE layers but no ``sequence_parallel``, or its
-                TP/PP/VPP/CP/EP/ETP sizes are not ``groups``', or a loaded shard of the wrong
-                shape.
+            ValueError: a layout `check_parallel_layout` refuses, sizes other than `groups`', or a
+                shard of the wrong shape.
         """
         from megatron.core.models.gpt import GPTModel
 
+        # megatron's layers read its parallel state: it must be initialised for the same layout as
+        # `groups`
         check_parallel_layout(self.arch, config)
         groups = layout_groups(groups)
         check_config_layout(config, groups)
@@ -263,21 +240,16 @@ class HFBridge:
         return model
 
     def load_weights(self, chunk: torch.nn.Module, groups: ParallelGroups | None = None) -> None:
-        """Overwrite a built chunk (possibly wrapped in megatron DDP / ``Float16Module``) of
-        ``groups``' layout (``None``: one rank) with this directory's weights again, e.g. to run
-        the initial model as a reference policy.
-
-        Raises:
-            ValueError: the chunk's config has other TP/PP/VPP/CP sizes than ``groups``.
-        """
+        """Overwrite a built chunk (possibly wrapped) of `groups`' layout with this directory's
+        weights again, e.g. for a reference policy; `ValueError` if its config has other sizes."""
         groups = layout_groups(groups)
         model = _unwrap(chunk)
         check_config_layout(model.config, groups)
         self._load(model, groups)
 
     def _param_maps(self, model: torch.nn.Module, groups: ParallelGroups) -> dict[str, ParamMap]:
-        """``megatron parameter name -> ParamMap`` of a chunk of ``groups``' layout (its local
-        experts named by their global index)."""
+        """`megatron parameter name -> ParamMap` of a chunk of `groups`' layout (local experts named
+        by their global index)."""
         moe = self.arch.moe
         first_expert = 0 if moe is None else groups.ep_rank * moe.num_experts // groups.ep_size
         maps = {}
@@ -296,6 +268,8 @@ class HFBridge:
             rank, world = (
                 (groups.etp_rank, groups.etp_size) if expert else (groups.tp_rank, groups.tp_size)
             )
+            # each rank reads only its slices: under EP only its experts, each expert's expert-TP
+            # shard
             shard = read_shard(self.reader, pm, self.arch, rank, world)
             if shard.shape != param.shape:
                 raise ValueError(
@@ -311,24 +285,14 @@ class HFBridge:
         groups: ParallelGroups | None = None,
         dtype: torch.dtype | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective over ``groups``' TP, PP (and for MoE models EP and expert-TP) groups:
-        yield ``(hf_name, full CPU tensor)`` one at a time, gathered over TP (experts over
-        expert TP, then broadcast over EP from the rank holding them) and broadcast over PP
-        (every rank yields every tensor, in HF module order).
-
-        Args:
-            chunks: this rank's model chunks (megatron DDP / ``Float16Module`` wrappers allowed).
-            groups: this rank's layout; ``None``: one rank (no collectives).
-            dtype: output dtype; default each tensor's dtype in the source checkpoint.
-
-        Raises:
-            ValueError: a chunk's config has other TP/PP/VPP/CP/EP/ETP sizes than ``groups``
-                (before any collective).
-        """
+        """Collective over `groups`' TP, PP (MoE: EP and expert-TP) groups: yield
+        `(hf_name, full CPU tensor)` one at a time, on every rank, in HF module order; `ValueError`
+        (before any collective) if a chunk's config has other sizes than `groups`."""
         groups = layout_groups(groups)
         models = [_unwrap(chunk) for chunk in chunks]
         for model in models:
             check_config_layout(model.config, groups)
+        # the layout checks read only sizes: they run before the first collective
         shapes = hf_shapes(self.arch)
         local: dict[str, tuple[ParamMap, str, torch.Tensor]] = {}
         moe_layers: set[int] = set()
@@ -346,6 +310,8 @@ class HFBridge:
             if self.arch.moe is None
             else expert_owners(self.arch.moe, moe_layers, groups.ep_size)
         )
+        # every rank yields every tensor: gathered over TP (experts over expert TP, then broadcast
+        # over EP from the rank holding them) and broadcast over PP from the stage holding it
         owner = _owners(sorted(set(local) | set(stage_experts)), groups)
         device = next(iter(local.values()))[2].device
         for key, names in hf_name_groups(self.arch).items():
@@ -363,8 +329,10 @@ class HFBridge:
                     dist.all_gather(shards, mine.detach().contiguous(), group=group)
                 tensors = merge_shards(pm, shards, self.arch)
             else:
+                # another stage holds it: an empty buffer the PP broadcast below fills
                 tensors = [torch.empty(shapes[n], device=device) for n in names]
             for name, tensor in zip(names, tensors, strict=True):
+                # by default each tensor keeps the source checkpoint's dtype
                 out = tensor.to(dtype or self.reader.dtype(name)).contiguous()
                 if key in stage_experts and groups.ep_size > 1:
                     ep_ranks = dist.get_process_group_ranks(groups.ep_group)
@@ -384,17 +352,17 @@ class HFBridge:
         dtype: torch.dtype | None = None,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> None:
-        """Collective over the world: write an HF directory (global rank 0 writes): the source
-        ``config.json`` (its ``dtype`` set to ``dtype`` when given), tokenizer and other
-        non-weight files copied, weights (:meth:`export_hf_weights` over ``groups``' layout;
-        ``None``: one rank) as safetensors shards of at most ``max_shard_bytes`` (plus
-        ``model.safetensors.index.json`` when there are several).
+        """Collective over the world: global rank 0 writes an HF directory: the source `config.json`
+        (its `dtype` set when given), the other non-weight files, and the weights as safetensors
+        shards of at most `max_shard_bytes` (with an index when several).
 
         Raises:
-            FileExistsError: ``out_dir`` already holds weights.
+            FileExistsError: `out_dir` already holds weights.
         """
         out = Path(out_dir)
         writer = ShardWriter(out, max_shard_bytes) if dist.get_rank() == 0 else None
+        # rank 0's answer goes to every rank, so that all raise together instead of hanging in the
+        # export's collectives
         error = [existing_weights(out) if writer is not None else None]
         dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
@@ -412,10 +380,11 @@ class HFBridge:
                 writer.add(name, tensor)
         if writer is not None:
             writer.close()
+        # no rank returns before rank 0 has written the whole directory
         dist.barrier()
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """``transformers.AutoTokenizer`` of the same directory (chat template included)."""
+        """`transformers.AutoTokenizer` of the same directory (chat template included)."""
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.directory))
@@ -429,16 +398,11 @@ _TP_REMEDY = {
 
 
 def check_parallel_layout(arch: Architecture, config: TransformerConfig) -> None:
-    """Refuse a layout megatron would stop with a bare ``AssertionError`` or that would need
-    padding: layers not split evenly over PP (x VPP), unless ``config`` asks megatron for an
-    uneven split (``num_layers_in_first/last_pipeline_stage``, ``account_for_*``), or TP not
-    dividing the vocab, key/value heads or dense MLP width, or an expert layout
-    :func:`~lightning_mcore_rl.models.hf.moe.check_moe_layout` refuses. Reads only ``config``'s
-    sizes, so it runs before any collective.
-
-    Raises:
-        ValueError: naming the HF field, the sizes and the remedy.
-    """
+    """Refuse (`ValueError` naming the HF field, the sizes and the remedy) layers not split evenly
+    over PP (x VPP) unless `config` asks for an uneven split, TP not dividing the vocab, key/value
+    heads or dense MLP width, or an expert layout `check_moe_layout` refuses."""
+    # megatron would stop with a bare `AssertionError`, or the checkpoint would need padding; only
+    # sizes are read, so this runs before any collective
     uneven = (
         config.num_layers_in_first_pipeline_stage is not None
         or config.num_layers_in_last_pipeline_stage is not None
@@ -474,9 +438,8 @@ def check_parallel_layout(arch: Architecture, config: TransformerConfig) -> None
 
 
 def _owners(keys: list[str], groups: ParallelGroups) -> dict[str, int]:
-    """``HF name -> global rank of the pipeline stage holding it`` for every name of the
-    pipeline (one ``all_gather_object`` over ``groups``' PP group; PP = 1: this rank's
-    ``keys``, owned by this rank)."""
+    """`HF name -> global rank of the pipeline stage holding it` for every name of the pipeline."""
+    # one `all_gather_object` over PP; PP = 1: this rank's keys, owned by this rank
     if groups.pp_size == 1:
         return dict.fromkeys(keys, dist.get_rank() if dist.is_initialized() else 0)
     pp_ranks = dist.get_process_group_ranks(groups.pp_group)

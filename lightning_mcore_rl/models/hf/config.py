@@ -1,12 +1,5 @@
-"""Hugging Face ``config.json`` -> megatron-core ``TransformerConfig`` fields and ``GPTModel``
-arguments, for the dense decoder families and the routed-expert ones (Qwen3-MoE, Mixtral) that
-megatron's GPT layer spec and MoE layer express exactly.
-
-``config.json`` is read as ``transformers`` reads it (:func:`resolve_config`: the config class of
-its ``model_type``, so a missing key takes that class's default). Every field that would change the
-function computed is either mapped or rejected with a ``ValueError`` naming it: an import never
-silently builds a different model.
-"""
+"""Hugging Face `config.json` -> megatron-core `TransformerConfig` fields and `GPTModel` arguments,
+for the dense decoder families and the routed-expert ones (Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
@@ -16,6 +9,8 @@ from typing import Any
 
 from lightning_mcore_rl.megatron_defaults import local_spec_settings
 
+# every field that would change the function computed is either mapped or rejected with a
+# `ValueError` naming it: an import never silently builds a different model
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 # the families whose transformers modeling code reads the field (the others hard-code no bias)
@@ -50,15 +45,11 @@ class MoEArchitecture:
     """The routed experts of a Qwen3-MoE or Mixtral checkpoint.
 
     Attributes:
-        num_experts: ``E`` experts per MoE layer.
-        top_k: ``k`` experts per token (``num_experts_per_tok``).
-        ffn_hidden_size: ``F_e``, each expert's width (each of gate and up).
-        moe_layers: per layer (length ``L``), whether its MLP is the routed experts (else the
-            dense ``intermediate_size`` MLP).
-        normalize_top_k: the ``k`` routing weights are renormalised to sum to 1 (Qwen3-MoE
-            ``norm_topk_prob``; Mixtral always).
-        hf_module: the MoE block's module name on disk (``mlp`` / ``block_sparse_moe``).
-        hf_projections: the experts' ``(gate, up, down)`` projection names on disk.
+        ffn_hidden_size: `F_e`, each expert's width (each of gate and up).
+        moe_layers: per layer (length `L`), whether its MLP is the routed experts.
+        normalize_top_k: the `k` routing weights are renormalised to sum to 1.
+        hf_module: the MoE block's module name on disk (`mlp` / `block_sparse_moe`).
+        hf_projections: the experts' `(gate, up, down)` projection names on disk.
     """
 
     num_experts: int
@@ -70,20 +61,19 @@ class MoEArchitecture:
     hf_projections: tuple[str, str, str]
 
     def config_fields(self) -> dict[str, Any]:
-        """megatron's MoE fields reproducing transformers' forward: softmax over all ``E``
-        router logits, top-``k``, renormalised exactly when ``normalize_top_k`` (megatron's
-        top-``k`` of the logits then softmax over those ``k`` equals the renormalised top-``k``
-        of the full softmax; ``moe_router_pre_softmax=True`` keeps the full softmax's values),
-        no capacity limit (transformers never drops a token), no load-balancing loss (HF adds
-        its aux loss only with ``output_router_logits``, which is refused), ``SequentialMLP``
-        experts, the alltoall dispatcher."""
+        """megatron's MoE fields reproducing transformers' forward."""
         return {
             "num_moe_experts": self.num_experts,
             "moe_router_topk": self.top_k,
             "moe_ffn_hidden_size": self.ffn_hidden_size,
             "moe_layer_freq": [int(moe) for moe in self.moe_layers],
+            # softmax over all E router logits, then top-k: megatron's top-k of the logits then
+            # softmax over those k equals the renormalised top-k of the full softmax;
+            # `moe_router_pre_softmax=True` keeps the full softmax's values
             "moe_router_score_function": "softmax",
             "moe_router_pre_softmax": not self.normalize_top_k,
+            # no load-balancing loss (HF adds its aux loss only with `output_router_logits`, which
+            # is refused) and no capacity limit (transformers never drops a token)
             "moe_router_load_balancing_type": "none",
             "moe_aux_loss_coeff": 0.0,
             "moe_expert_capacity_factor": None,
@@ -92,42 +82,28 @@ class MoEArchitecture:
         }
 
     def router_name(self, layer: int) -> str:
-        """HF name of layer ``layer``'s router weight ``[E, h]``."""
+        """HF name of layer `layer`'s router weight `[E, h]`."""
         return f"model.layers.{layer}.{self.hf_module}.gate.weight"
 
     def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
-        """HF names of global expert ``expert``'s ``(gate [F_e, h], up [F_e, h], down
-        [h, F_e])`` weights in layer ``layer``."""
+        """HF names of global expert `expert`'s `(gate [F_e, h], up [F_e, h], down [h, F_e])`
+        weights in layer `layer`."""
         prefix = f"model.layers.{layer}.{self.hf_module}.experts.{expert}."
         return tuple(f"{prefix}{proj}.weight" for proj in self.hf_projections)  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    """What the bridge needs to know about one HF checkpoint.
+    """What the bridge needs to know about one HF checkpoint: `L` layers, hidden `h`, `H` query and
+    `G` key/value heads of dim `d`, MLP width `F`, vocab `V`, and the flags below.
 
     Attributes:
-        model_type: HF ``model_type`` (one of :data:`SUPPORTED_MODEL_TYPES`).
-        num_layers: ``L``.
-        hidden_size: ``h``.
-        num_heads: query heads ``H``.
-        num_query_groups: key/value heads ``G``.
-        head_dim: ``d`` (``kv_channels``).
-        ffn_hidden_size: MLP width ``F`` (each of gate and up).
-        vocab_size: ``V``.
-        max_position_embeddings: longest sequence.
-        layernorm_epsilon: RMSNorm epsilon.
         qkv_bias: q/k/v projections carry a bias (Qwen2).
         qk_layernorm: per-head RMSNorm on q and k (Qwen3).
-        tied_embeddings: ``lm_head`` shares the input embedding.
-        rotary_base: RoPE theta.
-        rope_scaling_factor: llama3 RoPE scaling factor, ``None`` without scaling.
-        sliding_window: ``w``: a windowed layer's query ``i`` attends keys ``i - w < j <= i``
-            (``w`` tokens, itself included); ``None`` when no layer has a window.
-        window_layers: per layer (length ``L``), whether it attends within ``sliding_window``.
-        moe: the routed experts (Qwen3-MoE, Mixtral); ``None`` for a dense model. Its dense
-            layers (Qwen3-MoE ``decoder_sparse_step``/``mlp_only_layers``) use
-            ``ffn_hidden_size``.
+        rope_scaling_factor: llama3 RoPE scaling factor, `None` without scaling.
+        sliding_window: `w`: a windowed layer's query `i` attends keys `i - w < j <= i`.
+        window_layers: per layer (length `L`), whether it attends within `sliding_window`.
+        moe: the routed experts; `None` for a dense model (its dense layers use `ffn_hidden_size`).
     """
 
     model_type: str
@@ -151,15 +127,14 @@ class Architecture:
 
     @property
     def dense_layers(self) -> tuple[bool, ...]:
-        """Per layer (length ``L``), whether its MLP is the dense ``ffn_hidden_size`` one."""
+        """Per layer (length `L`), whether its MLP is the dense `ffn_hidden_size` one."""
         if self.moe is None:
             return (True,) * self.num_layers
         return tuple(not moe for moe in self.moe.moe_layers)
 
     def config_fields(self) -> dict[str, Any]:
-        """``TransformerConfig`` kwargs of the architecture (CPU-safe: no fused kernels,
-        CPU allocation without random init, no dropout); parallel sizes and dtypes are left to
-        the caller."""
+        """`TransformerConfig` kwargs of the architecture (CPU-safe, no dropout); parallel sizes and
+        dtypes are left to the caller."""
         import torch
 
         return {
@@ -185,11 +160,12 @@ class Architecture:
         }
 
     def _window_fields(self) -> dict[str, Any]:
-        """megatron's ``window_size = (left, right)`` lets query ``i`` attend keys
-        ``i - left <= j <= i + right``, so transformers' window ``w`` is ``(w - 1, 0)``;
-        ``window_attn_skip_freq`` lists the windowed layers (``None``: all of them)."""
+        """megatron's `window_size` and `window_attn_skip_freq` of the windowed layers."""
         if self.sliding_window is None:
             return {}
+        # megatron's window (left, right) lets query i attend keys i - left <= j <= i + right, so
+        # transformers' window w is (w - 1, 0); `window_attn_skip_freq` lists the windowed layers
+        # (None: all)
         every = all(self.window_layers)
         return {
             "window_size": (self.sliding_window - 1, 0),
@@ -197,7 +173,7 @@ class Architecture:
         }
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
-        """``GPTModel`` constructor arguments other than config, spec, stages and ``vp_stage``."""
+        """`GPTModel` constructor arguments other than config, spec, stages and `vp_stage`."""
         return {
             "vocab_size": self.vocab_size,
             "max_sequence_length": self.max_position_embeddings,
@@ -214,8 +190,8 @@ def _unsupported(field: str, value: Any, why: str) -> ValueError:
 
 
 def _rope(config: Mapping[str, Any]) -> tuple[float, float | None]:
-    """``(rope_theta, llama3 factor or None)`` from ``rope_parameters`` (transformers >= 5) or
-    the older top-level ``rope_theta`` + ``rope_scaling``."""
+    """`(rope_theta, llama3 factor or None)` from `rope_parameters` (transformers >= 5) or the older
+    top-level `rope_theta` + `rope_scaling`."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -241,12 +217,12 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, float | None]:
 
 
 def _window(config: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[bool, ...]]:
-    """``(w, windowed layers)`` as transformers' modeling code applies them: Mistral, Mixtral and
-    Qwen3-MoE window every layer when ``sliding_window`` is set (Mistral ignores ``layer_types``;
-    Qwen3-MoE's is null unless ``use_sliding_window``), Qwen2/Qwen3 the ``layer_types`` entries
-    ``sliding_attention``, Llama none."""
+    """`(w, windowed layers)` as transformers' modeling code applies them."""
     model_type = config["model_type"]
     window = config.get("sliding_window")
+    # Mistral, Mixtral and Qwen3-MoE window every layer when `sliding_window` is set (Mistral
+    # ignores `layer_types`; Qwen3-MoE's is null unless `use_sliding_window`), Qwen2/Qwen3 the
+    # `sliding_attention` entries of `layer_types`, Llama none
     if model_type in _WINDOW_EVERY_LAYER:
         layers = (window is not None,) * num_layers
     elif model_type in ("qwen2", "qwen3"):
@@ -275,12 +251,11 @@ def _window(config: Mapping[str, Any], num_layers: int) -> tuple[int | None, tup
 
 
 def resolve_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` (a ``config.json`` dict) as ``transformers`` reads it: the ``to_dict()`` of its
-    ``model_type``'s config class, so missing keys hold that class's defaults (e.g. Mistral's
-    ``sliding_window`` 4096) and derived ones are computed (Qwen2/Qwen3 ``layer_types``).
+    """`config` (a `config.json` dict) as `transformers` reads it: the `to_dict()` of its
+    `model_type`'s config class.
 
     Raises:
-        ValueError: unknown ``model_type``, or a config the transformers class rejects.
+        ValueError: unknown `model_type`, or a config the transformers class rejects.
     """
     model_type = config.get("model_type")
     if model_type in _REFUSED_MODEL_TYPES:
@@ -295,6 +270,8 @@ def resolve_config(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     from transformers import CONFIG_MAPPING
 
+    # missing keys take the class's defaults (e.g. Mistral's `sliding_window` 4096) and derived ones
+    # are computed (Qwen2/Qwen3 `layer_types`)
     config_class = CONFIG_MAPPING[model_type]
     try:
         resolved = config_class.from_dict(dict(config)).to_dict()
@@ -306,12 +283,11 @@ def resolve_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def parse_architecture(config: Mapping[str, Any]) -> Architecture:
-    """Validate an HF ``config.json`` dict (missing keys at transformers' defaults,
-    :func:`resolve_config`) and map it.
+    """Validate an HF `config.json` dict (at transformers' defaults, `resolve_config`) and map it.
 
     Raises:
-        ValueError: unknown ``model_type``, or a field whose value the megatron model cannot
-            reproduce (message names the field and value).
+        ValueError: unknown `model_type`, or a field whose value the megatron model cannot reproduce
+            (naming the field and value).
     """
     config = resolve_config(config)
     model_type = config["model_type"]
@@ -331,12 +307,15 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
         num_layers=num_layers,
         hidden_size=hidden,
         num_heads=heads,
+        # no `num_key_value_heads`: plain multi-head attention; no `head_dim`: hidden / heads
         num_query_groups=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads),
         ffn_hidden_size=int(config["intermediate_size"]),
         vocab_size=int(config["vocab_size"]),
         max_position_embeddings=int(config["max_position_embeddings"]),
         layernorm_epsilon=float(config["rms_norm_eps"]),
+        # Qwen2's modeling code always gives q/k/v a bias, the others none (or `attention_bias`,
+        # refused above)
         qkv_bias=model_type == "qwen2",
         qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         tied_embeddings=bool(config["tie_word_embeddings"]),
@@ -349,9 +328,8 @@ def parse_architecture(config: Mapping[str, Any]) -> Architecture:
 
 
 def _moe(config: Mapping[str, Any], num_layers: int) -> MoEArchitecture | None:
-    """The routed experts as transformers builds them (``None`` when every layer is dense:
-    Qwen3-MoE with no experts or every layer in ``mlp_only_layers``); refuses the router
-    settings megatron's MoE layer cannot reproduce, naming the HF field."""
+    """The routed experts as transformers builds them (`None` when every layer is dense); raises
+    `ValueError` naming a router setting megatron's MoE layer cannot reproduce."""
     model_type = config["model_type"]
     if config.get("output_router_logits"):
         raise _unsupported(
@@ -369,6 +347,8 @@ def _moe(config: Mapping[str, Any], num_layers: int) -> MoEArchitecture | None:
     num_experts = int(config["num_local_experts"])  # to_dict() name of `num_experts` too
     if model_type == "qwen3_moe":
         step = config["decoder_sparse_step"]
+        # dense layers: `mlp_only_layers`, and all but every `decoder_sparse_step`-th; none routed
+        # with no experts
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise _unsupported("decoder_sparse_step", step, "a positive layer interval")
         dense = set(config["mlp_only_layers"])

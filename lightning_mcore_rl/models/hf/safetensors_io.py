@@ -1,6 +1,5 @@
-"""Slice-wise reading of a Hugging Face safetensors checkpoint (single file or sharded with
-``model.safetensors.index.json``): a rank reads only the rows/columns it keeps; and writing one
-in ``transformers``' shard layout."""
+"""Slice-wise reading of a Hugging Face safetensors checkpoint (single file or sharded with an
+index), and writing one in `transformers`' shard layout."""
 
 from __future__ import annotations
 
@@ -17,14 +16,10 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 class SafetensorsReader:
-    """Names, shapes and dtypes of every tensor in ``directory``'s safetensors files, and
-    slice reads through ``safe_open(...).get_slice`` (only the requested bytes are read).
-
-    Args:
-        directory: an HF model directory.
+    """Names, shapes and dtypes of every tensor in `directory`'s safetensors files, and slice reads.
 
     Raises:
-        FileNotFoundError: no ``*.safetensors`` file (or the index names a missing file).
+        FileNotFoundError: no `*.safetensors` file (or the index names a missing file).
         ValueError: a tensor name appears in two files.
     """
 
@@ -34,6 +29,7 @@ class SafetensorsReader:
         self.directory = Path(directory)
         index = self.directory / _INDEX
         if index.exists():
+            # the index decides which files belong to the checkpoint (a directory may hold others)
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
             files = sorted({self.directory / f for f in weight_map.values()})
         else:
@@ -76,6 +72,7 @@ class SafetensorsReader:
         """``tensor[rows, cols]`` (``None`` = all) read from disk without loading the rest."""
         from safetensors import safe_open
 
+        # `get_slice` reads only the requested bytes: a rank reads only the rows/columns it keeps
         with safe_open(str(self._file_of[name]), framework="pt") as handle:
             piece = handle.get_slice(name)
             if cols is not None:
@@ -102,8 +99,7 @@ _DTYPES = {
 def save_safetensors(
     tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str]
 ) -> None:
-    """``safetensors.torch.save_file``, leaving ``path`` readable as any other written file
-    (mode ``0o666`` less the umask, e.g. ``0o644``)."""
+    """`safetensors.torch.save_file`, leaving `path` mode `0o666` less the umask."""
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
@@ -114,6 +110,7 @@ def save_safetensors(
 
 def current_umask() -> int:
     """The process's umask (read by setting it and restoring it at once)."""
+    # the umask can only be read by setting it: restore it at once
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -144,6 +141,7 @@ class ShardWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
+        # a single tensor larger than `max_bytes` gets its own shard
         if self.pending and self.pending_bytes + size > self.max_bytes:
             self._flush()
         self.pending[name] = tensor
@@ -155,12 +153,15 @@ class ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def _part(self, index: int) -> Path:
+        # temporary names until `close` renames them: an interrupted export leaves no directory that
+        # looks complete
         return self.out / f".part-{index:05d}.safetensors.tmp"
 
     def close(self) -> None:
         if self.pending:
             self._flush()
         count = len(self.shards)
+        # named as `transformers` names them: one file, or numbered shards and an index
         if count == 1:
             os.replace(self._part(0), self.out / "model.safetensors")
             return

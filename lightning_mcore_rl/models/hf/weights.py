@@ -1,10 +1,6 @@
-"""The megatron-core GPT <-> Hugging Face weight map and its tensor-parallel layouts.
-
-Notation: ``h`` hidden, ``H`` query heads, ``G`` key/value groups, ``d`` head dim, ``F`` MLP width,
-``V`` vocab, ``r``/``tp`` this rank / TP size; MoE: ``E`` experts of width ``F_e``, split over the
-expert TP group (``etp``) instead of TP. Megatron names are a chunk's ``state_dict`` names
-with the chunk-local layer index replaced by the caller (see :func:`param_map`).
-"""
+"""The megatron-core GPT <-> Hugging Face weight map and its tensor-parallel layouts (`h` hidden,
+`H` query heads, `G` key/value groups, `d` head dim, `F` MLP width, `V` vocab; MoE: `E` experts
+of width `F_e`, split over the expert TP group instead of TP)."""
 
 from __future__ import annotations
 
@@ -64,18 +60,12 @@ class ParamMap:
 
 
 def param_map(name: str, global_layer: int | None, tied: bool) -> ParamMap:
-    """Map a megatron ``GPTModel.state_dict()`` name.
-
-    Args:
-        name: e.g. ``decoder.layers.0.mlp.linear_fc1.weight`` (chunk-local layer index).
-        global_layer: 0-based index of that layer in the whole model (``None`` for non-layer names).
-        tied: ``tie_word_embeddings`` (``output_layer.weight`` is then the embedding's copy).
-
-    Raises:
-        KeyError: a name with no HF counterpart.
-    """
+    """Map a megatron `GPTModel.state_dict()` name (chunk-local layer index; `global_layer` its
+    0-based index in the whole model, `None` off the layers); raises `KeyError` for a name with no
+    HF counterpart."""
     if name == "embedding.word_embeddings.weight":
         return ParamMap("dim0", ("model.embed_tokens.weight",))
+    # tied: `output_layer.weight` is the last stage's copy of the embedding
     if name == "output_layer.weight":
         return ParamMap("dim0", ("model.embed_tokens.weight" if tied else "lm_head.weight",))
     if name == "decoder.final_layernorm.weight":
@@ -90,29 +80,25 @@ def param_map(name: str, global_layer: int | None, tied: bool) -> ParamMap:
 def moe_param_map(
     name: str, global_layer: int | None, moe: MoEArchitecture, first_expert: int
 ) -> ParamMap | None:
-    """Map a router or routed-expert parameter (``None`` for any other name).
-
-    Args:
-        name: e.g. ``decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight``.
-        global_layer: 0-based index of that layer in the whole model.
-        moe: the checkpoint's experts (their HF names).
-        first_expert: global index of this rank's local expert 0 (``ep_rank * E / EP``).
-    """
+    """Map a router or routed-expert parameter (`None` for any other name); `first_expert` is the
+    global index of this rank's local expert 0 (`ep_rank * E / EP`)."""
     match = _LAYER.match(name)
     if match is None or global_layer is None:
         return None
     suffix = match.group(2)
+    # the router is replicated over TP and EP: every rank routes its own tokens over all E experts
     if suffix == "mlp.router.weight":
         return ParamMap("replicated", (moe.router_name(global_layer),))
     expert = _EXPERT.match(suffix)
     if expert is None:
         return None
+    # local expert k of this rank is global expert first_expert + k
     gate, up, down = moe.expert_names(global_layer, first_expert + int(expert.group(1)))
     return ParamMap("fc1", (gate, up)) if expert.group(2) == "1" else ParamMap("dim1", (down,))
 
 
 def _mlp_groups(arch: Architecture, layer: int) -> list[dict[str, tuple[int, ...]]]:
-    """The HF tensors of layer ``layer``'s MLP, grouped as in :func:`_hf_groups`."""
+    """The HF tensors of layer `layer`'s MLP, grouped as in `_hf_groups`."""
     h, p = arch.hidden_size, f"model.layers.{layer}."
     if arch.dense_layers[layer]:
         f = arch.ffn_hidden_size
@@ -131,8 +117,8 @@ def _mlp_groups(arch: Architecture, layer: int) -> list[dict[str, tuple[int, ...
 
 
 def _hf_groups(arch: Architecture) -> list[dict[str, tuple[int, ...]]]:
-    """Every HF tensor of ``arch`` with its full shape, in HF module order, grouped by the
-    megatron parameter built from them (q/k/v together, gate/up together, others alone)."""
+    """Every HF tensor of `arch` with its full shape, in HF module order, grouped by the megatron
+    parameter built from them (q/k/v together, gate/up together, others alone)."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_heads * d, arch.num_query_groups * d
     groups: list[dict[str, tuple[int, ...]]] = [{"model.embed_tokens.weight": (arch.vocab_size, h)}]
@@ -161,6 +147,7 @@ def _hf_groups(arch: Architecture) -> list[dict[str, tuple[int, ...]]]:
         groups.append({p + "post_attention_layernorm.weight": (h,)})
         groups += _mlp_groups(arch, i)
     groups.append({"model.norm.weight": (h,)})
+    # a tied checkpoint needs no `lm_head` (some store a copy: `HFBridge` skips and re-exports it)
     if not arch.tied_embeddings:
         groups.append({"lm_head.weight": (arch.vocab_size, h)})
     return groups
@@ -172,8 +159,7 @@ def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
 
 
 def hf_name_groups(arch: Architecture) -> dict[str, tuple[str, ...]]:
-    """First HF name -> the HF names one megatron parameter gives (``q_proj`` -> q, k, v;
-    ``gate`` -> gate, up; others themselves), every group of ``arch`` in HF module order."""
+    """First HF name -> the HF names one megatron parameter gives, every group in HF module order."""
     return {next(iter(group)): tuple(group) for group in _hf_groups(arch)}
 
 
@@ -198,6 +184,8 @@ def read_shard(
         rows = _part(reader.shape(pm.hf_names[0])[0], rank, world)
         return torch.cat([reader.read(n, rows=rows) for n in pm.hf_names])
     # qkv: this rank's groups [g0, g0 + groups), each [q rows of the group; k rows; v rows]
+    # megatron interleaves q, k, v by query group, so TP splits the groups: a rank reads its groups'
+    # rows of each of q, k and v
     d, groups = arch.head_dim, arch.num_query_groups // world
     per_group_q = arch.num_heads // arch.num_query_groups * d
     g0 = rank * groups
@@ -214,13 +202,14 @@ def read_shard(
 def merge_shards(
     pm: ParamMap, shards: Sequence[torch.Tensor], arch: Architecture
 ) -> list[torch.Tensor]:
-    """Inverse of :func:`read_shard`: the HF tensors (in ``pm.hf_names`` order) from the megatron
-    shards of all TP ranks, rank order."""
+    """Inverse of `read_shard`: the HF tensors (in `pm.hf_names` order) from all TP ranks' shards."""
     if pm.layout == "replicated":
         return [shards[0]]
     if pm.layout in ("dim0", "dim1"):
         return [torch.cat(list(shards), dim=0 if pm.layout == "dim0" else 1)]
     if pm.layout == "fc1":
+        # each rank holds [gate_r; up_r]: the full gate is the ranks' first halves, the full up
+        # their second
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])]
     d, groups = arch.head_dim, arch.num_query_groups

@@ -134,8 +134,7 @@ class PackedDotProductAttention(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         """Attention over padded `[sq, b, np, hn]` / `[sk, b, ng, hn]` input (-> `[sq, b, np*hn]`)
-        or
-        packed `[T, np, hn]` / `[T, ng, hn]` (-> `[T, np*hn]`).
+        or packed `[T, np, hn]` / `[T, ng, hn]` (-> `[T, np*hn]`).
 
         Args:
             attention_mask: padded only: megatron's boolean `[b|1, 1, sq, sk]`, True = masked out;
@@ -170,8 +169,7 @@ class PackedDotProductAttention(MegatronModule):
     ) -> bool:
         """Whether padded input takes SDPA: a causal self-attention mask (`None` on a causal layer,
         the shared `shared_causal_mask`, or on CPU any mask equal to it), no dropout to draw, the
-        backend
-        not `unfused`."""
+        backend not `unfused`."""
         sq, sk = query.shape[0], key.shape[0]
         if not self.padded_sdpa or sq != sk or (self.training and self.dropout_p > 0.0):
             return False
@@ -247,8 +245,7 @@ class PackedDotProductAttention(MegatronModule):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor
     ) -> torch.Tensor:
         """Packed attention under CP: `query/key/value [T/CP, n, hn]` (this rank's zigzag shard of
-        every
-        span) -> `[T/CP, np*hn]`."""
+        every span) -> `[T/CP, np*hn]`."""
         cp_group = self.cp_group
         assert cp_group is not None  # only called under CP
         cp_rank, cp_size = cp_group.rank(), cp_group.size()
@@ -326,8 +323,7 @@ def _own_storage(x: torch.Tensor) -> torch.Tensor:
 def get_packed_local_layer_spec(**kwargs: Any) -> ModuleSpec:
     """megatron's local GPT layer spec (`**kwargs` to `get_gpt_layer_local_spec`, e.g.
     `qk_layernorm`) with `PackedDotProductAttention` as core attention, `GatedMLP` as a dense
-    layer's
-    MLP and `LocalNorm` for the norms; pass it to `GPTModel(transformer_layer_spec=...)`."""
+    layer's MLP and `LocalNorm` for the norms; pass it to `GPTModel(transformer_layer_spec=...)`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
