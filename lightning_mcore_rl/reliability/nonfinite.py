@@ -5,7 +5,7 @@ it. Every rank takes the same decision, so a skipped step is skipped everywhere 
 optimizer-state change: megatron's update is not run, which is megatron's own
 ``update_successful=False`` outcome):
 
-* inputs (:meth:`NonFiniteGuard.check_inputs`, before the model runs): the host-side
+* inputs (:meth:`NonFiniteGuard.check_batch`, before the model runs): the host-side
   :func:`~lightning_mcore_rl.train.validation.validate_batch` verdict of each rank — an invalid
   batch on any rank makes every rank raise, a non-finite float (advantages, logprobs, masks...)
   skips the step, naming the key and first bad position on the rank that holds it;
@@ -13,17 +13,21 @@ optimizer-state change: megatron's update is not run, which is megatron's own
   batches on the ranks of one replica, raise on every rank
   (:mod:`~lightning_mcore_rl.reliability.agreement`), and, in a training step's first pass, the
   step's boundary (SIGTERM, the previous step's time: :class:`~.agreement.StepBoundary`);
-* the loss (:meth:`NonFiniteGuard.skip_before_update`, after the backward; identical on every
-  rank) and the gradients (:meth:`NonFiniteGuard.skip_on_grad_norm`): megatron's own global
-  gradient norm, computed once by the optimizer adapter's step
-  (:func:`~lightning_mcore_rl.strategy.optimizer.megatron_step`) between ``prepare_grads`` and
+* the loss (:meth:`NonFiniteGuard.check_loss` after the backward, judged when the optimizer step
+  starts; identical on every rank);
+* the optimizer step (:meth:`NonFiniteGuard.check_update`, which runs megatron's step with an
+  :class:`UpdateChecks`): megatron's own global gradient norm, computed once by
+  :func:`~lightning_mcore_rl.strategy.optimizer.megatron_step` between ``prepare_grads`` and
   the clipping — NaN/inf in any gradient on any rank, or a norm that overflows, skips the step
-  before anything is clipped or updated;
-* the update: non-finite weights or optimizer state, or an update too large for the
-  parameters, skip the step — found before megatron's update for torch's Adam/AdamW/SGD
-  (:meth:`NonFiniteGuard.reject_before_update`, :mod:`~lightning_mcore_rl.reliability.update_preview`:
-  the update is not run), else after it (:meth:`NonFiniteGuard.reject_update`,
-  :mod:`~lightning_mcore_rl.reliability.update_check`: the update is undone).
+  before anything is clipped or updated; then non-finite weights or optimizer state, or an
+  update too large for the parameters, skip the step — found before megatron's update for
+  torch's Adam/AdamW/SGD (:mod:`~lightning_mcore_rl.reliability.update_preview`: the update is
+  not run), else after it (:mod:`~lightning_mcore_rl.reliability.update_check`: the update is
+  undone).
+
+Those three are the guard's only hooks into the step; the strategy marks a fit's start and end
+and a training step's start (:meth:`NonFiniteGuard.begin_fit`, :meth:`NonFiniteGuard.begin_step`,
+:meth:`NonFiniteGuard.check_fit_end`). No other object writes its fields.
 
 A gradient norm of exactly 0 for ``collapse_warning_steps`` steps in a row warns
 (:class:`CollapseWarning`): the model learns nothing (e.g. saturated by a huge learning rate).
@@ -34,7 +38,8 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
@@ -57,6 +62,7 @@ from lightning_mcore_rl.reliability.update_check import (
 from lightning_mcore_rl.reliability.update_preview import preview_measures, previewable
 
 NonFinitePolicy = Literal["skip", "raise"]
+_R = TypeVar("_R", bound="StepResult")
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
 
 
@@ -97,6 +103,16 @@ def batch_rejection(error: BaseException | None, group: Any, where: str = "") ->
         f"Another rank rejected its batch{where} ({listing}); this rank stops too instead of "
         "waiting in the step (the rejecting rank's traceback shows where)."
     )
+
+
+class StepResult(Protocol):
+    """What megatron's step returned (``strategy/optimizer.py:MegatronStepResult``)."""
+
+    @property
+    def update_successful(self) -> bool: ...
+
+    @property
+    def grad_norm(self) -> float | None: ...
 
 
 class NonFiniteWarning(UserWarning):
@@ -186,8 +202,6 @@ class NonFiniteGuard:
         self.fit_steps = 0  # training steps of the current fit (begin_fit), skipped ones too
         self.fit_skipped_steps = 0
         self.last_skip_cause = ""
-        self.device: torch.device | str = "cpu"
-        self.group: Any = None  # the strategy's world group (None: the default group)
         self._loss: torch.Tensor | None = None
 
     @classmethod
@@ -240,20 +254,18 @@ class NonFiniteGuard:
 
     # ---------------------------------------------------------------- per step
 
-    def begin_step(self, device: torch.device | str, group: Any = None) -> None:
-        """A new training step (collectives of :meth:`check_inputs` on ``device``, over
-        ``group``: the strategy's world group, bounded by its timeout)."""
-        self.device = device
-        self.group = group
+    def begin_step(self) -> None:
+        """A new training step: nothing skipped and no loss noted yet."""
         self.step_skipped = False
         self.fit_steps += 1
         self._loss = None
 
-    def note_loss(self, loss: torch.Tensor) -> None:
-        """The step's loss (identical on every rank), checked in :meth:`skip_before_update`."""
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """The training pass's loss (identical on every rank), judged when :meth:`check_update`
+        starts."""
         self._loss = loss
 
-    def check_inputs(
+    def check_batch(
         self,
         finding: Any,
         error: BaseException | None,
@@ -262,6 +274,8 @@ class NonFiniteGuard:
         training: bool,
         replica: int = 0,
         boundary: StepBoundary | None = None,
+        device: torch.device | str = "cpu",
+        group: Any = None,
     ) -> bool:
         """ONE all-gather of this rank's input verdict and batch summary over all ranks
         (:mod:`~lightning_mcore_rl.reliability.agreement`), which also carries the training
@@ -277,6 +291,8 @@ class NonFiniteGuard:
             replica: this rank's data-parallel rank (its model replica).
             boundary: the strategy's :class:`~.agreement.StepBoundary` (``None``: nothing rides
                 along).
+            device: where the collective's tensor lives.
+            group: the strategy's world group, bounded by its timeout (None: the default group).
 
         Returns:
             True: skip this step (every rank returns True).
@@ -293,14 +309,14 @@ class NonFiniteGuard:
             entry = RankInput(local, replica, summary.rows, summary.width, summary.fingerprint)
         if boundary is not None:
             entry = boundary.stamp(entry)
-        table = gather_inputs(entry, self.device, self.group)
+        table = gather_inputs(entry, device, group)
         if boundary is not None:
             boundary.settle(table)
         rejecting = rejected_ranks(table)
         if len(rejecting) == len(table) and error is not None:
             raise error  # every rank rejected: each raises its own, rank 0's names the cause
         if rejecting:
-            raise batch_rejection(error, self.group)  # every rank: the reasons are gathered
+            raise batch_rejection(error, group)  # every rank: the reasons are gathered
         verdict = agreed_verdict(table)
         if verdict == NONFINITE:
             where = (
@@ -312,72 +328,31 @@ class NonFiniteGuard:
             return True
         return False
 
-    def skip_before_update(self) -> bool:
-        """Before megatron's optimizer step: True if the step must not update (skipped on
-        input, or a non-finite loss; the loss is identical on every rank, so is the verdict)."""
+    def check_update(
+        self,
+        run: Callable[[UpdateChecks], _R],
+        *,
+        device: torch.device | str = "cpu",
+        group: Any = None,
+    ) -> _R | None:
+        """The optimizer step: ``None`` (megatron's step not run) when the step is already
+        skipped (on input) or its loss is not finite; else ``run(checks)`` (megatron's step,
+        consulting ``checks`` between its gradient norm and its update), counted: an
+        unsuccessful update is a skipped step, a gradient norm of exactly 0 counts towards the
+        collapse warning. ``device``/``group``: the update checks' all-reduce."""
         if self.step_skipped:
-            return True
+            return None
         loss = self._loss
         if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
             self._skip(f"a non-finite loss ({float(loss)})")
-            return True
-        return False
-
-    def skip_on_grad_norm(self, grad_norm: float) -> bool:
-        """Between megatron's gradient norm and its update: True (skip) if the norm is NaN/inf
-        — any non-finite gradient on any rank, or a norm that overflows."""
-        if math.isfinite(grad_norm):
-            return False
-        self._skip(f"a non-finite gradient (megatron's global grad norm: {grad_norm})")
-        return True
-
-    def reject_before_update(self, optimizer: Any) -> bool:
-        """Before megatron's update, its gradients prepared and clipped: True (the update not
-        run, the step skipped) when the update torch's Adam/AdamW/SGD would make leaves a NaN/inf
-        weight or optimizer-state entry on any rank, or exceeds ``max_update_ratio``
-        (:mod:`~lightning_mcore_rl.reliability.update_preview`; one all-reduce, the same decision
-        on every rank). False, and nothing run, when updates are not verified or the inner
-        optimizer cannot be previewed (then :meth:`snapshot` and :meth:`reject_update`)."""
-        if not self.verify_updates or not previewable(optimizer):
-            return False
-        cause = update_failure(
-            preview_measures(optimizer, self.device, self.group), self.max_update_ratio
-        )
-        if cause is None:
-            return False
-        self._skip(f"{cause}; the update was not applied (parameters and optimizer state kept)")
-        return True
-
-    def snapshot(self, optimizer: Any, params: Any) -> UpdateSnapshot | None:
-        """Before megatron's update: what it writes, copied (``None``: updates not verified,
-        or verified before the update by :meth:`reject_before_update`)."""
-        if not self.verify_updates or previewable(optimizer):
             return None
-        return UpdateSnapshot.take(optimizer, params)
-
-    def reject_update(self, snapshot: UpdateSnapshot | None) -> bool:
-        """After megatron's update: True (undone from ``snapshot``, the step skipped) when it
-        left a NaN/inf weight or optimizer-state entry on any rank, or exceeded
-        ``max_update_ratio`` (one all-reduce; the same decision on every rank)."""
-        if snapshot is None:
-            return False
-        cause = update_failure(
-            update_measures(snapshot, self.device, self.group), self.max_update_ratio
-        )
-        if cause is None:
-            return False
-        snapshot.restore()
-        self._skip(f"{cause}; the update was undone (parameters and optimizer state restored)")
-        return True
-
-    def after_update(self, update_successful: bool, grad_norm: float | None = None) -> None:
-        """After megatron's step: ``update_successful=False`` counts as a skipped step; a
-        gradient norm of exactly 0 counts towards the collapse warning."""
-        if update_successful:
+        result = run(UpdateChecks(self, device, group))
+        if result.update_successful:
             self.consecutive_skips = 0
         elif not self.step_skipped:
             self._skip("megatron's optimizer (update_successful=False)")
-        self._note_grad_norm(grad_norm)
+        self._note_grad_norm(result.grad_norm)
+        return result
 
     def _note_grad_norm(self, grad_norm: float | None) -> None:
         if grad_norm is None or grad_norm != 0.0:
@@ -426,6 +401,67 @@ class NonFiniteGuard:
         )
 
 
+class UpdateChecks:
+    """What megatron's step asks between its gradient norm and its update, for one optimizer
+    step of ``guard`` (built by :meth:`NonFiniteGuard.check_update`; a failing check skips the
+    step through the guard's policy). Collectives on ``device`` over ``group``."""
+
+    def __init__(self, guard: NonFiniteGuard, device: torch.device | str, group: Any) -> None:
+        self._guard = guard
+        self._device = device
+        self._group = group
+
+    def grad_norm_fails(self, grad_norm: float) -> bool:
+        """True (skip) if megatron's global gradient norm is NaN/inf — any non-finite gradient
+        on any rank, or a norm that overflows."""
+        if math.isfinite(grad_norm):
+            return False
+        self._guard._skip(f"a non-finite gradient (megatron's global grad norm: {grad_norm})")
+        return True
+
+    def reject_before_update(self, optimizer: Any) -> bool:
+        """Before megatron's update, its gradients prepared and clipped: True (the update not
+        run, the step skipped) when the update torch's Adam/AdamW/SGD would make leaves a NaN/inf
+        weight or optimizer-state entry on any rank, or exceeds ``max_update_ratio``
+        (:mod:`~lightning_mcore_rl.reliability.update_preview`; one all-reduce, the same decision
+        on every rank). False, and nothing run, when updates are not verified or the inner
+        optimizer cannot be previewed (then :meth:`snapshot` and :meth:`reject_update`)."""
+        guard = self._guard
+        if not guard.verify_updates or not previewable(optimizer):
+            return False
+        cause = update_failure(
+            preview_measures(optimizer, self._device, self._group), guard.max_update_ratio
+        )
+        if cause is None:
+            return False
+        guard._skip(f"{cause}; the update was not applied (parameters and optimizer state kept)")
+        return True
+
+    def snapshot(self, optimizer: Any, params: Any) -> UpdateSnapshot | None:
+        """Before megatron's update: what it writes, copied (``None``: updates not verified,
+        or verified before the update by :meth:`reject_before_update`)."""
+        if not self._guard.verify_updates or previewable(optimizer):
+            return None
+        return UpdateSnapshot.take(optimizer, params)
+
+    def reject_update(self, snapshot: UpdateSnapshot | None) -> bool:
+        """After megatron's update: True (undone from ``snapshot``, the step skipped) when it
+        left a NaN/inf weight or optimizer-state entry on any rank, or exceeded
+        ``max_update_ratio`` (one all-reduce; the same decision on every rank)."""
+        if snapshot is None:
+            return False
+        cause = update_failure(
+            update_measures(snapshot, self._device, self._group), self._guard.max_update_ratio
+        )
+        if cause is None:
+            return False
+        snapshot.restore()
+        self._guard._skip(
+            f"{cause}; the update was undone (parameters and optimizer state restored)"
+        )
+        return True
+
+
 __all__ = [
     "NONFINITE_POLICIES",
     "BatchRejectedError",
@@ -434,6 +470,8 @@ __all__ = [
     "NonFiniteGuard",
     "NonFinitePolicy",
     "NonFiniteWarning",
+    "StepResult",
+    "UpdateChecks",
     "batch_rejection",
     "check_policy",
     "check_update_options",

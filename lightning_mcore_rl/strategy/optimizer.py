@@ -9,6 +9,7 @@ closure (its ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_gr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ class _StepRecord:
     last: MegatronStepResult | None = None
     guard: Any = None  # the strategy's NonFiniteGuard (reliability/nonfinite.py)
     params: list[torch.Tensor] = field(default_factory=list)  # the model's, for the guard
+    device: torch.device | str = "cpu"  # where the guard's update checks reduce
+    group: Any = None  # and over which group (None: the default group)
 
 
 @dataclass
@@ -107,11 +110,14 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         """The result of the latest :meth:`step` (``None`` before the first)."""
         return self._record.last
 
-    def use_guard(self, guard: Any) -> None:
+    def use_guard(self, guard: Any, device: torch.device | str = "cpu", group: Any = None) -> None:
         """Consult ``guard`` (a :class:`~lightning_mcore_rl.reliability.nonfinite.NonFiniteGuard`)
         around every megatron step: a skipped step never calls megatron's ``step()``, and a
-        failing update is undone."""
+        failing update is undone. Its update checks reduce on ``device`` over ``group`` (the
+        strategy's world group)."""
         self._record.guard = guard
+        self._record.device = device
+        self._record.group = group
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (forward+backward), then megatron's step (:func:`megatron_step`:
@@ -124,13 +130,13 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
             The closure's result (the training-step loss), as ``torch.optim`` optimizers do.
         """
         loss = closure() if closure is not None else None
-        guard = self._record.guard
-        if guard is not None and guard.skip_before_update():
-            self._record.last = MegatronStepResult(False, None, None)
+        record = self._record
+        if record.guard is None:
+            record.last = megatron_step(self.megatron_optimizer)
             return loss
-        self._record.last = megatron_step(self.megatron_optimizer, guard, self._record.params)
-        if guard is not None:
-            guard.after_update(self._record.last.update_successful, self._record.last.grad_norm)
+        run = functools.partial(megatron_step, self.megatron_optimizer, params=record.params)
+        result = record.guard.check_update(run, device=record.device, group=record.group)
+        record.last = result if result is not None else MegatronStepResult(False, None, None)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -149,15 +155,15 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
 
 def megatron_step(
-    optimizer: Any, guard: Any = None, params: Sequence[torch.Tensor] = ()
+    optimizer: Any, checks: Any = None, params: Sequence[torch.Tensor] = ()
 ) -> MegatronStepResult:
     """Megatron's ``MegatronOptimizer.step()`` by its public parts, consulting the non-finite
-    ``guard`` (:class:`~lightning_mcore_rl.reliability.nonfinite.NonFiniteGuard`, ``None``: none)
-    between megatron's gradient norm and the update (``guard.skip_on_grad_norm(norm)``), and
-    to verify the update: before it on the clipped gradients (``guard.reject_before_update``: a
-    rejected update is not run), or, for an inner optimizer that cannot be previewed, around it
-    (``guard.snapshot(optimizer, params)`` before it, ``guard.reject_update(snapshot)`` after it:
-    a rejected update is undone).
+    guard's ``checks`` (:class:`~lightning_mcore_rl.reliability.nonfinite.UpdateChecks`,
+    ``None``: none) between megatron's gradient norm and the update
+    (``checks.grad_norm_fails(norm)``), and to verify the update: before it on the clipped
+    gradients (``checks.reject_before_update``: a rejected update is not run), or, for an inner
+    optimizer that cannot be previewed, around it (``checks.snapshot(optimizer, params)`` before
+    it, ``checks.reject_update(snapshot)`` after it: a rejected update is undone).
 
     The same operations in the same order as megatron's ``step()`` of ``FP32Optimizer``,
     ``MixedPrecisionOptimizer`` and ``ChainedOptimizer`` (``prepare_grads``, ``get_grad_norm``,
@@ -177,7 +183,7 @@ def megatron_step(
     if optimizer.prepare_grads():
         return MegatronStepResult(False, None, None)
     grad_norm = float(optimizer.get_grad_norm())
-    if guard is not None and guard.skip_on_grad_norm(grad_norm):
+    if checks is not None and checks.grad_norm_fails(grad_norm):
         return MegatronStepResult(False, grad_norm, None)
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(member, "is_stub_optimizer", False) or member.config.clip_grad <= 0.0:
@@ -192,11 +198,11 @@ def megatron_step(
             )
     config = optimizer.config
     num_zeros = int(optimizer.count_zeros()) if config.log_num_zeros_in_grad else None
-    if guard is not None and guard.reject_before_update(optimizer):
+    if checks is not None and checks.reject_before_update(optimizer):
         return MegatronStepResult(False, grad_norm, num_zeros)
-    snapshot = guard.snapshot(optimizer, params) if guard is not None else None
+    snapshot = checks.snapshot(optimizer, params) if checks is not None else None
     updated = bool(optimizer.step_with_ready_grads())
-    if updated and guard is not None and guard.reject_update(snapshot):
+    if updated and checks is not None and checks.reject_update(snapshot):
         return MegatronStepResult(False, grad_norm, num_zeros)
     return MegatronStepResult(updated, grad_norm, num_zeros)
 

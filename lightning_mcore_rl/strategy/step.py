@@ -83,7 +83,7 @@ class StepRunner:
             **kwargs,
         )  # fmt: skip
         if not forward_only:
-            self.guard.note_loss(out.loss)
+            self.guard.check_loss(out.loss)
         return out
 
     def forward_only(
@@ -101,11 +101,9 @@ class StepRunner:
     def _check_inputs(
         self, finding: Any, error: BaseException | None, summary: Any, training: bool
     ) -> bool:
-        self.guard.device = self.context.device
-        self.guard.group = self.context.world_group
-        return self.guard.check_inputs(
+        return self.guard.check_batch(
             finding, error, summary, training=training, replica=self.context.groups.dp_rank,
-            boundary=self.boundary,
+            boundary=self.boundary, device=self.context.device, group=self.context.world_group,
         )  # fmt: skip
 
 

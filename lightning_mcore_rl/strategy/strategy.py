@@ -375,7 +375,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             bf16=self.precision_plugin.bf16,
             use_distributed_optimizer=self.use_distributed_optimizer,
         )
-        adapter.use_guard(self.nonfinite_guard)
+        adapter.use_guard(self.nonfinite_guard, self.root_device, self.world_group)
         self.optimizers = [adapter]
         self.lr_scheduler_configs = schedulers
 
@@ -391,7 +391,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         for chunk in self._chunks:  # fitting: setup() wrapped every chunk in megatron DDP
             cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
-        self.nonfinite_guard.begin_step(self.root_device, self.world_group)
+        self.nonfinite_guard.begin_step()
         self.step_boundary.open()  # agreed in the step's first pass: no collective here
 
     @override

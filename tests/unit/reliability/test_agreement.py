@@ -188,14 +188,18 @@ def test_the_update_failure_rule():
 
 def test_the_collapse_warning_counts_consecutive_exact_zeros():
     guard = NonFiniteGuard(collapse_warning_steps=3)
+
+    def step(guard: NonFiniteGuard, norm: float) -> None:
+        guard.check_update(lambda _: SimpleNamespace(update_successful=True, grad_norm=norm))
+
     for norm in (0.0, 0.0, 1e-12, 0.0, 0.0):  # a non-zero norm restarts the count
-        guard.after_update(True, norm)
+        step(guard, norm)
     with pytest.warns(CollapseWarning, match="exactly 0 for 3 consecutive steps"):
-        guard.after_update(True, 0.0)
+        step(guard, 0.0)
     assert guard.zero_grad_steps == 3
     silent = NonFiniteGuard(collapse_warning_steps=None)
     for _ in range(10):
-        silent.after_update(True, 0.0)
+        step(silent, 0.0)
 
 
 def test_non_finite_rewards_mark_their_whole_group():

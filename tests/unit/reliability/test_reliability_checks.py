@@ -9,6 +9,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_policy_counts_raises_and_stops_after_the_limit():
         NonFiniteGuard("raise")._skip("x")
     guard = NonFiniteGuard("skip")
     with pytest.raises(ValueError, match="bad"):
-        guard.check_inputs(None, ValueError("bad"), training=True)
+        guard.check_batch(None, ValueError("bad"), training=True)
 
 
 def test_a_fit_shorter_than_the_skip_limit_that_never_updated_fails_at_its_end():
@@ -183,9 +184,12 @@ def test_a_fit_shorter_than_the_skip_limit_that_never_updated_fails_at_its_end()
     def fit(norms: list[float]) -> None:
         guard.begin_fit()
         for norm in norms:
-            guard.begin_step("cpu")
-            if not guard.skip_on_grad_norm(norm):
-                guard.after_update(True, norm)
+            guard.begin_step()
+            guard.check_update(
+                lambda checks, norm=norm: SimpleNamespace(
+                    update_successful=not checks.grad_norm_fails(norm), grad_norm=norm
+                )
+            )
         guard.check_fit_end()
 
     with (

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mcore_rl.reliability.nonfinite import NonFiniteGuard
+from lightning_mcore_rl.reliability.nonfinite import NonFiniteGuard, UpdateChecks
 from lightning_mcore_rl.reliability.update_check import UpdateSnapshot, update_measures
 from lightning_mcore_rl.reliability.update_preview import preview_measures, previewable
 
@@ -115,10 +115,12 @@ def test_the_guard_rejects_a_previewed_update_before_it_runs_and_snapshots_the_r
     member.optimizer.param_groups[0]["lr"] = 1e8
     _grads(params, 0)
     guard = NonFiniteGuard(max_update_ratio=1e3)
+    checks = UpdateChecks(guard, "cpu", None)
     with pytest.warns(UserWarning, match="the update was not applied"):
-        assert guard.reject_before_update(member)
-    assert guard.step_skipped and guard.snapshot(member, params) is None
-    assert not NonFiniteGuard(verify_updates=False).reject_before_update(member)
+        assert checks.reject_before_update(member)
+    assert guard.step_skipped and checks.snapshot(member, params) is None
+    unverified = UpdateChecks(NonFiniteGuard(verify_updates=False), "cpu", None)
+    assert not unverified.reject_before_update(member)
     rmsprop = SimpleNamespace(optimizer=torch.optim.RMSprop(params))
-    assert not guard.reject_before_update(rmsprop)
-    assert isinstance(guard.snapshot(rmsprop, params), UpdateSnapshot)
+    assert not checks.reject_before_update(rmsprop)
+    assert isinstance(checks.snapshot(rmsprop, params), UpdateSnapshot)

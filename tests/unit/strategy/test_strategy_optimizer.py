@@ -54,7 +54,7 @@ def test_a_nonfinite_megatron_grad_norm_skips_the_update():
     adapter = MegatronOptimizerAdapter(mopt)
     guard = NonFiniteGuard("skip")
     adapter.use_guard(guard)
-    guard.begin_step("cpu")
+    guard.begin_step()
     with pytest.warns(UserWarning, match="megatron's global grad norm: nan"):
         adapter.step()
     assert mopt.steps == 0 and guard.skipped_steps == 1 and guard.step_skipped
