@@ -1,13 +1,5 @@
 """Scoped CPU emulation of the CUDA calls megatron-core makes, so its real schedules, DDP,
-optimizers and ``dist_checkpointing`` run on CPU with gloo.
-
-Everything here is mechanical: megatron-core asks for ``device="cuda"``, reads CUDA RNG state and
-checks ``param.type() == "torch.cuda.FloatTensor"``. Each patch below names the megatron-core
-0.16 call site it serves; the measured map of all of them is ``docs/cpu-emulation.md``.
-
-The emulation is a context manager. Entering twice (nested, or from two code paths) is harmless: only
-the outermost entry installs and only its exit uninstalls, after which every patched attribute is
-the original object again and ``torch.zeros(1, device="cuda")`` raises as before.
+optimizers and `dist_checkpointing` run on CPU with gloo (`docs/cpu-emulation.md` maps every patch).
 """
 
 from __future__ import annotations
@@ -44,7 +36,7 @@ _CUDA_TYPE_NAMES = {
 
 
 def _to_cpu_device(device: Any) -> Any:
-    """Map a CUDA device request (``"cuda"``, ``"cuda:N"``, a cuda ``torch.device``, an int) to CPU."""
+    """Map a CUDA device request (`"cuda"`, `"cuda:N"`, a cuda `torch.device`, an int) to CPU."""
     if isinstance(device, bool):
         return device
     if isinstance(device, int):
@@ -57,17 +49,8 @@ def _to_cpu_device(device: Any) -> Any:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Redirects CUDA placement to CPU and reports CPU tensors as CUDA types.
-
-    * ``device=`` keyword of any torch function (factories in megatron's DDP buffers, RNG tracker,
-      optimizer overflow buffers, p2p shape exchange): CUDA -> CPU.
-    * ``Tensor.cuda()``: no-op (``Float16Module``, ``get_batch`` helpers, checkpoint loading).
-    * ``Tensor.to(cuda)``: CPU.
-    * no-argument ``Tensor.type()``: ``"torch.cuda.FloatTensor"`` etc. Serves the asserts in
-      ``optimizer/clip_grads.py`` (``clip_grad_by_total_norm_fp32``),
-      ``Float16OptimizerWithFloat16Params.__init__`` and
-      ``DistributedOptimizer._build_model_and_main_param_groups``.
-    """
+    """Redirects CUDA placement (`device=`, `Tensor.cuda()`, `Tensor.to(cuda)`) to CPU and reports
+    CPU tensors as CUDA types (no-argument `Tensor.type()`)."""
 
     def __torch_function__(
         self,
@@ -77,22 +60,29 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
+        # `device=` of any torch function: factories in megatron's DDP buffers, RNG tracker,
+        # optimizer overflow buffers, p2p shape exchange
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
+        # `Tensor.cuda()` is a no-op: `Float16Module`, `get_batch` helpers, checkpoint loading
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        # "torch.cuda.FloatTensor" etc. for the asserts in `clip_grad_by_total_norm_fp32`,
+        # `Float16OptimizerWithFloat16Params.__init__` and
+        # `DistributedOptimizer._build_model_and_main_param_groups`
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
         return func(*args, **kwargs)
 
 
 class _DropRngWarning(logging.Filter):
-    """With CPU RNG == "CUDA" RNG, megatron's ``CudaRNGStatesTracker.fork`` warns "CPU RNG state
-    changed within GPU RNG context" on every fork; the warning is meaningless here."""
+    """Drops megatron's "CPU RNG state changed within GPU RNG context" warning."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        # with CPU RNG == "CUDA" RNG, `CudaRNGStatesTracker.fork` warns on every fork: meaningless
+        # here
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
@@ -114,9 +104,9 @@ def _no_op(*_args: Any, **_kwargs: Any) -> None:
 
 
 class _CpuStream:
-    """The one "CUDA stream" of a CPU process (every construction returns it): work is
-    synchronous, so waiting is a no-op."""
+    """The one "CUDA stream" of a CPU process (every construction returns it); waiting is a no-op."""
 
+    # CPU work is synchronous: one stream object, and every wait is a no-op
     _instance: _CpuStream | None = None
 
     def __new__(cls, *_args: Any, **_kwargs: Any) -> _CpuStream:
@@ -131,7 +121,7 @@ class _CpuStream:
         return None
 
     def record_event(self) -> _CpuStream:
-        """An event that is already complete (it has the same ``synchronize``)."""
+        """An event that is already complete (it has the same `synchronize`)."""
         return self
 
 
@@ -144,18 +134,18 @@ def _stream_context(_stream: Any) -> contextlib.AbstractContextManager[None]:
 
 
 def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-    """``moe_utils.maybe_move_tensor_to_cpu`` for host tensors: the original converts only CUDA
-    tensors, so on CPU the all-to-all split sizes stayed tensors, which ``all_to_all_single``
-    rejects; here ``as_numpy`` applies to host tensors too, as it does to copied ones on GPU."""
+    """`moe_utils.maybe_move_tensor_to_cpu` for host tensors: `as_numpy` applies to them too."""
+    # the original converts only CUDA tensors, so on CPU the all-to-all split sizes stayed tensors,
+    # which `all_to_all_single` rejects
     if as_numpy and torch.is_tensor(tensor):
         return tensor.numpy()
     return tensor
 
 
 def _local_results_queue() -> queue.Queue:
-    """Replaces ``filesystem_async._get_write_results_queue``: for a *synchronous* save the queue
-    only lives inside this process, while the original spawns a multiprocessing Manager (1.9 s per
-    save, and a hang when the main script has no ``__main__`` guard)."""
+    """Replaces `filesystem_async._get_write_results_queue` with an in-process queue."""
+    # a synchronous save's results queue only lives inside this process; the original spawns a
+    # multiprocessing Manager per save (and hangs when the main script has no `__main__` guard)
     return queue.Queue()
 
 
@@ -198,11 +188,12 @@ def _cpu_patches() -> list[Patch]:
 
 
 class _EmulationState:
-    """Process-wide install count; the outermost enter installs (the attribute patches of
-    :func:`_cpu_patches`, the no-TE fixes of :mod:`lightning_mcore_rl._compat`, the
-    ``TorchFunctionMode``), the matching exit uninstalls."""
+    """Process-wide install count: the outermost enter installs, the matching exit uninstalls."""
 
     def __init__(self) -> None:
+        # entering twice (nested, or from two code paths) is harmless: only the outermost entry
+        # installs the patches, `_compat`'s no-TE fixes and the mode, and only its exit uninstalls,
+        # restoring every original object
         self.patches = ScopedPatches(_cpu_patches)
         self.mode: _CudaToCpuMode | None = None
         self.log_filter = _DropRngWarning()
@@ -237,17 +228,15 @@ _STATE = _EmulationState()
 @contextlib.contextmanager
 def cpu_emulation() -> Iterator[None]:
     """Run megatron-core on CPU: CUDA placement goes to CPU, CUDA RNG is the CPU RNG, CUDA type
-    checks pass, and ``dist_checkpointing``/distributed-optimizer quirks without Apex/TE are fixed.
+    checks pass, and the no-TE/Apex quirks of `_compat` are fixed. `torch.cuda.is_available()` stays
+    `False`.
 
     Example::
 
-        with cpu_emulation():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-            model = GPTModel(...)  # megatron builds its buffers "on cuda" = on CPU
-
-    ``torch.cuda.is_available()`` stays ``False``; code that branches on it takes its CPU path.
-    The ``TorchFunctionMode`` is thread-local: threads started inside the block do not see it.
+    with cpu_emulation(): parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = GPTModel(...)  # megatron builds its buffers "on cuda" = on CPU
     """
+    # the `TorchFunctionMode` is thread-local: threads started inside the block do not see it
     _STATE.install()
     try:
         yield
@@ -256,10 +245,10 @@ def cpu_emulation() -> Iterator[None]:
 
 
 def patched_attributes() -> list[tuple[Any, str]]:
-    """``(owner, attribute)`` of every attribute :func:`cpu_emulation` replaces (for tests/docs)."""
+    """`(owner, attribute)` of every attribute `cpu_emulation` replaces (for tests/docs)."""
     return [(patch.owner, patch.name) for patch in _cpu_patches() + compat_patches()]
 
 
 def emulation_active() -> bool:
-    """Whether :func:`cpu_emulation` is installed in this process now."""
+    """Whether `cpu_emulation` is installed in this process now."""
     return _STATE.active

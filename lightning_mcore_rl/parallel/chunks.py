@@ -6,8 +6,8 @@ import torch
 
 
 def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The megatron model inside its wrappers (megatron DDP, ``Float16Module``: each holds the
-    wrapped model as ``.module``), unwrapped repeatedly."""
+    """The megatron model inside its wrappers (megatron DDP, `Float16Module`), unwrapped repeatedly."""
+    # each wrapper holds the wrapped model as `.module`
     inner = getattr(chunk, "module", None)
     while isinstance(inner, torch.nn.Module):
         chunk, inner = inner, getattr(inner, "module", None)

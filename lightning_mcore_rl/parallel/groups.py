@@ -6,28 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# read ONCE, by the strategy in `setup_environment` through `megatron_groups`, and passed down
+# explicitly: nothing below the strategy reads megatron's `parallel_state` except `resolve_groups`
+# for the seed API
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's megatron process groups, ranks and sizes, read ONCE (by the strategy in
-    ``setup_environment``, through `megatron_groups`) and passed down explicitly; nothing below
-    the strategy reads megatron's ``parallel_state`` except `resolve_groups` for the seed API.
-
-    Attributes:
-        tp_group: tensor-parallel group (``tp_rank``/``tp_size``).
-        pp_group: pipeline-parallel group (``pp_rank``/``pp_size``; ``pp_last_rank`` is the
-            global rank of this pipeline's last stage).
-        dp_group: data-parallel group WITHOUT CP (CP ranks hold the same samples).
-        cp_group: context-parallel group (``cp_rank``/``cp_size``).
-        vpp_size: model chunks per pipeline rank (``None`` without virtual pipelining).
-        mp_group: the model-parallel group (TP x PP) of this rank's replica (``None``: not
-            given; the strategy's groups always carry it).
-        ep_group: expert-parallel group (``ep_rank``/``ep_size``): the ranks whose experts
-            together make each MoE layer's ``E`` experts; rank ``ep_rank`` holds experts
-            ``[ep_rank * E/EP, (ep_rank + 1) * E/EP)``.
-        etp_group: expert tensor-parallel group (``etp_rank``/``etp_size``): the ranks that
-            shard one expert's weights. Defaults: EP = 1, and ``etp_size=-1`` makes the expert
-            TP group the TP group (megatron's default).
-    """
+    """This rank's megatron process groups, ranks and sizes (`ep_*`/`etp_*`: expert parallel and
+    expert tensor parallel; `vpp_size`: model chunks per pipeline rank, `None` without VPP)."""
 
     tp_group: Any
     tp_rank: int
@@ -35,7 +20,9 @@ class ParallelGroups:
     pp_group: Any
     pp_rank: int
     pp_size: int
+    # the global rank of this pipeline's last stage
     pp_last_rank: int
+    # data parallel WITHOUT CP: CP ranks hold the same samples
     dp_group: Any
     dp_rank: int
     dp_size: int
@@ -43,7 +30,11 @@ class ParallelGroups:
     cp_rank: int
     cp_size: int
     vpp_size: int | None = None
+    # TP x PP of this rank's replica (None: not given; the strategy's groups always carry it)
     mp_group: Any = None
+    # the ranks whose experts together make each MoE layer's E experts: EP rank r holds experts [r *
+    # E/EP, (r + 1) * E/EP); the expert TP group shards one expert's weights, by default the TP
+    # group (etp_size=-1)
     ep_group: Any = None
     ep_rank: int = 0
     ep_size: int = 1
@@ -73,28 +64,22 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
     def is_first_stage(self, vp_stage: int | None) -> bool:
-        """Whether chunk ``vp_stage`` of this rank is the model's first (it embeds the tokens):
-        megatron's ``is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)``.
-
-        Raises:
-            ValueError: ``vp_stage`` is ``None`` under virtual pipelining.
-        """
+        """Whether chunk `vp_stage` of this rank is the model's first (it embeds the tokens); raises
+        `ValueError` for `vp_stage=None` under virtual pipelining."""
         self._check_vp_stage(vp_stage)
+        # megatron's is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         return self.pp_rank == 0 and (self.vpp_size is None or vp_stage == 0)
 
     def is_last_stage(self, vp_stage: int | None) -> bool:
-        """Whether chunk ``vp_stage`` of this rank is the model's last (it holds the output
-        layer): megatron's ``is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)``.
-
-        Raises:
-            ValueError: ``vp_stage`` is ``None`` under virtual pipelining.
-        """
+        """Whether chunk `vp_stage` of this rank is the model's last (it holds the output layer);
+        raises `ValueError` for `vp_stage=None` under virtual pipelining."""
         self._check_vp_stage(vp_stage)
         last_chunk = self.vpp_size is None or vp_stage == self.vpp_size - 1
         return self.is_pipeline_last_stage and last_chunk
 
     def _check_vp_stage(self, vp_stage: int | None) -> None:
-        """Virtual pipelining needs a chunk index (megatron ignores ``vp_stage`` without)."""
+        """Raise `ValueError` for a missing chunk index under virtual pipelining."""
+        # virtual pipelining needs a chunk index (megatron ignores `vp_stage` only without VPP)
         if self.vpp_size is not None and vp_stage is None:
             raise ValueError(
                 f"`vp_stage` must be a chunk index in [0, {self.vpp_size}) under virtual "
@@ -103,11 +88,8 @@ class ParallelGroups:
 
 
 def megatron_groups() -> ParallelGroups:
-    """This rank's `ParallelGroups` from megatron's initialised ``parallel_state``.
-
-    Raises:
-        RuntimeError: megatron's model-parallel state is not initialised.
-    """
+    """This rank's `ParallelGroups` from megatron's initialised `parallel_state`; `RuntimeError` if
+    it is not initialised."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -143,10 +125,7 @@ def megatron_groups() -> ParallelGroups:
 
 
 def resolve_groups(groups: ParallelGroups | None) -> ParallelGroups:
-    """``groups``, or megatron's initialised state when ``None``: the seed API's functions are
-    called as NeMo RL calls them, without groups (the core always passes them).
-
-    Raises:
-        RuntimeError: ``groups`` is ``None`` and megatron's state is not initialised.
-    """
+    """`groups`, or megatron's initialised state when `None` (`RuntimeError` if not initialised)."""
+    # the seed API's functions are called as NeMo RL calls them, without groups; the core always
+    # passes them
     return megatron_groups() if groups is None else groups

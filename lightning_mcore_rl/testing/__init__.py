@@ -1,8 +1,7 @@
 """Test infrastructure: an N-rank gloo runner, megatron state helpers and the bare megatron
-reference loop (:mod:`.training`). Re-exports the CPU backend's :func:`cpu_emulation` and the
-model layer's :func:`tiny_gpt` (fixed public API). Nothing in the package imports this layer.
-"""
+reference loop (`training`), with the fixed re-exports `cpu_emulation` and `tiny_gpt`."""
 
+# nothing in the package imports this layer (tests/unit/test_import_graph.py)
 from lightning_mcore_rl._compat import init_distributed_optimizer_state_for_load
 from lightning_mcore_rl.cpu import cpu_emulation, patched_attributes
 from lightning_mcore_rl.models import tiny_gpt, tiny_gpt_config

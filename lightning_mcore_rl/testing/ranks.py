@@ -1,10 +1,4 @@
-"""Run a function on N local gloo ranks and collect each rank's result.
-
-Ranks are forked from a *forkserver* that has already imported torch and megatron-core, so a
-multi-rank test pays the ~3 s import cost once per test session instead of once per rank per test
-(measured: see ``BENCHMARKS.md``). A forkserver (rather than plain ``fork`` from pytest) keeps the
-children safe from thread pools the parent process may already have started.
-"""
+"""Run a function on N local gloo ranks and collect each rank's result."""
 
 from __future__ import annotations
 
@@ -20,6 +14,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+# ranks fork from a forkserver that has already imported torch and megatron-core: a multi-rank test
+# pays the import once per session instead of once per rank per test (BENCHMARKS.md); a forkserver,
+# not plain fork from pytest, keeps the children safe from thread pools the parent may have started
 _PRELOAD = ["lightning_mcore_rl.testing._preload"]
 _CTX: Any = None
 
@@ -34,6 +31,7 @@ def _context() -> Any:
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # port 0: the OS picks a free one, on which the ranks then rendezvous
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -48,10 +46,11 @@ def _rank_main(
     timeout: float,
     conn: Any,
 ) -> None:
-    """Entry point of one spawned rank: set up env + gloo, run ``fn``, report, tear down."""
+    """Entry point of one spawned rank: set up env + gloo, run `fn`, report, tear down."""
     import torch
     import torch.distributed as dist
 
+    # the parent's sys.path: `fn` may live in a test module only pytest's paths reach
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -64,6 +63,7 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world_size),
         CUDA_DEVICE_MAX_CONNECTIONS="1",
     )
+    # one intra-op thread per rank: the N ranks share the machine's cores
     torch.set_num_threads(1)
     try:
         fn, args = pickle.loads(payload)
@@ -71,6 +71,7 @@ def _rank_main(
             "gloo",
             rank=rank,
             world_size=world_size,
+            # a hung collective fails within the run's timeout, not gloo's default
             timeout=datetime.timedelta(seconds=timeout),
         )
         from lightning_mcore_rl.cpu.emulation import cpu_emulation
@@ -101,27 +102,13 @@ def run_on_ranks(
     timeout: float = 120.0,
     emulate_cuda: bool = True,
 ) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks and return the results in rank order.
-
-    Each rank runs in its own process with ``torch.distributed`` initialised (gloo, free port on
-    localhost, ``RANK``/``WORLD_SIZE`` set, one intra-op thread) and, by default, inside
-    :func:`~lightning_mcore_rl.testing.cpu_emulation` so megatron-core runs on CPU. Megatron's
-    global state and the process group are destroyed when ``fn`` returns.
-
-    Args:
-        fn: module-level (picklable) function ``fn(rank, *args) -> picklable``.
-        world_size: number of ranks, >= 1.
-        *args: picklable positional arguments passed to every rank.
-        timeout: seconds for the whole run; on expiry every rank is killed.
-        emulate_cuda: run ``fn`` inside ``cpu_emulation()``.
-
-    Returns:
-        ``[result_of_rank_0, ..., result_of_rank_{N-1}]``.
+    """Run `fn(rank, *args)` (module-level, picklable) on `world_size` gloo ranks, by default inside
+    `cpu_emulation()`, and return the results in rank order; megatron's state and the process group
+    are destroyed when `fn` returns.
 
     Raises:
-        RuntimeError: a rank raised; the message carries that rank's traceback. The first rank
-            to fail is reported and the others are killed immediately.
-        TimeoutError: not every rank finished within ``timeout`` seconds.
+        RuntimeError: a rank raised (the first to fail, with its traceback; the others are killed).
+        TimeoutError: not every rank finished within `timeout` seconds.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}")
@@ -170,6 +157,7 @@ def run_on_ranks(
             _collect(conns, procs, results, errors)
             if errors:
                 _raise_first_error(conns, procs, results, errors)
+            # the deadline covers the whole run; every rank is killed on expiry
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(
@@ -193,7 +181,7 @@ def _collect(
     results: dict[int, Any],
     errors: dict[int, tuple[float, str]],
 ) -> None:
-    """Move every rank's pending message into ``results`` or ``errors``."""
+    """Move every rank's pending message into `results` or `errors`."""
     for rank, (conn, proc) in enumerate(zip(conns, procs, strict=True)):
         if rank in results or rank in errors:
             continue
@@ -224,8 +212,9 @@ def _raise_first_error(
     results: dict[int, Any],
     errors: dict[int, tuple[float, str]],
 ) -> None:
-    """Raise the error of the rank that failed FIRST: a rank's failure makes its peers fail
-    moments later in collectives, so wait briefly for all reports and sort by time."""
+    """Raise the error of the rank that failed FIRST."""
+    # a rank's failure makes its peers fail moments later in collectives: wait briefly for every
+    # report and blame the earliest
     grace = time.monotonic() + 1.0
     while time.monotonic() < grace and len(results) + len(errors) < len(procs):
         _collect(conns, procs, results, errors)

@@ -1,9 +1,5 @@
 """A minimal megatron-core training loop for tests: tiny GPT chunks wrapped in megatron's DDP, the
-megatron optimizer, the real forward-backward schedule, and ``dist_checkpointing`` save/load.
-
-It wires what Megatron-LM's ``training.py`` wires and a bare megatron-core user must not forget:
-``config.finalize_model_grads_func`` (without it there is NO data-parallel gradient all-reduce).
-"""
+megatron optimizer, the real forward-backward schedule, and `dist_checkpointing` save/load."""
 
 from __future__ import annotations
 
@@ -47,14 +43,10 @@ def build_training(
     """Tiny GPT (all VPP chunks of this rank) + megatron DDP + megatron Adam optimizer.
 
     Args:
-        seed: weight seed (layout-invariant, see :func:`tiny_gpt`).
-        bf16: bf16 params in ``Float16Module`` with fp32 main params in the optimizer.
-        use_distributed_optimizer: shard optimizer state over data parallel ranks.
-        clip_grad: global gradient-norm clip (megatron ``clip_grad``); 0 disables.
-        lr: Adam learning rate.
-        vocab_size: ``V``.
-        max_sequence_length: longest row (learned position embeddings).
-        **config_kwargs: forwarded to :func:`tiny_gpt_config`.
+        seed: weight seed (layout-invariant, see `tiny_gpt`).
+        bf16: bf16 params in `Float16Module` with fp32 main params in the optimizer.
+        clip_grad: global gradient-norm clip (megatron `clip_grad`); 0 disables.
+        **config_kwargs: forwarded to `tiny_gpt_config`.
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -81,6 +73,8 @@ def build_training(
         if bf16:
             chunk = Float16Module(config, chunk)
         chunks.append(DistributedDataParallel(config, ddp_config, chunk))
+    # what Megatron-LM's training.py wires and a bare megatron-core user must not forget: without it
+    # there is NO data-parallel gradient all-reduce
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -108,7 +102,7 @@ def make_microbatches(
     vocab_size: int = 128,
     seed: int = 0,
 ) -> list[Microbatch]:
-    """Deterministic random LM microbatches ``{"tokens": [b, S], "labels": [b, S]}``."""
+    """Deterministic random LM microbatches `{"tokens": [b, S], "labels": [b, S]}`."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(
         0, vocab_size, (num_microbatches, micro_batch_size, seq_length + 1), generator=generator
@@ -133,12 +127,8 @@ def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Ten
 def forward_backward(
     setup: TrainingSetup, microbatches: Sequence[Microbatch], *, forward_only: bool = False
 ) -> list[float]:
-    """Run megatron's forward-backward schedule over ``microbatches`` (gradients land in the DDP
-    ``main_grad`` buffers, already finalised: DP-reduced, embedding/SP grads synced).
-
-    Returns:
-        Per-microbatch losses on the last pipeline stage, ``[]`` elsewhere.
-    """
+    """Run megatron's forward-backward schedule over `microbatches`; per-microbatch losses on the
+    last pipeline stage, `[]` elsewhere."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not forward_only:
@@ -147,6 +137,8 @@ def forward_backward(
         setup.optimizer.zero_grad()
     first = microbatches[0]["tokens"]
     iterators: Any = [iter(microbatches) for _ in setup.chunks]
+    # gradients land in the DDP `main_grad` buffers already finalised: DP-reduced, embedding and SP
+    # grads synced
     outputs = get_forward_backward_func()(
         forward_step_func=_forward_step,
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
@@ -168,15 +160,14 @@ def optimizer_step(setup: TrainingSetup) -> float:
 def train_step(
     setup: TrainingSetup, microbatches: Sequence[Microbatch]
 ) -> tuple[list[float], float]:
-    """:func:`forward_backward` then :func:`optimizer_step`: ``(losses, grad norm)``."""
+    """`forward_backward` then `optimizer_step`: `(losses, grad norm)`."""
     losses = forward_backward(setup, microbatches)
     return losses, optimizer_step(setup)
 
 
 def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch.Tensor]:
-    """This pipeline stage's parameters (or their ``main_grad``) with TP shards all-gathered
-    (expert weights over the expert TP group, then every EP rank's experts), keyed by canonical
-    (single-rank) name, as fp32 CPU tensors."""
+    """This pipeline stage's parameters (or their `main_grad`) as full fp32 CPU tensors keyed by
+    canonical (single-rank) name."""
     import torch.distributed as dist
 
     from lightning_mcore_rl.models.tiny_gpt import is_expert_parameter
@@ -194,12 +185,14 @@ def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch
             group, size = (
                 (groups.etp_group, groups.etp_size) if expert else (groups.tp_group, groups.tp_size)
             )
+            # expert weights are gathered over the expert TP group, the rest over TP
             if getattr(param, "tensor_model_parallel", False) and size > 1:
                 parts = [torch.empty_like(value) for _ in range(size)]
                 dist.all_gather(parts, value, group=group)
                 value = torch.cat(parts, dim=cast(Any, param).partition_dim)
             canonical = canonical_name(gpt, name, groups.ep_rank, groups.ep_size)
             (experts if expert else result)[canonical] = value
+    # each EP rank holds its own experts: every rank gets all of them
     if groups.ep_size > 1:
         every_rank: list[Any] = [None] * groups.ep_size
         dist.all_gather_object(every_rank, experts, group=groups.ep_group)
@@ -208,7 +201,7 @@ def gather_full_tensors(setup: TrainingSetup, *, grads: bool) -> dict[str, torch
 
 
 def model_sharded_state_dict(setup: TrainingSetup) -> dict[str, Any]:
-    """``{"model": ...}`` (or ``model0``, ``model1``, ... with VPP) as Megatron-LM names them."""
+    """`{"model": ...}` (or `model0`, `model1`, ... with VPP) as Megatron-LM names them."""
     # From inside the DDP wrapper (whose own state dict would prefix every key with "module.").
     if len(setup.chunks) == 1:
         return {"model": setup.chunks[0].module.sharded_state_dict()}
@@ -222,7 +215,7 @@ def _optimizer_metadata() -> dict[str, str]:
 
 
 def save_checkpoint(setup: TrainingSetup, directory: str | Path) -> None:
-    """Collective: save model and optimizer with megatron ``dist_checkpointing`` (sync)."""
+    """Collective: save model and optimizer with megatron `dist_checkpointing` (sync)."""
     from megatron.core import dist_checkpointing
 
     model_sd = model_sharded_state_dict(setup)
@@ -235,7 +228,7 @@ def save_checkpoint(setup: TrainingSetup, directory: str | Path) -> None:
 
 
 def load_checkpoint(setup: TrainingSetup, directory: str | Path, *, optimizer: bool = True) -> None:
-    """Collective: load a checkpoint written by :func:`save_checkpoint`, under any TP/PP layout."""
+    """Collective: load a checkpoint written by `save_checkpoint`, under any TP/PP layout."""
     from megatron.core import dist_checkpointing
 
     model_sd = model_sharded_state_dict(setup)
@@ -256,5 +249,6 @@ def load_checkpoint(setup: TrainingSetup, directory: str | Path, *, optimizer: b
 def _is_distributed_optimizer(optimizer: Any) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    # a `ChainedOptimizer` (e.g. dense and expert parameters) holds several
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return any(isinstance(o, DistributedOptimizer) for o in inner)
