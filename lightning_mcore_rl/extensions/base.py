@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.parallel import ParallelGroups
     from lightning_mcore_rl.train.context import StepContext
     from lightning_mcore_rl.train.extension import LossFunc
-    from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.post_processors import PostProcessingFunction
     from lightning_mcore_rl.train.statistics import StepOutput
 
 
@@ -35,7 +36,8 @@ class NoExtension:
     def statistics_scope(
         self,
         chunks: Sequence[torch.nn.Module],
-        microbatches: Sequence[ProcessedMicrobatch],
+        global_batch: GlobalBatch,
+        post: PostProcessingFunction,
         context: StepContext,
         training: bool,
     ) -> contextlib.AbstractContextManager[Any]:
@@ -69,6 +71,11 @@ class NoExtension:
         trains: bool,
     ) -> LossFunc:
         return fn
+
+    def microbatch_data(
+        self, model: torch.nn.Module, microbatch: ProcessedMicrobatch, state: Any
+    ) -> Mapping[str, Tensor]:
+        return {}
 
     def finish(self, out: StepOutput, state: Any, context: StepContext) -> StepOutput:
         return out

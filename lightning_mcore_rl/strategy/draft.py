@@ -1,6 +1,6 @@
 """The EAGLE draft a module trains next to its policy (``MCoreRLModule.build_draft_model``): built,
 wrapped and stepped by the strategy, trained inside the policy's step
-(:mod:`lightning_mcore_rl.train.draft`).
+(`lightning_mcore_rl.extensions.eagle_draft`).
 
 The draft has its own megatron DDP wrapper and its own optimizer (Adam with the policy's
 ``OptimizerConfig`` learning rate, betas, eps and weight decay; its own gradient norm and

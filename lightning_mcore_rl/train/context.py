@@ -72,7 +72,7 @@ class StepContext:
             exact, resolved per pass by
             :func:`~lightning_mcore_rl.train.logits_dtype.defers_fp32_logits`).
         draft_model: the megatron-DDP-wrapped EAGLE draft trained in every training pass of the
-            ``loss_fn`` path (:mod:`~lightning_mcore_rl.train.draft`), on the last pipeline
+            ``loss_fn`` path (`extensions/eagle_draft.py`), on the last pipeline
             stage; ``None`` elsewhere.
         train_draft: whether a draft is trained (on every rank, also those without one).
         extensions: the step's extensions (`train/extension.py`); `None`: the ones the chunks'

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.losses import MetricNormalizer
     from lightning_mcore_rl.parallel import ParallelGroups
     from lightning_mcore_rl.train.context import StepContext
-    from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.post_processors import PostProcessingFunction
     from lightning_mcore_rl.train.statistics import StepOutput
 
 LossFunc = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
@@ -50,7 +51,8 @@ class StepExtension(Protocol):
     def statistics_scope(
         self,
         chunks: Sequence[torch.nn.Module],
-        microbatches: Sequence[ProcessedMicrobatch],
+        global_batch: GlobalBatch,
+        post: PostProcessingFunction,
         context: StepContext,
         training: bool,
     ) -> contextlib.AbstractContextManager[Any]:
@@ -70,7 +72,14 @@ class StepExtension(Protocol):
         groups: ParallelGroups,
         training: bool,
     ) -> contextlib.AbstractContextManager[Any]:
-        """The block around one microbatch's model forward."""
+        """The block around one microbatch's model forward; what it yields goes to
+        `microbatch_data`."""
+        ...
+
+    def microbatch_data(
+        self, model: torch.nn.Module, microbatch: ProcessedMicrobatch, state: Any
+    ) -> Mapping[str, Tensor]:
+        """Fields added to the microbatch the post-processor reads, after the forward."""
         ...
 
     def forward_kwargs(
@@ -97,11 +106,18 @@ class StepExtension(Protocol):
         ...
 
 
-def step_extensions(chunks: Sequence[torch.nn.Module]) -> tuple[StepExtension, ...]:
-    """The extensions a model's config turns on (an extension module is imported only then)."""
+def step_extensions(
+    chunks: Sequence[torch.nn.Module], context: StepContext | None = None
+) -> tuple[StepExtension, ...]:
+    """The extensions the chunks' config and the context's draft turn on (an extension module is
+    imported only then)."""
     from megatron.core.utils import get_model_config
 
     found: list[StepExtension] = []
+    if context is not None and context.train_draft:
+        from lightning_mcore_rl.extensions.eagle_draft import DraftExtension
+
+        found.append(DraftExtension(context.draft_model))
     if any(getattr(get_model_config(c), "num_moe_experts", None) for c in chunks):
         from lightning_mcore_rl.extensions.moe import MoEExtension
 
@@ -120,7 +136,7 @@ def resolve_extensions(
     `step_extensions`."""
     if context.extensions is not None:
         return tuple(context.extensions)
-    return step_extensions(chunks)
+    return step_extensions(chunks, context)
 
 
 @contextlib.contextmanager

@@ -22,12 +22,6 @@ from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.parallel import unwrap_model as _unwrap
 from lightning_mcore_rl.train.binding import Binding
-from lightning_mcore_rl.train.draft import (
-    aux_layers,
-    capture_layer_outputs,
-    check_draft,
-    draft_logits,
-)
 from lightning_mcore_rl.train.extension import StepExtension, entered
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
@@ -294,8 +288,6 @@ def forward_with_post_processing_fn(
     global_valid_toks: Tensor | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     straggler_timer: Callable[[], Any] | None = None,
-    draft_model: Any = None,
-    enable_hidden_capture: bool | None = False,
     enable_opd_full_capture: bool = False,
     use_fused_linear_logprobs: bool = False,
     model_slices_context_parallel_inputs: bool = False,
@@ -317,18 +309,12 @@ def forward_with_post_processing_fn(
         sampling_params: Temperature (applied here, in place, on the last stage; fused: handed
             to the post-processor, which divides ``hidden x W^T`` by it) and top-k/p.
         straggler_timer: See :func:`model_forward`.
-        draft_model: The EAGLE draft (:class:`~lightning_mcore_rl.models.draft.EagleDraftModel`,
-            possibly DDP-wrapped) on the last pipeline stage; ``None`` elsewhere.
-        enable_hidden_capture: Train the draft in this pass: on the last stage the outputs of
-            the draft's ``aux_layers`` are captured (detached), the draft runs on them and its
-            logits go to the microbatch as ``student_logits [B, S, V]`` for the loss
-            post-processor's :class:`~lightning_mcore_rl.losses.DraftLossWrapper`
-            (:mod:`.draft`).
         enable_opd_full_capture: Capture pre-LM-head hidden states for the teacher payload.
         use_fused_linear_logprobs: See :func:`model_forward`; the loss / logprobs post-processor
             then gets ``lm_head=FusedLMHead(...)`` on the last stage.
         model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
-        extensions: each one's `forward_scope` around the model forward.
+        extensions: each one's `forward_kwargs`, its `forward_scope` around the model forward,
+            its `microbatch_data` after it and its `wrap_loss` around the bound post-processor.
         training: a forward-backward pass (the extensions' scopes see it).
         groups: This rank's groups, handed to the post-processor (and the CP/TP helpers);
             ``None``: read from megatron's initialised state (the seed API's callers).
@@ -342,8 +328,7 @@ def forward_with_post_processing_fn(
         TypeError: Unknown post-processor type.
         ValueError: Options the fused path cannot serve (:func:`check_fused_linear_logprobs`;
             megatron_forward_backward checks them before the schedule already).
-        ValueError: what an extension's scope refuses; what the draft path cannot serve
-            (:func:`~lightning_mcore_rl.train.draft.check_draft`).
+        ValueError: what an extension's scope refuses (e.g. the draft's `check_draft`).
     """
     groups = resolve_groups(groups)  # the seed API's callers pass none
     if not callable(getattr(post_processing_fn, "bind", None)):
@@ -355,18 +340,13 @@ def forward_with_post_processing_fn(
     check_fused_linear_logprobs(
         [model], post_processing_fn, sampling_params, use_fused_linear_logprobs
     )
-    draft = bool(enable_hidden_capture) and _is_last_stage(model)
-    if enable_hidden_capture:
-        check_draft(model, draft_model, groups)
     mb = next(data_iterator)
     extra: dict[str, Any] = {}  # the extensions' model kwargs (MTP's loss weights)
     for ext in extensions:
         extra.update(ext.forward_kwargs(mb, global_valid_toks))
-    aux = aux_layers(draft_model) if draft else ()
     with (
-        entered([ext.forward_scope(model, mb, groups, training) for ext in extensions]),
+        entered([ext.forward_scope(model, mb, groups, training) for ext in extensions]) as states,
         _capture_lm_head_input(model, enable_opd_full_capture, groups.tp_group) as captured,
-        capture_layer_outputs(model, aux, groups) as layer_outputs,
     ):
         output = model_forward(
             model, mb.data_dict, mb.input_ids_cp_sharded, mb.position_ids, mb.attention_mask,
@@ -377,13 +357,11 @@ def forward_with_post_processing_fn(
             groups=groups, **extra,
         )  # fmt: skip
     data_dict = mb.data_dict
-    if draft:
-        student = draft_logits(
-            draft_model, layer_outputs, mb.input_ids, mb.attention_mask, mb.packed_seq_params,
-            mb.cu_seqlens_padded if mb.packed_seq_params is not None else None,
-            mb.original_seq_length,
-        )  # fmt: skip
-        data_dict = BatchedDataDict({**data_dict, "student_logits": student})
+    added: dict[str, Tensor] = {}  # what the extensions add for the post-processor
+    for ext, state in zip(extensions, states, strict=True):
+        added.update(ext.microbatch_data(model, mb, state))
+    if added:
+        data_dict = BatchedDataDict({**data_dict, **added})
     head: FusedLMHead | None = None
     if _is_last_stage(model):  # earlier stages output hidden states, not logits
         if use_fused_linear_logprobs:  # the temperature goes into hidden x W^T / T, once

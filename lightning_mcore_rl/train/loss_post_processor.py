@@ -27,7 +27,6 @@ from lightning_mcore_rl.ops import (
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.train.binding import Binding
 from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
-from lightning_mcore_rl.train.draft import draft_prepare_fn
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
@@ -59,7 +58,7 @@ class LossPostProcessor:
         defer_draft_normalization: The draft term and its metrics are raw sums over the
             microbatch's scored positions (count 1); the step divides the draft's gradients and
             metrics once by the global token count at its end
-            (:func:`~lightning_mcore_rl.train.draft.finish_draft_gradients`). ``False``: each
+            (`extensions/eagle_draft.py:finish_draft_gradients`). ``False``: each
             microbatch divides by ``global_valid_toks`` itself. Both give the same update.
         teacher_output_layer_weight_by_index: This rank's teacher LM-head shards ``[V_l, H_t]``
             for full-vocabulary on-policy distillation, keyed by teacher index.
@@ -198,6 +197,8 @@ class LossPostProcessor:
         wrapper = self._policy_wrapper(data_dict, packed_seq_params, groups, lm_head, valid_counts)
         if "student_logits" not in data_dict:
             return wrapper
+        from lightning_mcore_rl.extensions.eagle_draft import draft_prepare_fn
+
         packed = self.cfg.sequence_packing and packed_seq_params is not None
         return DraftLossWrapper(
             wrapper,

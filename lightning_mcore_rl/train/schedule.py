@@ -87,8 +87,6 @@ def megatron_forward_backward(
     global_valid_toks: Tensor | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     straggler_timer: Callable[[], Any] | None = None,
-    draft_model: Any = None,
-    enable_hidden_capture: bool | None = False,
     enable_opd_full_capture: bool = False,
     use_fused_linear_logprobs: bool = False,
     model_slices_context_parallel_inputs: bool = False,
@@ -115,8 +113,6 @@ def megatron_forward_backward(
         global_valid_toks: Valid tokens of the global batch.
         sampling_params: Temperature / top-k / top-p.
         straggler_timer: Called once per forward.
-        draft_model: See :func:`forward_with_post_processing_fn`.
-        enable_hidden_capture: See :func:`forward_with_post_processing_fn`.
         enable_opd_full_capture: Capture pre-LM-head states for the teacher payload.
         use_fused_linear_logprobs: See :func:`~lightning_mcore_rl.train.model_forward`; what
             it cannot serve raises here, on every rank, before the schedule
@@ -140,8 +136,6 @@ def megatron_forward_backward(
         global_valid_toks=global_valid_toks,
         sampling_params=sampling_params,
         straggler_timer=straggler_timer,
-        draft_model=draft_model,
-        enable_hidden_capture=enable_hidden_capture,
         enable_opd_full_capture=enable_opd_full_capture,
         use_fused_linear_logprobs=use_fused_linear_logprobs,
         model_slices_context_parallel_inputs=model_slices_context_parallel_inputs,

@@ -34,11 +34,6 @@ from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train.context import Microbatching, StepContext
-from lightning_mcore_rl.train.draft import (
-    DRAFT_METRIC_NORMALIZATIONS,
-    finish_draft_gradients,
-    normalise_deferred_draft_metrics,
-)
 from lightning_mcore_rl.train.extension import StepExtension, entered, resolve_extensions
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.logits_dtype import defers_fp32_logits
@@ -157,11 +152,8 @@ def run_global_batch(
         input_check: see :data:`InputCheck`; ``None``: a validation error raises at once and
             non-finite inputs are not looked at.
 
-    With ``context.train_draft`` a training pass of the ``loss_fn`` path also trains the EAGLE
-    draft (:mod:`~lightning_mcore_rl.train.draft`): its gradient buffer is zeroed first, its
-    gradients are DP-reduced (and, with ``defer_draft_normalization``, divided by ``N_t``) after
-    the schedule, and ``draft_loss`` / ``draft_top1_agreement`` join the metrics. The draft's
-    optimizer step is the caller's.
+    On the ``loss_fn`` path the context's extensions (`train/extension.py`: MoE, MTP, the EAGLE
+    draft) join the pass at the core's hook points.
 
     Returns:
         The :class:`StepOutput`, identical on every rank; ``loss = nan`` and nothing else run
@@ -197,7 +189,6 @@ def run_global_batch(
         return StepOutput(loss=torch.tensor(float("nan")))
     counts = batch_counts(batch)
     states: list[Any] = []  # what each extension's statistics scope yielded
-    draft = loss is not None and context.train_draft and not forward_only  # trained in the pass
     if forward_step_func is not None:
         microbatches = split_lm_batch(batch, microbatching)
         first = cast(Tensor, next(iter(microbatches[0].values())))  # [b, S]
@@ -214,10 +205,6 @@ def run_global_batch(
     else:
         assert loss is not None  # exactly one of the two, checked above
         _check_per_token_loss(chunks)
-        if draft:  # the draft trains in the same pass, on its own gradient buffer
-            normalizations = {**(normalizations or {}), **DRAFT_METRIC_NORMALIZATIONS}
-            if context.draft_model is not None:
-                context.draft_model.zero_grad_buffer()
         training = not forward_only
         for ext in extensions:
             normalizations = {**(normalizations or {}), **ext.normalizations(chunks, training)}
@@ -225,23 +212,16 @@ def run_global_batch(
             batch, groups, microbatching, **_split_options(extensions, training),
         )  # fmt: skip
         scopes = [
-            ext.statistics_scope(chunks, global_batch.microbatches, context, training)
+            ext.statistics_scope(chunks, global_batch, loss, context, training)
             for ext in extensions
         ]
         with entered(scopes) as states:
             outputs = _megatron_pass(chunks, global_batch, loss, context, forward_only, extensions)
-        if draft and context.draft_model is not None:
-            deferred = loss.defer_draft_normalization  # its one division, at the step's end
-            finish_draft_gradients(
-                context.draft_model, global_batch.global_valid_toks if deferred else None
-            )
         source = type(loss.loss_fn).__name__
     out = reduce_step_statistics(
         outputs, counts, groups, normalizations=normalizations, source=source,
         device=context.device,
     )  # fmt: skip
-    if loss is not None and draft and loss.defer_draft_normalization:
-        out = normalise_deferred_draft_metrics(out, global_batch.global_valid_toks)
     for ext, state in zip(extensions, states, strict=False):  # none on the LM path
         out = ext.finish(out, state, context)
     return out
@@ -343,7 +323,6 @@ def _megatron_pass(
         for chunk in chunks:
             check_packed_core_attention(chunk)  # before megatron's schedule runs
     capture = post.captures_hidden_states
-    draft = context.train_draft and not forward_only and post.trains
     iterators = [global_batch.iterator() for _ in chunks]
     return megatron_forward_backward(
         list(chunks) if len(chunks) > 1 else chunks[0],
@@ -360,8 +339,6 @@ def _megatron_pass(
         ),
         sampling_params=context.sampling_params,
         enable_opd_full_capture=capture,
-        draft_model=context.draft_model if draft else None,
-        enable_hidden_capture=draft,
         use_fused_linear_logprobs=context.use_fused_linear_logprobs,
         extensions=extensions,
         groups=context.groups,

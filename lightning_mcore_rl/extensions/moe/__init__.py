@@ -29,7 +29,8 @@ from lightning_mcore_rl.extensions.moe.statistics import (
 if TYPE_CHECKING:
     from lightning_mcore_rl.parallel import ParallelGroups
     from lightning_mcore_rl.train.context import StepContext
-    from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.post_processors import PostProcessingFunction
     from lightning_mcore_rl.train.statistics import StepOutput
 
 
@@ -55,13 +56,18 @@ class MoEExtension(NoExtension):
     def statistics_scope(
         self,
         chunks: Sequence[torch.nn.Module],
-        microbatches: Sequence[ProcessedMicrobatch],
+        global_batch: GlobalBatch,
+        post: PostProcessingFunction,
         context: StepContext,
         training: bool,
     ) -> Iterator[RouterStatistics | None]:
         """`moe_pass`: the router statistics collected (and the router losses scaled)."""
         with moe_pass(
-            chunks, microbatches, context.groups, training=training, device=context.device
+            chunks,
+            global_batch.microbatches,
+            context.groups,
+            training=training,
+            device=context.device,
         ) as router:
             yield router
 

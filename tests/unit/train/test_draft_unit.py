@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.extensions.eagle_draft import next_token_ids, unpack_rows
 from lightning_mcore_rl.losses import (
     DraftLossWrapper,
     NLLLossFn,
@@ -21,7 +22,6 @@ from lightning_mcore_rl.losses import (
 from lightning_mcore_rl.models.draft import eagle_draft
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt_config
 from lightning_mcore_rl.train import ParallelGroups, StepContext
-from lightning_mcore_rl.train.draft import next_token_ids, unpack_rows
 
 
 def _case() -> tuple[torch.Tensor, BatchedDataDict]:

@@ -14,6 +14,7 @@ from helpers.unit import FakeGroup
 from torch import nn
 
 from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.extensions.eagle_draft import DraftExtension
 from lightning_mcore_rl.losses import ClippedPGLossFn, NLLLossFn
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import ParallelGroups
@@ -268,15 +269,18 @@ def test_forward_step_rejects_unknown_post_processors_and_missing_components() -
     with pytest.raises(TypeError, match="Unknown post-processing function type"):
         forward_with_post_processing_fn(never, _Model(), lambda *a: None, groups=G)
     loss = LossPostProcessor(NLLLossFn(), None)
+    draft = (DraftExtension(None),)  # no draft model: the draft's check refuses the forward
     with pytest.raises(ValueError, match="`enable_hidden_capture=True` on the last pipeline stage "
                        "needs the `draft_model`"):  # fmt: skip
-        forward_with_post_processing_fn(never, _Model(), loss, enable_hidden_capture=True, groups=G)
+        forward_with_post_processing_fn(
+            iter([None]), _Model(), loss, extensions=draft, training=True, groups=G
+        )
     cp2 = dataclasses.replace(G, cp_size=2)
     with pytest.raises(
         ValueError, match="draft-model training needs context_parallel_size=1.*CP=2"
     ):
         forward_with_post_processing_fn(
-            never, _Model(), loss, enable_hidden_capture=True, groups=cp2
+            iter([None]), _Model(), loss, extensions=draft, training=True, groups=cp2
         )
 
 

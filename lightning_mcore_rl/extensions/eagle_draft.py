@@ -1,8 +1,7 @@
-"""Online draft-model (EAGLE) training inside the policy's step: hidden capture, the draft's
-forward, and the draft's gradient finalisation.
+"""Online draft-model (EAGLE) training inside the policy's step (`DraftExtension`): hidden
+capture, the draft's forward, and the draft's gradient finalisation.
 
-The forward step (:func:`~lightning_mcore_rl.train.forward_with_post_processing_fn` with
-``draft_model`` and ``enable_hidden_capture``) records, on the policy's last pipeline stage, the
+In a training pass the forward step records, on the policy's last pipeline stage, the
 outputs of the decoder layers the draft reads (:func:`capture_layer_outputs`, detached: nothing
 the draft does reaches the policy's graph), runs the draft (:func:`draft_logits`) and puts its
 logits in the microbatch as ``student_logits [B, S, V]``; the
@@ -22,15 +21,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mcore_rl.extensions.base import NoExtension
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.parallel import ParallelGroups, unwrap_model
-from lightning_mcore_rl.train.statistics import StepOutput
+
+if TYPE_CHECKING:
+    from lightning_mcore_rl.train.context import StepContext
+    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.post_processors import PostProcessingFunction
+    from lightning_mcore_rl.train.statistics import StepOutput
 
 
 def aux_layers(draft_model: torch.nn.Module) -> tuple[int, ...]:
@@ -256,8 +261,92 @@ def normalise_deferred_draft_metrics(out: StepOutput, global_valid_toks: Tensor)
     return dataclasses.replace(out, metrics=metrics)
 
 
+class DraftExtension(NoExtension):
+    """The EAGLE draft trained in every training pass of the `loss_fn` path, on its own
+    gradient buffer; its optimizer step is the strategy's.
+
+    Args:
+        draft_model: the megatron-DDP-wrapped draft on the last pipeline stage, `None` elsewhere.
+    """
+
+    def __init__(self, draft_model: Any) -> None:
+        self.draft_model = draft_model
+
+    def normalizations(
+        self, chunks: Sequence[torch.nn.Module], training: bool
+    ) -> dict[str, MetricNormalizer]:
+        """`draft_loss`, `draft_top1_agreement`, `draft_expected_acceptance` (training)."""
+        return dict(DRAFT_METRIC_NORMALIZATIONS) if training else {}
+
+    @contextlib.contextmanager
+    def statistics_scope(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        global_batch: GlobalBatch,
+        post: PostProcessingFunction,
+        context: StepContext,
+        training: bool,
+    ) -> Iterator[Tensor | None]:
+        """Zero the draft's gradient buffer before a training pass; after it, its DP gradient
+        reduction (divided by `N_t` with `defer_draft_normalization`). Yields that `N_t`
+        (`None`: nothing deferred) for `finish`."""
+        if not training:
+            yield None
+            return
+        deferred = bool(getattr(post, "defer_draft_normalization", False))
+        count = global_batch.global_valid_toks if deferred else None
+        if self.draft_model is not None:
+            self.draft_model.zero_grad_buffer()
+        yield count
+        if self.draft_model is not None:
+            finish_draft_gradients(self.draft_model, count)
+
+    @contextlib.contextmanager
+    def forward_scope(
+        self,
+        model: torch.nn.Module,
+        microbatch: ProcessedMicrobatch,
+        groups: ParallelGroups,
+        training: bool,
+    ) -> Iterator[dict[int, Tensor] | None]:
+        """A training forward on the last stage records the outputs of the layers the draft
+        reads (`capture_layer_outputs`).
+
+        Raises:
+            ValueError: see `check_draft`.
+        """
+        if not training:
+            yield None
+            return
+        check_draft(model, self.draft_model, groups)
+        if not getattr(unwrap_model(model), "post_process", True):
+            yield None
+            return
+        with capture_layer_outputs(model, aux_layers(self.draft_model), groups) as captured:
+            yield captured
+
+    def microbatch_data(
+        self, model: torch.nn.Module, microbatch: ProcessedMicrobatch, state: Any
+    ) -> dict[str, Tensor]:
+        """`student_logits [B, S, V]`: the draft run on the captured layer outputs."""
+        if state is None:
+            return {}
+        mb = microbatch
+        student = draft_logits(
+            self.draft_model, state, mb.input_ids, mb.attention_mask, mb.packed_seq_params,
+            mb.cu_seqlens_padded if mb.packed_seq_params is not None else None,
+            mb.original_seq_length,
+        )  # fmt: skip
+        return {"student_logits": student}
+
+    def finish(self, out: StepOutput, state: Any, context: StepContext) -> StepOutput:
+        """With `defer_draft_normalization` the draft metrics divided once by `N_t`."""
+        return out if state is None else normalise_deferred_draft_metrics(out, state)
+
+
 __all__ = [
     "DRAFT_METRIC_NORMALIZATIONS",
+    "DraftExtension",
     "aux_layers",
     "capture_layer_outputs",
     "check_draft",
