@@ -60,6 +60,7 @@ def _grpo_rank(rank: int, directory: str, backend: str, staleness: int, args: An
     from lightning_mcore_rl import MCoreRLStrategy
     from lightning_mcore_rl.losses import ClippedPGLossConfig
     from lightning_mcore_rl.recipes import GRPOModule, HFModelSpec, PromptDataModule, RolloutSpec
+    from lightning_mcore_rl.strategy import MicrobatchConfig
 
     class Clock(Callback):
         def __init__(self) -> None:
@@ -73,7 +74,7 @@ def _grpo_rank(rank: int, directory: str, backend: str, staleness: int, args: An
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=MCoreRLStrategy(micro_batch_size=per_rank),
+        strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=per_rank)),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,

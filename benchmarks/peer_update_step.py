@@ -13,9 +13,10 @@ loss, on two CPU ranks (``--ranks``; ``--device cuda``: one GPU per rank), under
 * ``trainer_recompute`` / ``hf_ddp_recompute``: ``trainer`` / ``hf_ddp`` with full activation
   recompute of every layer (megatron ``recompute_granularity="full"``, transformers
   ``activation_checkpointing_enable()``); not in the default set.
-* ``trainer_fused``: ``trainer`` with ``MCoreRLStrategy(use_fused_linear_logprobs=True)``: the
-  last stage returns its final hidden states and the logprobs come from hidden x output weight
-  in fp32 blocks (the ``[tokens, V]`` logits are never built).
+* ``trainer_fused``: ``trainer`` with
+  ``MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True))``: the last
+  stage returns its final hidden states and the logprobs come from hidden x output weight in fp32
+  blocks (the ``[tokens, V]`` logits are never built).
 * ``trainer_fused_fwd_grad``: ``trainer_fused`` with
   ``LogprobKernelConfig(fused_gradient_in_forward=True)``: both losses are token-local, so the
   head's gradients are computed in the forward and nothing is recomputed in the backward.
@@ -386,6 +387,7 @@ def run_trainer(
     from lightning_mcore_rl.strategy import (
         LogprobKernelConfig,
         MegatronDDPConfig,
+        MicrobatchConfig,
         ReliabilityConfig,
     )
 
@@ -398,7 +400,7 @@ def run_trainer(
         devices=args.ranks,
         precision="bf16-mixed" if bf16 else "32-true",
         strategy=MCoreRLStrategy(
-            micro_batch_size=args.rows_per_rank,
+            microbatching=MicrobatchConfig(micro_batch_size=args.rows_per_rank),
             ddp=MegatronDDPConfig(use_distributed_optimizer=zero),
             reliability=ReliabilityConfig(verify_updates=verify),
             logprobs=LogprobKernelConfig(

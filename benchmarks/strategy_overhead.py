@@ -65,6 +65,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.callbacks import TrainingStatistics
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state, run_on_ranks
 from lightning_mcore_rl.testing.training import build_training, forward_backward, optimizer_step
 
@@ -392,7 +393,9 @@ def _fit(
         accelerator="cpu",
         devices=world,
         strategy=MCoreRLStrategy(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=MBS
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            microbatching=MicrobatchConfig(micro_batch_size=MBS),
         ),
         max_steps=steps,
         gradient_clip_val=1.0,

@@ -22,6 +22,7 @@ from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.callbacks import MetricsHistory
 from lightning_mcore_rl.rank_errors import install_rank_excepthook
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 
 def main() -> None:
@@ -35,7 +36,9 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=args.tp, micro_batch_size=16),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=args.tp, microbatching=MicrobatchConfig(micro_batch_size=16)
+        ),
         max_steps=args.steps,  # epochs unbounded: max_steps alone ends the run
         gradient_clip_val=1.0,
         logger=CSVLogger(args.output, name="logs"),

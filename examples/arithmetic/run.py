@@ -68,6 +68,7 @@ from lightning_mcore_rl.recipes import (
     write_tiny_llama,
 )
 from lightning_mcore_rl.recipes.arithmetic import VLLM_HEADS
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 MAX_PROMPT_LENGTH = 24
 """Prompt tokens at most (the longest template is 19 words + BOS)."""
@@ -155,7 +156,10 @@ def _trainer(out: Path, steps: int, micro_batch_size: int, callbacks: list) -> T
     return Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=1, micro_batch_size=micro_batch_size),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=1,
+            microbatching=MicrobatchConfig(micro_batch_size=micro_batch_size),
+        ),
         max_steps=steps,
         gradient_clip_val=1.0,
         logger=CSVLogger(str(out), name="logs"),

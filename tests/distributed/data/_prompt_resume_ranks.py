@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.recipes.prompt_data import PromptBatch, PromptFileDataModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 SPECIALS = ["<unk>", "<pad>", "<s>", "</s>", "<system>", "<user>", "<assistant>"]
 WORDS = [*SPECIALS, "what", "is", "plus", "be", "brief", *(str(n) for n in range(20))]
@@ -111,7 +112,7 @@ def _fit(
             )
         )
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(micro_batch_size=1),
+        strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=1)),
         max_steps=7,
         enable_checkpointing=ckpt_path is None,
         callbacks=callbacks,

@@ -15,6 +15,7 @@ from lightning_mcore_rl.models.draft import eagle_draft
 from lightning_mcore_rl.models.eagle3 import eagle3_draft, save_eagle3
 from lightning_mcore_rl.parallel import unwrap_model
 from lightning_mcore_rl.recipes import SFTDataModule, SFTModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
 DATA_STEPS = 40
@@ -68,7 +69,9 @@ def sft_rows(
         callbacks.append(ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=2,
                                          save_top_k=-1))  # fmt: skip
     strategy = MCoreRLStrategy(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=8
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        microbatching=MicrobatchConfig(micro_batch_size=8),
     )
     trainer = cpu_trainer(
         strategy=strategy, max_steps=steps, gradient_clip_val=1.0, num_sanity_val_steps=0,
@@ -101,7 +104,9 @@ def eagle3_export(rank: int, directory: str, steps: int, tp: int) -> list[dict[s
     """``steps`` SFT steps with :class:`Eagle3SFT` at ``tp``, then the trained draft exported to
     ``directory`` (the draft's TP ranks take part, TP rank 0 writes)."""
     record = _Record()
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=8)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=tp, microbatching=MicrobatchConfig(micro_batch_size=8)
+    )
     trainer = cpu_trainer(
         strategy=strategy, max_steps=steps, gradient_clip_val=1.0, num_sanity_val_steps=0,
         callbacks=[record],

@@ -17,6 +17,7 @@ from lightning_mcore_rl.models.draft import eagle_draft, eagle_draft_config
 from lightning_mcore_rl.models.eagle3 import eagle3_draft
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt_config
 from lightning_mcore_rl.recipes import SFTDataModule, SFTModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.strategy.parallel import megatron_groups
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state, run_on_ranks
 
@@ -55,7 +56,8 @@ def _cp2_drafts(rank: int) -> dict[str, str]:
     destroy_megatron_state()
     for name, module in (("trainer", DraftSFT), ("own_draft", OwnDraftSFT)):
         strategy = MCoreRLStrategy(
-            context_parallel_size=2, micro_batch_size=8, sequence_packing=True
+            context_parallel_size=2,
+            microbatching=MicrobatchConfig(micro_batch_size=8, sequence_packing=True),
         )
         trainer = cpu_trainer(strategy=strategy, max_steps=1, num_sanity_val_steps=0)
         out[name] = _error(

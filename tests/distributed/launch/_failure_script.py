@@ -40,6 +40,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLStrategy
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.strategy.config import ReliabilityConfig
 from lightning_mcore_rl.strategy.resumable import ResumableLoader
 
@@ -98,7 +99,7 @@ def main(args: argparse.Namespace) -> None:
     recorder = Recorder()
     strategy = MCoreRLStrategy(
         tensor_model_parallel_size=2,
-        micro_batch_size=2,
+        microbatching=MicrobatchConfig(micro_batch_size=2),
         reliability=ReliabilityConfig(timeout=timedelta(seconds=args.timeout)),
     )
     every = args.step if args.fault == "kill-save" else 10 * args.steps

@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy import ResumableLoader, resumable_dataloader
+from lightning_mcore_rl.strategy import MicrobatchConfig, ResumableLoader, resumable_dataloader
 
 VOCAB = 64
 SEQ = 12
@@ -119,7 +119,9 @@ def fit(
     torch.set_num_threads(1 + int(os.environ.get("LOCAL_RANK", "0")))
     threads_at_start = torch.get_num_threads()
     recorder = Recorder(kill_after, args.kill_phase)
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=2)
+    )
     trainer = Trainer(
         accelerator="cpu",
         devices=2,

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 VOCAB = 128
 SEQ = 16
@@ -93,7 +94,9 @@ def main() -> None:
     print(f"started: {args}", flush=True)  # progress: the imports are done
 
     recorder = Recorder()
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=args.tp, micro_batch_size=2)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=args.tp, microbatching=MicrobatchConfig(micro_batch_size=2)
+    )
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.models import HFBridge
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 
 class _Rows(Dataset):
@@ -67,7 +68,9 @@ def fit_and_checkpoint(rank: int, hf_dir: str, ckpt: str) -> dict[str, Any]:
     losses = _Losses()
     trainer = cpu_trainer(
         devices=2,
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=2)
+        ),
         max_steps=6,
         callbacks=[losses],
         num_sanity_val_steps=0,

@@ -22,6 +22,7 @@ from lightning_mcore_rl.recipes import (
     TeacherSpec,
     TinyGPTSpec,
 )
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
 SMALL_ROLLOUT = RolloutSpec(group_size=4, max_new_tokens=8)
@@ -85,10 +86,15 @@ def _fit(
     prompts: int,
     val_prompts: int = 0,
     mbs: int = 8,
+    packing: bool = False,
     **layout: Any,
 ) -> tuple[Fit, Trainer]:
     record = _Record()
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=mbs, **layout)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=tp,
+        microbatching=MicrobatchConfig(micro_batch_size=mbs, sequence_packing=packing),
+        **layout,
+    )
     trainer = cpu_trainer(
         strategy=strategy,
         max_steps=steps,
@@ -134,21 +140,26 @@ def converge_rank(
 
 
 def variants_rank(
-    rank: int, tp: int, variants: dict[str, Variant], steps: int, **layout: Any
+    rank: int,
+    tp: int,
+    variants: dict[str, Variant],
+    steps: int,
+    packing: bool = False,
+    **layout: Any,
 ) -> dict[str, Fit]:
     """``steps`` steps of every variant at TP = ``tp`` and the other ``MCoreRLStrategy``
     ``layout`` arguments (DP = world / TP / PP), 4 prompts x 4 samples per step, 8-row
-    microbatches."""
+    microbatches (``packing``: ``MicrobatchConfig(sequence_packing=True)``)."""
     runs = {}
     for name, variant in variants.items():
-        runs[name], _ = _fit(variant.module(), tp, steps, 4, **layout)
+        runs[name], _ = _fit(variant.module(), tp, steps, 4, packing=packing, **layout)
         destroy_megatron_state()
     return runs
 
 
 def packing_rank(rank: int, variants: dict[str, Variant], steps: int) -> tuple[dict, dict]:
-    """Every variant padded, then with ``sequence_packing=True`` (the student's loss and the
-    teacher's signal on packed microbatches), on the same ranks."""
+    """Every variant padded, then packed (the student's loss and the teacher's signal on packed
+    microbatches), on the same ranks."""
     padded = variants_rank(rank, 1, variants, steps)
-    packed = variants_rank(rank, 1, variants, steps, sequence_packing=True)
+    packed = variants_rank(rank, 1, variants, steps, packing=True)
     return padded, packed

@@ -16,6 +16,7 @@ from lightning.pytorch import Callback
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.callbacks import HFExport
 from lightning_mcore_rl.recipes import HFModelSpec, ResponseFileDataModule, SFTModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 
 class _Probe(Callback):
@@ -47,7 +48,9 @@ def sft_and_export(
     logprobs of it."""
     probe = _Probe()
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(**dict(layout), micro_batch_size=4),
+        strategy=MCoreRLStrategy(
+            **dict(layout), microbatching=MicrobatchConfig(micro_batch_size=4)
+        ),
         max_steps=steps,
         gradient_clip_val=1.0,
         callbacks=[HFExport(out_dir), probe],

@@ -29,6 +29,7 @@ from lightning_mcore_rl.recipes import (
     collate_pairs,
 )
 from lightning_mcore_rl.rollout import ModularCountingTask
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
 
 CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
@@ -98,10 +99,11 @@ def sft_strategy(layout: Layout) -> MCoreRLStrategy:
     if layout.packed:
         return MCoreRLStrategy(
             tensor_model_parallel_size=layout.tp,
-            sequence_packing=True,
-            max_tokens_per_microbatch=48,
+            microbatching=MicrobatchConfig(sequence_packing=True, max_tokens_per_microbatch=48),
         )
-    return MCoreRLStrategy(tensor_model_parallel_size=layout.tp, micro_batch_size=8)
+    return MCoreRLStrategy(
+        tensor_model_parallel_size=layout.tp, microbatching=MicrobatchConfig(micro_batch_size=8)
+    )
 
 
 def sft_fit(layout: Layout, steps: int) -> Fit:
@@ -147,8 +149,9 @@ def dpo_fit(layout: Layout, steps: int, micro_batch_size: int = 8) -> Fit:
     """``steps`` DPO steps of 8 pairs (beta = 0.1), 8-row microbatches (packed: THD rows)."""
     strategy = MCoreRLStrategy(
         tensor_model_parallel_size=layout.tp,
-        sequence_packing=layout.packed,
-        micro_batch_size=micro_batch_size,
+        microbatching=MicrobatchConfig(
+            sequence_packing=layout.packed, micro_batch_size=micro_batch_size
+        ),
     )
     module = DPOModule(loss=DPOLossConfig(reference_policy_kl_penalty=BETA))
     return _fit(module, PreferenceDataModule(num_steps=DATA_STEPS), strategy, steps)
@@ -176,7 +179,9 @@ def _odd_rows_fit(odd_rank: int = 0) -> None:
 
     dataset = CountingPreferenceDataset(ModularCountingTask(), 8, max_new_tokens=8)
     loader = DataLoader(dataset, batch_size=4, collate_fn=collate)
-    _trainer(MCoreRLStrategy(micro_batch_size=8), 1, []).fit(DPOModule(), loader)
+    _trainer(MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=8)), 1, []).fit(
+        DPOModule(), loader
+    )
 
 
 def dpo_single_rank(rank: int, steps: int) -> tuple[Fit, dict[str, str]]:
@@ -239,8 +244,7 @@ def rm_fit(layout: Layout, steps: int, pp: int = 1, packed: bool = False) -> Fit
     strategy = MCoreRLStrategy(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=pp,
-        sequence_packing=packed,
-        micro_batch_size=4,
+        microbatching=MicrobatchConfig(sequence_packing=packed, micro_batch_size=4),
     )
     data = PreferenceDataModule(pairs_per_step=16, num_steps=DATA_STEPS, chosen_demonstration=True)
     return _fit(RewardModelModule(), data, strategy, steps)
@@ -287,12 +291,18 @@ def hf_recipes(rank: int, hf_dir: str, steps: int) -> dict[str, Fit]:
     """SFT, DPO and the reward model of the HF model at TP=2 (``HFModelSpec``)."""
     from lightning_mcore_rl.recipes import HFModelSpec
 
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=8)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=8)
+    )
     sft = _fit(SFTModule(HFModelSpec(hf_dir)), SFTDataModule(num_steps=DATA_STEPS), strategy, steps)
     module = DPOModule(HFModelSpec(hf_dir), loss=DPOLossConfig(reference_policy_kl_penalty=BETA))
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=8)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=8)
+    )
     dpo = _fit(module, PreferenceDataModule(num_steps=DATA_STEPS), strategy, steps)
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=4)
+    )
     pairs = PreferenceDataModule(pairs_per_step=8, num_steps=DATA_STEPS, chosen_demonstration=True)
     rm = _fit(RewardModelModule(HFModelSpec(hf_dir)), pairs, strategy, steps)
     return {"sft": sft, "dpo": dpo, "rm": rm}
@@ -302,7 +312,9 @@ def hf_tied_rm_pp2_error(rank: int, hf_dir: str) -> str:
     """The error of a reward model of a tied-embedding HF checkpoint at PP=2."""
     from lightning_mcore_rl.recipes import HFModelSpec
 
-    strategy = MCoreRLStrategy(pipeline_model_parallel_size=2, micro_batch_size=4)
+    strategy = MCoreRLStrategy(
+        pipeline_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=4)
+    )
     pairs = PreferenceDataModule(pairs_per_step=8, num_steps=DATA_STEPS, chosen_demonstration=True)
     return _error(lambda: _fit(RewardModelModule(HFModelSpec(hf_dir)), pairs, strategy, 1))
 
@@ -339,7 +351,9 @@ def resume_runs(rank: int, root: str, names: list[str], steps: int) -> dict[str,
                         save_top_k=-1,
                     )
                 )
-            strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4)
+            strategy = MCoreRLStrategy(
+                tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=4)
+            )
             trainer = _trainer(strategy, steps, callbacks, root=f"{root}/{name}")
             trainer.fit(*_recipe(name), ckpt_path=ckpt)
             destroy_megatron_state()
@@ -352,7 +366,7 @@ def resume_runs(rank: int, root: str, names: list[str], steps: int) -> dict[str,
 
 
 def _validate(module: MCoreRLModule, data: LightningDataModule) -> dict[str, float]:
-    trainer = _trainer(MCoreRLStrategy(micro_batch_size=8), 1, [])
+    trainer = _trainer(MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=8)), 1, [])
     trainer.validate(module, datamodule=data, verbose=False)
     destroy_megatron_state()
     return {k: float(v) for k, v in trainer.callback_metrics.items()}

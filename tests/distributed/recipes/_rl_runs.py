@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
 from lightning_mcore_rl.recipes import GRPOModule, PPOModule, PromptDataModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
 
@@ -75,7 +76,10 @@ def fit(
             ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=2, save_top_k=-1)
         )
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=recipe.tp, micro_batch_size=16),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=recipe.tp,
+            microbatching=MicrobatchConfig(micro_batch_size=16),
+        ),
         max_steps=recipe.steps,
         gradient_clip_val=recipe.clip,
         enable_checkpointing=root is not None and ckpt_path is None,
@@ -130,7 +134,7 @@ def ppo_rejections(rank: int, layouts: list[dict[str, Any]]) -> list[str]:
     messages = []
     for layout in layouts:
         trainer = cpu_trainer(
-            strategy=MCoreRLStrategy(micro_batch_size=16, **layout),
+            strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=16), **layout),
             max_steps=1,
         )
         try:

@@ -19,6 +19,7 @@ from lightning_mcore_rl.recipes import (
     SFTDataModule,
     SFTModule,
 )
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
 CASES: dict[str, tuple[int, Any, Any]] = {
@@ -45,7 +46,9 @@ def misfit_micro_batches(rank: int) -> dict[str, tuple[str, int]]:
     for name, (micro_batch_size, module, data) in CASES.items():
         batches = _Batches()
         trainer = cpu_trainer(
-            strategy=MCoreRLStrategy(micro_batch_size=micro_batch_size),
+            strategy=MCoreRLStrategy(
+                microbatching=MicrobatchConfig(micro_batch_size=micro_batch_size)
+            ),
             max_steps=1,
             num_sanity_val_steps=0,
             callbacks=[batches],

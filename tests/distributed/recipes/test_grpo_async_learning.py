@@ -14,6 +14,7 @@ from lightning.pytorch import Callback
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule, RolloutSpec
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import run_on_ranks
 
 STEPS = 50  # the bound, 1.2 x 41, is step 49
@@ -39,7 +40,7 @@ def _fits(rank: int) -> dict[str, list[dict[str, float]]]:
     for name, staleness, loss in (("sync", 0, None), ("async", 1, TIS)):
         rows = _Rows()
         trainer = cpu_trainer(
-            strategy=MCoreRLStrategy(micro_batch_size=16),
+            strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=16)),
             max_steps=STEPS,
             gradient_clip_val=1.0,
             callbacks=[rows],

@@ -15,6 +15,7 @@ from lightning.pytorch import Callback
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import run_on_ranks
 
 
@@ -41,7 +42,9 @@ class RecipeRun:
 def _grpo(rank: int, tp: int, steps: int, kl: float = 0.0) -> RecipeRun:
     record = _Record()
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=16),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=tp, microbatching=MicrobatchConfig(micro_batch_size=16)
+        ),
         max_steps=steps,
         gradient_clip_val=1.0,
         callbacks=[record],

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
-from lightning_mcore_rl.strategy import resumable_dataloader
+from lightning_mcore_rl.strategy import MicrobatchConfig, resumable_dataloader
 from lightning_mcore_rl.testing import run_on_ranks
 
 STEPS_PER_EPOCH = 4  # steps 1-4 are epoch 0, steps 5-6 epoch 1 (re-permuted)
@@ -61,7 +61,9 @@ def _fit(tp: int, ckpt_dir: str, ckpt_path: str | None) -> RecordedFit:
             )
         )
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=16),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=tp, microbatching=MicrobatchConfig(micro_batch_size=16)
+        ),
         max_steps=6,
         gradient_clip_val=1.0,
         enable_checkpointing=ckpt_path is None,
@@ -164,7 +166,7 @@ def _grow(
 
     history = MetricsHistory(f"{root}/history", plot_keys=("reward",))
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(micro_batch_size=16),
+        strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=16)),
         max_steps=max_steps,
         max_epochs=max_epochs,
         enable_checkpointing=True,

@@ -13,6 +13,7 @@ from lightning.pytorch import Callback
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.metrics import pass_at_k
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule, RolloutSpec
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import run_on_ranks
 
 GROUP = 4
@@ -30,7 +31,7 @@ class _Scores(Callback):
 def _validate(rank: int) -> tuple[dict[str, float], list[dict[str, torch.Tensor]]]:
     scores = _Scores()
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(micro_batch_size=8),
+        strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=8)),
         callbacks=[scores],
     )
     # two-token completions: a random policy solves some of them, so pass@k is not trivially 0

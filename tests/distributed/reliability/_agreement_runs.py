@@ -32,7 +32,7 @@ from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
 from lightning_mcore_rl.rollout import ModularCountingTask
-from lightning_mcore_rl.strategy import MegatronDDPConfig, ReliabilityConfig
+from lightning_mcore_rl.strategy import MegatronDDPConfig, MicrobatchConfig, ReliabilityConfig
 
 MAX_POSITIONS = 64  # tiny_gpt's default max_sequence_length (learned positions)
 
@@ -56,7 +56,12 @@ def mismatch_rank(rank: int) -> dict[str, Any]:
     step gets (a) the same batch on both ranks, (b) different data of the same shape, (c)
     different row counts, (d) different widths, (e) rows wider than the position table, (f)
     those on rank 1 only."""
-    trainer = _trainer(1, MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=1))
+    trainer = _trainer(
+        1,
+        MCoreRLStrategy(
+            tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=1)
+        ),
+    )
     module = GRPO()
     trainer.fit(module, DataLoader(Rollouts(4), batch_size=2))
     wide = rollout_batch(2, seed=3)
@@ -92,7 +97,7 @@ def dp_rows_rank(rank: int) -> dict[str, Any]:
     """DP=2 under ``Trainer.fit``: rank 0's loader yields 4 rows a step, rank 1's 2 (the
     strategy's timeout 120 s: the error must come long before it)."""
     strategy = MCoreRLStrategy(
-        micro_batch_size=1,
+        microbatching=MicrobatchConfig(micro_batch_size=1),
         reliability=ReliabilityConfig(timeout=timedelta(seconds=120)),
     )
     trainer = _trainer(2, strategy)
@@ -146,7 +151,7 @@ def _recipe_fit(
     module: GRPOModule, steps: int, tp: int, snaps: RecipeSnapshots, **reliability: Any
 ) -> dict[str, Any]:
     strategy = MCoreRLStrategy(
-        tensor_model_parallel_size=tp, micro_batch_size=16,
+        tensor_model_parallel_size=tp, microbatching=MicrobatchConfig(micro_batch_size=16),
         reliability=ReliabilityConfig(**reliability),
     )  # fmt: skip
     trainer = _trainer(steps, strategy, callbacks=[snaps], limit_val_batches=0)
@@ -186,7 +191,8 @@ def corrupt_adam_rank(rank: int) -> dict[str, Any]:
     snaps = RecipeSnapshots()
     snaps.corrupt_adam_at = 1
     strategy = MCoreRLStrategy(
-        micro_batch_size=1, reliability=ReliabilityConfig(max_consecutive_skips=1)
+        microbatching=MicrobatchConfig(micro_batch_size=1),
+        reliability=ReliabilityConfig(max_consecutive_skips=1),
     )
     trainer = _trainer(4, strategy, callbacks=[snaps])
     with warnings.catch_warnings():
@@ -265,7 +271,7 @@ def bf16_huge_lr_rank(rank: int) -> dict[str, Any]:
                                     ("snapshot", False, True)):  # fmt: skip
         record = EveryCopy(swap)
         strategy = MCoreRLStrategy(
-            micro_batch_size=1,
+            microbatching=MicrobatchConfig(micro_batch_size=1),
             ddp=MegatronDDPConfig(use_distributed_optimizer=distributed),
             reliability=ReliabilityConfig(max_consecutive_skips=3),
         )
@@ -304,7 +310,8 @@ def collapse_rank(rank: int, steps: int, after: int) -> dict[str, Any]:
     module.loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.0})
     record = ZeroAdvantages()
     strategy = MCoreRLStrategy(
-        micro_batch_size=1, reliability=ReliabilityConfig(collapse_warning_steps=after)
+        microbatching=MicrobatchConfig(micro_batch_size=1),
+        reliability=ReliabilityConfig(collapse_warning_steps=after),
     )
     trainer = _trainer(steps, strategy, callbacks=[record])
     with warnings.catch_warnings(record=True) as caught:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.reliability.checksums import MANIFEST
-from lightning_mcore_rl.strategy import ResumableLoader
+from lightning_mcore_rl.strategy import MicrobatchConfig, ResumableLoader
 
 SHARD = "__0_1.distcp"  # rank 0 writes both shard files of the DP=2 tiny GPT checkpoint
 FLIP_AT = 500_000  # a byte inside the tensor data of SHARD (773968 bytes)
@@ -72,7 +72,8 @@ def _fit(ckpt_dir: Path, steps: int, ckpt_path: str | None, losses: Losses) -> T
 
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2,
                             save_top_k=-1, save_last=True)  # fmt: skip
-    trainer = _trainer(steps, MCoreRLStrategy(micro_batch_size=2), callbacks=[saver, losses],
+    strategy = MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=2))
+    trainer = _trainer(steps, strategy, callbacks=[saver, losses],
                        enable_checkpointing=True, gradient_clip_val=None)  # fmt: skip
     data = LMRows(48)
     loader = ResumableLoader(DataLoader(data, batch_size=2, sampler=_sampler(data)))

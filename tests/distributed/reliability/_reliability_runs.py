@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
-from lightning_mcore_rl.strategy import ReliabilityConfig, ResumableLoader
+from lightning_mcore_rl.strategy import MicrobatchConfig, ReliabilityConfig, ResumableLoader
 
 VOCAB = 64
 S = 12
@@ -140,7 +140,9 @@ def nonfinite_rank(rank: int) -> dict[str, Any]:
     # sampler shuffle=False, batch 2: rank 1 reads rows 1,3 | 5,7 | 9,11 -> row 7 is its step 1.
     data = Rollouts(12, poison={(7, "advantages"): float("inf")})
     snaps = Snapshots()
-    trainer = _trainer(3, MCoreRLStrategy(micro_batch_size=1), callbacks=[snaps])
+    trainer = _trainer(
+        3, MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=1)), callbacks=[snaps]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(GRPO(), DataLoader(data, batch_size=2, sampler=_sampler(data)))
@@ -158,7 +160,8 @@ def nonfinite_rank(rank: int) -> dict[str, Any]:
     snaps = Snapshots()
     snaps.poison_weight_at = 1
     strategy = MCoreRLStrategy(
-        micro_batch_size=1, reliability=ReliabilityConfig(max_consecutive_skips=2)
+        microbatching=MicrobatchConfig(micro_batch_size=1),
+        reliability=ReliabilityConfig(max_consecutive_skips=2),
     )
     trainer = _trainer(5, strategy, callbacks=[snaps])
     try:
@@ -174,7 +177,11 @@ def nonfinite_rank(rank: int) -> dict[str, Any]:
 
     data = Rollouts(8, poison={(1, "prev_logprobs"): float("-inf")})
     trainer = _trainer(
-        2, MCoreRLStrategy(micro_batch_size=1, reliability=ReliabilityConfig(nonfinite="raise"))
+        2,
+        MCoreRLStrategy(
+            microbatching=MicrobatchConfig(micro_batch_size=1),
+            reliability=ReliabilityConfig(nonfinite="raise"),
+        ),
     )
     try:
         trainer.fit(GRPO(), DataLoader(data, batch_size=2, sampler=_sampler(data)))
@@ -194,7 +201,7 @@ def timeout_rank(rank: int, seconds: float) -> dict[str, Any]:
     sleeps; rank 0 waits in megatron's TP all-reduce and must fail after ``seconds``."""
     strategy = MCoreRLStrategy(
         tensor_model_parallel_size=2,
-        micro_batch_size=1,
+        microbatching=MicrobatchConfig(micro_batch_size=1),
         reliability=ReliabilityConfig(timeout=timedelta(seconds=seconds)),
     )
     trainer = _trainer(2, strategy)
@@ -254,7 +261,8 @@ def _lm_fit(ckpt_dir: str, steps: int, ckpt_path: str | None) -> Losses:
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2,
                             save_top_k=-1, save_last=True)  # fmt: skip
     losses = Losses()
-    trainer = _trainer(steps, MCoreRLStrategy(micro_batch_size=2), callbacks=[saver, losses],
+    strategy = MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=2))
+    trainer = _trainer(steps, strategy, callbacks=[saver, losses],
                        enable_checkpointing=True, gradient_clip_val=None)  # fmt: skip
     data = LMRows(48)
     loader = ResumableLoader(DataLoader(data, batch_size=2, sampler=_sampler(data)))
@@ -309,7 +317,9 @@ def fuzz_rank(rank: int) -> dict[str, Any]:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=1)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=1)
+    )
     trainer = _trainer(1, strategy)
     module = GRPO()
     trainer.fit(module, DataLoader(Rollouts(4), batch_size=2))
@@ -411,7 +421,11 @@ def nonfinite_continue_rank(rank: int) -> dict[str, Any]:
         ("bad", data, CONTINUE_STEPS),
     ):
         records = StepRecords()
-        trainer = _trainer(steps, MCoreRLStrategy(micro_batch_size=1), callbacks=[records])
+        trainer = _trainer(
+            steps,
+            MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=1)),
+            callbacks=[records],
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(GRPO(), DataLoader(dataset, batch_size=2, sampler=_sampler(dataset)))
@@ -512,7 +526,8 @@ def full_disk_rank(rank: int, ckpt_dir: str) -> dict[str, Any]:
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1,
                             save_top_k=-1, save_last=True)  # fmt: skip
     fault = FullDisk(ckpt_dir)
-    trainer = _trainer(3, MCoreRLStrategy(micro_batch_size=2), callbacks=[saver, fault],
+    strategy = MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=2))
+    trainer = _trainer(3, strategy, callbacks=[saver, fault],
                        enable_checkpointing=True, gradient_clip_val=None)  # fmt: skip
     try:
         trainer.fit(TinyLM(), DataLoader(LMRows(8), batch_size=2))
@@ -526,7 +541,8 @@ def full_disk_rank(rank: int, ckpt_dir: str) -> dict[str, Any]:
     fault.out["after_fit"] = _tree_bytes(ckpt_dir)
     fault.out["listing_after_fit"] = sorted(os.listdir(ckpt_dir))
     losses = Losses()
-    trainer = _trainer(2, MCoreRLStrategy(micro_batch_size=2), callbacks=[losses],
+    strategy = MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=2))
+    trainer = _trainer(2, strategy, callbacks=[losses],
                        gradient_clip_val=None)  # fmt: skip
     trainer.fit(TinyLM(), DataLoader(LMRows(8), batch_size=2),
                 ckpt_path=os.path.join(ckpt_dir, "last.ckpt"))  # fmt: skip

@@ -26,6 +26,7 @@ from lightning_mcore_rl.rollout import (
     generate,
     mismatch_extrema,
 )
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import init_megatron_state, tiny_gpt
 
 PROMPTS = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(0))
@@ -191,7 +192,9 @@ def grpo_run(
     rows = _Rows()
     trainer = cpu_trainer(
         strategy=MCoreRLStrategy(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=4
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            microbatching=MicrobatchConfig(micro_batch_size=4),
         ),
         max_steps=steps,
         gradient_clip_val=1.0,
@@ -254,7 +257,9 @@ def async_grpo_run(
     (so one step moves the logprobs by far more than the tolerances)."""
     rows = _Rows()
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=4),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=tp, microbatching=MicrobatchConfig(micro_batch_size=4)
+        ),
         max_steps=steps,
         gradient_clip_val=1.0,
         callbacks=[rows],
@@ -288,7 +293,9 @@ def async_without_peek(rank: int) -> str:
 
     module = GRPOModule(rollout=RolloutSpec(max_staleness=1))
     loader = DataLoader(PromptDataset(module.task, 8), batch_size=4)
-    trainer = cpu_trainer(strategy=MCoreRLStrategy(micro_batch_size=4), max_steps=1)
+    trainer = cpu_trainer(
+        strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=4)), max_steps=1
+    )
     with pytest.raises(TypeError) as error:
         trainer.fit(module, train_dataloaders=loader)
     return str(error.value)

@@ -24,6 +24,7 @@ from lightning_mcore_rl.recipes import (
     TextRewardTask,
 )
 from lightning_mcore_rl.rollout import HFRolloutSource, SamplingConfig
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 WORDS = ["<unk>", "<pad>", "<s>", "</s>", *"123456789", "a", "b", "c"]
 """16 words, the model's whole vocabulary, so ``</s>`` (id 3) is drawn often enough to stop."""
@@ -90,7 +91,9 @@ def text_grpo_run(rank: int, hf_dir: str, tp: int, steps: int) -> dict[str, Any]
     (DP = 2 / TP): ``steps`` steps of 4 prompts x 2 completions."""
     rows = _Rows()
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=4),
+        strategy=MCoreRLStrategy(
+            tensor_model_parallel_size=tp, microbatching=MicrobatchConfig(micro_batch_size=4)
+        ),
         max_steps=steps,
         gradient_clip_val=1.0,
         callbacks=[rows],

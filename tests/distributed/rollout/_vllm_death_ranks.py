@@ -18,6 +18,7 @@ from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.recipes import GRPOModule, HFModelSpec, PromptDataModule, RolloutSpec
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.strategy.config import ReliabilityConfig
 
 KILL_STEP = 1
@@ -71,7 +72,7 @@ def engine_killed_run(rank: int, hf_dir: str, title: str) -> dict[str, Any]:
     trainer = cpu_trainer(
         strategy=MCoreRLStrategy(
             tensor_model_parallel_size=2,
-            micro_batch_size=4,
+            microbatching=MicrobatchConfig(micro_batch_size=4),
             reliability=ReliabilityConfig(timeout=timedelta(seconds=TIMEOUT_S)),
         ),
         max_steps=3,

@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state, run_on_ranks
 
 PROMPTS = 4  # per step on rank 0 (x group size 4: 16 rows)
@@ -45,7 +46,8 @@ def _fit(rank: int, callbacks: list[Callback], prompts: int) -> str:
     """A 2-step GRPO fit at TP=2 with ``prompts`` prompts a step on this rank: ``"type:
     message"`` of what it raised (``""``: nothing)."""
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=4),
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=2,
+                                 microbatching=MicrobatchConfig(micro_batch_size=4)),
         max_steps=2, callbacks=callbacks, num_sanity_val_steps=0,
     )  # fmt: skip
     try:

@@ -28,6 +28,7 @@ from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.ops import TrainingSamplingParams
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import init_megatron_state
 from lightning_mcore_rl.train import LossPostProcessor
 
@@ -278,7 +279,9 @@ def tp_hooks_rank(rank: int) -> HookRun:
     trainer = Trainer(
         **_trainer_options(
             2,
-            strategy=MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2),
+            strategy=MCoreRLStrategy(
+                tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=2)
+            ),
             max_steps=2,
             callbacks=[recorder],
         )
@@ -286,7 +289,9 @@ def tp_hooks_rank(rank: int) -> HookRun:
     module = TPProbe()
     trainer.fit(module, DataLoader(RolloutRows(2 * BATCH), batch_size=BATCH))
     override = SamplingOverride()  # the same initial weights, probed at its first step
-    strategy = MCoreRLStrategy(tensor_model_parallel_size=2, micro_batch_size=2)
+    strategy = MCoreRLStrategy(
+        tensor_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=2)
+    )
     Trainer(**_trainer_options(2, strategy=strategy, max_steps=1)).fit(
         override, DataLoader(RolloutRows(BATCH), batch_size=BATCH)
     )
@@ -341,7 +346,9 @@ def pp_dropout_rank(rank: int) -> HookRun:
     trainer = Trainer(
         **_trainer_options(
             2,
-            strategy=MCoreRLStrategy(pipeline_model_parallel_size=2, micro_batch_size=2),
+            strategy=MCoreRLStrategy(
+                pipeline_model_parallel_size=2, microbatching=MicrobatchConfig(micro_batch_size=2)
+            ),
             max_steps=1,
         )
     )
@@ -399,7 +406,7 @@ def grpo_scope_rank(rank: int, temperatures: tuple[float, ...]) -> list[GRPORun]
         trainer = Trainer(
             **_trainer_options(
                 int(os.environ["WORLD_SIZE"]),
-                strategy=MCoreRLStrategy(micro_batch_size=4),
+                strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=4)),
                 max_steps=1,
                 callbacks=[scope],
             )

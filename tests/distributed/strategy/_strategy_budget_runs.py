@@ -1,6 +1,7 @@
-"""Rank functions for ``MCoreRLStrategy(max_tokens_per_microbatch=...)`` on the ``loss_fn`` path:
-the same ClippedPG GRPO run under a Trainer with fixed-size and with token-budget microbatches, in
-one rank process (same weights, same sampler order), padded and packed."""
+"""Rank functions for
+``MCoreRLStrategy(microbatching=MicrobatchConfig(max_tokens_per_microbatch=...))`` on the
+``loss_fn`` path: the same ClippedPG GRPO run under a Trainer with fixed-size and with token-budget
+microbatches, in one rank process (same weights, same sampler order), padded and packed."""
 
 from __future__ import annotations
 

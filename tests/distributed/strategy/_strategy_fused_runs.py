@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.ops import TrainingSamplingParams, fused_linear
-from lightning_mcore_rl.strategy import LogprobKernelConfig
+from lightning_mcore_rl.strategy import LogprobKernelConfig, MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
 TEMPERATURE = 2.0
@@ -160,8 +160,10 @@ def fused_error_rank(rank: int, spec: RunSpec) -> dict[str, str]:
     errors = {}
     for name, module in {"top_k": filtered, "topk_logits": _TopkModule(FusedCase(spec))}.items():
         strategy = MCoreRLStrategy(
-            **strategy_kwargs(spec),
-            sequence_packing=True,
+            **{
+                **strategy_kwargs(spec),
+                "microbatching": MicrobatchConfig(micro_batch_size=spec.mbs, sequence_packing=True),
+            },
             logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True),
         )
         trainer = make_trainer(spec, world_size, strategy=strategy)

@@ -19,6 +19,7 @@ from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 E, TOPK, ROWS = 4, 2, 4
 MOE = {
@@ -227,7 +228,8 @@ def moe_trainer(spec: MoESpec, steps: int, **kwargs: Any) -> tuple[Trainer, Step
     strategy = MCoreRLStrategy(
         tensor_model_parallel_size=spec.tp,
         sequence_parallel=spec.tp > 1 if spec.sequence_parallel is None else spec.sequence_parallel,
-        expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1, micro_batch_size=1,
+        expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1,
+        microbatching=MicrobatchConfig(micro_batch_size=1),
     )  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", devices=world_size, max_steps=steps, strategy=strategy,

@@ -1,6 +1,7 @@
-"""Rank functions for ``MCoreRLStrategy(sequence_packing=...)`` on the ``loss_fn`` path: the same
-ClippedPG GRPO run under a Trainer, padded then packed, in one rank process (same weights, same
-sampler order), on the local packed attention (it runs padded batches too)."""
+"""Rank functions for ``MCoreRLStrategy(microbatching=MicrobatchConfig(sequence_packing=...))`` on
+the ``loss_fn`` path: the same ClippedPG GRPO run under a Trainer, padded then packed, in one rank
+process (same weights, same sampler order), on the local packed attention (it runs padded batches
+too)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from lightning_mcore_rl.callbacks import TIMING_METRICS
 from lightning_mcore_rl.losses import ClippedPGLossFn
 from lightning_mcore_rl.models.layers import PackedDotProductAttention, get_packed_local_layer_spec
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.strategy import MicrobatchConfig
 
 
 class PackedGRPOModule(MCoreRLModule):
@@ -121,9 +123,12 @@ def fit_recorded(
     ``strategy_options`` go to ``MCoreRLStrategy``."""
     recorder = StepRecorder()
     kwargs = {**strategy_kwargs(spec), **strategy_options}
-    if budget is not None:
-        kwargs["micro_batch_size"] = 1
-    strategy = MCoreRLStrategy(**kwargs, sequence_packing=packing, max_tokens_per_microbatch=budget)
+    kwargs["microbatching"] = MicrobatchConfig(
+        micro_batch_size=spec.mbs if budget is None else 1,
+        max_tokens_per_microbatch=budget,
+        sequence_packing=packing,
+    )
+    strategy = MCoreRLStrategy(**kwargs)
     trainer = make_trainer(spec, world_size, callbacks=[recorder], strategy=strategy)
     trainer.fit(module, DataLoader(rows, batch_size=spec.local_batch(world_size)))
     return RecordedRun(

@@ -22,6 +22,7 @@ from lightning_mcore_rl.strategy import (
     CheckpointConfig,
     MegatronDDPConfig,
     MegatronOptimizerSpec,
+    MicrobatchConfig,
     ResumableLoader,
 )
 from lightning_mcore_rl.testing import destroy_megatron_state, init_megatron_state
@@ -168,7 +169,7 @@ def strategy_kwargs(spec: RunSpec) -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size": spec.vpp,
         "context_parallel_size": spec.cp,
         "sequence_parallel": spec.sequence_parallel,
-        "micro_batch_size": spec.mbs,
+        "microbatching": MicrobatchConfig(micro_batch_size=spec.mbs),
         "ddp": MegatronDDPConfig(use_distributed_optimizer=spec.distributed_optimizer),
         "checkpoint": CheckpointConfig(optimizer_sharding=spec.optimizer_sharding),
     }

@@ -30,6 +30,7 @@ from lightning_mcore_rl import MCoreRLModule, MCoreRLStrategy
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import DistillationLossFn, OPDFullLossFn
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.strategy.teacher import load_dist_checkpoint
 from lightning_mcore_rl.train import LossPostProcessor
 
@@ -186,7 +187,7 @@ def _strategy(sizes: tuple[int, int], sequence_parallel: bool = False) -> MCoreR
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel,
-        micro_batch_size=2,
+        microbatching=MicrobatchConfig(micro_batch_size=2),
     )
 
 

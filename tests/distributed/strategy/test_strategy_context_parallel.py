@@ -1,11 +1,11 @@
-"""``MCoreRLStrategy(context_parallel_size=2, sequence_packing=True)`` under a Trainer on CPU
-(gloo, fp32, the tiny GPT on the packed local spec: ``PackedDotProductAttention`` gathers keys and
-values over CP): the ClippedPG GRPO run equals the CP=1 run over 3 steps — every logged metric
-(``train_loss`` and the loss metrics), megatron's grad norms and ``compute_logprobs`` on real
-tokens within 1e-5 — at CP=2 (2 ranks) and CP=2 x TP=2 (4 ranks), with learned absolute
-positions (per-document ids, CP-sharded) and with RoPE (megatron applies it per span at CP-aware
-positions). The CP=1 references hold the whole global batch on every rank (DP=1: TP=2 on 2 ranks,
-TP=4 on 4), so ``compute_logprobs`` compares row for row.
+"""``MCoreRLStrategy(context_parallel_size=2)`` with ``MicrobatchConfig(sequence_packing=True)``
+under a Trainer on CPU (gloo, fp32, the tiny GPT on the packed local spec:
+``PackedDotProductAttention`` gathers keys and values over CP): the ClippedPG GRPO run equals the
+CP=1 run over 3 steps — every logged metric (``train_loss`` and the loss metrics), megatron's grad
+norms and ``compute_logprobs`` on real tokens within 1e-5 — at CP=2 (2 ranks) and CP=2 x TP=2 (4
+ranks), with learned absolute positions (per-document ids, CP-sharded) and with RoPE (megatron
+applies it per span at CP-aware positions). The CP=1 references hold the whole global batch on every
+rank (DP=1: TP=2 on 2 ranks, TP=4 on 4), so ``compute_logprobs`` compares row for row.
 
 Measured max |CP - CP=1| over 3 steps (CP=2 learned / RoPE, CP2xTP2): metrics <= 8.4e-7, grad
 norms <= 3.1e-7, logprobs <= 9.6e-7."""

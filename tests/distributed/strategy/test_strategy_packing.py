@@ -1,8 +1,8 @@
-"""``MCoreRLStrategy(sequence_packing=True)`` under a Trainer: the ``loss_fn`` path (ClippedPG,
-variable-length rows) packs each microbatch into one THD row and trains exactly like the padded
-run: the same per-step ``train_loss``, logged loss metrics and grad norms, and the same
-``compute_logprobs`` on real tokens (fp32, within 1e-5), under DP=2, TP=2 and PP=2 (1F1B: the
-packed microbatches are padded to one length, megatron's p2p sends one shape).
+"""``MCoreRLStrategy(microbatching=MicrobatchConfig(sequence_packing=True))`` under a Trainer: the
+``loss_fn`` path (ClippedPG, variable-length rows) packs each microbatch into one THD row and trains
+exactly like the padded run: the same per-step ``train_loss``, logged loss metrics and grad norms,
+and the same ``compute_logprobs`` on real tokens (fp32, within 1e-5), under DP=2, TP=2 and PP=2
+(1F1B: the packed microbatches are padded to one length, megatron's p2p sends one shape).
 
 Measured max |packed - padded| over 3 steps: metrics <= 8.4e-7, grad norms <= 2.8e-7,
 logprobs <= 9.6e-7."""

@@ -1,9 +1,10 @@
-"""``MCoreRLStrategy(max_tokens_per_microbatch=...)`` under a Trainer: the ``loss_fn`` path
-(ClippedPG, variable-length rows) with token-budget microbatches trains exactly like fixed-size
-microbatches: the same per-step ``train_loss``, logged loss metrics and grad norms, and
-``compute_logprobs`` in the input sample order (fp32, within 1e-5), padded and packed at DP=2
-(short rows on rank 0, long rows on rank 1: their own plans would need 1 and 2 microbatches, the
-balanced plan runs 2 on both) and packed at PP=2 (1F1B: one packed length for all microbatches).
+"""``MCoreRLStrategy(microbatching=MicrobatchConfig(max_tokens_per_microbatch=...))`` under a
+Trainer: the ``loss_fn`` path (ClippedPG, variable-length rows) with token-budget microbatches
+trains exactly like fixed-size microbatches: the same per-step ``train_loss``, logged loss metrics
+and grad norms, and ``compute_logprobs`` in the input sample order (fp32, within 1e-5), padded and
+packed at DP=2 (short rows on rank 0, long rows on rank 1: their own plans would need 1 and 2
+microbatches, the balanced plan runs 2 on both) and packed at PP=2 (1F1B: one packed length for all
+microbatches).
 
 Measured max |budget - fixed| over 3 steps (CPU, printed with ``pytest -s``): DP=2 padded
 metrics 7.2e-7, grad norms 1.5e-7, logprobs 9.5e-7; DP=2 packed 4.8e-7 / 5.3e-7 / 9.5e-7; PP=2

@@ -10,6 +10,7 @@ from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.recipes import SFTDataModule, SFTModule, TinyGPTSpec
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state
 
 DATA_STEPS = 20
@@ -28,7 +29,8 @@ def sft_rows(mtp_num_layers: int, steps: int, tp: int = 1) -> list[dict[str, flo
     """``steps`` SFT steps (16 rows of the counting task per step, 8-row microbatches)."""
     record = _Record()
     trainer = cpu_trainer(
-        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp, micro_batch_size=8),
+        strategy=MCoreRLStrategy(tensor_model_parallel_size=tp,
+                                 microbatching=MicrobatchConfig(micro_batch_size=8)),
         max_steps=steps, gradient_clip_val=1.0, num_sanity_val_steps=0, callbacks=[record],
     )  # fmt: skip
     module = SFTModule(model=TinyGPTSpec(mtp_num_layers=mtp_num_layers))

@@ -1,5 +1,6 @@
-"""Token-budget ``process_global_batch`` and ``MCoreRLStrategy(max_tokens_per_microbatch=...)``:
-argument errors raised before any collective (no process group needed) and the fixed-size
+"""Token-budget ``process_global_batch`` and
+``MCoreRLStrategy(microbatching=MicrobatchConfig(max_tokens_per_microbatch=...))``: argument
+errors raised before any collective (no process group needed) and the fixed-size
 ``GlobalBatch.restore_order``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.data import BatchedDataDict
+from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.train import GlobalBatch, process_global_batch, split_lm_batch
 
 
@@ -53,11 +55,17 @@ def test_fixed_size_restore_order_concatenates() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_tokens_per_microbatch": 0}, "positive int"),
-        ({"max_tokens_per_microbatch": "64"}, "positive int"),
-        ({"max_tokens_per_microbatch": 64, "micro_batch_size": 2}, "contradicts"),
+        ({"microbatching": MicrobatchConfig(max_tokens_per_microbatch=0)}, "positive int"),
+        ({"microbatching": MicrobatchConfig(max_tokens_per_microbatch="64")}, "positive int"),
         (
-            {"max_tokens_per_microbatch": 64, "pipeline_model_parallel_size": 2},
+            {"microbatching": MicrobatchConfig(micro_batch_size=2, max_tokens_per_microbatch=64)},
+            "contradicts",
+        ),
+        (
+            {
+                "microbatching": MicrobatchConfig(max_tokens_per_microbatch=64),
+                "pipeline_model_parallel_size": 2,
+            },
             "needs `sequence_packing=True`",
         ),
     ],
@@ -69,14 +77,15 @@ def test_strategy_rejects_contradictory_budget_settings(kwargs: dict, match: str
 
 def test_strategy_accepts_a_budget() -> None:
     strategy = MCoreRLStrategy(
-        max_tokens_per_microbatch=64, pipeline_model_parallel_size=2, sequence_packing=True
+        pipeline_model_parallel_size=2,
+        microbatching=MicrobatchConfig(max_tokens_per_microbatch=64, sequence_packing=True),
     )
     assert strategy.microbatching.max_tokens_per_microbatch == 64
     assert MCoreRLStrategy().microbatching.max_tokens_per_microbatch is None
 
 
 def test_forward_step_path_rejects_a_budget() -> None:
-    strategy = MCoreRLStrategy(max_tokens_per_microbatch=64)
+    strategy = MCoreRLStrategy(microbatching=MicrobatchConfig(max_tokens_per_microbatch=64))
     batch = {"tokens": torch.ones(2, 4), "labels": torch.ones(2, 4)}
     with pytest.raises(ValueError, match="loss_fn"):
         split_lm_batch(batch, strategy.microbatching)
