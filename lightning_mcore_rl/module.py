@@ -186,15 +186,20 @@ class MCoreRLModule(LightningModule):
         return TransformerConfig(**{**fields, **owned})
 
     def configure_callbacks(self) -> list[Callback]:
-        """:class:`~lightning_mcore_rl.callbacks.TrainingStatistics`, unless the Trainer already
-        has one (a subclass or an explicit instance: never logged twice). Call ``super()`` when
-        overriding."""
+        """:class:`~lightning_mcore_rl.callbacks.TrainingStatistics` (the Trainer's own if it has
+        one: never logged twice) first, then the Trainer's other callbacks. Call ``super()``
+        when overriding."""
         from lightning_mcore_rl.callbacks.training_statistics import TrainingStatistics
 
-        callbacks: list[Callback] = getattr(self.trainer, "callbacks", [])
-        if any(isinstance(c, TrainingStatistics) for c in callbacks):
-            return []
-        return [TrainingStatistics()]
+        callbacks: list[Callback] = list(getattr(self.trainer, "callbacks", []))
+        stats = next((c for c in callbacks if isinstance(c, TrainingStatistics)), None)
+        # Lightning replaces the Trainer's callbacks of the types returned here by these, in
+        # this order (its documented `configure_callbacks` rule; `ModelCheckpoint`s still run
+        # last): returning the others after the statistics runs every other callback's
+        # `on_train_batch_end` after this step's values reached `trainer.callback_metrics`.
+        # (a plain `Callback` instance Lightning would keep as well: left where it is)
+        others = (c for c in callbacks if c is not stats and type(c) is not Callback)
+        return [stats or TrainingStatistics(), *others]
 
     # ---------------------------------------------------------------- post-processing hooks
 

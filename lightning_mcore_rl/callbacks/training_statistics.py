@@ -67,10 +67,11 @@ class TrainingStatistics(Callback):
     :class:`~lightning_mcore_rl.MCoreRLModule` adds one to every run; pass an instance (or a
     subclass overriding :meth:`step_metrics` / :meth:`timing_metrics`) in
     ``Trainer(callbacks=...)`` to replace it. It reads the step in ``on_train_batch_end`` (after
-    megatron's optimizer step: the grad norm comes from the optimizer's last step record, the
-    skip count from the strategy's non-finite policy) and moves itself to the front of
-    ``trainer.callbacks`` in ``setup``, so every other callback's ``on_train_batch_end`` already
-    sees this step's values. A ``training_step`` that returns no ``StepOutput`` logs nothing
+    megatron's optimizer step: the grad norm, the skip and the previous step's time come from
+    the strategy's one `StepRecord`, `MCoreRLStrategy.step_record`). `MCoreRLModule`'s
+    ``configure_callbacks`` puts it first among the callbacks, so every other callback's
+    ``on_train_batch_end`` already sees this step's values (with another module, pass it first
+    in ``Trainer(callbacks=...)``). A ``training_step`` that returns no ``StepOutput`` logs nothing
     (one warning). The :data:`TIMING_METRICS` are float64 (``tokens_per_sec * step_time`` gives
     back the token count); other Python numbers become float32, as ``self.log`` makes them.
 
@@ -88,13 +89,6 @@ class TrainingStatistics(Callback):
 
     # ---------------------------------------------------------------- hooks
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Move this callback to the front of ``trainer.callbacks`` (a new list: Lightning's
-        loop over the old one is unaffected), so it logs before any other callback's
-        ``on_train_batch_end`` reads ``trainer.callback_metrics``."""
-        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
-
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Log the run configuration as hyperparameters (rank 0's loggers)."""
         config = self.run_config(trainer, pl_module)
@@ -110,8 +104,8 @@ class TrainingStatistics(Callback):
         """Publish the step from its ``outputs`` (the ``training_step`` result), after
         megatron's optimizer step, and log the previous step's row now that its ``step_time``
         is agreed."""
-        strategy = _strategy(trainer)
-        self._log_pending(trainer, strategy.step_boundary.previous_step_time)
+        record = _strategy(trainer).step_record
+        self._log_pending(trainer, record.previous_step_time if record is not None else None)
         output = self._step_output(outputs, "training_step")
         if output is None:
             return
@@ -129,15 +123,13 @@ class TrainingStatistics(Callback):
                 {k: values[k].item() for k in self.prog_bar if k in values}
             )
         if _logs_step(trainer):
-            timed = not strategy.nonfinite_guard.step_skipped
+            timed = record is None or not record.skipped
             self._pending = _Row(trainer.global_step - 1, trainer.current_epoch, values,
                                  output if timed else None)  # fmt: skip
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Log the last step's row, with its ``step_time`` (one all-reduce, every rank)."""
-        strategy = _strategy(trainer)
-        step_time = strategy.step_boundary.finish(strategy.root_device, strategy.world_group)
-        self._log_pending(trainer, step_time)
+        self._log_pending(trainer, _strategy(trainer).agree_last_step_time())
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
@@ -232,19 +224,19 @@ class TrainingStatistics(Callback):
             pl_module: the module.
             output: the step's statistics.
         """
-        strategy = _strategy(trainer)
+        record = _strategy(trainer).step_record
         # the non-finite policy's count, from the first skipped step on
-        guard = strategy.nonfinite_guard
         skipped: dict[str, MetricValue] = (
-            {"skipped_steps": float(guard.skipped_steps)} if guard.skipped_steps else {}
+            {"skipped_steps": float(record.skipped_steps)}
+            if record is not None and record.skipped_steps
+            else {}
         )
-        if guard.step_skipped:  # no loss, metrics or grad norm: the step did not run/update
+        if record is not None and record.skipped:  # no loss, metrics or grad norm: not updated
             return skipped
         values: dict[str, MetricValue] = {"train_loss": output.loss, **skipped}
         values.update({f"train_{k}": v for k, v in output.metrics.items()})
-        last = strategy.last_optimizer_step
-        if last is not None and last.grad_norm is not None:
-            values["grad_norm"] = float(last.grad_norm)
+        if record is not None and record.grad_norm is not None:
+            values["grad_norm"] = float(record.grad_norm)
         if not math.isnan(output.response_length_mean):
             values["response_length_mean"] = output.response_length_mean
             values["response_length_max"] = output.response_length_max

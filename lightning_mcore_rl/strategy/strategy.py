@@ -89,6 +89,19 @@ _PEER_GRACE_S = 5.0
 print their own message) before they are killed."""
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What the strategy knows of the latest training step, published once its optimizer step
+    ended (`MCoreRLStrategy.step_record`): all `TrainingStatistics` reads of the strategy."""
+
+    skipped: bool  # the non-finite policy skipped it: nothing was updated
+    skip_cause: str  # why ("" when it was not skipped)
+    skipped_steps: int  # steps skipped so far in this run, this one included
+    grad_norm: float | None  # megatron's pre-clip global gradient norm (None: not computed)
+    # the slowest rank's wall time of the step before it (s), agreed in this step's first pass
+    previous_step_time: float | None
+
+
 class MCoreRLStrategy(ProcessGroupStrategy):
     """Train megatron-core models (TP/PP/VPP/CP/SP/DP) with Lightning.
 
@@ -190,6 +203,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         self.termination = TerminationRequest()  # SIGTERM at step boundaries (signals.py)
         # what each training step's first agreement carries: SIGTERM, the previous step's time
         self.step_boundary = StepBoundary(self.termination)
+        self.step_record: StepRecord | None = None  # the latest training step (optimizer_step)
         self._ranks: RankTable | None = None
         self._fit_start_step = 0  # global_step when training started (resumed: the checkpoint's)
         super().__init__(rel.process_group_backend, None, rel.timeout)
@@ -223,6 +237,11 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         """``(update_successful, grad_norm, num_zeros)`` of the latest optimizer step."""
         optimizer = self.optimizers[0] if self.optimizers else None
         return optimizer.last_step if isinstance(optimizer, MegatronOptimizerAdapter) else None
+
+    def agree_last_step_time(self) -> float | None:
+        """The last training step's wall time, the slowest rank's (one all-reduce; every rank
+        calls it once the fit's steps are done): it has no next step to carry it."""
+        return self.step_boundary.finish(self.root_device, self.world_group)
 
     @property
     def step_context(self) -> StepContext:
@@ -405,6 +424,14 @@ class MCoreRLStrategy(ProcessGroupStrategy):
             last = self.last_optimizer_step
             if last is None or last.update_successful:  # the draft steps with its policy
                 step_draft(self.draft, self.groups)
+            guard = self.nonfinite_guard
+            self.step_record = StepRecord(
+                skipped=guard.step_skipped,
+                skip_cause=guard.last_skip_cause if guard.step_skipped else "",
+                skipped_steps=guard.skipped_steps,
+                grad_norm=last.grad_norm if last is not None else None,
+                previous_step_time=self.step_boundary.previous_step_time,
+            )
             return out
         finally:
             self.step_boundary.stop()
@@ -587,4 +614,4 @@ def register_strategy() -> None:
         )
 
 
-__all__ = ["MCoreRLStrategy", "check_trainer_flags", "register_strategy"]
+__all__ = ["MCoreRLStrategy", "StepRecord", "check_trainer_flags", "register_strategy"]
