@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -489,9 +490,9 @@ FLAT_ARGUMENTS: dict[str, str] = {
     "use_fused_linear_logprobs": "logprobs",
     "logprob_chunk_size": "logprobs",
 }
-"""Flat keyword arguments still accepted in Python -> the group whose field of the same name they
-set (``MCoreRLStrategy(use_fused_linear_logprobs=True)`` is
-``MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True))``)."""
+"""Deprecated flat keyword arguments (Python only; a `FutureWarning`) -> the group whose field of
+the same name they set (`MCoreRLStrategy(use_fused_linear_logprobs=True)` is
+`MCoreRLStrategy(logprobs=LogprobKernelConfig(use_fused_linear_logprobs=True))`)."""
 
 _GROUPS: dict[str, type] = {
     "microbatching": MicrobatchConfig,
@@ -503,16 +504,31 @@ _GROUPS: dict[str, type] = {
 _F = TypeVar("_F", bound=Callable[..., None])
 
 
+def flat_argument_warning(flat: dict[str, Any]) -> str:
+    """The `FutureWarning` text for the deprecated flat arguments `flat` (name -> value): each
+    one's grouped equivalent, e.g. `micro_batch_size=4 -> microbatching=MicrobatchConfig(...)`."""
+    spelled = "; ".join(
+        f"{name}={value!r} -> {FLAT_ARGUMENTS[name]}="
+        f"{_GROUPS[FLAT_ARGUMENTS[name]].__name__}({name}={value!r})"
+        for name, value in flat.items()
+    )
+    return (
+        "MCoreRLStrategy's flat arguments are deprecated and will be removed; pass their "
+        f"groups instead (one config per group): {spelled}."
+    )
+
+
 def accept_flat_arguments(init: _F) -> _F:
-    """Wrap ``MCoreRLStrategy.__init__`` so that the flat names of :data:`FLAT_ARGUMENTS` keep
+    """Wrap `MCoreRLStrategy.__init__` so that the deprecated flat names of `FLAT_ARGUMENTS` keep
     working in Python: each one is folded into its group (built with that group's defaults for
-    the other fields). The signature seen by ``inspect`` and LightningCLI stays the grouped one
-    (YAML nests them: ``reliability: {timeout: ...}``).
+    the other fields), with one `FutureWarning` per construction naming the grouped spelling.
+    The signature seen by `inspect` and LightningCLI stays the grouped one (YAML nests them:
+    `reliability: {timeout: ...}`).
 
     Raises:
         TypeError: a flat name together with its group passed explicitly (which one wins
-            would be a guess), or ``cluster_environment`` (Lightning takes it as
-            ``Trainer(plugins=[...])``).
+            would be a guess), or `cluster_environment` (Lightning takes it as
+            `Trainer(plugins=[...])`).
     """
 
     @functools.wraps(init)
@@ -523,6 +539,9 @@ def accept_flat_arguments(init: _F) -> _F:
                 "`Trainer(plugins=[<the ClusterEnvironment>])`."
             )
         flat = {name: kwargs.pop(name) for name in list(kwargs) if name in FLAT_ARGUMENTS}
+        if flat:
+            # stacklevel 2: the warning points at the caller's `MCoreRLStrategy(...)` line
+            warnings.warn(flat_argument_warning(flat), FutureWarning, stacklevel=2)
         bound = inspect.signature(init).bind_partial(self, *args, **kwargs).arguments
         for group, config in _GROUPS.items():
             fields = {n: v for n, v in flat.items() if FLAT_ARGUMENTS[n] == group}

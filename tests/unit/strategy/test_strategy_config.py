@@ -4,6 +4,7 @@ precision translation and registry (single process, no megatron state)."""
 from __future__ import annotations
 
 import inspect
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -19,10 +20,12 @@ from lightning_mcore_rl.strategy import (
     MCorePrecision,
     MCoreRLStrategy,
     MegatronDDPConfig,
+    MicrobatchConfig,
     ParallelSizes,
     ReliabilityConfig,
     check_trainer_flags,
 )
+from lightning_mcore_rl.strategy.config import FLAT_ARGUMENTS, flat_argument_warning
 from lightning_mcore_rl.strategy.precision import to_mcore_precision
 from lightning_mcore_rl.train import Microbatching, split_lm_batch
 
@@ -37,7 +40,10 @@ from lightning_mcore_rl.train import Microbatching, split_lm_batch
         ({"virtual_pipeline_model_parallel_size": 2}, "needs `pipeline_model_parallel_size` >= 2"),
         ({"sequence_parallel": True}, "`sequence_parallel=True` needs"),
         ({"context_parallel_size": 2}, "needs `sequence_packing=True`"),
-        ({"micro_batch_size": 0}, "`micro_batch_size` must be a positive int"),
+        (
+            {"microbatching": MicrobatchConfig(micro_batch_size=0)},
+            "`micro_batch_size` must be a positive int",
+        ),
         ({"expert_model_parallel_size": 0}, "`expert_model_parallel_size` must be a positive"),
         ({"expert_tensor_parallel_size": -2}, "`expert_tensor_parallel_size` must be a positive"),
         (
@@ -192,45 +198,129 @@ def test_each_group_validates_its_fields(build, error, match):
         build()
 
 
+def _configuration(strategy: MCoreRLStrategy) -> tuple:
+    """Everything the constructor's arguments set, comparable with `==`."""
+    guard = strategy.nonfinite_guard
+    return (
+        strategy.parallel,
+        strategy.microbatching,
+        strategy.ddp_config,
+        strategy.checkpoint_config,
+        strategy.reliability,
+        strategy.logprobs,
+        strategy.policy_config(),
+        strategy.use_distributed_optimizer,
+        strategy.use_fused_linear_logprobs,
+        (guard.policy, guard.max_consecutive_skips),
+        (strategy._timeout, strategy._process_group_backend),
+    )
+
+
+_EVERY_FLAT = {
+    "micro_batch_size": 1,
+    "max_tokens_per_microbatch": 64,
+    "sequence_packing": True,
+    "use_distributed_optimizer": True,
+    "timeout": timedelta(seconds=90),
+    "nonfinite": "raise",
+    "max_consecutive_skips": 3,
+    "process_group_backend": "gloo",
+    "use_fused_linear_logprobs": True,
+    "logprob_chunk_size": 16,
+}
+
+
 @pytest.mark.parametrize(
-    ("flat", "group", "expected"),
+    ("flat", "grouped"),
     [
-        ({"use_distributed_optimizer": True}, "ddp_config", MegatronDDPConfig(True)),
+        ({"micro_batch_size": 4}, {"microbatching": MicrobatchConfig(micro_batch_size=4)}),
         (
-            {"sequence_packing": True},
-            "microbatching",
-            Microbatching(micro_batch_size=2, sequence_packing=True),
+            {"micro_batch_size": 2, "sequence_packing": True},
+            {"microbatching": MicrobatchConfig(micro_batch_size=2, sequence_packing=True)},
         ),
+        ({"use_distributed_optimizer": True}, {"ddp": MegatronDDPConfig(True)}),
         (
             {"timeout": timedelta(seconds=90), "nonfinite": "raise"},
-            "reliability",
-            ReliabilityConfig(timeout=timedelta(seconds=90), nonfinite="raise"),
+            {"reliability": ReliabilityConfig(timeout=timedelta(seconds=90), nonfinite="raise")},
         ),
-        ({"max_consecutive_skips": 3}, "reliability", ReliabilityConfig(max_consecutive_skips=3)),
         (
-            {"process_group_backend": "gloo"},
-            "reliability",
-            ReliabilityConfig(process_group_backend="gloo"),
+            {"max_consecutive_skips": 3, "process_group_backend": "gloo"},
+            {
+                "reliability": ReliabilityConfig(
+                    max_consecutive_skips=3, process_group_backend="gloo"
+                )
+            },
         ),
         (
             {"use_fused_linear_logprobs": True, "logprob_chunk_size": 16},
-            "logprobs",
-            LogprobKernelConfig(use_fused_linear_logprobs=True, logprob_chunk_size=16),
+            {
+                "logprobs": LogprobKernelConfig(
+                    use_fused_linear_logprobs=True, logprob_chunk_size=16
+                )
+            },
+        ),
+        (
+            _EVERY_FLAT,
+            {
+                "microbatching": MicrobatchConfig(
+                    micro_batch_size=1, max_tokens_per_microbatch=64, sequence_packing=True
+                ),
+                "ddp": MegatronDDPConfig(use_distributed_optimizer=True),
+                "reliability": ReliabilityConfig(
+                    timeout=timedelta(seconds=90),
+                    nonfinite="raise",
+                    max_consecutive_skips=3,
+                    process_group_backend="gloo",
+                ),
+                "logprobs": LogprobKernelConfig(
+                    use_fused_linear_logprobs=True, logprob_chunk_size=16
+                ),
+            },
         ),
     ],
 )
-def test_a_former_flat_argument_is_folded_into_its_group(flat, group, expected):
-    strategy = MCoreRLStrategy(micro_batch_size=2, **flat)
-    assert getattr(strategy, group) == expected
-    assert strategy.microbatching.micro_batch_size == 2
+def test_the_deprecated_flat_spelling_warns_once_and_builds_the_grouped_strategy(flat, grouped):
+    with pytest.warns(FutureWarning) as record:
+        deprecated = MCoreRLStrategy(pipeline_model_parallel_size=2, **flat)
+    warned = [w for w in record if issubclass(w.category, FutureWarning)]
+    assert len(warned) == 1, [str(w.message) for w in warned]  # once per construction
+    assert warned[0].filename == __file__  # points at the caller
+    message = str(warned[0].message)
+    assert "deprecated" in message
+    for name, value in flat.items():
+        group = FLAT_ARGUMENTS[name]
+        config = type(grouped[group]).__name__
+        assert f"{name}={value!r} -> {group}={config}({name}={value!r})" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the grouped spelling does not warn
+        current = MCoreRLStrategy(pipeline_model_parallel_size=2, **grouped)
+    assert _configuration(deprecated) == _configuration(current)
+    assert _configuration(current) != _configuration(
+        MCoreRLStrategy(pipeline_model_parallel_size=2)
+    )
+
+
+def test_the_flat_argument_warning_names_the_grouped_spelling():
+    assert flat_argument_warning({"micro_batch_size": 4}) == (
+        "MCoreRLStrategy's flat arguments are deprecated and will be removed; pass their groups "
+        "instead (one config per group): micro_batch_size=4 -> "
+        "microbatching=MicrobatchConfig(micro_batch_size=4)."
+    )
+    assert set(FLAT_ARGUMENTS) == set(_EVERY_FLAT)
 
 
 def test_a_flat_argument_with_its_group_or_a_cluster_environment_raises():
-    with pytest.raises(TypeError, match=r"both `logprobs=` and `use_fused_linear_logprobs=`"):
+    with (
+        pytest.warns(FutureWarning, match="deprecated"),
+        pytest.raises(TypeError, match=r"both `logprobs=` and `use_fused_linear_logprobs=`"),
+    ):
         MCoreRLStrategy(logprobs=LogprobKernelConfig(), use_fused_linear_logprobs=True)
     with pytest.raises(TypeError, match=r"no `cluster_environment`.*Trainer\(plugins="):
         MCoreRLStrategy(cluster_environment=None)
-    with pytest.raises(ValueError, match=r"`max_consecutive_skips` must be >= 1"):
+    with (
+        pytest.warns(FutureWarning, match="max_consecutive_skips=0 -> reliability="),
+        pytest.raises(ValueError, match=r"`max_consecutive_skips` must be >= 1"),
+    ):
         MCoreRLStrategy(max_consecutive_skips=0)  # the group's own validation applies
 
 
