@@ -422,7 +422,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         try:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
             last = self.last_optimizer_step
-            if last is None or last.update_successful:  # the draft steps with its policy
+            # the draft steps with its policy (a run without one never enters strategy/draft.py)
+            if self.draft.model is not None and (last is None or last.update_successful):
                 step_draft(self.draft, self.groups)
             guard = self.nonfinite_guard
             self.step_record = StepRecord(
