@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mcore_rl.extensions.base import NoExtension
+from lightning_mcore_rl.extensions.noop import NoExtension
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.parallel import ParallelGroups, unwrap_model
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.train.context import StepContext
-    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.model_inputs import GlobalBatch, ProcessedMicrobatch
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
     from lightning_mcore_rl.train.statistics import StepOutput
 

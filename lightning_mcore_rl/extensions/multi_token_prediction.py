@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mcore_rl.extensions.base import NoExtension
+from lightning_mcore_rl.extensions.noop import NoExtension
 from lightning_mcore_rl.losses import MetricNormalizer
 from lightning_mcore_rl.parallel import ParallelGroups, unwrap_model
 
 if TYPE_CHECKING:
-    from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+    from lightning_mcore_rl.train.model_inputs import ProcessedMicrobatch
 
 MTP_LOSS = "mtp_loss"
 """Metric: the MTP cross entropy averaged over depths (unscaled by ``mtp_loss_scaling_factor``)."""

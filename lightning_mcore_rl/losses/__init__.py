@@ -16,7 +16,7 @@ from lightning_mcore_rl.losses.config import (
     load_config,
 )
 from lightning_mcore_rl.losses.distillation import DistillationLossFn, OPDFullLossFn
-from lightning_mcore_rl.losses.draft import DraftCrossEntropyLossFn
+from lightning_mcore_rl.losses.draft_loss import DraftCrossEntropyLossFn
 from lightning_mcore_rl.losses.interfaces import (
     MEAN_RULE,
     REDUCTION_RULES,

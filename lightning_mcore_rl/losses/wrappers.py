@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
-from lightning_mcore_rl.losses.draft import DraftCrossEntropyLossFn
+from lightning_mcore_rl.losses.draft_loss import DraftCrossEntropyLossFn
 from lightning_mcore_rl.losses.interfaces import REDUCTION_RULES, LossFunction, MetricNormalizer
 from lightning_mcore_rl.losses.loss_input import prepare_loss_input
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from lightning_mcore_rl.models.draft import (
+from lightning_mcore_rl.models.draft_model import (
     checked_draft_layout,
     eagle_draft_config,
     fill_draft_weights,
@@ -73,7 +73,7 @@ def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 
 class Eagle3DraftModel(MegatronModule):
     """The EAGLE-3 draft (see the module docstring); the same call as
-    :class:`~lightning_mcore_rl.models.draft.EagleDraftModel`, so the step trains either.
+    :class:`~lightning_mcore_rl.models.draft_model.EagleDraftModel`, so the step trains either.
 
     Args:
         config: the draft's ``TransformerConfig`` (width, heads, ``ffn_hidden_size``, TP size).
@@ -216,7 +216,7 @@ def eagle3_draft(
         groups: this rank's layout (``None``: one rank).
         seed: weight seed.
         rope_theta: rope base.
-        **config_overrides: see :func:`~lightning_mcore_rl.models.draft.eagle_draft_config`.
+        **config_overrides: see :func:`~lightning_mcore_rl.models.draft_model.eagle_draft_config`.
 
     Raises:
         ValueError: ``aux_layers`` empty, repeated or outside the policy's layers; ``vocab_size``

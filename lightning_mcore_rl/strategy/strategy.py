@@ -50,7 +50,7 @@ from lightning_mcore_rl.strategy.config import (
     ReliabilityConfig,
     accept_flat_arguments,
 )
-from lightning_mcore_rl.strategy.draft import (
+from lightning_mcore_rl.strategy.draft_training import (
     DraftState,
     build_draft,
     draft_checkpoint_state,
@@ -67,13 +67,13 @@ from lightning_mcore_rl.strategy.optimizer import (
 from lightning_mcore_rl.strategy.parallel import check_strategy_args, init_model_parallel
 from lightning_mcore_rl.strategy.precision import MCorePrecision, to_mcore_precision
 from lightning_mcore_rl.strategy.resume import ResumeGuardLauncher, check_resumed_fit_trained
-from lightning_mcore_rl.strategy.step import StepRunner
+from lightning_mcore_rl.strategy.step_runner import StepRunner
 from lightning_mcore_rl.strategy.teacher import HostedTeacher
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
 
-    from lightning_mcore_rl.strategy.step import StepDeclaration
+    from lightning_mcore_rl.strategy.step_runner import StepDeclaration
     from lightning_mcore_rl.train import (
         Microbatching,
         ParallelGroups,

@@ -19,21 +19,20 @@ size; model output ``[B, S/CP, V_l]`` (padded) or ``[1, T/CP, V_l]`` (packed).
 """
 
 from lightning_mcore_rl.parallel import ParallelGroups
-from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
 from lightning_mcore_rl.train.context import Microbatching, StepContext
+from lightning_mcore_rl.train.cp_layout import (
+    CP_NEEDS_PACKING,
+    should_reduce_loss_across_context_parallel,
+    strip_context_parallel_local_loss_metric,
+)
 from lightning_mcore_rl.train.forward import (
     _prepare_padding_mask_for_model,
     apply_temperature_scaling,
     forward_with_post_processing_fn,
     model_forward,
 )
-from lightning_mcore_rl.train.groups import (
-    CP_NEEDS_PACKING,
-    should_reduce_loss_across_context_parallel,
-    strip_context_parallel_local_loss_metric,
-)
 from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
-from lightning_mcore_rl.train.microbatch import (
+from lightning_mcore_rl.train.model_inputs import (
     GlobalBatch,
     ProcessedMicrobatch,
     causal_attention_mask,
@@ -41,6 +40,7 @@ from lightning_mcore_rl.train.microbatch import (
     process_global_batch,
     process_microbatch,
 )
+from lightning_mcore_rl.train.policy_config import PolicyConfig, load_policy_config
 from lightning_mcore_rl.train.post_processors import (
     LogprobsPostProcessor,
     PostProcessingFunction,

@@ -15,8 +15,8 @@ import torch
 
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import ParallelGroups
-from lightning_mcore_rl.train.config import PolicyConfig
-from lightning_mcore_rl.train.microbatch import check_microbatching
+from lightning_mcore_rl.train.model_inputs import check_microbatching
+from lightning_mcore_rl.train.policy_config import PolicyConfig
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.train.extension import StepExtension
@@ -35,7 +35,7 @@ class Microbatching:
             p2p sends one shape); padded token-budget microbatches cannot, so that raises.
         sequence_parallel: the model runs megatron sequence parallelism: packed spans are padded
             to a multiple of ``2*CP*TP`` (``TP`` without CP), padded rows to a multiple of ``TP``
-            (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`).
+            (:func:`~lightning_mcore_rl.train.model_inputs.layout_padding`).
     """
 
     micro_batch_size: int = 1

@@ -2,7 +2,7 @@
 
 The core (`train/step.py`, `train/forward.py`) runs plan -> per microbatch forward ->
 post-process -> loss -> backward -> statistics; a `StepExtension` adds to it at the points below
-(`extensions.base.NoExtension` implements each as a no-op). An extension lives in its own module under
+(`extensions.noop.NoExtension` implements each as a no-op). An extension lives in its own module under
 `lightning_mcore_rl/extensions/` and is imported only when its feature is on.
 """
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.losses import MetricNormalizer
     from lightning_mcore_rl.parallel import ParallelGroups
     from lightning_mcore_rl.train.context import StepContext
-    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.model_inputs import GlobalBatch, ProcessedMicrobatch
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
     from lightning_mcore_rl.train.statistics import StepOutput
 

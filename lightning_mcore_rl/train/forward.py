@@ -33,7 +33,7 @@ from lightning_mcore_rl.train.fused import (
     output_weight,
     reject_filtering,
 )
-from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+from lightning_mcore_rl.train.model_inputs import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
 

@@ -26,7 +26,7 @@ from lightning_mcore_rl.ops import (
 )
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.train.binding import Binding
-from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.cp_layout import OutputProcessor
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
@@ -35,7 +35,7 @@ from lightning_mcore_rl.train.fused import (
     fused_prepare_fn,
     reject_filtering,
 )
-from lightning_mcore_rl.train.groups import OutputProcessor
+from lightning_mcore_rl.train.policy_config import PolicyConfig, load_policy_config
 
 
 class LossPostProcessor:

@@ -30,11 +30,11 @@ from lightning_mcore_rl.ops import (
     from_parallel_logits_to_logprobs_packed_sequences,
 )
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
-from lightning_mcore_rl.train import groups as pg
+from lightning_mcore_rl.train import cp_layout as pg
 from lightning_mcore_rl.train.binding import Binding
-from lightning_mcore_rl.train.config import PolicyConfig, load_policy_config
+from lightning_mcore_rl.train.cp_layout import OutputProcessor
 from lightning_mcore_rl.train.fused import FusedLMHead, reject_filtering
-from lightning_mcore_rl.train.groups import OutputProcessor
+from lightning_mcore_rl.train.policy_config import PolicyConfig, load_policy_config
 
 
 class LogprobsPostProcessor:

@@ -18,7 +18,7 @@ from lightning_mcore_rl.train.forward import (
     check_fused_linear_logprobs,
     forward_with_post_processing_fn,
 )
-from lightning_mcore_rl.train.microbatch import ProcessedMicrobatch
+from lightning_mcore_rl.train.model_inputs import ProcessedMicrobatch
 from lightning_mcore_rl.train.post_processors import PostProcessingFunction
 
 ModelChunks = torch.nn.Module | list[torch.nn.Module]

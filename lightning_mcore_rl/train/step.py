@@ -38,7 +38,7 @@ from lightning_mcore_rl.train.extension import StepExtension, entered, resolve_e
 from lightning_mcore_rl.train.forward import check_fused_linear_logprobs
 from lightning_mcore_rl.train.logits_dtype import defers_fp32_logits
 from lightning_mcore_rl.train.loss_post_processor import LossPostProcessor
-from lightning_mcore_rl.train.microbatch import (
+from lightning_mcore_rl.train.model_inputs import (
     GlobalBatch,
     layout_padding,
     process_global_batch,
@@ -76,7 +76,7 @@ def split_global_batch(
 ) -> GlobalBatch:
     """This DP rank's share of a global batch -> processed microbatches with the global valid
     counts (:func:`~lightning_mcore_rl.train.process_global_batch`; CP shards per rank), padded
-    as the layout needs (:func:`~lightning_mcore_rl.train.microbatch.layout_padding`);
+    as the layout needs (:func:`~lightning_mcore_rl.train.model_inputs.layout_padding`);
     ``routing``: the model has MoE routers (their padding mask and replay ids are built);
     ``mtp``: it has multi-token-prediction layers (their ``mtp_loss_mask`` is built)."""
     data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)

@@ -130,8 +130,8 @@ def test_the_walker_sees_function_level_relative_and_submodule_imports() -> None
     graph = import_graph()
     # a function-level import (module.py imports the statistics inside configure_callbacks)
     assert f"{PACKAGE}.callbacks.training_statistics" in graph[f"{PACKAGE}.module"]
-    # `from lightning_mcore_rl.train import groups as pg`: the submodule, not the package
-    assert f"{PACKAGE}.train.groups" in graph[f"{PACKAGE}.train.post_processors"]
+    # `from lightning_mcore_rl.train import cp_layout as pg`: the submodule, not the package
+    assert f"{PACKAGE}.train.cp_layout" in graph[f"{PACKAGE}.train.post_processors"]
     # a cycle is found when there is one
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

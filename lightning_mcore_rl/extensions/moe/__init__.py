@@ -10,26 +10,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_mcore_rl.extensions.base import NoExtension
-from lightning_mcore_rl.extensions.moe.replay import (
+from lightning_mcore_rl.extensions.moe.router_replay import (
     after_replay_forward,
     arm_replay_forward,
     check_routed_experts,
     replay_enabled,
     router_replay_pass,
 )
-from lightning_mcore_rl.extensions.moe.statistics import (
+from lightning_mcore_rl.extensions.moe.router_statistics import (
     RouterCall,
     RouterStatistic,
     RouterStatistics,
     moe_config,
     moe_pass,
 )
+from lightning_mcore_rl.extensions.noop import NoExtension
 
 if TYPE_CHECKING:
     from lightning_mcore_rl.parallel import ParallelGroups
     from lightning_mcore_rl.train.context import StepContext
-    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.model_inputs import GlobalBatch, ProcessedMicrobatch
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
     from lightning_mcore_rl.train.statistics import StepOutput
 

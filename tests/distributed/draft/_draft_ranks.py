@@ -14,7 +14,7 @@ from helpers.batches import prompted_batch
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses import ClippedPGLossFn
-from lightning_mcore_rl.models.draft import eagle_draft
+from lightning_mcore_rl.models.draft_model import eagle_draft
 from lightning_mcore_rl.models.eagle3 import eagle3_draft
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt, tiny_gpt_config
 from lightning_mcore_rl.parallel import megatron_groups

@@ -11,7 +11,7 @@ from helpers.trainer import cpu_trainer
 from lightning.pytorch import Callback
 
 from lightning_mcore_rl import MCoreRLStrategy
-from lightning_mcore_rl.models.draft import eagle_draft
+from lightning_mcore_rl.models.draft_model import eagle_draft
 from lightning_mcore_rl.models.eagle3 import eagle3_draft, save_eagle3
 from lightning_mcore_rl.parallel import unwrap_model
 from lightning_mcore_rl.recipes import SFTDataModule, SFTModule

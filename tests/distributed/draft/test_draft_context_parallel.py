@@ -13,7 +13,7 @@ from helpers.trainer import cpu_trainer
 from megatron.core.transformer.module import MegatronModule
 
 from lightning_mcore_rl import MCoreRLStrategy
-from lightning_mcore_rl.models.draft import eagle_draft, eagle_draft_config
+from lightning_mcore_rl.models.draft_model import eagle_draft, eagle_draft_config
 from lightning_mcore_rl.models.eagle3 import eagle3_draft
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt_config
 from lightning_mcore_rl.recipes import SFTDataModule, SFTModule

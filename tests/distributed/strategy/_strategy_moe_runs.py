@@ -113,7 +113,7 @@ def reference_rank(_rank: int, spec: MoESpec) -> dict[str, Any]:
     and weight; plus the router statistics counted here."""
     from lightning_mcore_rl.models.tiny_gpt import canonical_name
     from lightning_mcore_rl.testing import init_megatron_state
-    from lightning_mcore_rl.train.microbatch import process_microbatch
+    from lightning_mcore_rl.train.model_inputs import process_microbatch
 
     off = step_rank(0, MoESpec(capacity=spec.capacity))
     init_megatron_state()

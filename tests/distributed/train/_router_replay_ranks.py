@@ -68,8 +68,8 @@ def _row_forward(model: Any, ids: torch.Tensor, replay: torch.Tensor | None) -> 
     """Logits ``[S, V]`` of one row alone; ``replay [S, L, K]``: route with these experts."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from lightning_mcore_rl.extensions.moe.replay import chunk_routers, clear_replay
-    from lightning_mcore_rl.train.microbatch import causal_attention_mask
+    from lightning_mcore_rl.extensions.moe.router_replay import chunk_routers, clear_replay
+    from lightning_mcore_rl.train.model_inputs import causal_attention_mask
 
     if replay is not None:
         for layer, router in chunk_routers(model):
@@ -86,7 +86,7 @@ def _row_forward(model: Any, ids: torch.Tensor, replay: torch.Tensor | None) -> 
 
 def _row_routing(model: Any, ids: torch.Tensor) -> torch.Tensor:
     """One row's own routing ``[S, L, K]`` (megatron's RECORD)."""
-    from lightning_mcore_rl.extensions.moe.replay import (
+    from lightning_mcore_rl.extensions.moe.router_replay import (
         clear_replay,
         record_routing,
         recorded_routing,

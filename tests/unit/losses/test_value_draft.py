@@ -9,7 +9,7 @@ import torch
 from _helpers import DT, check_invariance, t
 
 from lightning_mcore_rl.losses import MseValueLossFn
-from lightning_mcore_rl.losses.draft import DraftCrossEntropyLossFn
+from lightning_mcore_rl.losses.draft_loss import DraftCrossEntropyLossFn
 
 
 def value_data() -> dict[str, torch.Tensor]:

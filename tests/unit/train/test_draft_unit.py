@@ -19,7 +19,7 @@ from lightning_mcore_rl.losses import (
     prepare_loss_input,
     wrap_loss_fn_with_input_preparation,
 )
-from lightning_mcore_rl.models.draft import eagle_draft
+from lightning_mcore_rl.models.draft_model import eagle_draft
 from lightning_mcore_rl.models.tiny_gpt import tiny_gpt_config
 from lightning_mcore_rl.train import ParallelGroups, StepContext
 

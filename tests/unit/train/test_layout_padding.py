@@ -11,7 +11,7 @@ from helpers.unit import FakeGroup
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.train import Microbatching, ParallelGroups, process_microbatch
-from lightning_mcore_rl.train.microbatch import layout_padding
+from lightning_mcore_rl.train.model_inputs import layout_padding
 from lightning_mcore_rl.train.step import split_global_batch
 
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from lightning_mcore_rl.data import BatchedDataDict
-from lightning_mcore_rl.extensions.moe.replay import (
+from lightning_mcore_rl.extensions.moe.router_replay import (
     check_routed_experts,
     moe_layer_numbers,
     routed_experts_in_model_order,
     routed_token_index,
     sequence_parallel_slice,
 )
-from lightning_mcore_rl.train.microbatch import process_microbatch
+from lightning_mcore_rl.train.model_inputs import process_microbatch
 
 L, K, E = 2, 2, 4
 

@@ -1,4 +1,4 @@
-"""``extensions.moe.statistics`` host-side pieces: which router losses a config enables, the derived
+"""``extensions.moe.router_statistics`` host-side pieces: which router losses a config enables, the derived
 metrics of the built-in statistics on hand-made tables, and the collector's errors."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_mcore_rl.extensions.moe.statistics import (
+from lightning_mcore_rl.extensions.moe.router_statistics import (
     DROPPED_TOKENS,
     ROUTER_MISMATCH,
     TOKENS_PER_EXPERT,

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.parallel import ParallelGroups
     from lightning_mcore_rl.train.context import StepContext
     from lightning_mcore_rl.train.extension import LossFunc
-    from lightning_mcore_rl.train.microbatch import GlobalBatch, ProcessedMicrobatch
+    from lightning_mcore_rl.train.model_inputs import GlobalBatch, ProcessedMicrobatch
     from lightning_mcore_rl.train.post_processors import PostProcessingFunction
     from lightning_mcore_rl.train.statistics import StepOutput
 

@@ -73,7 +73,7 @@ def build_draft(
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import MegatronModule
 
-    from lightning_mcore_rl.models.draft import check_draft_context_parallel
+    from lightning_mcore_rl.models.draft_model import check_draft_context_parallel
 
     draft = module.build_draft_model()
     if draft is None:
@@ -81,7 +81,7 @@ def build_draft(
     if not isinstance(draft, MegatronModule):
         raise TypeError(
             f"{type(module).__name__}.build_draft_model() must return a megatron module (e.g. "
-            f"lightning_mcore_rl.models.draft.eagle_draft(...)) or None, got {type(draft).__name__}"
+            f"lightning_mcore_rl.models.draft_model.eagle_draft(...)) or None, got {type(draft).__name__}"
         )
     check_draft_context_parallel(groups.cp_size)  # a draft of the module's own builder
     if bf16:

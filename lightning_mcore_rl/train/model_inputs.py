@@ -140,7 +140,7 @@ def process_microbatch(
             ).packed_local  # fmt: skip
         if routing:
             # the MoE extension's token order, imported only for a model with routers
-            from lightning_mcore_rl.extensions.moe.replay import (
+            from lightning_mcore_rl.extensions.moe.router_replay import (
                 packable_token_ids,
                 routed_token_index,
             )
@@ -180,7 +180,7 @@ def process_microbatch(
     position_ids = torch.arange(padded_width, device=input_ids.device).expand(batch, -1)
     token_index = padding_mask = None
     if routing:
-        from lightning_mcore_rl.extensions.moe.replay import routed_token_index
+        from lightning_mcore_rl.extensions.moe.router_replay import routed_token_index
 
         row_lengths = data_dict.get(seq_length_key)
         token_index = routed_token_index(
@@ -217,7 +217,7 @@ def _routed_experts(data_dict: BatchedDataDict, token_index: Tensor | None) -> T
     routers: ``token_index`` ``None``)."""
     if token_index is None:
         return None
-    from lightning_mcore_rl.extensions.moe.replay import (
+    from lightning_mcore_rl.extensions.moe.router_replay import (
         ROUTED_EXPERTS,
         routed_experts_in_model_order,
     )

@@ -32,7 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mcore_rl.extensions.moe.replay import moe_layer_numbers, sequence_parallel_slice
+from lightning_mcore_rl.extensions.moe.router_replay import (
+    moe_layer_numbers,
+    sequence_parallel_slice,
+)
 from lightning_mcore_rl.parallel import ParallelGroups
 
 ROUTER_LOSS_NAMES = (
