@@ -1,25 +1,13 @@
-"""The step's ONE agreement collective: every rank's input verdict and batch summary, all-gathered.
+"""The step's ONE agreement collective: every rank's `[verdict, replica, rows, width,
+fingerprint, signal, step_time_ns]` (int64; `replica` = its DP rank), all-gathered into a
+`[world, 7]` table from which every rank derives the same decision: the MAX verdict (the
+non-finite policy), `BatchMismatchError` on unequal row counts or unequal batches within a model
+replica, and the training step's `StepBoundary` (MAX signal and MAX previous step time)."""
 
-Each rank contributes ``[verdict, replica, rows, width, fingerprint, signal, step_time_ns]``
-(int64, ``replica`` = its data-parallel rank: the tensor/context/pipeline-parallel ranks of one
-model replica share it). From the gathered ``[world, 7]`` table every rank derives the same
-decision:
-
-* the MAX verdict (:data:`OK` / :data:`NONFINITE` / :data:`INVALID`) — the non-finite policy;
-* when no rank rejected its batch: every rank holds the same number of rows (one global batch,
-  split evenly over data parallelism: unequal shares stall megatron's schedule or the statistics'
-  all-gather) and the ranks of one replica hold the same batch (width and
-  :func:`~lightning_mcore_rl.train.validation.batch_fingerprint`: TP peers given different data
-  would silently train on a mix). A mismatch raises :class:`BatchMismatchError` on every rank,
-  before the model runs, naming the ranks and what differs.
-
-The same collective carries what a training step must agree on at its start
-(:class:`StepBoundary`, filled in the first pass of each training step only, 0 elsewhere): the
-MAX ``signal`` (a SIGTERM any rank received, acted on by every rank at this point:
-:class:`~lightning_mcore_rl.reliability.signals.TerminationRequest`) and the MAX ``step_time_ns``
-(the previous training step's wall time, the slowest rank's: ``step_time``, logged one step
-late). So a training step runs one world-group collective before its model runs, not three.
-"""
+# Unequal row counts stall megatron's schedule or the statistics' all-gather; TP peers given
+# different data would silently train on a mix. Carrying the SIGTERM flag and the previous step's
+# time in the same table gives a training step one world-group collective before its model
+# runs, not three.
 
 from __future__ import annotations
 
@@ -45,30 +33,21 @@ class BatchMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class RankInput:
-    """One rank's entry of the agreement table.
+    """One rank's entry of the agreement table (rows/width/fingerprint 0 for a rejected batch;
+    signal/step_time_ns 0 outside a training step's first pass)."""
 
-    Attributes:
-        verdict: :data:`OK`, :data:`NONFINITE` or :data:`INVALID`.
-        replica: the rank's data-parallel rank (its model replica).
-        rows: ``B`` (0 when the batch was rejected).
-        width: ``S`` (0 when the batch was rejected).
-        fingerprint: the batch's fingerprint (0 when the batch was rejected).
-        signal: a terminating signal this rank received (0: none; :class:`StepBoundary`).
-        step_time_ns: this rank's previous training step, ns (0: none; :class:`StepBoundary`).
-    """
-
-    verdict: int
-    replica: int
-    rows: int = 0
-    width: int = 0
-    fingerprint: int = 0
-    signal: int = 0
-    step_time_ns: int = 0
+    verdict: int  # OK, NONFINITE or INVALID
+    replica: int  # the rank's data-parallel rank (its model replica)
+    rows: int = 0  # B
+    width: int = 0  # S
+    fingerprint: int = 0  # train/validation.py:batch_fingerprint
+    signal: int = 0  # a terminating signal this rank received (StepBoundary)
+    step_time_ns: int = 0  # this rank's previous training step, ns (StepBoundary)
 
 
 def gather_inputs(entry: RankInput, device: torch.device | str, group: Any) -> torch.Tensor:
-    """The ONE collective: ``entry`` of every rank of ``group`` (None: the default group) as a
-    ``[world, 7]`` int64 table on the CPU, in group-rank order (one rank: its own row)."""
+    """The ONE collective: `entry` of every rank of `group` (None: the default group) as a
+    `[world, 7]` int64 table on the CPU, in group-rank order."""
     local = torch.tensor(
         [entry.verdict, entry.replica, entry.rows, entry.width, entry.fingerprint,
          entry.signal, entry.step_time_ns],
@@ -83,10 +62,10 @@ def gather_inputs(entry: RankInput, device: torch.device | str, group: Any) -> t
 
 
 def agreed_verdict(table: torch.Tensor) -> int:
-    """The MAX verdict over the ranks, after :func:`check_agreement` when no rank rejected.
+    """The MAX verdict over the ranks, after `check_agreement` when no rank rejected.
 
     Raises:
-        BatchMismatchError: see :func:`check_agreement`.
+        BatchMismatchError: see `check_agreement`.
     """
     verdict = max(row[_VERDICT] for row in table.tolist())
     if verdict != INVALID:
@@ -95,15 +74,15 @@ def agreed_verdict(table: torch.Tensor) -> int:
 
 
 def rejected_ranks(table: torch.Tensor) -> list[int]:
-    """The group ranks of the gathered ``table`` that rejected their batch (:data:`INVALID`)."""
+    """The group ranks of the gathered `table` that rejected their batch (`INVALID`)."""
     return [r for r, entry in enumerate(table.tolist()) if entry[_VERDICT] == INVALID]
 
 
 def gather_rejections(error: BaseException | None, group: Any) -> dict[int, str]:
-    """Collective over ``group`` (None: the default group; every rank calls it, once the
-    agreement showed that some ranks rejected their batch and others did not, so it costs
-    nothing on a good step, nor when every rank raises its own error):
-    ``{global rank: "ValueError: <first line>"}`` of the ranks whose ``error`` is not None."""
+    """`{global rank: "ValueError: <first line>"}` of the ranks of `group` whose `error` is not
+    None (collective: every rank calls it)."""
+    # called only once the agreement showed that some ranks rejected their batch and others did
+    # not: it costs nothing on a good step, nor when every rank raises its own error
     reason = None if error is None else f"{type(error).__name__}: {_first_line(error)}"
     if not (dist.is_available() and dist.is_initialized()):
         return {} if reason is None else {0: reason}
@@ -119,10 +98,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def check_agreement(table: torch.Tensor) -> None:
-    """Equal row counts on every rank, and equal width and fingerprint within each replica.
-
-    Args:
-        table: ``[world, 7]`` from :func:`gather_inputs` (row ``r``: group rank ``r``).
+    """Equal row counts on every rank, and equal width and fingerprint within each replica of
+    `table` (`[world, 7]`, from `gather_inputs`).
 
     Raises:
         BatchMismatchError: naming the ranks and their rows, widths or fingerprints.
@@ -141,18 +118,14 @@ def check_agreement(table: torch.Tensor) -> None:
 
 
 def check_replica_agreement(table: torch.Tensor, where: str = "") -> None:
-    """The same batch on the ranks of each model replica (rows, width and fingerprint); the
-    replicas may hold different row counts. What a rollout needs before its first collective
-    (its TP/PP ranks run the same generation), checked by
-    :func:`~lightning_mcore_rl.rollout.preflight.check_before_rollout`.
-
-    Args:
-        table: ``[world, 7]`` from :func:`gather_inputs` (row ``r``: group rank ``r``).
-        where: the message's head (e.g. ``"Before the rollout: "``).
+    """The same batch (rows, width, fingerprint) on the ranks of each model replica of `table`
+    (`[world, 7]`); `where` heads the message.
 
     Raises:
         BatchMismatchError: naming the replica's ranks and their rows, widths or fingerprints.
     """
+    # the replicas may hold different row counts: a rollout (`rollout/preflight.py`) needs only
+    # its TP/PP ranks to run the same generation
     entries: list[list[int]] = table.tolist()
     _check_replicas(
         entries,
@@ -165,8 +138,7 @@ def check_replica_agreement(table: torch.Tensor, where: str = "") -> None:
 def _check_replicas(
     entries: list[list[int]], columns: tuple[tuple[int, str], ...], where: str = ""
 ) -> None:
-    """Equal ``columns`` (index, what) on the ranks of each replica, else
-    :class:`BatchMismatchError` (its message headed by ``where``)."""
+    """Equal `columns` (index, what) on the ranks of each replica, else `BatchMismatchError`."""
     for replica in sorted({entry[_REPLICA] for entry in entries}):
         ranks = [r for r, entry in enumerate(entries) if entry[_REPLICA] == replica]
         for column, what in columns:
@@ -187,19 +159,12 @@ def _check_replicas(
 
 
 class StepBoundary:
-    """What a training step agrees on at its start, carried by its first agreement collective.
+    """What a training step agrees on at its start (the SIGTERM flag, the previous step's wall
+    time), carried by its first agreement collective; `termination`: the strategy's request."""
 
-    The strategy calls :meth:`open` at every training batch start and :meth:`stop` after the
-    step's optimizer step. The first pass of the step then adds this rank's received signal and
-    its previous step's wall time to its :class:`RankInput` (:meth:`stamp`) and, once the table
-    is gathered, :meth:`settle` makes every rank act on the same signal (the
-    ``termination`` request calls Lightning's handler, on every rank at once) and holds the same
-    :attr:`previous_step_time`. Later passes of the step, and passes outside training steps
-    (validation, ``trainer.validate``), carry zeros and settle nothing.
-
-    Args:
-        termination: the strategy's SIGTERM request.
-    """
+    # The strategy calls `open` at every training batch start and `stop` after the optimizer
+    # step; the step's first pass `stamp`s its entry and `settle`s the gathered table. Later
+    # passes and passes outside training steps (validation) carry zeros and settle nothing.
 
     def __init__(self, termination: TerminationRequest) -> None:
         self.termination = termination
@@ -228,8 +193,8 @@ class StepBoundary:
             self._start_ns = None
 
     def stamp(self, entry: RankInput) -> RankInput:
-        """``entry`` with this rank's signal and previous step time (the first pass of a
-        training step; other passes: unchanged, zeros)."""
+        """`entry` with this rank's signal and previous step time (a training step's first
+        pass; other passes: unchanged)."""
         if not self._open:
             return entry
         return replace(entry, signal=self.termination.received or 0, step_time_ns=self._elapsed_ns)
@@ -247,8 +212,8 @@ class StepBoundary:
         self.termination.act(max(entry[_SIGNAL] for entry in entries))
 
     def finish(self, device: torch.device | str, group: Any) -> float | None:
-        """The last step's wall time, the slowest rank's: ONE all-reduce (MAX) over ``group``
-        (every rank, at the same point: the end of training); ``None`` when no step ran."""
+        """The last step's wall time, the slowest rank's: ONE all-reduce (MAX) over `group`
+        (every rank, at the end of training); `None` when no step ran."""
         value = torch.tensor([self._elapsed_ns], dtype=torch.int64, device=device)
         self._elapsed_ns = 0
         if dist.is_available() and dist.is_initialized():

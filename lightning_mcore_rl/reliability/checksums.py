@@ -1,19 +1,12 @@
-"""Checksums of checkpoint files and messages naming the damaged file.
+"""Checksums of checkpoint files (`MANIFEST`: each file's size and CRC-32, written at save,
+verified before a load, each rank hashing a share) and messages naming the damaged file: the
+same `CorruptCheckpointError` on every rank."""
 
-A save writes :data:`MANIFEST` (every file's size and CRC-32) into the checkpoint directory
-before it is swapped into place; a load verifies it before megatron reads any file. Both are
-collectives in which each rank hashes a share of the bytes (:func:`shares`) and the results are
-exchanged once, so a damaged file raises the same :class:`CorruptCheckpointError` on every rank.
-
-CRC-32 (``zlib.crc32``), not a cryptographic hash: the checks are against accidental damage
-(bit flips, truncated or overwritten files), not an adversary. It detects every single-bit flip
-and every error burst of up to 32 bits, misses other random damage with probability 2**-32, and
-costs about 0.5 ms of one core per MB read from the page cache (2 GB/s) where blake2b costs
-about 1.7 ms/MB (0.6 GB/s), 3.5x more (``docs/reliability.md``).
-
-A checkpoint without a manifest (saved before checksums) loads unverified, with a warning; when
-megatron then fails to read it, :func:`damaged_files` finds the file that cannot be read.
-"""
+# CRC-32 (`zlib.crc32`), not a cryptographic hash: the checks are against accidental damage (bit
+# flips, truncated or overwritten files), not an adversary; it detects every single-bit flip and
+# every burst of up to 32 bits, misses other random damage with probability 2**-32, and costs
+# about a third of blake2b (docs/reliability.md). A checkpoint saved before checksums loads
+# unverified, with a warning; if megatron then fails to read it, `damaged_files` names the file.
 
 from __future__ import annotations
 
@@ -51,7 +44,8 @@ def file_crc32(path: Path) -> str:
 
 def shares(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
     """Files per rank for hashing: largest first, each to the rank with the fewest bytes so far
-    (ties: lowest rank). Deterministic in ``sizes``, so every rank computes the same split."""
+    (ties: lowest rank)."""
+    # deterministic in `sizes`: every rank computes the same split without a collective
     loads = [0] * world_size
     split: list[list[str]] = [[] for _ in range(world_size)]
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
@@ -85,11 +79,10 @@ def _listing(directory: Path) -> dict[str, int]:
 
 
 def write_manifest(directory: Path) -> None:
-    """Collective, after every rank's ``dist_checkpointing.save`` into ``directory``: rank 0
-    lists the files (megatron's rank 0 finishes last, after every rank's shards), each rank
-    hashes its :func:`shares` of them, and rank 0 writes :data:`MANIFEST` (to a temporary name,
-    then renamed, so a manifest is never partial)."""
+    """Collective, after every rank's `dist_checkpointing.save` into `directory`: each rank
+    hashes its `shares` of the files and rank 0 writes `MANIFEST`."""
     rank, world = _rank_and_world()
+    # rank 0 lists the files: megatron's rank 0 finishes its save last, after every rank's shards
     listing = [_listing(directory) if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(listing, src=0)
@@ -141,11 +134,8 @@ def _check_file(directory: Path, name: str, entry: Mapping[str, Any]) -> str | N
 
 
 def verify(directory: Path) -> bool:
-    """Collective, before megatron reads ``directory``: each rank checks its :func:`shares` of
-    the files in :data:`MANIFEST` (size, then CRC-32); one exchange of the findings.
-
-    Returns:
-        True when verified; False when the checkpoint has no manifest (rank 0 warns).
+    """Collective, before megatron reads `directory`: each rank checks its `shares` of the files
+    in `MANIFEST` (size, then CRC-32), one exchange of the findings; False: no manifest.
 
     Raises:
         CorruptCheckpointError: on every rank, naming each missing, truncated or changed file
@@ -180,12 +170,10 @@ def corrupt_error(directory: Path, problems: Sequence[str]) -> CorruptCheckpoint
 
 
 def damaged_files(directory: Path) -> list[str]:
-    """On the calling rank, no collective: the files of a checkpoint (without a manifest) that
-    cannot be read, for a message after megatron failed to load it. ``common.pt`` that does not
-    unpickle with ``weights_only=True`` (call under the caller's ``safe_globals``; a type that is
-    not allowed is no damage), a
-    ``.metadata`` (torch's distributed-checkpoint index) that does not load, shard files missing
-    or shorter than the byte ranges ``.metadata`` records in them."""
+    """The files of a checkpoint without a manifest that cannot be read (this rank, no
+    collective): `common.pt` not unpickling with `weights_only=True`, a `.metadata` that does not
+    load, shard files missing or shorter than the byte ranges `.metadata` records."""
+    # call under the caller's `safe_globals`: a type that is not allowed is no damage
     from torch.distributed.checkpoint import FileSystemReader
 
     problems: list[str] = []
@@ -218,9 +206,9 @@ def damaged_files(directory: Path) -> list[str]:
 
 
 def _unpickling_reason(err: BaseException) -> str:
-    """``err`` in one line without torch's advice to retry with ``weights_only=False`` (unsafe
-    for a file that does not unpickle: it runs arbitrary code): torch's ``WeightsUnpickler
-    error`` detail when present."""
+    """`err` in one line: torch's `WeightsUnpickler error` detail when present."""
+    # without torch's advice to retry with `weights_only=False`: unsafe for a file that does not
+    # unpickle (it runs arbitrary code)
     text = str(err)
     marker = "WeightsUnpickler error:"
     if marker in text:

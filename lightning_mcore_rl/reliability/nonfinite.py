@@ -1,37 +1,19 @@
-"""The non-finite policy: skip (or stop at) a step whose inputs, loss or gradients are not finite.
+"""The non-finite policy: skip (or stop at) a training step whose inputs, loss, gradients or
+update are not finite, the same decision on every rank (`NonFiniteGuard`)."""
 
-Trainer-free; the strategy owns one :class:`NonFiniteGuard` and the optimizer adapter consults
-it. Every rank takes the same decision, so a skipped step is skipped everywhere (no parameter or
-optimizer-state change: megatron's update is not run, which is megatron's own
-``update_successful=False`` outcome):
+# The guard's three hooks into the step: `check_batch` (the input agreement, before the model
+# runs), `check_loss` (the training pass's loss) and `check_update` (megatron's step, consulting
+# an `UpdateChecks` between its gradient norm and its update). The strategy marks a fit's start
+# and end and a training step's start; no other object writes the guard's fields.
 
-* inputs (:meth:`NonFiniteGuard.check_batch`, before the model runs): the host-side
-  :func:`~lightning_mcore_rl.train.validation.validate_batch` verdict of each rank — an invalid
-  batch on any rank makes every rank raise, a non-finite float (advantages, logprobs, masks...)
-  skips the step, naming the key and first bad position on the rank that holds it;
-  The same collective carries each rank's batch summary: different row counts, or different
-  batches on the ranks of one replica, raise on every rank
-  (:mod:`~lightning_mcore_rl.reliability.agreement`), and, in a training step's first pass, the
-  step's boundary (SIGTERM, the previous step's time: :class:`~.agreement.StepBoundary`);
-* the loss (:meth:`NonFiniteGuard.check_loss` after the backward, judged when the optimizer step
-  starts; identical on every rank);
-* the optimizer step (:meth:`NonFiniteGuard.check_update`, which runs megatron's step with an
-  :class:`UpdateChecks`): megatron's own global gradient norm, computed once by
-  :func:`~lightning_mcore_rl.strategy.optimizer.megatron_step` between ``prepare_grads`` and
-  the clipping — NaN/inf in any gradient on any rank, or a norm that overflows, skips the step
-  before anything is clipped or updated; then non-finite weights or optimizer state, or an
-  update too large for the parameters, skip the step — found before megatron's update for
-  torch's Adam/AdamW/SGD (:mod:`~lightning_mcore_rl.reliability.update_preview`: the update is
-  not run), else after it (:mod:`~lightning_mcore_rl.reliability.update_check`: the update is
-  undone).
-
-Those three are the guard's only hooks into the step; the strategy marks a fit's start and end
-and a training step's start (:meth:`NonFiniteGuard.begin_fit`, :meth:`NonFiniteGuard.begin_step`,
-:meth:`NonFiniteGuard.check_fit_end`). No other object writes its fields.
-
-A gradient norm of exactly 0 for ``collapse_warning_steps`` steps in a row warns
-(:class:`CollapseWarning`): the model learns nothing (e.g. saturated by a huge learning rate).
-"""
+# A skipped step changes no parameter or optimizer state: megatron's update is not run, which is
+# megatron's own `update_successful=False` outcome. Inputs: an invalid batch on any rank makes
+# every rank raise; a non-finite float skips the step, named on the rank that holds it.
+# Gradients: megatron's global norm, computed once between `prepare_grads` and the clipping
+# (strategy/optimizer.py:megatron_step), is NaN/inf when any gradient on any rank is. The update:
+# previewed for torch's Adam/AdamW/SGD (update_preview.py: not run when it fails), else
+# snapshotted and undone (update_check.py). A gradient norm of exactly 0 for
+# `collapse_warning_steps` steps in a row warns: the model learns nothing.
 
 from __future__ import annotations
 
@@ -67,34 +49,24 @@ NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
 
 
 class NonFiniteError(ValueError):
-    """A non-finite input, loss or gradient under ``nonfinite="raise"``, or too many consecutive
-    skipped steps under ``nonfinite="skip"``."""
+    """A non-finite input, loss or gradient under `nonfinite="raise"`, or too many consecutive
+    skipped steps under `nonfinite="skip"`."""
 
 
 class BatchRejectedError(ValueError):
-    """Another rank rejected its batch (that rank raises the ``ValueError``/``TypeError`` naming
-    the argument); this rank stops with it instead of waiting in the step's collectives. Its
-    message carries the rejecting ranks' reasons (:func:`batch_rejection`)."""
+    """Another rank rejected its batch; this rank stops too, its message carrying the rejecting
+    ranks' reasons (`batch_rejection`), instead of waiting in the step's collectives."""
 
 
 def batch_rejection(error: BaseException | None, group: Any, where: str = "") -> BaseException:
-    """What a rank raises once the agreement showed that some rank rejected its batch
-    (collective over ``group``: :func:`~.agreement.gather_rejections`; every rank calls it).
-
-    Args:
-        error: this rank's own validation error (``None``: its batch was fine).
-        group: the agreement's group (None: the default group).
-        where: the message's context, e.g. ``" in DPOModule"``.
-
-    Returns:
-        ``error`` itself on a rejecting rank — marked ``rank_local`` (its traceback printed on
-        its own rank, :mod:`~lightning_mcore_rl.rank_errors`) when rank 0's batch was fine, so
-        the cause is not hidden behind a "see rank 0's traceback" pointer; else a
-        :class:`BatchRejectedError` naming each rejecting rank and its reason.
-    """
+    """What a rank raises once the agreement showed that some rank rejected its batch: its own
+    `error` (`None`: its batch was fine), else a `BatchRejectedError` naming each rejecting rank
+    and its reason (collective over `group`; `where`: context, e.g. `" in DPOModule"`)."""
     reasons = gather_rejections(error, group)
     if error is not None:
-        if 0 not in reasons:  # rank 0 prints a BatchRejectedError: this rank prints the cause
+        # rank 0 prints a BatchRejectedError, so this rank prints the cause itself (`rank_local`:
+        # rank_errors.py) rather than a "see rank 0's traceback" pointer
+        if 0 not in reasons:
             with contextlib.suppress(AttributeError):  # an exception type with __slots__
                 error.rank_local = True  # type: ignore[attr-defined]
         return error
@@ -106,7 +78,7 @@ def batch_rejection(error: BaseException | None, group: Any, where: str = "") ->
 
 
 class StepResult(Protocol):
-    """What megatron's step returned (``strategy/optimizer.py:MegatronStepResult``)."""
+    """What megatron's step returned (`strategy/optimizer.py:MegatronStepResult`)."""
 
     @property
     def update_successful(self) -> bool: ...
@@ -120,11 +92,11 @@ class NonFiniteWarning(UserWarning):
 
 
 class CollapseWarning(UserWarning):
-    """The gradient norm was exactly 0 for ``collapse_warning_steps`` consecutive steps."""
+    """The gradient norm was exactly 0 for `collapse_warning_steps` consecutive steps."""
 
 
 def check_policy(nonfinite: Any, max_consecutive_skips: Any) -> None:
-    """Validate ``ReliabilityConfig``'s ``nonfinite`` and ``max_consecutive_skips``."""
+    """Validate `ReliabilityConfig`'s `nonfinite` and `max_consecutive_skips`."""
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(
             f"`nonfinite` must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}."
@@ -140,8 +112,8 @@ def check_policy(nonfinite: Any, max_consecutive_skips: Any) -> None:
 def check_update_options(
     verify_updates: Any, max_update_ratio: Any, collapse_warning_steps: Any
 ) -> None:
-    """Validate ``ReliabilityConfig``'s ``verify_updates``, ``max_update_ratio`` and
-    ``collapse_warning_steps``."""
+    """Validate `ReliabilityConfig`'s `verify_updates`, `max_update_ratio` and
+    `collapse_warning_steps`."""
     if not isinstance(verify_updates, bool):
         raise TypeError(f"`verify_updates` must be a bool, got {verify_updates!r}.")
     if max_update_ratio is not None:
@@ -164,19 +136,15 @@ def check_update_options(
 
 
 class NonFiniteGuard:
-    """Per-run state of the non-finite policy (counts survive across ``fit`` calls).
+    """Per-run state of the non-finite policy (counts survive across `fit` calls).
 
     Args:
-        policy: ``"skip"``: skip the step on every rank (logged as ``skipped_steps``), stop with
-            :class:`NonFiniteError` after ``max_consecutive_skips`` consecutive skips;
-            ``"raise"``: raise :class:`NonFiniteError` at the first one.
-        max_consecutive_skips: consecutive skipped steps tolerated under ``"skip"``.
-        verify_updates: check every update (:meth:`reject_before_update`, else
-            :meth:`reject_update`); a failing one is not run, or undone.
-        max_update_ratio: an update whose norm exceeds this multiple of the parameters' norm
-            fails (``None``: only non-finite values fail).
-        collapse_warning_steps: warn after this many consecutive steps with a gradient norm of
-            exactly 0 (``None``: never).
+        policy: `"skip"` the step on every rank (stop after `max_consecutive_skips` in a row) or
+            `"raise"` `NonFiniteError` at the first one.
+        max_consecutive_skips: consecutive skipped steps tolerated under `"skip"`.
+        verify_updates: check every update (`UpdateChecks`): a failing one is not run, or undone.
+        max_update_ratio: an update norm above this multiple of the parameters' norm fails.
+        collapse_warning_steps: warn after this many steps in a row with a gradient norm of 0.
     """
 
     def __init__(
@@ -206,7 +174,7 @@ class NonFiniteGuard:
 
     @classmethod
     def from_config(cls, reliability: Any) -> NonFiniteGuard:
-        """The guard of a ``ReliabilityConfig``."""
+        """The guard of a `ReliabilityConfig`."""
         return cls(
             reliability.nonfinite,
             reliability.max_consecutive_skips,
@@ -218,23 +186,23 @@ class NonFiniteGuard:
     # ---------------------------------------------------------------- per fit
 
     def begin_fit(self) -> None:
-        """A new fit: :meth:`check_fit_end` judges this fit's steps only (the run's totals and
-        the consecutive-skip streak carry on)."""
+        """A new fit: `check_fit_end` judges this fit's steps only."""
+        # the run's totals and the consecutive-skip streak carry on
         self.fit_steps = 0
         self.fit_skipped_steps = 0
 
     def check_fit_end(self) -> None:
-        """At the end of a fit that was not stopped: a fit whose every training step was
-        skipped trained nothing, and only ended before ``max_consecutive_skips`` because it
-        was short (e.g. 5 steps at lr=1e4, each update rejected): :class:`NonFiniteError`
-        (every rank: the skips are agreed). A fit that updated, then ended in a streak of
-        skips, warns (:class:`NonFiniteWarning`): its last weights are the last update's.
+        """At the end of a fit that was not stopped: a fit that updated, then ended in a streak
+        of skips, warns (`NonFiniteWarning`).
 
         Raises:
             NonFiniteError: every one of this fit's training steps was skipped.
         """
         if self.fit_steps == 0 or self.consecutive_skips == 0:
             return
+        # such a fit trained nothing and only ended before `max_consecutive_skips` because it was
+        # short (e.g. 5 steps at lr=1e4, each update rejected); the skips are agreed, so every
+        # rank raises
         if self.fit_skipped_steps == self.fit_steps:
             raise NonFiniteError(
                 f"Every training step of this fit was skipped ({self.fit_skipped_steps} of "
@@ -261,8 +229,7 @@ class NonFiniteGuard:
         self._loss = None
 
     def check_loss(self, loss: torch.Tensor) -> None:
-        """The training pass's loss (identical on every rank), judged when :meth:`check_update`
-        starts."""
+        """The training pass's loss (identical on every rank), judged when `check_update` starts."""
         self._loss = loss
 
     def check_batch(
@@ -277,31 +244,20 @@ class NonFiniteGuard:
         device: torch.device | str = "cpu",
         group: Any = None,
     ) -> bool:
-        """ONE all-gather of this rank's input verdict and batch summary over all ranks
-        (:mod:`~lightning_mcore_rl.reliability.agreement`), which also carries the training
-        step's ``boundary`` (SIGTERM and the previous step's time, settled before the verdict).
+        """The input agreement: ONE all-gather over `group` (on `device`) of this rank's verdict
+        and batch `summary` (`agreement.py`), carrying the training step's `boundary`; True:
+        skip this step (on every rank).
 
         Args:
-            finding: the rank's first non-finite entry
-                (:class:`~lightning_mcore_rl.train.validation.NonFinite`) or ``None``.
+            finding: the rank's first non-finite entry (`train/validation.py:NonFinite`) or None.
             error: the rank's validation error, re-raised after the collective.
-            summary: the rank's :class:`~lightning_mcore_rl.train.validation.BatchSummary`
-                (``None`` with ``error``).
-            training: a training step (forward-only passes never skip).
-            replica: this rank's data-parallel rank (its model replica).
-            boundary: the strategy's :class:`~.agreement.StepBoundary` (``None``: nothing rides
-                along).
-            device: where the collective's tensor lives.
-            group: the strategy's world group, bounded by its timeout (None: the default group).
-
-        Returns:
-            True: skip this step (every rank returns True).
+            training: a training pass (forward-only passes never skip).
+            replica: this rank's data-parallel rank.
 
         Raises:
-            The rank's own validation error; :class:`BatchRejectedError` when only another rank
-            rejected its batch; :class:`~.agreement.BatchMismatchError` when the ranks' row
-            counts, or the batches of one replica's ranks, differ; :class:`NonFiniteError`
-            under ``"raise"`` or past the limit.
+            The rank's own validation error; `BatchRejectedError` (another rank rejected its
+            batch); `BatchMismatchError` (row counts, or one replica's batches, differ);
+            `NonFiniteError` under `"raise"` or past the limit.
         """
         local = INVALID if error is not None else (NONFINITE if finding and training else OK)
         entry = RankInput(local, replica)
@@ -335,11 +291,9 @@ class NonFiniteGuard:
         device: torch.device | str = "cpu",
         group: Any = None,
     ) -> _R | None:
-        """The optimizer step: ``None`` (megatron's step not run) when the step is already
-        skipped (on input) or its loss is not finite; else ``run(checks)`` (megatron's step,
-        consulting ``checks`` between its gradient norm and its update), counted: an
-        unsuccessful update is a skipped step, a gradient norm of exactly 0 counts towards the
-        collapse warning. ``device``/``group``: the update checks' all-reduce."""
+        """The optimizer step: `None` (megatron's step not run) when the step is already skipped
+        or its loss is not finite; else `run(checks)`, megatron's step consulting an
+        `UpdateChecks` whose all-reduce runs on `device` over `group`."""
         if self.step_skipped:
             return None
         loss = self._loss
@@ -347,6 +301,7 @@ class NonFiniteGuard:
             self._skip(f"a non-finite loss ({float(loss)})")
             return None
         result = run(UpdateChecks(self, device, group))
+        # an unsuccessful update is a skipped step; a norm of exactly 0 counts towards collapse
         if result.update_successful:
             self.consecutive_skips = 0
         elif not self.step_skipped:
@@ -403,8 +358,7 @@ class NonFiniteGuard:
 
 class UpdateChecks:
     """What megatron's step asks between its gradient norm and its update, for one optimizer
-    step of ``guard`` (built by :meth:`NonFiniteGuard.check_update`; a failing check skips the
-    step through the guard's policy). Collectives on ``device`` over ``group``."""
+    step of `guard` (a failing check skips the step); collectives on `device` over `group`."""
 
     def __init__(self, guard: NonFiniteGuard, device: torch.device | str, group: Any) -> None:
         self._guard = guard
@@ -412,21 +366,19 @@ class UpdateChecks:
         self._group = group
 
     def grad_norm_fails(self, grad_norm: float) -> bool:
-        """True (skip) if megatron's global gradient norm is NaN/inf — any non-finite gradient
-        on any rank, or a norm that overflows."""
+        """True (skip) if megatron's global gradient norm is NaN/inf."""
+        # NaN/inf: a non-finite gradient on any rank, or a norm that overflows
         if math.isfinite(grad_norm):
             return False
         self._guard._skip(f"a non-finite gradient (megatron's global grad norm: {grad_norm})")
         return True
 
     def reject_before_update(self, optimizer: Any) -> bool:
-        """Before megatron's update, its gradients prepared and clipped: True (the update not
-        run, the step skipped) when the update torch's Adam/AdamW/SGD would make leaves a NaN/inf
-        weight or optimizer-state entry on any rank, or exceeds ``max_update_ratio``
-        (:mod:`~lightning_mcore_rl.reliability.update_preview`; one all-reduce, the same decision
-        on every rank). False, and nothing run, when updates are not verified or the inner
-        optimizer cannot be previewed (then :meth:`snapshot` and :meth:`reject_update`)."""
+        """Before megatron's update (gradients clipped): True (not run, the step skipped) when
+        the previewed update leaves a NaN/inf weight or state entry on any rank or exceeds
+        `max_update_ratio` (one all-reduce); False, nothing run, if it cannot be previewed."""
         guard = self._guard
+        # torch's Adam/AdamW/SGD only (update_preview.py); others get `snapshot`/`reject_update`
         if not guard.verify_updates or not previewable(optimizer):
             return False
         cause = update_failure(
@@ -438,16 +390,16 @@ class UpdateChecks:
         return True
 
     def snapshot(self, optimizer: Any, params: Any) -> UpdateSnapshot | None:
-        """Before megatron's update: what it writes, copied (``None``: updates not verified,
-        or verified before the update by :meth:`reject_before_update`)."""
+        """Before megatron's update: what it writes, copied (`None`: updates not verified, or
+        verified by `reject_before_update`)."""
         if not self._guard.verify_updates or previewable(optimizer):
             return None
         return UpdateSnapshot.take(optimizer, params)
 
     def reject_update(self, snapshot: UpdateSnapshot | None) -> bool:
-        """After megatron's update: True (undone from ``snapshot``, the step skipped) when it
-        left a NaN/inf weight or optimizer-state entry on any rank, or exceeded
-        ``max_update_ratio`` (one all-reduce; the same decision on every rank)."""
+        """After megatron's update: True (undone from `snapshot`, the step skipped) when it left
+        a NaN/inf weight or state entry on any rank or exceeded `max_update_ratio` (one
+        all-reduce)."""
         if snapshot is None:
             return False
         cause = update_failure(

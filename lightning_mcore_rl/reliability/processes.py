@@ -1,22 +1,14 @@
-"""No process outlives a failed run: the rendezvous, the ranks' process table, and what a rank
-does when one of its collectives fails.
+"""No process outlives a failed run: the world rendezvous with its own timeout (`connect_world`),
+forked children that die with their rank (`die_with_parent`), and a failed collective re-raised
+as `CollectiveFailure` naming every peer's state (`RankTable`, `collective_failure`)."""
 
-* :func:`connect_world`: the world process group with TWO timeouts: the rendezvous (every rank
-  arriving, the groups being created: ``ReliabilityConfig.rendezvous_timeout``) and the
-  collectives (``ReliabilityConfig.timeout``). ``init_process_group(timeout=...)`` alone bounds
-  both, so a short collective timeout failed start-up on a loaded machine.
-* :func:`die_with_parent`: every process a rank forks from its main thread (megatron's
-  checkpoint shard writers, ``DataLoader`` workers) gets ``PR_SET_PDEATHSIG`` = ``SIGKILL``
-  (Linux): killed with the rank, it cannot keep the rank's sockets open (its peers then wait for
-  the whole timeout) nor live on as an orphan.
-* :class:`RankTable` and :func:`collective_failure`: a failed collective (peer gone, timeout) is
-  re-raised as :class:`CollectiveFailure` naming this rank, the global step and every peer's
-  state (exited, with how when ``/proc`` says, e.g. "killed by SIGKILL"; stopped; alive: named
-  stalled only if still alive after a short re-check, since a dying peer closes its sockets
-  before it shows as exited); when the process exits, :meth:`RankTable.end_local_peers`
-  kills the peers on this host that are still there after a grace period (a stalled rank never
-  returns from its collective by itself).
-"""
+# `init_process_group(timeout=...)` alone bounds the rendezvous too, so a short collective
+# timeout failed start-up on a loaded machine. A forked child (megatron's checkpoint shard
+# writers, DataLoader workers) inherits the rank's sockets: alive, it kept them open (its peers
+# then waited for the whole timeout) or lived on as an orphan. A peer is named stalled only if
+# still alive after a short re-check: a dying peer closes its sockets before it shows as exited.
+# At exit the peers left on this host are killed after a grace period: a stalled rank never
+# returns from its collective by itself.
 
 from __future__ import annotations
 
@@ -52,10 +44,11 @@ def connect_world(
     timeout: timedelta | None,
     rendezvous_timeout: timedelta,
 ) -> None:
-    """Initialise the default process group (no-op when it exists): the ``env://`` rendezvous
-    (torch's own handler: a TCP store on ``main_address:main_port``, or torchrun's agent store)
-    waits up to ``rendezvous_timeout`` for every rank, and so do the store's later key waits
-    (group creation); the group's collectives time out after ``timeout``."""
+    """Initialise the default process group (no-op when it exists): the `env://` rendezvous and
+    the store's later key waits (group creation) wait up to `rendezvous_timeout`, the
+    collectives `timeout`."""
+    # the rendezvous is torch's own `env://` handler: a TCP store on main_address:main_port, or
+    # torchrun's agent store
     if dist.is_initialized():
         return
     from torch.distributed.rendezvous import rendezvous
@@ -88,8 +81,8 @@ def _after_fork_in_child() -> None:
 
 def die_with_parent() -> bool:
     """From now on, a process forked from this process's main thread is SIGKILLed when this
-    process dies (``os.register_at_fork``; idempotent). Returns whether it is in place (Linux
-    only: elsewhere nothing is registered)."""
+    process dies (`PR_SET_PDEATHSIG` via `os.register_at_fork`; idempotent); returns whether
+    it is in place (Linux only)."""
     if not Path("/proc/self").is_dir():
         return False
     if not _fork_state["registered"]:
@@ -107,8 +100,7 @@ class RankProcess:
 
 
 def process_state(pid: int) -> str:
-    """``"exited"``, ``"stopped"`` or ``"alive"``, from ``/proc/<pid>/stat`` (a zombie, dead
-    but not yet reaped by its parent, has exited)."""
+    """`"exited"`, `"stopped"` or `"alive"`, from `/proc/<pid>/stat` (a zombie has exited)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -118,8 +110,8 @@ def process_state(pid: int) -> str:
 
 
 def exit_detail(pid: int) -> str:
-    """How an exited (not yet reaped) process ended: ``"killed by SIGKILL"``, ``"exit status
-    1"``; ``""`` when unknown (reaped, still running, or ``/proc`` does not say)."""
+    """How an exited (not yet reaped) process ended: `"killed by SIGKILL"`, `"exit status 1"`;
+    `""` when unknown."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
@@ -141,10 +133,8 @@ def _state_text(pid: int) -> str:
 
 
 class CollectiveFailure(RuntimeError):
-    """A collective failed because a peer exited, stopped or did not answer within the timeout.
-
-    Raised on the rank that saw it, so its traceback is printed on every rank
-    (:attr:`rank_local`, read by :class:`~lightning_mcore_rl.rank_errors.RankExceptHook`)."""
+    """A collective failed because a peer exited, stopped or did not answer within the timeout
+    (`rank_local`: each rank prints its own traceback, `rank_errors.RankExceptHook`)."""
 
     rank_local = True
 
@@ -183,15 +173,15 @@ class RankTable:
         return "; ".join(parts)
 
     def end_local_peers_at_exit(self, grace_s: float) -> None:
-        """When this process exits (``atexit``: after its traceback is printed, without delaying
-        the error), :meth:`end_local_peers` with what is left of ``grace_s`` from now."""
+        """When this process exits, `end_local_peers` with what is left of `grace_s` from now."""
+        # `atexit`: after the traceback is printed, so the error is not delayed
         deadline = time.monotonic() + grace_s
         atexit.register(lambda: self.end_local_peers(deadline - time.monotonic()))
 
     def end_local_peers(self, grace_s: float) -> list[int]:
-        """Give the peers on this host ``grace_s`` seconds to exit by themselves (another rank
-        that saw the failure prints its own message), then SIGKILL those still there (a stopped
-        or stalled rank). Returns the ranks killed."""
+        """Give the peers on this host `grace_s` seconds to exit by themselves, then SIGKILL those
+        still there (a stopped or stalled rank); returns the ranks killed."""
+        # by themselves: another rank that saw the failure prints its own message first
         pending = self.local_peers()
         deadline = time.monotonic() + max(grace_s, 0.0)
         while pending and time.monotonic() < deadline:
@@ -207,14 +197,12 @@ class RankTable:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` (or its cause/context chain, or the failures of torch's
-    ``CheckpointException``) is a failed collective: ``torch.distributed.DistError`` or a
-    ``RuntimeError`` whose text says the connection closed/reset or the operation timed out.
-
-    An error that already names the process that failed (``names_failed_process = True`` on its
-    class, e.g. :class:`~lightning_mcore_rl.rollout.EngineDiedError`: the vLLM engine's
-    process died and its refit connection closed) is not one, whatever it chains: every rank
-    raises it as it is, and no peer is blamed (as stalled) or killed for it."""
+    """Whether `error` (or its cause/context chain, or the failures of torch's
+    `CheckpointException`) is a failed collective: `torch.distributed.DistError` or a
+    `RuntimeError` whose text says the connection closed/reset or the operation timed out."""
+    # An error that already names the failed process (`names_failed_process = True` on its
+    # class, e.g. `rollout.EngineDiedError`: the vLLM engine died, its refit connection closed)
+    # is not one, whatever it chains: every rank raises it as it is, no peer blamed or killed.
     pending: list[Any] = [error]
     seen: set[int] = set()
     while pending:
@@ -237,8 +225,8 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 def settled_states(peers: dict[int, int], grace_s: float = _RECHECK_GRACE_S) -> dict[int, str]:
-    """``{rank: process_state}`` of ``peers`` (``{rank: pid}``); when every peer reads
-    ``"alive"``, re-read them for up to ``grace_s`` seconds until one is not."""
+    """`{rank: process_state}` of `peers` (`{rank: pid}`); when every peer reads `"alive"`,
+    re-read them for up to `grace_s` seconds until one is not."""
     states = {r: process_state(pid) for r, pid in peers.items()}
     deadline = time.monotonic() + max(grace_s, 0.0)
     # A SIGKILLed peer's sockets close while the kernel tears it down, BEFORE /proc shows it as
@@ -252,10 +240,10 @@ def settled_states(peers: dict[int, int], grace_s: float = _RECHECK_GRACE_S) -> 
 def collective_failure(
     error: BaseException, table: RankTable, step: int, *, grace_s: float = _RECHECK_GRACE_S
 ) -> CollectiveFailure:
-    """The :class:`CollectiveFailure` for ``error`` seen by ``table.rank`` at global ``step``:
-    the peers that exited or stopped first (the likely cause), then every peer's state. A peer
-    is named stalled only if it is still alive ``grace_s`` seconds later
-    (:func:`settled_states`: a peer dying when the collective failed has exited by then)."""
+    """The `CollectiveFailure` for `error` seen by `table.rank` at global `step`: the peers that
+    exited or stopped first (the likely cause), then every peer's state."""
+    # stalled only if still alive `grace_s` seconds later (`settled_states`): a peer dying when
+    # the collective failed has exited by then
     local = table.local_peers()
     states = settled_states(local, grace_s)
     culprits = [

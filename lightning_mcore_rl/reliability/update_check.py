@@ -1,21 +1,14 @@
-"""An optimizer update verified after it runs, and undone when it fails (trainer-free).
+"""An optimizer update verified after it runs, and undone when it fails (trainer-free): megatron's
+update runs between `UpdateSnapshot.take` and `update_measures`; a failing one is undone
+bitwise by `UpdateSnapshot.restore`."""
 
-The update check's fallback: for torch's Adam/AdamW/SGD the update is verified before it runs
-(:mod:`~lightning_mcore_rl.reliability.update_preview`, no copy); any other inner optimizer's
-update (Transformer Engine's or Apex's fused Adam) is checked here. Megatron's update runs
-between :meth:`UpdateSnapshot.take` (a copy of everything the update writes: the model
-parameters, each optimizer member's main parameters and its per-parameter state — Adam's
-moments and step) and :func:`update_measures` (ONE all-reduce over the world
-group of ``[non-finite tensors, ||update||^2, ||parameters||^2]``, so every rank takes the same
-decision). A failing update — a NaN/inf weight or optimizer-state entry anywhere (an lr that
-overflows, a corrupt Adam moment, bf16 overflow), or an update more than ``max_update_ratio``
-times the parameters' norm (an lr that makes finite but useless weights, e.g. 1e8: the next
-forward overflows) — is undone by :meth:`UpdateSnapshot.restore`: parameters and optimizer state
-bitwise as before, so it is neither saved nor used by a rollout.
-
-Cost: one copy of the parameters and optimizer state in memory, the copy and the checks
-per step (``docs/reliability.md`` gives the measured numbers).
-"""
+# The fallback of the update check: torch's Adam/AdamW/SGD updates are verified before they run
+# (update_preview.py, no copy); any other inner optimizer (Transformer Engine's or Apex's fused
+# Adam) is checked here, at the cost of one copy of the parameters and optimizer state
+# (docs/reliability.md). Failing: a NaN/inf weight or state entry anywhere (an overflowing lr, a
+# corrupt Adam moment, bf16 overflow), or an update above `max_update_ratio` x the parameters'
+# norm (lr=1e8 makes finite but useless weights whose next forward overflows). Undone, it is
+# neither saved nor used by a rollout.
 
 from __future__ import annotations
 
@@ -38,20 +31,15 @@ def optimizer_members(optimizer: Any) -> list[Any]:
 
 @dataclass
 class UpdateSnapshot:
-    """What an update writes, copied before it.
+    """What an update writes, copied before it."""
 
-    Attributes:
-        params: the model parameters (their copies come first in ``copies``).
-        tensors: ``params`` then the members' main parameters not among them (fp32 copies of
-            bf16 weights, distributed-optimizer shards).
-        copies: a clone of each of ``tensors``.
-        states: per member, its torch optimizer's ``state`` mapping and a copy of it (tensors
-            cloned; entries the update creates, e.g. at the first step, are removed on restore).
-    """
-
-    params: list[Tensor]
+    params: list[Tensor]  # the model parameters (their copies come first in `copies`)
+    # `params`, then the members' main parameters not among them (fp32 copies of bf16 weights,
+    # distributed-optimizer shards)
     tensors: list[Tensor]
-    copies: list[Tensor]
+    copies: list[Tensor]  # a clone of each of `tensors`
+    # per member: its torch optimizer's `state` mapping and a copy (tensors cloned; entries the
+    # update creates, e.g. at the first step, are removed on restore)
     states: list[tuple[Any, dict[Any, dict[str, Any]]]]
 
     @classmethod
@@ -114,16 +102,13 @@ _DIFFERENCE_CHUNK = 1 << 24
 def update_measures(
     snapshot: UpdateSnapshot, device: torch.device | str, group: Any
 ) -> tuple[float, float, float]:
-    """After the update: ``(non-finite tensors, ||update||, ||parameters before||)`` over every
-    rank (ONE all-reduce SUM of three float64 numbers over ``group``; one host transfer).
-
-    A tensor counts when it holds a NaN/inf entry or entries so large that a sum over them
-    overflows (an overflowing update as well): a model parameter when the norm of its change is
-    not finite, every other tensor (main parameters, optimizer state) when its sum is not. The
-    norms are over the model parameters (replicated copies counted once per rank, which leaves
-    their ratio a faithful measure of the update's relative size), each tensor's in fp32; a
-    norm that overflows is inf, which fails too.
-    """
+    """After the update: `(non-finite tensors, ||update||, ||parameters before||)` over every
+    rank (ONE all-reduce SUM of three float64 numbers over `group`)."""
+    # A tensor counts when a sum over it overflows (NaN/inf entries, or huge ones): a model
+    # parameter when the norm of its change is not finite, every other tensor (main parameters,
+    # optimizer state) when its sum is not. The norms are over the model parameters, replicated
+    # copies counted once per rank (their ratio still measures the update's relative size), in
+    # fp32; a norm that overflows is inf, which fails too.
     params = [p.detach() for p in snapshot.params]
     before = snapshot.copies[: len(params)]
     others = snapshot.tensors[len(params) :] + snapshot.state_tensors()
@@ -142,9 +127,8 @@ def update_measures(
 
 
 def reduce_measures(numbers: Tensor, group: Any) -> tuple[float, float, float]:
-    """``[non-finite tensors, ||update||^2, ||parameters||^2]`` (float64) of this rank summed
-    over ``group`` (ONE all-reduce, one host transfer) -> ``(count, ||update||,
-    ||parameters||)``."""
+    """`numbers` (`[3]` float64: non-finite tensors, ||update||^2, ||parameters||^2) summed over
+    `group` (ONE all-reduce) -> `(count, ||update||, ||parameters||)`."""
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(numbers, op=dist.ReduceOp.SUM, group=group)
     count, delta_sq, norm_sq = numbers.cpu().tolist()
@@ -155,9 +139,10 @@ def reduce_measures(numbers: Tensor, group: Any) -> tuple[float, float, float]:
 def _difference_norms(
     after: Sequence[Tensor], before: Sequence[Tensor], chunk: int = _DIFFERENCE_CHUNK
 ) -> Tensor:
-    """``[len(after)]`` fp32 norms ``||after_i - before_i||``, through ONE scratch buffer of at
-    most ``chunk`` elements (per dtype and device), not a fresh copy of every difference (one
-    more copy of the parameters at the optimizer step's peak)."""
+    """`[len(after)]` fp32 norms `||after_i - before_i||`, through ONE scratch buffer of at most
+    `chunk` elements per dtype and device."""
+    # not a fresh copy of every difference: that is one more copy of the parameters at the
+    # optimizer step's peak
     scratch: dict[tuple[torch.dtype, torch.device], Tensor] = {}
     norms = []
     for a, b in zip(after, before, strict=True):
@@ -184,11 +169,9 @@ def _difference_norms(
 def update_failure(
     measures: tuple[float, float, float], max_update_ratio: float | None
 ) -> str | None:
-    """Why an update with :func:`update_measures` ``measures`` fails, or ``None``.
-
-    A NaN update norm counts as non-finite; the ratio is checked only when the parameters'
-    norm is positive."""
+    """Why an update with `update_measures` `measures` fails, or `None`."""
     count, delta, norm = measures
+    # a NaN update norm counts as non-finite; the ratio needs a positive parameters' norm
     if count > 0 or not math.isfinite(delta):
         return (
             f"non-finite weights or optimizer state after the update ({int(count)} tensors "

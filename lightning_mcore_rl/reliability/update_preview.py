@@ -1,26 +1,17 @@
-"""An optimizer update verified before it is applied, with no copy of the state (trainer-free).
+"""An optimizer update verified before it is applied, with no copy of the state (trainer-free):
+`preview_measures` computes what torch's `Adam`/`AdamW`/`SGD` WOULD write, block by block into
+scratch tensors, and returns `update_check.update_measures`' `(non-finite tensors, ||update||,
+||parameters||)` (ONE all-reduce), so a failing update is never run."""
 
-For torch's ``Adam``, ``AdamW`` and ``SGD`` — the inner optimizers megatron-core builds without
-Transformer Engine or Apex — :func:`preview_measures` computes what the update WOULD write,
-block by block into scratch tensors: each parameter's new value and its new optimizer state
-(Adam's moments, SGD's momentum buffer), from the gradients megatron has prepared and clipped and
-the group's hyperparameters (``lr``, betas, ``eps``, ``weight_decay``, ``amsgrad``,
-``maximize``, AdamW's decoupled decay, SGD's momentum/dampening/nesterov), with torch's formulas.
-It returns the same ``(non-finite tensors, ||update||, ||parameters||)`` as
-:func:`~lightning_mcore_rl.reliability.update_check.update_measures` (ONE all-reduce), so a failing
-update is never run and nothing needs to be restored.
-
-What it costs against :class:`~lightning_mcore_rl.reliability.update_check.UpdateSnapshot`: no copy
-of the parameters and optimizer state (14 bytes per parameter under ``bf16-mixed`` with Adam),
-only the scratch of one block of a parameter (:func:`block_elements`: 65536 elements on CPU,
-16M on an accelerator), and one more pass of the optimizer's arithmetic. The norms are those of
-the main parameters the optimizer updates (fp32 under ``bf16-mixed``; the distributed optimizer's
-shards), which megatron copies to the model's parameters after the update.
-
-Any other inner optimizer (Transformer Engine's or Apex's fused Adam, megatron's CPU-offloading
-``HybridDeviceOptimizer``, a subclass) is not previewed: :func:`previewable` is False and the
-update check falls back to the snapshot.
-"""
+# Those three are the inner optimizers megatron-core builds without Transformer Engine or Apex;
+# the preview applies torch's formulas to the prepared and clipped gradients with the group's
+# hyperparameters (lr, betas, eps, weight_decay, amsgrad, maximize, AdamW's decoupled decay, SGD's
+# momentum/dampening/nesterov). Against `UpdateSnapshot` it saves the copy of the parameters and
+# optimizer state (14 bytes per parameter under bf16-mixed with Adam) for one block's scratch
+# (`block_elements`) and one more pass of the arithmetic. The norms are the main parameters'
+# (fp32 under bf16-mixed; distributed-optimizer shards), which megatron copies to the model after
+# the update. Any other inner optimizer (TE/Apex fused Adam, megatron's CPU-offloading
+# `HybridDeviceOptimizer`, a subclass) is not `previewable`: the check falls back to the snapshot.
 
 from __future__ import annotations
 
@@ -51,8 +42,9 @@ _PREVIEWED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def previewable(optimizer: Any) -> bool:
-    """Whether every member's inner optimizer is exactly torch's ``Adam``, ``AdamW`` or ``SGD``
-    over real parameters (the same answer on every rank: it depends on the optimizer config)."""
+    """Whether every member's inner optimizer is exactly torch's `Adam`, `AdamW` or `SGD` over
+    real parameters."""
+    # the same answer on every rank: it depends on the optimizer config only
     for member in optimizer_members(optimizer):
         inner: Any = getattr(member, "optimizer", None)
         if type(inner) not in _PREVIEWED:
@@ -65,16 +57,14 @@ def previewable(optimizer: Any) -> bool:
 def preview_measures(
     optimizer: Any, device: torch.device | str, group: Any, block: int | None = None
 ) -> tuple[float, float, float]:
-    """Before the update: ``(non-finite tensors, ||update||, ||parameters||)`` it would give
-    over every rank (ONE all-reduce SUM of three float64 numbers over ``group``).
-
-    A parameter counts as non-finite when the norm of its change is not, each of its new state
-    tensors when its sum is not (as in ``update_measures``). Parameters without a gradient are
-    not updated (torch skips them) and add only to ``||parameters||``.
+    """Before the update: `(non-finite tensors, ||update||, ||parameters||)` it would give over
+    every rank (ONE all-reduce SUM of three float64 numbers over `group`).
 
     Raises:
-        ValueError: ``optimizer`` is not :func:`previewable`.
+        ValueError: `optimizer` is not `previewable`.
     """
+    # counted as in `update_measures`; parameters without a gradient are not updated (torch
+    # skips them) and add only to ||parameters||
     if not previewable(optimizer):
         raise ValueError("preview_measures needs torch Adam/AdamW/SGD inner optimizers")
     block = block_elements(device) if block is None else block
@@ -107,8 +97,8 @@ def _preview_param(
     deltas: list[Tensor],
     sums: list[Tensor],
 ) -> None:
-    """Append ``||p||`` to ``norms`` and, when ``p`` has a gradient, the norm of its update to
-    ``deltas`` and the sum of each of its new state tensors to ``sums`` (fp32 scalars)."""
+    """Append `||p||` to `norms` and, when `p` has a gradient, the norm of its update to `deltas`
+    and the sum of each of its new state tensors to `sums` (fp32 scalars)."""
     flat = p.detach().reshape(-1)
     grad = None if p.grad is None else p.grad.detach().reshape(-1)
     state = inner.state.get(p, {})
@@ -143,8 +133,8 @@ def _state_block(state: dict[str, Any], key: str, where: slice) -> Tensor | None
 def _adam_block(
     p: Tensor, g: Tensor, state: dict[str, Any], where: slice, options: dict[str, Any], inner: Any
 ) -> tuple[Tensor, list[Tensor]]:
-    """``(new - old value, [new exp_avg, new exp_avg_sq(, new max_exp_avg_sq)])`` of one block
-    of a parameter: torch's ``Adam``/``AdamW`` step (``_single_tensor_adam``'s formulas)."""
+    """`(new - old value, [new exp_avg, new exp_avg_sq(, new max_exp_avg_sq)])` of one block of
+    a parameter: torch's `Adam`/`AdamW` step (`_single_tensor_adam`'s formulas)."""
     lr, (beta1, beta2) = float(options["lr"]), options["betas"]
     decay = options["weight_decay"]
     step = float(state["step"]) + 1.0 if "step" in state else 1.0
@@ -175,8 +165,8 @@ def _adam_block(
 def _sgd_block(
     p: Tensor, g: Tensor, state: dict[str, Any], where: slice, options: dict[str, Any], _: Any
 ) -> tuple[Tensor, list[Tensor]]:
-    """``(new - old value, [new momentum_buffer] or [])`` of one block of a parameter: torch's
-    ``SGD`` step."""
+    """`(new - old value, [new momentum_buffer] or [])` of one block of a parameter (torch's
+    `SGD`)."""
     lr, decay, momentum = float(options["lr"]), options["weight_decay"], options["momentum"]
     if options.get("maximize", False):
         g = -g
