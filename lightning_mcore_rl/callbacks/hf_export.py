@@ -14,28 +14,17 @@ if TYPE_CHECKING:
 
 
 class HFExport(Callback):
-    """At the end of ``fit``, write the policy of a module whose ``policy.hf_bridge()`` gives its
-    :class:`~lightning_mcore_rl.models.HFBridge` (a recipe module built from an
-    :class:`~lightning_mcore_rl.recipes.HFModelSpec`) to ``out_dir`` with
-    :meth:`HFBridge.save_pretrained <lightning_mcore_rl.models.HFBridge.save_pretrained>`: the
-    source directory's ``config.json`` and tokenizer files, and the weights gathered over
-    TP/PP/VPP (global rank 0 writes; every rank takes part).
-
-    The hook is ``on_train_end``: Lightning calls it on every rank when the fit loop finishes,
-    while the strategy still holds the model chunks and its CPU backend (``on_fit_end`` runs
-    after the strategy's teardown), and not when training raised.
+    """At the end of `fit`, write the policy of a recipe module built from an `HFModelSpec` to
+    `out_dir` (`HFBridge.save_pretrained`: weights gathered over TP/PP/VPP; collective).
 
     Args:
         out_dir: a new or empty directory.
         dtype: the weights' dtype (default: each tensor's dtype in the source checkpoint).
 
-    A module whose model is not a causal LM (its LM head replaced, e.g. a reward model's score
-    head) declares ``causal_lm = False`` and is refused.
-
     Raises:
-        TypeError: (at ``setup``) the module has no Hugging Face bridge (``policy.hf_bridge()``
-            of an ``HFModelSpec`` recipe) or declares ``causal_lm = False``.
-        FileExistsError: (at the end of training) ``out_dir`` already holds weights.
+        TypeError: (at `setup`) the module has no `policy.hf_bridge()` or declares
+            `causal_lm = False` (e.g. a reward model's score head).
+        FileExistsError: (at the end of training) `out_dir` already holds weights.
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
@@ -44,12 +33,10 @@ class HFExport(Callback):
 
     @staticmethod
     def bridge(pl_module: LightningModule) -> HFBridge:
-        """The module's :class:`~lightning_mcore_rl.models.HFBridge` (its ``policy``'s).
+        """The module's `HFBridge` (its `policy`'s).
 
         Raises:
-            TypeError: the module has no ``policy.hf_bridge()``, its model is not an HF one, or
-                it declares ``causal_lm = False`` (e.g. a reward model: its score head has no
-                causal-LM counterpart).
+            TypeError: no `policy.hf_bridge()`, not an HF model, or `causal_lm = False`.
         """
         name = type(pl_module).__name__
         if not getattr(pl_module, "causal_lm", True):
@@ -78,7 +65,9 @@ class HFExport(Callback):
         self.bridge(pl_module)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Collective: gather and write the trained weights to ``out_dir``."""
+        """Collective: gather and write the trained weights to `out_dir`."""
+        # `on_train_end`, not `on_fit_end`: the strategy still holds the model chunks and its CPU
+        # backend (on_fit_end runs after its teardown), and it is not called when training raised
         from lightning_mcore_rl.module import MCoreRLModule
 
         assert isinstance(pl_module, MCoreRLModule)  # RecipeModel modules are MCoreRLModules

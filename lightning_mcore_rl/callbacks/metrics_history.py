@@ -16,20 +16,9 @@ PLOT_EXTRA_HINT = "pip install lightning-mcore-rl[plot]"
 
 
 class MetricsHistory(Callback):
-    """Keeps the scalar metrics of every training step and, on rank 0 when ``fit`` ends (also
-    when it fails: ``on_exception``), writes ``<directory>/metrics.csv`` and, when matplotlib is
-    installed (the ``plot`` extra), ``<directory>/metrics.png`` (one panel per plotted key).
-    Works with any ``LightningModule``.
-
-    One row per step, keyed by ``step``: the index Lightning's loggers give the step (0-based,
-    counting optimizer steps, resumed runs included). A row holds the scalar
-    ``trainer.callback_metrics`` after the step (the values logged in it; under
-    ``MCoreRLStrategy``, ``TrainingStatistics`` puts them there right after the optimizer step,
-    all but its timing metrics, which go to the loggers only; an
-    ``on_epoch`` training metric keeps its last epoch's value) except validation metrics, which
-    (names starting with one of ``val_prefixes``) are added only to the row of the step after
-    which validation ran, so no row repeats a stale validation value. Sanity-check validation is
-    not recorded.
+    """Keeps the scalar `trainer.callback_metrics` of every training step (one row per logger
+    step) and, on rank 0 when `fit` ends or fails, writes `<directory>/metrics.csv` and, with
+    matplotlib (the `plot` extra), `<directory>/metrics.png`. Works with any `LightningModule`.
 
     Args:
         directory: output folder (created).
@@ -60,6 +49,9 @@ class MetricsHistory(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        # under MCoreRLStrategy, TrainingStatistics runs first and put this step's values there
+        # (all but its timing metrics, which go to the loggers only); an `on_epoch` training
+        # metric keeps its last epoch's value
         metrics = _scalars(trainer.callback_metrics)
         # gradient accumulation: the step's batches share (and update) one row
         self._row(trainer).update({k: v for k, v in metrics.items() if not self._is_val(k)})
@@ -67,6 +59,8 @@ class MetricsHistory(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
+        # validation metrics go only to the row of the step after which validation ran, so no
+        # row repeats a stale validation value
         metrics = _scalars(trainer.callback_metrics)
         self._row(trainer).update({k: v for k, v in metrics.items() if self._is_val(k)})
 
@@ -81,8 +75,8 @@ class MetricsHistory(Callback):
             self.write()
 
     def state_dict(self) -> dict[str, Any]:
-        """The rows so far: Lightning saves them in each checkpoint, so a resumed run writes
-        the whole history instead of overwriting it with the resumed steps only."""
+        """The rows so far, saved in each checkpoint."""
+        # so a resumed run writes the whole history, not only the resumed steps
         return {"rows": self.rows}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -92,8 +86,7 @@ class MetricsHistory(Callback):
     # ---------------------------------------------------------------- output
 
     def write(self) -> None:
-        """Write ``metrics.csv`` (and ``metrics.png`` when matplotlib is installed) for the rows
-        so far. Idempotent: a call with no new values since the last one writes nothing."""
+        """Write `metrics.csv` (and `metrics.png`) for the rows so far, unless none is new."""
         rows = self.rows
         if not rows or rows == self._written:
             return
@@ -148,9 +141,9 @@ class MetricsHistory(Callback):
 
 
 def _logger_step(trainer: Trainer) -> int:
-    """The step index Lightning's loggers give the current training step (0-based): the count of
-    optimizer steps before it. ``global_step`` already counts this step's optimizer step from
-    its ``on_train_batch_end`` to the end of the validation run after it."""
+    """The step index Lightning's loggers give the current training step (0-based)."""
+    # `global_step` already counts this step's optimizer step from its `on_train_batch_end` to
+    # the end of the validation run after it
     return max(trainer.global_step - 1, 0)
 
 

@@ -24,62 +24,28 @@ TIMING_METRICS = ("step_time", "tokens_per_sec", "samples_per_sec")
 
 
 class TrainingStatistics(Callback):
-    """Logs the statistics of every optimizer step, once per step, identical on every rank:
-    straight to ``trainer.loggers`` (``logger.log_metrics(values, step)``, as Lightning's
-    ``LearningRateMonitor`` does: no ``self.log`` bookkeeping per key), so CSV, TensorBoard and
-    W&B loggers receive each value once, in one row per step, at Lightning's step (0-based;
-    every ``Trainer(log_every_n_steps=...)`` steps as Lightning decides it: set 1, since
-    Lightning's default of 50 sends a short run's loggers nothing).
-
-    The step's loss and metrics are the step's data: the
-    :class:`~lightning_mcore_rl.train.StepOutput` the module's ``training_step`` returns
-    (``StepOutput.as_step_result()``, every metric already combined by its
-    ``MetricNormalizer`` rule over packed sequences, microbatches, pipeline stages and
-    data-parallel ranks). Logged per training step:
-
-    * ``train_loss``, ``train_<metric>`` for each loss metric, ``grad_norm`` (pre-clip, global);
-    * ``step_time`` (s, from the strategy's batch start to the end of the optimizer step, the
-      slowest rank's), ``tokens_per_sec`` / ``samples_per_sec`` (real tokens and samples of the
-      global batch, counted once per data-parallel replica, over ``step_time``);
-    * ``response_length_mean`` / ``response_length_max`` (``token_mask`` tokens per valid sample,
-      when batches have a ``token_mask``);
-    * ``skipped_steps``: steps skipped so far by the strategy's non-finite policy, from the
-      first skipped step on (a skipped step logs only this value).
-
-    When what is logged: the slowest rank's ``step_time`` needs the other ranks' times, and it
-    rides on the next step's agreement collective (the strategy's
-    :class:`~lightning_mcore_rl.reliability.agreement.StepBoundary`; no collective of its own), so
-    step ``N``'s row reaches the loggers at the end of step ``N + 1`` (the last step's at
-    ``on_train_end``, after one all-reduce of its time; after an exception without its timing
-    metrics), with ``step=N``. Right after step ``N`` (in ``on_train_batch_end``), its other
-    values are already in ``trainer.callback_metrics`` (for ``ModelCheckpoint(monitor=...)``,
-    :class:`~lightning_mcore_rl.callbacks.MetricsHistory` and other callbacks) and the
-    ``prog_bar`` ones in the progress bar; the :data:`TIMING_METRICS` go to the loggers only.
-    Values a module logs itself with ``self.log`` (e.g. a recipe's ``reward``) reach the loggers
-    through Lightning, in a row of their own at the same step.
-
-    Validation: ``val_loss`` and ``val_<metric>``, aggregated over the epoch's batches by the
-    ``across_batches`` column of :data:`~lightning_mcore_rl.losses.REDUCTION_RULES` (means of
-    normalised metrics, sums of counts, min/max), logged by Lightning (``self.log``). At fit
-    start the loggers receive the run's layout, precision, micro-batching and loss settings as
-    hyperparameters.
-
-    :class:`~lightning_mcore_rl.MCoreRLModule` adds one to every run; pass an instance (or a
-    subclass overriding :meth:`step_metrics` / :meth:`timing_metrics`) in
-    ``Trainer(callbacks=...)`` to replace it. It reads the step in ``on_train_batch_end`` (after
-    megatron's optimizer step: the grad norm, the skip and the previous step's time come from
-    the strategy's one `StepRecord`, `MCoreRLStrategy.step_record`). `MCoreRLModule`'s
-    ``configure_callbacks`` puts it first among the callbacks, so every other callback's
-    ``on_train_batch_end`` already sees this step's values (with another module, pass it first
-    in ``Trainer(callbacks=...)``). A ``training_step`` that returns no ``StepOutput`` logs nothing
-    (one warning). The :data:`TIMING_METRICS` are float64 (``tokens_per_sec * step_time`` gives
-    back the token count); other Python numbers become float32, as ``self.log`` makes them.
+    """Logs each optimizer step's `train_loss`, `train_<metric>`, `grad_norm`, `step_time`,
+    `tokens_per_sec`/`samples_per_sec`, response lengths and `skipped_steps` once to
+    `trainer.loggers` (every `log_every_n_steps`: set 1), `val_<metric>` through `self.log`, and
+    the run's configuration as hyperparameters; this step's values go to `callback_metrics`.
 
     Args:
-        prog_bar: metric names also shown in the progress bar (put in
-            ``trainer.progress_bar_metrics``, the dict ``self.log(..., prog_bar=True)`` fills
-            and Lightning's progress bars read; a timing metric is not shown).
+        prog_bar: metric names also shown in the progress bar (not the timing metrics).
     """
+
+    # Straight to the loggers (`logger.log_metrics`, as Lightning's `LearningRateMonitor`), not
+    # `self.log`: one row per step in CSV/TensorBoard/W&B, no per-key bookkeeping. The step's loss
+    # and metrics come from the `StepOutput` its `training_step` returns, already combined by
+    # their `MetricNormalizer` rules; the grad norm, the skip and the previous step's time from
+    # the strategy's `StepRecord`. `step_time` needs the other ranks' times, which ride on the
+    # next step's agreement collective (`reliability/agreement.py:StepBoundary`, no collective
+    # of its own), so step N's row reaches the loggers at the end of step N + 1 (the last one at
+    # `on_train_end`, after one all-reduce; after an exception without its timing metrics). The
+    # timing metrics are float64 (`tokens_per_sec * step_time` gives back the token count), other
+    # Python numbers float32, as `self.log` makes them. `MCoreRLModule.configure_callbacks` puts
+    # it first, so other callbacks' `on_train_batch_end` see this step's values (with another
+    # module, pass it first in `Trainer(callbacks=...)`). Validation metrics aggregate over the
+    # epoch by `REDUCTION_RULES`' `across_batches` column.
 
     def __init__(self, prog_bar: tuple[str, ...] = ("train_loss",)) -> None:
         self.prog_bar = prog_bar
@@ -101,9 +67,8 @@ class TrainingStatistics(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Publish the step from its ``outputs`` (the ``training_step`` result), after
-        megatron's optimizer step, and log the previous step's row now that its ``step_time``
-        is agreed."""
+        """Publish the step from its `outputs` (the `training_step` result) and log the previous
+        step's row, its `step_time` now agreed."""
         record = _strategy(trainer).step_record
         self._log_pending(trainer, record.previous_step_time if record is not None else None)
         output = self._step_output(outputs, "training_step")
@@ -138,8 +103,8 @@ class TrainingStatistics(Callback):
         self._log_pending(trainer, None)
 
     def _log_pending(self, trainer: Trainer, step_time: float | None) -> None:
-        """Send the pending row (with the timing metrics of ``step_time``, its step's slowest
-        wall time; none when ``None``) to every logger."""
+        """Send the pending row to every logger, with the timing metrics of `step_time` (its
+        step's slowest wall time; none when `None`)."""
         row, self._pending = self._pending, None
         if row is None or not trainer.loggers:
             return
@@ -181,8 +146,7 @@ class TrainingStatistics(Callback):
             )  # fmt: skip
 
     def _step_output(self, outputs: Any, hook: str | None) -> StepOutput | None:
-        """The :class:`~lightning_mcore_rl.train.StepOutput` in a step's result, or ``None``
-        (warned once for ``hook``: a training step whose statistics cannot be logged)."""
+        """The `StepOutput` in a step's result, or `None` (warned once for `hook`)."""
         from lightning_mcore_rl.train import STEP_OUTPUT_KEY, StepOutput
 
         output = outputs.get(STEP_OUTPUT_KEY) if isinstance(outputs, Mapping) else None
@@ -200,9 +164,8 @@ class TrainingStatistics(Callback):
         return None
 
     def _validation_metric(self, name: str, aggregation: str, device: torch.device) -> Metric:
-        """The epoch aggregation of ``name`` (torchmetrics, by the rule table's
-        ``across_batches``; Lightning computes it at epoch end and resets it). The values are
-        global-batch values, already identical on every rank: no synchronisation."""
+        """The epoch aggregation of `name` (a torchmetrics `Metric` by `aggregation`)."""
+        # global-batch values, already identical on every rank: no synchronisation
         from lightning_mcore_rl.metrics import AGGREGATIONS
 
         metric = self._val_metrics.get(name)
@@ -216,14 +179,8 @@ class TrainingStatistics(Callback):
     def step_metrics(
         self, trainer: Trainer, pl_module: LightningModule, output: StepOutput
     ) -> dict[str, MetricValue]:
-        """The values logged for one training step, besides its timing (override to add; keep
-        them identical on every rank). Called in the step's ``on_train_batch_end``.
-
-        Args:
-            trainer: the Trainer.
-            pl_module: the module.
-            output: the step's statistics.
-        """
+        """The values logged for one training step besides its timing, in its
+        `on_train_batch_end` (override to add; keep them identical on every rank)."""
         record = _strategy(trainer).step_record
         # the non-finite policy's count, from the first skipped step on
         skipped: dict[str, MetricValue] = (
@@ -243,13 +200,8 @@ class TrainingStatistics(Callback):
         return values
 
     def timing_metrics(self, output: StepOutput, step_time: float) -> dict[str, MetricValue]:
-        """The timing values of a step that was not skipped (override to add; called when its
-        ``step_time`` is agreed, one step later: see the class docstring).
-
-        Args:
-            output: the step's statistics.
-            step_time: wall time of the step in seconds (the slowest rank's).
-        """
+        """The timing values of a step that was not skipped, once its `step_time` (s, the slowest
+        rank's) is agreed one step later (override to add)."""
         values: dict[str, MetricValue] = {"step_time": step_time}
         if step_time > 0:
             values["tokens_per_sec"] = output.tokens / step_time
@@ -257,8 +209,8 @@ class TrainingStatistics(Callback):
         return values
 
     def run_config(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        """Hyperparameters: the strategy's layout, precision and micro-batching, and the loss's
-        class and settings (``loss/<field>``)."""
+        """Hyperparameters: the strategy's layout, precision and micro-batching, the loss's class
+        and settings (`loss/<field>`), the sampling parameters."""
         config: dict[str, Any] = {
             f"strategy/{k}": v for k, v in _strategy(trainer).run_config().items()
         }
@@ -297,9 +249,8 @@ class _Row:
 
 
 def _logs_step(trainer: Trainer) -> bool:
-    """Whether Lightning would send this training step's values to the loggers (its
-    ``log_every_n_steps`` rule, read in ``on_train_batch_end``: ``global_step`` counts this
-    step)."""
+    """Whether Lightning's `log_every_n_steps` rule logs this training step."""
+    # read in `on_train_batch_end`: `global_step` already counts this step
     # both set on the Trainer by Lightning's connectors at construction (not declared on it)
     every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
     if trainer.fast_dev_run:  # type: ignore[attr-defined]
@@ -308,9 +259,9 @@ def _logs_step(trainer: Trainer) -> bool:
 
 
 def _logged_tensor(key: str, value: MetricValue) -> torch.Tensor:
-    """``value`` as the 0-d tensor ``self.log`` would store: float64 for the
-    :data:`TIMING_METRICS` (``self.log`` would round a Python number to float32), float32 for
-    other Python numbers, a tensor detached."""
+    """`value` as a detached 0-d tensor: float64 for the `TIMING_METRICS`, float32 for other
+    Python numbers (as `self.log` stores them)."""
+    # `self.log` would round a timing value to float32
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
