@@ -19,13 +19,11 @@ _MEGATRON_MOE_BIAS_ASSERT = "Bias in Moe is only supported when ETP==1"
 def build_stage_chunks(
     build: Callable[[int | None], Any], vp_stages: Sequence[int | None], hook: str
 ) -> list[Any]:
-    """``build(vp_stage)`` for every stage of this rank (the module's ``hook``).
+    """`build(vp_stage)` for every stage of this rank (the module's `hook`).
 
     Raises:
-        ValueError: instead of megatron's bare ``AssertionError`` when a chunk's local-spec
-            attention cannot run context parallelism, naming the CP-capable spec, or when its
-            MoE layer cannot split the experts over the expert-parallel ranks, or its MoE
-            layers have biases under an expert TP size > 1.
+        ValueError: for megatron's bare `AssertionError`s: local-spec attention under CP, experts
+            not split over the EP ranks, MoE biases under expert TP > 1.
     """
     try:
         return [build(vp_stage) for vp_stage in vp_stages]
@@ -59,9 +57,9 @@ def build_stage_chunks(
 def wrap_chunks(
     chunks: Sequence[torch.nn.Module], *, bf16: bool, ddp_config: Any | None
 ) -> list[torch.nn.Module]:
-    """``Float16Module`` (bf16) and megatron ``DistributedDataParallel`` (when ``ddp_config`` is
-    given, i.e. when training) around each chunk, and ``finalize_model_grads`` on the config —
-    without it megatron does NO data-parallel gradient reduction."""
+    """`Float16Module` (bf16) and megatron `DistributedDataParallel` (with `ddp_config`: when
+    training) around each chunk, and `finalize_model_grads` on the config."""
+    # without `finalize_model_grads` megatron does NO data-parallel gradient reduction
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
@@ -85,7 +83,7 @@ def wrap_chunks(
 
 class WrappedChunks:
     """The wrapped chunks megatron's schedule runs, re-wrapped only when the module's raw chunks
-    change or a ``fit`` needs megatron DDP around chunks an evaluation wrapped without it."""
+    change or a `fit` needs megatron DDP around chunks an evaluation wrapped without it."""
 
     def __init__(self) -> None:
         self.wrapped: list[torch.nn.Module] = []
@@ -107,8 +105,7 @@ class WrappedChunks:
 def checked_chunks(
     module: Any, vp_stages: Sequence[int | None], expected: Mapping[str, Any]
 ) -> list[torch.nn.Module]:
-    """The module's raw chunks (``module.chunks``), one per VPP stage, each with a megatron config
-    holding the ``expected`` strategy/precision fields.
+    """The module's raw chunks, one per VPP stage, each config holding the `expected` fields.
 
     Raises:
         TypeError: no ``chunks`` or a chunk without a megatron ``config``.
@@ -133,14 +130,8 @@ def check_chunk_layout(
     what: str,
     hook: str,
 ) -> None:
-    """One chunk per VPP stage, each with a megatron config holding the ``expected`` fields.
-
-    Args:
-        chunks: the raw chunks (policy or teacher).
-        vp_stages: the strategy's virtual pipeline stages.
-        expected: the strategy/precision ``TransformerConfig`` fields.
-        what: the chunks' name in the messages (``"model chunk"``, ``"teacher chunk"``).
-        hook: the module hook that built them (named in the messages).
+    """One chunk per VPP stage, each with a megatron config holding the `expected` fields
+    (`what`, `hook`: the chunks' name and the module hook that built them, for the messages).
 
     Raises:
         TypeError: a chunk without a megatron ``config``.
@@ -169,15 +160,15 @@ def check_chunk_layout(
 
 
 def _check_moe_layout(config: Any, what: str) -> None:
-    """What megatron's MoE layers need of the layout, checked at setup (before any step):
-    experts divisible by EP, sequence parallelism under TP > 1 (megatron only warns at build
-    time and raises in the first training forward, mid-step), a token dispatcher that takes
-    per-rank token counts, and no recompute of the routers (the router statistics count each
-    router call once per microbatch).
+    """What megatron's MoE layers need of the layout, checked at setup: experts divisible by EP,
+    sequence parallelism under TP > 1, a token dispatcher taking per-rank token counts, no
+    router recompute.
 
     Raises:
         ValueError: naming the field and the fix.
     """
+    # at setup: megatron only warns at build time and raises in the first training forward
+    # (mid-step); router recompute would count each router call twice in the router statistics
     experts = getattr(config, "num_moe_experts", None)
     if not experts:
         return

@@ -1,40 +1,25 @@
-"""Resuming a megatron optimizer's state under another expert-parallel size (EP).
+"""Resuming a megatron optimizer's state under another expert-parallel size (EP): `load_template`
+asks `dist_checkpointing` for this run's tensors under the keys the checkpoint stores them at,
+`current_state` puts them, the saved step and group hyper-parameters into this run's structure
+(exact: every number copied, none recomputed)."""
 
-megatron-core 0.16's ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` (without
-megatron-FSDP). Its members split the parameters by their ``allreduce`` attribute, which
-megatron's expert layers set to ``False`` only when ``expert_model_parallel_size > 1``:
-
-* EP = 1: ONE member holds every parameter, experts included. ``ChainedOptimizer`` passes a
-  single member's state through unchanged, so the saved state is that member's own::
-
-      {"state": {"common_step": step}, "param_groups": [g_wd, g_no_wd]}   # in common.pt
-      optimizer.state.exp_avg.<model key>                                # shards, per parameter
-
-* EP > 1: TWO members, the dense parameters (member 0) and the experts (member 1, with the
-  expert model- and data-parallel groups); the state is keyed per member (the ``chained_<i>.``
-  prefix: megatron adds it unless ``chained_optim_avoid_prefix`` is set, which this package
-  never sets)::
-
-      {0: {"state": ..., "param_groups": [g_wd, g_no_wd]},
-       1: {"state": ..., "param_groups": [g_wd(is_expert_parallel=True)]}}
-      chained_0.optimizer.state.exp_avg.<dense key>, chained_1.optimizer.state.exp_avg.<expert key>
-
-The per-parameter tensors are the same in both (``exp_avg``/``exp_avg_sq``, bf16's
-``fp32_param``, under global model keys that do not depend on EP); only the ``chained_<i>.``
-prefix, the nesting of the common part and the split of the parameter groups differ.
-:func:`load_template` asks ``dist_checkpointing`` for this run's tensors under the keys the
-checkpoint stores them at, and :func:`current_state` puts the loaded tensors, the saved step and
-the saved group hyper-parameters into the structure this run's optimizer loads. The map is exact:
-every number is copied, none is recomputed.
-
-Why a map at load rather than one structure for every EP (always chaining the experts): the
-split is decided inside megatron's expert layers (``allreduce = not expert_parallel``) and
-consumed by megatron's DDP (the expert gradient buffers) and optimizer (the grad-norm groups);
-forcing it at EP = 1 would mean rewriting parameter attributes megatron owns (rule 10: no
-patching of megatron internals), and would still leave the EP = 1 checkpoints already written in
-the other format. The map is also small: only the common part is restructured; the tensors keep
-their nesting and change only their key.
-"""
+# megatron-core 0.16's `get_megatron_optimizer` returns a `ChainedOptimizer` whose members split
+# the parameters by `allreduce`, which expert layers set to False only when EP > 1:
+#   EP = 1: ONE member holds every parameter; `ChainedOptimizer` passes its state through:
+#       {"state": {"common_step": step}, "param_groups": [g_wd, g_no_wd]}   # in common.pt
+#       optimizer.state.exp_avg.<model key>                                # shards
+#   EP > 1: TWO members, dense (0) and experts (1, expert model/data-parallel groups), keyed per
+#   member with the `chained_<i>.` prefix (megatron adds it unless `chained_optim_avoid_prefix`,
+#   which this package never sets):
+#       {0: {"state": ..., "param_groups": [g_wd, g_no_wd]},
+#        1: {"state": ..., "param_groups": [g_wd(is_expert_parallel=True)]}}
+#       chained_0.optimizer.state.exp_avg.<dense key>
+#       chained_1.optimizer.state.exp_avg.<expert key>
+# The per-parameter tensors are the same in both (under global model keys independent of EP);
+# only the prefix, the nesting of the common part and the groups' split differ. A map at load
+# rather than one structure for every EP: the split is decided inside megatron's expert layers
+# and consumed by its DDP and optimizer, so forcing it at EP = 1 would patch attributes megatron
+# owns, and EP = 1 checkpoints already exist in the other format.
 
 from __future__ import annotations
 
@@ -56,20 +41,10 @@ _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs")
 def load_template(
     optimizer: Any, model_state: Mapping[str, Any], saved_keys: Collection[str]
 ) -> dict[str, Any]:
-    """This run's optimizer state as a sharded load template whose tensor keys are the ones the
-    checkpoint stores (``saved_keys``): each member's template (megatron's own
-    ``sharded_state_dict``, without the chain's prefix) with each tensor renamed to the saved key
-    that equals it up to a ``chained_<i>.`` prefix.
-
-    Args:
-        optimizer: this run's megatron ``ChainedOptimizer`` (not distributed).
-        model_state: this run's sharded model state dict.
-        saved_keys: the ShardedTensor keys of the checkpoint (``load_tensors_metadata``).
-
-    Returns:
-        ``{REGROUPED: {member index: member template}}``: ``dist_checkpointing.load`` merges it
-        beside the saved common part (:func:`current_state` takes both apart).
-    """
+    """This run's (not distributed) optimizer state as a sharded load template
+    `{REGROUPED: {member index: template}}`: each member's `sharded_state_dict` with each tensor
+    renamed to the key in `saved_keys` (`load_tensors_metadata`) that equals it up to a
+    `chained_<i>.` prefix; `dist_checkpointing.load` merges it beside the saved common part."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
@@ -85,8 +60,8 @@ def load_template(
 
 
 def _saved_prefix(item: Any, prefixes: Sequence[str], saved_keys: Collection[str]) -> str:
-    """The chain prefix under which the checkpoint stores every tensor ``item`` stands for (a
-    ``ShardedTensorFactory`` stores the tensors it builds, e.g. a GLU weight's ``_w``/``_v``)."""
+    """The chain prefix under which the checkpoint stores every tensor `item` stands for."""
+    # a `ShardedTensorFactory` stores the tensors it builds (e.g. a GLU weight's `_w`/`_v`)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
@@ -106,25 +81,16 @@ def _saved_prefix(item: Any, prefixes: Sequence[str], saved_keys: Collection[str
 
 
 def current_state(loaded: Mapping[str, Any], optimizer: Any) -> tuple[Any, list[int]]:
-    """The loaded optimizer entry (saved common part + :data:`REGROUPED` tensors) in the
-    structure ``optimizer.load_state_dict`` takes: per member, the loaded tensors, the saved
-    ``common_step`` and, for each of its parameter groups, the saved group with the same
-    ``(wd_mult, lr_mult, is_decoupled_lr)`` (megatron's group identity without
-    ``is_expert_parallel``, which EP decides), its ``is_expert_parallel`` set to this run's.
-
-    Args:
-        loaded: ``checkpoint["optimizer_states"][0]`` as ``dist_checkpointing.load`` returned it
-            for a :func:`load_template` template.
-        optimizer: this run's megatron ``ChainedOptimizer``.
-
-    Returns:
-        The state for ``optimizer.load_state_dict``, and for each of this run's parameter groups
-        (in ``optimizer.param_groups`` order) the index of the saved group it took.
+    """`loaded` (`checkpoint["optimizer_states"][0]` of a `load_template` load) as the state
+    `optimizer.load_state_dict` takes, and for each of this run's parameter groups the index of
+    the saved group it took.
 
     Raises:
         ValueError: the saved members' steps differ; no saved group matches one of this run's;
             or saved groups merged into one group of this run have different hyper-parameters.
     """
+    # each group takes the saved group of the same (wd_mult, lr_mult, is_decoupled_lr) (megatron's
+    # identity without is_expert_parallel, which EP decides), is_expert_parallel set to this run's
     regrouped = loaded[REGROUPED]
     saved = {k: v for k, v in loaded.items() if k != REGROUPED}
     saved_members = [saved[k] for k in sorted(saved)] if all(isinstance(k, int) for k in saved) \
@@ -150,10 +116,8 @@ def current_state(loaded: Mapping[str, Any], optimizer: Any) -> tuple[Any, list[
 
 
 def scheduler_state(state: Mapping[str, Any], group_map: Sequence[int]) -> dict[str, Any]:
-    """A torch LR scheduler's state with its per-group lists (``base_lrs``, ``_last_lr``,
-    ``lr_lambdas``, ``min_lrs``; those of nested ``_schedulers`` too) reordered by
-    ``group_map`` (:func:`current_state`), so that each of this run's groups continues the
-    schedule of the saved group it took. Other entries are kept as saved."""
+    """A torch LR scheduler's `state` with its per-group lists (nested `_schedulers`' too)
+    reordered by `group_map` (`current_state`): each group continues its saved group's schedule."""
     out = dict(state)
     for key in _PER_GROUP:
         value = state.get(key)
@@ -170,8 +134,8 @@ def _members(optimizer: Any) -> list[Any]:
 
 
 def _inner(member_state: Mapping[str, Any]) -> Any:
-    """The torch-optimizer part of a member's state (bf16's ``Float16OptimizerWithFloat16Params``
-    nests it under ``"optimizer"``, beside ``fp32_from_fp16_params``)."""
+    """The torch-optimizer part of a member's state."""
+    # bf16's `Float16OptimizerWithFloat16Params` nests it under "optimizer"
     return member_state.get("optimizer", member_state)
 
 
@@ -189,8 +153,9 @@ _IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr")
 
 
 def _saved_group(current: Mapping[str, Any], saved: Sequence[Mapping[str, Any]]) -> int:
-    """Index of the saved group ``current`` continues (same identity; same ``is_expert_parallel``
-    preferred). Every saved group of that identity merges into it, so they must agree."""
+    """Index of the saved group `current` continues (same identity; same `is_expert_parallel`
+    preferred)."""
+    # every saved group of that identity merges into it, so they must agree
     same = [j for j, g in enumerate(saved) if all(g[k] == current[k] for k in _IDENTITY)]
     if not same:
         raise ValueError(

@@ -1,11 +1,10 @@
-"""Precision plugin: megatron owns dtypes, backward and gradient clipping.
+"""Precision plugin: megatron owns dtypes, backward and gradient clipping."""
 
-Lightning's generic precision plugins would run the backward a second time, clip the (empty)
-``.grad`` of local shards and set the default dtype while ``configure_model`` runs. Under megatron
-the schedule has already run the backward inside ``training_step``, gradients live in the DDP
-``main_grad`` buffers until ``MegatronOptimizer.step`` clips them globally, and dtypes belong to the
-``TransformerConfig``/``OptimizerConfig`` (bf16 params in ``Float16Module``, fp32 main params).
-"""
+# Lightning's generic precision plugins would run the backward a second time, clip the (empty)
+# `.grad` of local shards and set the default dtype while `configure_model` runs. Under megatron
+# the schedule already ran the backward inside `training_step`, gradients live in the DDP
+# `main_grad` buffers until `MegatronOptimizer.step` clips them globally, and dtypes belong to the
+# `TransformerConfig`/`OptimizerConfig` (bf16 params in `Float16Module`, fp32 main params).
 
 from __future__ import annotations
 
@@ -19,13 +18,14 @@ from lightning_mcore_rl.strategy.config import SUPPORTED_PRECISION, PrecisionFla
 
 
 class MCorePrecision(Precision):
-    """Lightning precision flag -> megatron dtypes; ``backward`` and ``clip_gradients`` are no-ops.
+    """Lightning precision flag -> megatron dtypes; `backward` and `clip_gradients` are no-ops.
 
     Args:
-        precision: ``"32-true"`` (fp32), ``"bf16-mixed"`` (bf16 params in ``Float16Module``, fp32
-            main params and fp32 gradient reduction) or ``"bf16-true"`` (as bf16-mixed but
-            gradients reduced in bf16; megatron's optimizer always keeps fp32 main params).
+        precision: `"32-true"`, `"bf16-mixed"` (bf16 params, fp32 grad reduction) or `"bf16-true"`.
     """
+
+    # bf16-true differs from bf16-mixed only in reducing gradients in bf16: megatron's optimizer
+    # always keeps fp32 main params
 
     def __init__(self, precision: PrecisionFlag = "32-true") -> None:
         if precision not in SUPPORTED_PRECISION:
@@ -42,36 +42,35 @@ class MCorePrecision(Precision):
 
     @property
     def params_dtype(self) -> torch.dtype:
-        """``TransformerConfig.params_dtype`` / ``pipeline_dtype`` for this precision."""
+        """`TransformerConfig.params_dtype` / `pipeline_dtype` for this precision."""
         return torch.bfloat16 if self.bf16 else torch.float32
 
     @override
     def backward(
         self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        """No-op: megatron's schedule ran forward AND backward inside ``training_step``."""
+        """No-op: megatron's schedule ran forward AND backward inside `training_step`."""
 
+    # `Trainer(gradient_clip_val)` is mapped to `OptimizerConfig.clip_grad`; megatron clips by the
+    # global norm inside `MegatronOptimizer.step` (no parameter has a `.grad` here: gradients are
+    # still in the DDP `main_grad` buffers)
     @override
     def clip_gradients(
         self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None
     ) -> None:
-        """No-op: ``Trainer(gradient_clip_val)`` is mapped to ``OptimizerConfig.clip_grad`` and
-        megatron clips by the global norm inside ``MegatronOptimizer.step`` (at this point no
-        parameter has a ``.grad``: gradients are still in the DDP ``main_grad`` buffers)."""
+        """No-op: megatron clips inside `MegatronOptimizer.step`."""
 
 
 def to_mcore_precision(plugin: Precision) -> MCorePrecision:
-    """Translate the plugin Lightning's connector built from ``Trainer(precision=...)``.
-
-    ``"16-mixed"`` raises (fp16 needs megatron's loss scaling, which is not supported) wherever
-    it reaches the strategy. On CPU it does not: Lightning's connector itself replaces it with
-    ``"bf16-mixed"`` (with its own warning, "AMP with fp16 is not supported on CPU") before any
-    strategy sees the plugin, and leaves no public trace of the original flag.
+    """Translate the plugin Lightning's connector built from `Trainer(precision=...)`.
 
     Raises:
-        ValueError: a precision megatron cannot run here (``"64-true"``, ``"16-mixed"``,
+        ValueError: a precision megatron cannot run here (`"64-true"`, `"16-mixed"`,
             Transformer Engine, bitsandbytes, ...).
     """
+    # "16-mixed" (fp16 needs megatron's loss scaling, not supported) raises wherever it reaches
+    # the strategy; on CPU Lightning's connector already replaced it with "bf16-mixed" (its own
+    # warning) and left no public trace of the original flag
     if isinstance(plugin, MCorePrecision):
         return plugin
     flag = getattr(plugin, "precision", None)

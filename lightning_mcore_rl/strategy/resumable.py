@@ -1,11 +1,9 @@
-"""Exact mid-epoch resume of the data position.
+"""Exact mid-epoch resume of the data position (`ResumableLoader`)."""
 
-On ``fit(ckpt_path=...)`` Lightning restores ``global_step`` and ``batch_idx`` but a plain
-``DataLoader`` starts again at its first batch, so a mid-epoch resume replays the epoch's first
-batches (Lightning only warns). :class:`ResumableLoader` saves how many batches of the current
-epoch it has handed out; Lightning stores that in the checkpoint (``loops.fit_loop`` state) and
-gives it back before the resumed epoch starts, and the loader then skips those batches.
-"""
+# On `fit(ckpt_path=...)` Lightning restores `global_step` and `batch_idx`, but a plain
+# `DataLoader` starts again at its first batch, so a mid-epoch resume replays the epoch's first
+# batches (Lightning only warns). The loader's count of batches handed out is saved with the fit
+# loop's state and given back before the resumed epoch starts; the loader then skips them.
 
 from __future__ import annotations
 
@@ -20,25 +18,18 @@ if TYPE_CHECKING:
 
 
 class ResumableLoader:
-    """A sized ``DataLoader`` wrapper whose position within the epoch is checkpointed.
-
-    Lightning saves ``state_dict()`` with the fit loop and calls ``load_state_dict`` when it
-    resumes; the next ``iter()`` then skips the batches already consumed in that epoch (they are
-    loaded and dropped, so the sampler's order is untouched). ``sampler`` is exposed so that
-    Lightning's per-epoch ``set_epoch`` (restored epoch included) reaches the wrapped loader's
-    ``DistributedSampler``; ``dataset`` and ``batch_size`` are the wrapped loader's too.
-
-    The count is exact because Lightning does not prefetch from a loader with a length, so the
-    batches handed out are the batches trained on. Lightning does not inject its distributed
-    sampler into a wrapper: give the wrapped loader its own (see :func:`resumable_dataloader`).
-
-    :meth:`peek` shows the batches after the one handed out last without handing them out (an
-    asynchronous recipe starts their rollouts early); they do not count as consumed, so a resume
-    loads them again.
+    """A sized `DataLoader` wrapper whose position within the epoch is checkpointed; after
+    `load_state_dict` the next `iter()` skips the batches already consumed in that epoch.
 
     Args:
-        loader: a map-style (sized) ``DataLoader`` with a deterministic order per epoch.
+        loader: a map-style (sized) `DataLoader` with its own `DistributedSampler`.
     """
+
+    # The skipped batches are loaded and dropped, so the sampler's order is untouched. The count
+    # is exact because Lightning does not prefetch from a loader with a length. Lightning does not
+    # inject its distributed sampler into a wrapper, hence the wrapped loader's own
+    # (`resumable_dataloader`); `sampler` is exposed so that Lightning's per-epoch `set_epoch`
+    # (restored epoch included) reaches it.
 
     def __init__(self, loader: DataLoader) -> None:
         self.loader = loader
@@ -49,7 +40,7 @@ class ResumableLoader:
 
     @property
     def sampler(self) -> Any:
-        """The wrapped loader's sampler (Lightning calls its ``set_epoch`` each epoch)."""
+        """The wrapped loader's sampler (Lightning calls its `set_epoch` each epoch)."""
         return self.loader.sampler
 
     @property
@@ -88,13 +79,14 @@ class ResumableLoader:
         return len(self._ahead) >= count
 
     def peek(self, count: int = 1) -> list[Any]:
-        """The next ``count`` batches of the running epoch, not handed out (fewer at the
-        epoch's end; none outside an iteration). Each is read from the wrapped loader once: the
-        iteration then yields the same objects.
+        """The next `count` batches of the running epoch, not handed out (fewer at its end, none
+        outside an iteration); the iteration then yields the same objects.
 
         Raises:
-            ValueError: ``count`` < 1.
+            ValueError: `count` < 1.
         """
+        # an asynchronous recipe starts their rollouts early; they are not consumed, so a resume
+        # loads them again
         if count < 1:
             raise ValueError(f"`count` must be >= 1, got {count}")
         self._fill(count)
@@ -122,24 +114,13 @@ def resumable_dataloader(
     seed: int = 0,
     **loader_kwargs: Any,
 ) -> ResumableLoader:
-    """A :class:`ResumableLoader` over this data-parallel rank's share of ``dataset``.
-
-    The ``DistributedSampler`` takes ``num_replicas``/``rank`` from
-    ``trainer.strategy.distributed_sampler_kwargs`` (with ``MCoreRLStrategy``: the data-parallel
-    size and rank, so all TP/PP/CP ranks of a replica read the same samples; a single-device
-    strategy gives 1/0). With ``shuffle`` the order is a permutation fixed by ``seed`` and
-    Lightning's ``set_epoch``, so every epoch differs and a resumed run sees the same order.
-    ``shuffle=True, seed=0`` is the order Lightning's injected train sampler gives a plain
-    ``DataLoader``.
-
-    Args:
-        dataset: a map-style dataset.
-        trainer: the Trainer whose strategy is set up (e.g. inside ``train_dataloader``).
-        batch_size: this rank's batch size.
-        shuffle: shuffle with ``seed`` (re-permuted per epoch).
-        seed: the sampler seed (the same on every rank).
-        **loader_kwargs: further ``DataLoader`` arguments (``num_workers``, ``drop_last``, ...).
-    """
+    """A `ResumableLoader` over this data-parallel rank's share of `dataset` (`trainer`: set up,
+    e.g. inside `train_dataloader`; `seed` the same on every rank; `loader_kwargs` go to the
+    `DataLoader`)."""
+    # MCoreRLStrategy's sampler kwargs are the DP size and rank, so all TP/PP/CP ranks of a
+    # replica read the same samples (a single-device strategy gives 1/0). With `shuffle` the order
+    # is fixed by `seed` and Lightning's `set_epoch`: every epoch differs, a resumed run sees the
+    # same order; `shuffle=True, seed=0` is what Lightning's injected sampler gives.
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     sampler: DistributedSampler = DistributedSampler(
         dataset,

@@ -1,13 +1,10 @@
-"""A frozen teacher hosted next to the policy: built, checked, wrapped and checkpointed.
+"""A frozen teacher hosted next to the policy (`HostedTeacher`, owned by the strategy): built,
+checked, wrapped without DDP and checkpointed under its own keys."""
 
-The module builds the teacher's raw megatron chunks (``MCoreRLModule.build_teacher_chunk``, one
-per virtual pipeline stage, the policy's parallel layout) with :func:`build_teacher_chunks`;
-:class:`HostedTeacher` (owned by the strategy) checks them like the policy's chunks, wraps them
-WITHOUT megatron DDP (``Float16Module`` under bf16) and keeps them in eval mode. They are never
-given to the optimizer, and enter the checkpoint only when the module asks
-(``MCoreRLModule.save_teacher_in_checkpoint``), under their own keys (:data:`TEACHER_PREFIX`),
-so a student checkpoint's keys never collide with them.
-"""
+# The module builds the raw chunks (`MCoreRLModule.build_teacher_chunk`, one per VPP stage, the
+# policy's layout); they are never given to the optimizer and enter the checkpoint only when the
+# module asks (`save_teacher_in_checkpoint`), under `TEACHER_PREFIX`, so a student checkpoint's
+# keys never collide with them.
 
 from __future__ import annotations
 
@@ -32,8 +29,8 @@ TEACHER_CHECKPOINT_PREFIX = "teacher."
 def build_teacher_chunks(
     build: Callable[[int | None], torch.nn.Module | None], vp_stages: Sequence[int | None]
 ) -> list[torch.nn.Module] | None:
-    """The teacher's raw chunks ``build(vp_stage)`` per stage, frozen (``requires_grad=False``,
-    eval mode); ``None`` when every call returns ``None`` (no teacher).
+    """The teacher's raw chunks `build(vp_stage)` per stage, frozen and in eval mode; `None`
+    when every call returns `None`.
 
     Raises:
         ValueError: some stages return a chunk and others ``None``.
@@ -87,15 +84,15 @@ class HostedTeacher:
         bf16: bool,
         device: torch.device | str = "cpu",
     ) -> None:
-        """Check ``module.teacher_chunks`` (the policy's layout and strategy fields) and wrap
-        them: ``Float16Module`` under bf16, no megatron DDP, eval mode, no gradients. Every rank
-        must host a teacher or none: ONE all-reduce agrees on it, so a rank without one cannot
-        leave the others waiting in a later ``teacher=True`` pass.
+        """Check `module.teacher_chunks` (the policy's layout) and wrap them: `Float16Module`
+        under bf16, no megatron DDP, eval mode, no gradients.
 
         Raises:
-            TypeError, ValueError: as :func:`~.model.check_chunk_layout`; a teacher parameter
-                with ``requires_grad=True``; a teacher on some ranks only (on every rank).
+            TypeError, ValueError: as `model.check_chunk_layout`; a teacher parameter with
+                `requires_grad=True`; a teacher on some ranks only (on every rank).
         """
+        # every rank hosts a teacher or none, agreed by ONE all-reduce: a rank without one would
+        # leave the others waiting in a later `teacher=True` pass
         raw = getattr(module, "teacher_chunks", None)
         _agree_on_presence(bool(raw), device)
         if not raw:
@@ -116,7 +113,7 @@ class HostedTeacher:
             chunk.eval()
 
     def select(self, teacher: bool, policy: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        """The chunks a forward-only pass runs: the teacher's or ``policy``.
+        """The chunks a forward-only pass runs: the teacher's or `policy`.
 
         Raises:
             ValueError: ``teacher=True`` without a hosted teacher.
@@ -132,9 +129,8 @@ class HostedTeacher:
         return self.chunks
 
     def state_dict(self, module: Any) -> dict[str, Any]:
-        """The teacher's sharded state dict (keys ``teacher_chunks.{i}.<name>``, ShardedTensor
-        keys prefixed :data:`TEACHER_CHECKPOINT_PREFIX`), empty unless the module sets
-        ``save_teacher_in_checkpoint``."""
+        """The teacher's sharded state dict (`teacher_chunks.{i}.<name>`, ShardedTensor keys
+        prefixed `TEACHER_CHECKPOINT_PREFIX`); empty unless `save_teacher_in_checkpoint`."""
         if not (self.chunks and getattr(module, "save_teacher_in_checkpoint", False)):
             return {}
         state: dict[str, Any] = {}
@@ -145,11 +141,8 @@ class HostedTeacher:
         return state
 
     def load_state_dict(self, module: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """Load the teacher's entries of a model state dict into ``module.teacher_chunks``.
-
-        Returns:
-            The remaining (policy) entries.
-        """
+        """Load the teacher's entries of `state` into `module.teacher_chunks`; returns the
+        remaining (policy) entries."""
         head = f"{TEACHER_PREFIX}."
         policy = {k: v for k, v in state_dict.items() if not k.startswith(head)}
         if len(policy) == len(state_dict):
@@ -165,21 +158,13 @@ class HostedTeacher:
 
 
 def load_dist_checkpoint(chunk: torch.nn.Module, path: str | Path, *, prefix: str = "") -> None:
-    """Load a megatron ``dist_checkpointing`` checkpoint's weights into ``chunk`` (collective).
-
-    Reads only ``chunk``'s shards of each tensor, so any TP/PP/VPP layout the checkpoint was saved
-    under works. Use it in ``build_teacher_chunk`` on every rank, e.g. with a student checkpoint
-    of this project (``prefix=""``; a ``*.ckpt`` directory of ``ModelCheckpoint``) or a teacher
-    saved inside one with ``save_teacher_in_checkpoint`` (``prefix="teacher."``). The checkpoint's
-    non-tensor entries (``common.pt``) are not read.
-
-    Args:
-        chunk: an unwrapped megatron model chunk (``MegatronModule``) of the saved model.
-        path: the checkpoint directory.
-        prefix: the ShardedTensor key prefix the model was saved under.
+    """Load a megatron `dist_checkpointing` checkpoint's weights (not `common.pt`) into the
+    unwrapped `chunk`, only its shards, from any saved TP/PP/VPP layout (collective; e.g. in
+    `build_teacher_chunk`). `prefix`: `""` for a student checkpoint of this project, `"teacher."`
+    for a teacher saved with `save_teacher_in_checkpoint`.
 
     Raises:
-        FileNotFoundError: ``path`` is not a ``dist_checkpointing`` directory.
+        FileNotFoundError: `path` is not a `dist_checkpointing` directory.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
