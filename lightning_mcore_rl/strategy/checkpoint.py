@@ -1,11 +1,9 @@
-"""Trainer-free megatron ``dist_checkpointing`` of a whole Lightning checkpoint dict.
+"""Trainer-free megatron `dist_checkpointing` of a whole Lightning checkpoint dict: the model and
+optimizer entries as sharded state dicts, everything else in `common.pt` (rank 0);
+`StrategyCheckpoints` is what the strategy's checkpoint hooks delegate to."""
 
-The model and optimizer entries are sharded state dicts (ShardedTensors with global offsets, so a
-checkpoint saved under one TP/PP layout loads under another); everything else Lightning puts in
-the dict (loops, callbacks, LR schedulers, hyper-parameters, the saved layout) is saved by rank 0
-in ``common.pt``. :class:`StrategyCheckpoints` is what the strategy's checkpoint hooks delegate
-to; :func:`check_layout` says which layout changes the saved optimizer state can follow.
-"""
+# ShardedTensors carry global offsets, so a checkpoint saved under one TP/PP layout loads under
+# another; `check_layout` says which layout changes the saved optimizer state can follow.
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ CHUNK_PREFIX = "chunks"
 
 
 def sharded_model_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
-    """Flat sharded state dict of all model chunks (unwrapped megatron models), keyed like the
-    module's own ``state_dict`` (``chunks.{i}.<name>``). The ShardedTensor keys themselves carry no
-    chunk index, so they match across VPP/PP layouts."""
+    """Flat sharded state dict of all (unwrapped) model chunks, keyed `chunks.{i}.<name>`."""
+    # the ShardedTensor keys themselves carry no chunk index: they match across VPP/PP layouts
     state: dict[str, Any] = {}
     for i, chunk in enumerate(chunks):
         for key, value in cast("MegatronModule", chunk).sharded_state_dict().items():
@@ -91,32 +88,27 @@ def old_path(path: Path) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    """A finished ``dist_checkpointing`` directory: megatron writes ``metadata.json`` last,
-    after every rank's shards."""
+    """A finished `dist_checkpointing` directory."""
+    # megatron writes `metadata.json` last, after every rank's shards
     return path.is_dir() and (path / "metadata.json").is_file()
 
 
 def save(checkpoint: dict[str, Any], path: Path, *, atomic: bool) -> None:
-    """Collective: write ``checkpoint`` into directory ``path`` with ``dist_checkpointing``,
-    then every file's size and CRC-32 (:func:`.checksums.write_manifest`) before the directory
-    is swapped into place.
-
-    ``dist_checkpointing`` needs an existing empty directory. With ``atomic``, every rank writes
-    into ``.<name>.tmp`` beside ``path``; after a barrier rank 0 swaps it into place with ONE
-    atomic ``renameat2(RENAME_EXCHANGE)`` (Linux) and deletes the previous checkpoint, now at the
-    temporary name, so ``path`` always exists once it has been written. Where the exchange is
-    unavailable, two renames (old aside to ``.<name>.old``, new into place); a kill between them
-    leaves both complete directories, and :func:`recover_interrupted` (run before
-    ``ckpt_path="last"`` is resolved) renames the newest back. A crash during the write leaves
-    the previous checkpoint untouched.
+    """Collective: write `checkpoint` into directory `path` with `dist_checkpointing`, then its
+    checksums (`reliability.checksums.write_manifest`); with `atomic`, written aside and swapped
+    into place.
 
     Raises:
-        OSError: ``errno.ENOSPC`` (the disk is full) with the free space of the checkpoint's
-            file system in the message; the partial temporary directory is removed. Also when
-            the full disk reaches it inside megatron's shard writer (torch's
-            ``CheckpointException``, on the coordinating rank 0: the other ranks' exception
-            carries no failure details and is re-raised as it is).
+        OSError: `errno.ENOSPC` (disk full; also from inside megatron's shard writer, on rank
+            0) with the file system's free space; the partial temporary directory is removed.
     """
+    # `dist_checkpointing` needs an existing empty directory. With `atomic` every rank writes into
+    # `.<name>.tmp`; after a barrier rank 0 swaps it in with ONE `renameat2(RENAME_EXCHANGE)`
+    # (Linux) and deletes the previous checkpoint, so `path` always exists once written. Without
+    # the exchange: two renames (old to `.<name>.old`, new into place); a kill between them leaves
+    # two complete directories that `recover_interrupted` resolves. A crash during the write
+    # leaves the previous checkpoint untouched. Torch's `CheckpointException` carries the failure
+    # details only on the coordinating rank 0; the other ranks re-raise theirs as it is.
     from megatron.core import dist_checkpointing
 
     target = temporary_path(path) if atomic else path
@@ -141,9 +133,9 @@ def save(checkpoint: dict[str, Any], path: Path, *, atomic: bool) -> None:
 
 
 def replace_directory(target: Path, path: Path) -> None:
-    """Move the complete directory ``target`` to ``path`` (replacing any old one) so that a kill
-    at any instant leaves a complete ``path``, or two complete directories that
-    :func:`recover_interrupted` resolves."""
+    """Move the complete directory `target` to `path`, replacing any old one."""
+    # a kill at any instant leaves a complete `path`, or two complete directories that
+    # `recover_interrupted` resolves
     if path.is_symlink():  # a `save_last="link"` link: its target checkpoint stays
         path.unlink()
     if path.exists() and _exchange(target, path):
@@ -173,15 +165,9 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def recover_interrupted(directory: Path) -> list[Path]:
-    """Undo a save interrupted between the two renames of the fallback in ``directory``: for
-    each ``<name>.ckpt`` that is missing while ``.<name>.ckpt.tmp`` (the new one) or
-    ``.<name>.ckpt.old`` (the previous one) is complete, rename the newest complete one back.
-
-    Safe to run on every rank at once (each rename is atomic; losing a race is fine).
-
-    Returns:
-        The checkpoints restored.
-    """
+    """Undo saves in `directory` interrupted between the fallback's two renames: a missing
+    `<name>.ckpt` gets the newest complete `.<name>.ckpt.tmp`/`.old` back (returned)."""
+    # safe on every rank at once: each rename is atomic, losing a race is fine
     restored: list[Path] = []
     if not directory.is_dir():
         return restored
@@ -204,8 +190,7 @@ def recover_interrupted(directory: Path) -> list[Path]:
 
 
 def complete_checkpoints(directory: Path) -> list[Path]:
-    """The complete ``*.ckpt`` directories in ``directory``, oldest first (by modification time
-    of their ``metadata.json``)."""
+    """The complete `*.ckpt` directories in `directory`, oldest first (`metadata.json` mtime)."""
     if not directory.is_dir():
         return []
     found = [p for p in directory.glob("*.ckpt") if is_complete(p)]
@@ -213,14 +198,14 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 
 def check_last(directory: Path, last_name: str = "last") -> None:
-    """Before ``ckpt_path="last"`` is resolved in ``directory`` (any rank, no collective):
-    Lightning skips a ``<last_name>*.ckpt`` entry that does not exist (a symlink to a removed
-    checkpoint) and starts from step 0 when no entry is left.
+    """Before `ckpt_path="last"` is resolved in `directory` (any rank, no collective).
 
     Raises:
         FileNotFoundError: ``<last_name>*.ckpt`` entries exist but none is a complete checkpoint
             (each named with what it is instead).
     """
+    # Lightning skips a `<last_name>*.ckpt` entry that does not exist (a link to a removed
+    # checkpoint) and starts from step 0 when none is left
     if not directory.is_dir():
         return
     entries = sorted(
@@ -256,12 +241,11 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _disk_full_cause(err: BaseException) -> BaseException | None:
-    """The disk-full error behind ``err``, or None: an ``OSError`` with ``ENOSPC``/``EDQUOT`` in
-    its cause/context chain, or in the failures of torch's ``CheckpointException`` (a
-    ``BaseException``; rank -> (exception, traceback)), where megatron's shard writer reports a
-    worker's ``OSError`` as ``RuntimeError("Worker failure: [Errno 28] ...")`` whose cause is
-    lost on the way (pickled through the workers' queue and ``gather_object``): only the
-    ``[Errno N]`` text is left."""
+    """The disk-full error behind `err` (`ENOSPC`/`EDQUOT` in its cause/context chain or in the
+    failures of torch's `CheckpointException`), or None."""
+    # megatron's shard writer reports a worker's `OSError` as `RuntimeError("Worker failure:
+    # [Errno 28] ...")` whose cause is lost on the way (pickled through the workers' queue and
+    # `gather_object`): only the `[Errno N]` text is left
     pending: list[BaseException | None] = [err]
     seen: set[int] = set()
     while pending:
@@ -318,16 +302,12 @@ def remove(path: Path) -> None:
 def load(
     template: dict[str, Any], path: Path, safe_types: Sequence[type] = (), *, verify: bool = True
 ) -> dict[str, Any]:
-    """Collective: load a checkpoint into the sharded ``template``; returns the whole Lightning
-    dict with plain tensors. ``safe_types`` are allowed when ``torch.load`` reads ``common.pt``
-    with ``weights_only=True`` (e.g. the dataclasses in ``save_hyperparameters()``). With
-    ``verify``, the files are checked against their checksums first (:func:`.checksums.verify`;
-    a checkpoint without checksums warns and loads unverified).
+    """Collective: load a checkpoint into the sharded `template`; returns the whole Lightning
+    dict with plain tensors (`safe_types`: allowed when `common.pt` is read with
+    `weights_only=True`; `verify`: check the checksums first).
 
     Raises:
-        CorruptCheckpointError: on every rank, a file is damaged (named in the message): found by
-            its checksum, or, in a checkpoint without checksums, when megatron cannot read it
-            (:func:`.checksums.damaged_files`).
+        CorruptCheckpointError: on every rank, naming the damaged file.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
@@ -373,22 +353,20 @@ _MODEL_PARALLEL = LAYOUT_FIELDS[:4]
 
 
 def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
-    """Before the optimizer state is loaded (fitting): the layout changes its saved format
-    cannot follow. Model weights follow any change; megatron's regular optimizer state is keyed
-    like them. A changed ``expert_model_parallel_size`` is followed by regrouping the regular
-    optimizer's state between megatron's chained dense and expert optimizers
-    (:mod:`.optimizer_regroup`). Fields missing on either side (older checkpoints) are not
-    compared.
+    """Before the optimizer state is loaded (fitting): refuse the layout changes its saved format
+    cannot follow.
 
     Raises:
-        ValueError: ``use_distributed_optimizer`` or ``precision`` changed (the optimizer state
-            formats differ: the distributed optimizer's buffers vs per-parameter state, bf16's fp32
-            main params); ``expert_model_parallel_size`` changed with the distributed optimizer
-            (its state is sharded by its own gradient buffers, the expert ones over the expert
-            data-parallel group whose size EP sets: it is not regrouped); or a
-            distributed-optimizer ``dp_reshardable`` checkpoint is resumed under another
-            TP/PP/VPP/CP size (its buffers are per TP/PP rank; only DP may change).
+        ValueError: `use_distributed_optimizer` or `precision` changed; EP changed with the
+            distributed optimizer; a `dp_reshardable` checkpoint resumed under another
+            TP/PP/VPP/CP size.
     """
+    # Model weights follow any change, and megatron's regular optimizer state is keyed like them;
+    # a changed EP regroups it between the chained dense and expert optimizers
+    # (optimizer_regroup.py). The distributed optimizer's state is sharded by its own gradient
+    # buffers (the expert ones over the expert-DP group whose size EP sets; per TP/PP rank for
+    # `dp_reshardable`): not regrouped. Precision changes the format (bf16's fp32 main params).
+    # Fields missing on either side (older checkpoints) are not compared.
     if not saved:
         return
 
@@ -430,8 +408,7 @@ def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
 
 
 def expert_layout_changed(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint was saved under another ``expert_model_parallel_size`` (so its
-    optimizer state is regrouped on load, :mod:`.optimizer_regroup`)."""
+    """Whether the checkpoint was saved under another `expert_model_parallel_size`."""
     key = "expert_model_parallel_size"
     if not saved or key not in saved:
         return False
@@ -444,8 +421,8 @@ def _sizes(layout: Mapping[str, Any]) -> str:
 
 
 def saved_layout(path: Path, safe_types: Sequence[type] = ()) -> dict[str, Any] | None:
-    """The layout :data:`LAYOUT_KEY` stored in the checkpoint's ``common.pt`` (None if absent).
-    A file read on the calling rank, no collective: every rank reads it before any loads."""
+    """The layout `LAYOUT_KEY` stored in the checkpoint's `common.pt` (None if absent); read on
+    the calling rank, no collective."""
     from megatron.core import dist_checkpointing
 
     try:
@@ -460,35 +437,27 @@ def saved_layout(path: Path, safe_types: Sequence[type] = ()) -> dict[str, Any] 
 @dataclasses.dataclass(frozen=True)
 class StrategyCheckpoints:
     """The strategy's checkpoint hooks, Trainer-free: sharded state dicts of its chunks and
-    megatron optimizer, the layout saved beside them and the checks on resume.
+    megatron optimizer, the layout saved beside them and the checks on resume."""
 
-    Attributes:
-        chunks: the wrapped model chunks (DDP / ``Float16Module`` around megatron models).
-        optimizer: the megatron optimizer (fitting), or None (weights only).
-        config: the strategy's checkpoint format.
-        run_config: the strategy's ``run_config()`` (holds the :data:`LAYOUT_FIELDS`).
-    """
-
-    chunks: Sequence[torch.nn.Module]
-    optimizer: Any | None
+    chunks: Sequence[torch.nn.Module]  # wrapped (DDP / `Float16Module` around megatron models)
+    optimizer: Any | None  # the megatron optimizer (fitting), or None (weights only)
     config: CheckpointConfig
-    run_config: Mapping[str, Any]
+    run_config: Mapping[str, Any]  # the strategy's `run_config()` (holds the `LAYOUT_FIELDS`)
 
     @property
     def layout(self) -> dict[str, Any]:
-        """What :data:`LAYOUT_KEY` holds for this run."""
+        """What `LAYOUT_KEY` holds for this run."""
         return {**{key: self.run_config[key] for key in LAYOUT_FIELDS},
                 "optimizer_sharding": self.config.optimizer_sharding}  # fmt: skip
 
     def model_state(self) -> dict[str, Any]:
-        """The chunks' sharded state dict (:func:`sharded_model_state_dict`)."""
+        """The chunks' sharded state dict (`sharded_model_state_dict`)."""
         return sharded_model_state_dict([unwrap_model(c) for c in self.chunks])
 
     def optimizer_state(self, *, is_loading: bool = False, sharding: str | None = None) -> dict:
-        """The megatron optimizer's sharded state dict; ``sharding`` is the distributed
-        optimizer's format (default ``config.optimizer_sharding``; megatron's other optimizers
-        ignore it). A fresh distributed optimizer loading gets dummy state first: megatron
-        asserts that state exists."""
+        """The megatron optimizer's sharded state dict; `sharding`: the distributed optimizer's
+        format (default `config.optimizer_sharding`)."""
+        # a fresh distributed optimizer loading gets dummy state first: megatron asserts it exists
         optimizer = self.optimizer
         if optimizer is None:
             raise RuntimeError("The megatron optimizer exists only while fitting, after `setup`.")
@@ -503,7 +472,7 @@ class StrategyCheckpoints:
     def save(
         self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None = None
     ) -> None:
-        """Collective: :func:`save` with the layout added under :data:`LAYOUT_KEY`.
+        """Collective: `save` with the layout added under `LAYOUT_KEY`.
 
         Raises:
             TypeError: ``storage_options`` given (Lightning's ``CheckpointIO`` argument).
@@ -518,12 +487,10 @@ class StrategyCheckpoints:
     def load(
         self, path: Path, model_state: dict[str, Any], hparams: Mapping[str, Any]
     ) -> dict[str, Any]:
-        """Collective: the checkpoint at ``path`` loaded into ``model_state`` (this run's sharded
-        model state; any layout the weights were saved under maps onto it) and, when fitting,
-        the optimizer's state in the format it was saved in. Every rank first reads the saved
-        layout and runs :func:`check_layout` (no collective before it can raise), after the
-        files were checked against their checksums (:func:`.checksums.verify`). The
-        dataclass/enum types in the module's ``hparams`` may be unpickled (:func:`user_types`)."""
+        """Collective: the checkpoint at `path` loaded into `model_state` (this run's sharded
+        model state, from any saved layout) and, when fitting, the optimizer's state."""
+        # every rank reads the saved layout and runs `check_layout` before any collective; the
+        # dataclass/enum types in the module's `hparams` may be unpickled (`user_types`)
         _check_is_checkpoint(path)
         sums.verify(path)  # before saved_layout reads common.pt
         safe_types = user_types(dict(hparams))
@@ -541,9 +508,8 @@ class StrategyCheckpoints:
     def _load_regrouped(
         self, path: Path, template: dict[str, Any], safe_types: Sequence[type]
     ) -> dict[str, Any]:
-        """:meth:`load` of a checkpoint saved under another expert-parallel size: the optimizer
-        state regrouped between megatron's chained optimizers (:mod:`.optimizer_regroup`), and
-        the LR schedulers' per-group state with it."""
+        """`load` of a checkpoint saved under another EP size: the optimizer state and the LR
+        schedulers' per-group state regrouped (`optimizer_regroup`)."""
         from megatron.core import dist_checkpointing
 
         saved_keys = dist_checkpointing.load_tensors_metadata(str(path)).keys()
