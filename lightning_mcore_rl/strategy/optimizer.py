@@ -1,10 +1,9 @@
-"""A ``torch.optim.Optimizer`` facade over a megatron optimizer, and the spec a module returns
-from ``configure_optimizers``.
+"""A `torch.optim.Optimizer` facade over a megatron optimizer (`MegatronOptimizerAdapter`), and
+the spec a module returns from `configure_optimizers`."""
 
-Lightning wraps optimizers in ``LightningOptimizer`` and torch's LR schedulers check
-``isinstance(optimizer, Optimizer)``; ``MegatronOptimizer`` is neither a torch optimizer nor takes a
-closure (its ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``).
-"""
+# Lightning wraps optimizers in `LightningOptimizer` and torch's LR schedulers check
+# `isinstance(optimizer, Optimizer)`; `MegatronOptimizer` is not a torch optimizer and takes no
+# closure (its `step()` returns `(update_successful, grad_norm, num_zeros_in_grad)`).
 
 from __future__ import annotations
 
@@ -23,23 +22,18 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 @dataclass(frozen=True)
 class MegatronStepResult:
-    """What ``MegatronOptimizer.step()`` returned for the last optimizer step.
+    """What `MegatronOptimizer.step()` returned for the last optimizer step."""
 
-    Attributes:
-        update_successful: False when an fp16 loss-scale overflow skipped the update.
-        grad_norm: pre-clip global gradient norm (reduced over all model-parallel ranks).
-        num_zeros_in_grad: zero gradient entries, if ``OptimizerConfig.log_num_zeros_in_grad``.
-    """
-
-    update_successful: bool
-    grad_norm: float | None
-    num_zeros_in_grad: int | None
+    update_successful: bool  # False: an overflow, or the non-finite guard, skipped the update
+    grad_norm: float | None  # pre-clip global norm (reduced over all model-parallel ranks)
+    num_zeros_in_grad: int | None  # with `OptimizerConfig.log_num_zeros_in_grad`
 
 
 @dataclass
 class _StepRecord:
-    """Mutable holder shared (by reference) between the adapter and its ``LightningOptimizer``
-    wrapper, which copies the adapter's ``__dict__`` and so cannot see later attribute writes."""
+    """Mutable holder shared (by reference) between the adapter and its `LightningOptimizer`."""
+
+    # the wrapper copies the adapter's `__dict__`, so it cannot see later attribute writes
 
     last: MegatronStepResult | None = None
     guard: Any = None  # the strategy's NonFiniteGuard (reliability/nonfinite.py)
@@ -50,35 +44,29 @@ class _StepRecord:
 
 @dataclass
 class MegatronOptimizerSpec:
-    """What ``configure_optimizers`` returns to get a megatron optimizer (+ an LR scheduler).
+    """What `configure_optimizers` returns to get a megatron optimizer (+ an LR scheduler)."""
 
-    Attributes:
-        config: megatron ``OptimizerConfig``. ``clip_grad`` comes from
-            ``Trainer(gradient_clip_val=...)``; ``bf16``/``params_dtype`` from
-            ``Trainer(precision=...)`` and ``use_distributed_optimizer`` from the strategy.
-        lr_scheduler: ``factory(optimizer) -> LRScheduler`` or a Lightning scheduler dict
-            (``{"scheduler": ..., "interval": "step"}``), called with the built optimizer.
-    """
-
+    # megatron `OptimizerConfig`: `clip_grad` comes from `Trainer(gradient_clip_val=...)`,
+    # `bf16`/`params_dtype` from `Trainer(precision=...)`, `use_distributed_optimizer` from the
+    # strategy
     config: Any
+    # `factory(optimizer) -> LRScheduler` or a Lightning scheduler dict, called with the optimizer
     lr_scheduler: SchedulerFactory | None = field(default=None)
 
 
 class MegatronOptimizerAdapter(torch.optim.Optimizer):
-    """``torch.optim.Optimizer`` view of a ``MegatronOptimizer``.
-
-    ``Optimizer.__init__`` is deliberately not called: ``param_groups`` and ``state`` delegate to
-    the megatron optimizer (so LR schedulers and ``LearningRateMonitor`` act on megatron's groups).
-    ``step(closure)`` runs the closure (Lightning's training step, which ran megatron's forward and
-    backward) and then ``MegatronOptimizer.step()``; ``zero_grad`` is a no-op because the strategy
-    zeroes the grad buffers *before* the forward (``on_train_batch_start``). No state is kept on
-    ``self`` after construction (``LightningOptimizer`` runs these methods on a copy of ``__dict__``).
+    """`torch.optim.Optimizer` view of a `MegatronOptimizer`: `param_groups` and `state` are
+    megatron's, `step(closure)` runs the closure then megatron's step, `zero_grad` is a no-op.
 
     Args:
-        megatron_optimizer: the optimizer from ``get_megatron_optimizer``.
-        params: the model parameters it updates (copied and checked by the non-finite guard
-            around every update).
+        megatron_optimizer: the optimizer from `get_megatron_optimizer`.
+        params: the model parameters it updates (for the non-finite guard's update checks).
     """
+
+    # `Optimizer.__init__` is not called: delegating `param_groups` makes LR schedulers and
+    # `LearningRateMonitor` act on megatron's groups. The strategy zeroes the grad buffers before
+    # the forward (`on_train_batch_start`). No state is kept on `self` after construction:
+    # `LightningOptimizer` runs these methods on a copy of `__dict__`.
 
     def __init__(  # noqa: D107 - no super().__init__
         self, megatron_optimizer: Any, params: Sequence[torch.Tensor] = ()
@@ -107,28 +95,21 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
     @property
     def last_step(self) -> MegatronStepResult | None:
-        """The result of the latest :meth:`step` (``None`` before the first)."""
+        """The result of the latest `step` (`None` before the first)."""
         return self._record.last
 
     def use_guard(self, guard: Any, device: torch.device | str = "cpu", group: Any = None) -> None:
-        """Consult ``guard`` (a :class:`~lightning_mcore_rl.reliability.nonfinite.NonFiniteGuard`)
-        around every megatron step: a skipped step never calls megatron's ``step()``, and a
-        failing update is undone. Its update checks reduce on ``device`` over ``group`` (the
-        strategy's world group)."""
+        """Consult `guard` (a `NonFiniteGuard`) around every megatron step; its update checks
+        reduce on `device` over `group` (the strategy's world group)."""
         self._record.guard = guard
         self._record.device = device
         self._record.group = group
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (forward+backward), then megatron's step (:func:`megatron_step`:
-        unscale, norm, clip, update) — unless the non-finite guard skips the step (non-finite
-        inputs or loss, or a non-finite megatron gradient norm): then nothing changes, as on
-        megatron's own ``update_successful=False`` path; an update the guard rejects
-        (non-finite weights or optimizer state, or too large) is undone.
-
-        Returns:
-            The closure's result (the training-step loss), as ``torch.optim`` optimizers do.
-        """
+        """Run `closure` (forward+backward), then megatron's step (`megatron_step`) unless the
+        non-finite guard skips it; returns the closure's result, as `torch.optim` optimizers do."""
+        # a skipped step changes nothing, as megatron's own `update_successful=False` path; an
+        # update the guard rejects after it ran is undone
         loss = closure() if closure is not None else None
         record = self._record
         if record.guard is None:
@@ -157,27 +138,16 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 def megatron_step(
     optimizer: Any, checks: Any = None, params: Sequence[torch.Tensor] = ()
 ) -> MegatronStepResult:
-    """Megatron's ``MegatronOptimizer.step()`` by its public parts, consulting the non-finite
-    guard's ``checks`` (:class:`~lightning_mcore_rl.reliability.nonfinite.UpdateChecks`,
-    ``None``: none) between megatron's gradient norm and the update
-    (``checks.grad_norm_fails(norm)``), and to verify the update: before it on the clipped
-    gradients (``checks.reject_before_update``: a rejected update is not run), or, for an inner
-    optimizer that cannot be previewed, around it (``checks.snapshot(optimizer, params)`` before
-    it, ``checks.reject_update(snapshot)`` after it: a rejected update is undone).
-
-    The same operations in the same order as megatron's ``step()`` of ``FP32Optimizer``,
-    ``MixedPrecisionOptimizer`` and ``ChainedOptimizer`` (``prepare_grads``, ``get_grad_norm``,
-    ``clip_grad_by_total_norm_fp32`` per member with ``clip_grad > 0``, ``count_zeros``,
-    ``step_with_ready_grads``), so the update is bitwise megatron's; the norm is computed once
-    (reduced over megatron's grad-stats group: the model-parallel group, or the whole world
-    with the distributed optimizer; data-parallel replicas hold all-reduced gradients), so every
-    rank takes the same decision without a collective of its own. Unlike megatron's ``step()``,
-    the norm is also computed (and reported) without clipping.
-
-    Returns:
-        ``(update_successful, grad_norm, num_zeros_in_grad)``; ``update_successful=False`` when
-        megatron found inf/NaN (fp16 loss scaling) or the guard skipped or rejected the step.
-    """
+    """Megatron's `MegatronOptimizer.step()` by its public parts, consulting the non-finite
+    guard's `checks` (`UpdateChecks`, `None`: none) between the gradient norm and the update;
+    `update_successful=False` when megatron found inf/NaN or a check skipped or rejected it."""
+    # The same operations in the same order as megatron's `step()` of `FP32Optimizer`,
+    # `MixedPrecisionOptimizer` and `ChainedOptimizer`, so the update is bitwise megatron's. The
+    # norm is computed once, reduced over megatron's grad-stats group (model-parallel, or the
+    # world with the distributed optimizer; DP replicas hold all-reduced gradients), so every rank
+    # takes the same decision without a collective of its own; unlike megatron's, also without
+    # clipping. A previewable update is checked before it runs (not run when rejected), any other
+    # around it (snapshot before, undone after).
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     if optimizer.prepare_grads():
@@ -210,14 +180,12 @@ def megatron_step(
 def resolve_optimizer_config(
     config: Any, *, clip_grad: float, bf16: bool, use_distributed_optimizer: bool
 ) -> Any:
-    """``config`` with the fields the Trainer and the strategy own filled in.
+    """`config` with the fields the Trainer and the strategy own filled in.
 
     Raises:
-        ValueError: the module's ``OptimizerConfig`` sets an owned field to a conflicting value
-            (``clip_grad`` other than megatron's default 1.0, ``bf16``/``fp16``,
-            ``use_distributed_optimizer``); the message names where to set it instead. A
-            learning rate or weight decay that is negative or not finite
-            (:func:`check_optimizer_values`).
+        ValueError: an owned field set to a conflicting value (`clip_grad` other than 1.0,
+            `bf16`/`fp16`, `use_distributed_optimizer`), naming where to set it; a bad lr or
+            weight decay (`check_optimizer_values`).
     """
     from megatron.core.optimizer import OptimizerConfig
 
@@ -262,14 +230,15 @@ _OPTIMIZER_VALUES = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight
 
 
 def check_optimizer_values(config: Any) -> None:
-    """The learning rates and the weight decay of a megatron ``OptimizerConfig``: each a finite
-    number >= 0 (or ``None``, except ``lr``), checked before megatron builds the optimizer (torch
-    would reject a negative ``lr`` inside it, naming none of these fields).
+    """The learning rates and the weight decay of a megatron `OptimizerConfig`: each a finite
+    number >= 0 (or `None`, except `lr`).
 
     Raises:
         ValueError: ``lr`` is ``None``; a field is negative, NaN or infinite.
         TypeError: a field is not a number.
     """
+    # before megatron builds the optimizer: torch would reject a negative lr inside it, naming
+    # none of these fields
     if config.lr is None:
         raise ValueError(
             "`OptimizerConfig.lr` is None: megatron needs a learning rate; return "
@@ -293,12 +262,12 @@ def check_optimizer_values(config: Any) -> None:
 
 
 def check_fit_limits(max_steps: int, max_epochs: int | None) -> None:
-    """``Trainer.fit`` limits that would train nothing: checked when ``fit`` launches, before
-    any process group exists (one Lightning batch is one optimizer step).
+    """`Trainer.fit` limits that would train nothing, checked when `fit` launches.
 
     Raises:
         ValueError: ``max_steps=0`` or ``max_epochs=0``.
     """
+    # before any process group exists; one Lightning batch is one optimizer step
     if max_steps == 0:
         raise ValueError(
             "`Trainer(max_steps=0)` trains no step (fit would set up and stop silently). Set "
@@ -317,8 +286,8 @@ def check_trainer_flags(
     gradient_clip_val: float | None,
     gradient_clip_algorithm: str | None,
 ) -> float:
-    """Validate the Trainer flags megatron implements itself; return ``OptimizerConfig.clip_grad``
-    (``0.0`` — no clipping — when ``gradient_clip_val`` is None, NOT megatron's default 1.0)."""
+    """Validate the Trainer flags megatron implements itself; return `OptimizerConfig.clip_grad`
+    (`0.0`, no clipping, when `gradient_clip_val` is None: NOT megatron's default 1.0)."""
     if accumulate_grad_batches != 1:
         raise ValueError(
             f"`Trainer(accumulate_grad_batches={accumulate_grad_batches})` is not supported by "
@@ -356,9 +325,8 @@ def build_optimizer(
     bf16: bool,
     use_distributed_optimizer: bool,
 ) -> tuple[MegatronOptimizerAdapter, list[LRSchedulerConfig]]:
-    """``configure_optimizers()``'s result (a megatron ``OptimizerConfig`` or a
-    :class:`MegatronOptimizerSpec` with a scheduler factory) -> the megatron optimizer over the
-    DDP ``chunks`` behind a torch-optimizer facade, and Lightning's scheduler configs."""
+    """`configure_optimizers()`'s result (an `OptimizerConfig` or a `MegatronOptimizerSpec`) ->
+    the megatron optimizer over the DDP `chunks` behind the facade, and the scheduler configs."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     if not isinstance(spec, MegatronOptimizerSpec):
