@@ -1,20 +1,6 @@
-"""Online draft-model (EAGLE) training inside the policy's step (`DraftExtension`): hidden
-capture, the draft's forward, and the draft's gradient finalisation.
-
-In a training pass the forward step records, on the policy's last pipeline stage, the
-outputs of the decoder layers the draft reads (:func:`capture_layer_outputs`, detached: nothing
-the draft does reaches the policy's graph), runs the draft (:func:`draft_logits`) and puts its
-logits in the microbatch as ``student_logits [B, S, V]``; the
-:class:`~lightning_mcore_rl.losses.DraftLossWrapper` the
-:class:`~lightning_mcore_rl.train.LossPostProcessor` builds then adds ``loss_weight x`` the draft's
-soft cross entropy against the policy's (detached) next-position distribution. Packed
-microbatches run the draft on the packed row and unpack its logits (and, for the loss, the
-policy's) to the padded ``[B, S, ...]`` layout, so packed = padded.
-
-The draft is a separate megatron-DDP module outside the policy's chunks: after the schedule,
-:func:`finish_draft_gradients` all-reduces its gradients over DP (and, with
-``defer_draft_normalization``, divides them once by the step's global token count).
-"""
+"""Online EAGLE draft training inside the policy's step (`DraftExtension`): the capture of the
+layers it reads, its forward (`student_logits [B, S, V]` for `losses.DraftLossWrapper`) and its
+gradient finalisation; the draft is a megatron-DDP module outside the policy's chunks."""
 
 from __future__ import annotations
 
@@ -45,17 +31,12 @@ def aux_layers(draft_model: torch.nn.Module) -> tuple[int, ...]:
 
 
 def check_draft(model: torch.nn.Module, draft_model: Any, groups: ParallelGroups) -> None:
-    """What the draft path cannot serve, raised before the forward (identically on the ranks of
-    a stage).
-
-    Args:
-        model: the policy chunk of this forward.
-        draft_model: the draft (possibly DDP-wrapped) or ``None`` off the last stage.
-        groups: this rank's groups.
+    """What the draft path cannot serve, before `model`'s forward, identically on the ranks of
+    a stage (`draft_model`: `None` off the last stage).
 
     Raises:
         ValueError: context parallelism; a last stage without a draft; an aux layer the last
-            stage does not hold (the draft reads layers of the last stage only).
+            stage does not hold.
     """
     if groups.cp_size > 1:
         raise ValueError(
@@ -70,6 +51,7 @@ def check_draft(model: torch.nn.Module, draft_model: Any, groups: ParallelGroups
             "`enable_hidden_capture=True` on the last pipeline stage needs the `draft_model` "
             "(build it there: MCoreRLModule.build_draft_model)"
         )
+    # the draft reads layers of the last stage only
     held = {int(layer.layer_number) - 1 for layer in inner.decoder.layers}  # type: ignore[union-attr]
     aux = aux_layers(draft_model)
     missing = sorted(set(aux) - held)
@@ -85,17 +67,11 @@ def check_draft(model: torch.nn.Module, draft_model: Any, groups: ParallelGroups
 def capture_layer_outputs(
     model: torch.nn.Module, layers: Sequence[int], groups: ParallelGroups
 ) -> Iterator[dict[int, Tensor]]:
-    """Record the outputs ``[S, B, H]`` of the policy's decoder layers ``layers`` (global 0-based
-    indices held by this chunk) during the block, detached. Under sequence parallelism a layer's
-    output is this TP rank's sequence slice; it is all-gathered over TP (megatron's rank order).
-
-    Args:
-        model: the policy chunk.
-        layers: the global layer indices to record.
-        groups: this rank's groups (the TP group).
+    """Record, detached, the outputs of the policy's decoder `layers` (global 0-based indices
+    held by this chunk) during the block.
 
     Yields:
-        ``{layer index: [S, B, H]}``, filled by the forward.
+        `{layer index: [S, B, H]}`, filled by the forward.
     """
     captured: dict[int, Tensor] = {}
     inner = unwrap_model(model)
@@ -104,7 +80,9 @@ def capture_layer_outputs(
 
     def hook(index: int) -> Any:
         def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+            # detached: nothing the draft does reaches the policy's graph
             hidden = (output[0] if isinstance(output, tuple) else output).detach()
+            # under SP a layer's output is this TP rank's sequence slice: all-gather it over TP
             if sequence_parallel and groups.tp_size > 1:
                 parts = [torch.empty_like(hidden) for _ in range(groups.tp_size)]
                 dist.all_gather(parts, hidden.contiguous(), group=groups.tp_group)
@@ -126,35 +104,19 @@ def capture_layer_outputs(
 
 
 def next_token_ids(input_ids: Tensor, cu_seqlens_padded: Tensor | None) -> Tensor:
-    """``y_{t+1}`` at position ``t``: ``[B, S]`` shifted left by one, 0 at each row's (packed:
-    each span's) last position, so the shift never crosses a sequence boundary.
-
-    Args:
-        input_ids: ``[B, S]`` or the packed row ``[1, T]``.
-        cu_seqlens_padded: ``[B+1]`` span boundaries of a packed row (``None``: padded).
-
-    Returns:
-        The shifted ids, same shape.
-    """
+    """`y_{t+1}` at position `t` of `input_ids [B, S]` (or the packed row `[1, T]` with its
+    `cu_seqlens_padded [B+1]`), 0 at each row's (span's) last position."""
     shifted = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
     if cu_seqlens_padded is not None:
+        # 0 at each span's end: the shift never crosses a sequence boundary
         ends = cu_seqlens_padded[1:].long() - 1
         shifted[0, ends[ends >= 0]] = 0
     return shifted
 
 
 def unpack_rows(packed: Tensor, cu_seqlens_padded: Tensor, width: int) -> Tensor:
-    """The packed row ``[1, T, ...]`` back in the padded layout ``[B, S, ...]`` (each span's
-    first ``min(span, S)`` positions; zeros after), keeping autograd.
-
-    Args:
-        packed: ``[1, T, X]``.
-        cu_seqlens_padded: ``[B+1]`` span boundaries.
-        width: ``S``.
-
-    Returns:
-        ``[B, S, X]``.
-    """
+    """The packed row `[1, T, X]` back in the padded layout `[B, S, X]` (`S = width`; each
+    span's first `min(span, S)` positions, zeros after), keeping autograd."""
     rows = []
     bounds = [int(b) for b in cu_seqlens_padded]
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -172,47 +134,35 @@ def draft_logits(
     cu_seqlens_padded: Tensor | None,
     width: int,
 ) -> Tensor:
-    """Run the draft on the captured layer outputs: ``[B, S, V]`` logits in the padded layout.
+    """The draft run on `captured` (`capture_layer_outputs`' record): `[B, S, V]` logits in the
+    padded layout, token `t + 2` at position `t`, with gradient to the draft only.
 
     Args:
-        draft_model: the draft (possibly wrapped); reads ``aux_layers`` in ascending order.
-        captured: :func:`capture_layer_outputs`' record of this forward.
-        input_ids: the model ids ``[B, S_pad]`` or the full packed row ``[1, T]``.
-        attention_mask: the policy forward's causal mask (``None`` packed).
-        packed_seq_params: megatron ``PackedSeqParams`` (``None`` padded).
-        cu_seqlens_padded: ``[B+1]`` span boundaries (``None`` padded).
-        width: ``S``, the microbatch's data width.
-
-    Returns:
-        ``[B, S, V]`` draft logits (token ``t + 2`` at position ``t``), with gradient to the
-        draft only.
+        input_ids: the model ids `[B, S_pad]` or the full packed row `[1, T]`.
+        attention_mask: the policy forward's causal mask (`None` packed).
+        packed_seq_params: megatron `PackedSeqParams` (`None` padded).
+        cu_seqlens_padded: `[B+1]` span boundaries (`None` padded).
+        width: `S`, the microbatch's data width.
     """
     hidden = torch.cat([captured[i] for i in aux_layers(draft_model)], dim=-1)  # [S, B, k H]
     logits = draft_model(
         hidden, next_token_ids(input_ids, cu_seqlens_padded), attention_mask, packed_seq_params
     )
-    if cu_seqlens_padded is not None:
+    if cu_seqlens_padded is not None:  # packed runs the draft on the row: packed = padded
         return unpack_rows(logits, cu_seqlens_padded, width)
     return logits[:, :width]
 
 
 def draft_prepare_fn(prepare_fn: Callable[..., Any], cu_seqlens_padded: Tensor | None) -> Any:
-    """The draft term's input preparation: the policy logits in the padded layout of the
-    ``student_logits`` (a packed row unpacked, a padded row trimmed to the data width ``S``),
-    then ``prepare_fn`` (its ``DRAFT`` branch: the detached teacher rolled left by one).
-
-    Args:
-        prepare_fn: ``prepare_loss_input`` with the post-processor's bindings.
-        cu_seqlens_padded: ``[B+1]`` span boundaries of a packed microbatch (``None``: padded).
-
-    Returns:
-        ``prepare(logits, data, loss_fn, tp_rank, tp_group, cp_group) -> (loss_input, data)``.
-    """
+    """The draft term's input preparation `prepare(logits, data, loss_fn, tp_rank, tp_group,
+    cp_group) -> (loss_input, data)`: the policy logits in the `student_logits`' padded layout
+    `[B, S, V_l]`, then `prepare_fn` (`prepare_loss_input` with the post-processor's bindings)."""
 
     def prepare(logits: Tensor, data: Any, loss_fn: Any, *groups: Any) -> Any:
         width = int(data["input_ids"].shape[1])
         if cu_seqlens_padded is not None:
             logits = unpack_rows(logits, cu_seqlens_padded, width)  # [1, T, V_l] -> [B, S, V_l]
+        # prepare_fn's DRAFT branch: the detached teacher rolled left by one
         return prepare_fn(logits[:, :width], data, loss_fn, *groups)
 
     return prepare
@@ -221,18 +171,13 @@ def draft_prepare_fn(prepare_fn: Callable[..., Any], cu_seqlens_padded: Tensor |
 def finish_draft_gradients(
     draft_model: torch.nn.Module, global_valid_toks: Tensor | None = None
 ) -> None:
-    """After the schedule: the draft's DP gradient all-reduce (megatron DDP
-    ``finish_grad_sync``), then, for ``defer_draft_normalization``, the one division of its
-    gradients by the step's global valid token count ``N_t`` (the microbatches back-propagated
-    raw sums).
-
-    Args:
-        draft_model: the megatron-DDP-wrapped draft.
-        global_valid_toks: ``N_t`` of the step to divide by (``None``: already normalised).
-    """
+    """After the schedule: the DP gradient all-reduce of the megatron-DDP `draft_model`, then
+    the one division of its gradients by `global_valid_toks` (`N_t`; `None`: normalised
+    already)."""
     draft_model.finish_grad_sync()  # type: ignore[operator]
     if global_valid_toks is None:
         return
+    # defer_draft_normalization: the microbatches back-propagated raw sums
     scale = 1.0 / float(max(float(global_valid_toks), 1.0))
     with torch.no_grad():
         for param in draft_model.parameters():
@@ -251,8 +196,8 @@ contributions to the token mean over the policy loss's count, whose scored posit
 
 
 def normalise_deferred_draft_metrics(out: StepOutput, global_valid_toks: Tensor) -> StepOutput:
-    """``defer_draft_normalization``: the draft metrics were summed raw; divide them once by the
-    step's global valid token count (what each microbatch would have divided by)."""
+    """`out` with the raw-summed draft metrics divided once by `global_valid_toks`."""
+    # what each microbatch would have divided by without `defer_draft_normalization`
     count = max(float(global_valid_toks), 1.0)
     metrics = dict(out.metrics)
     for key in DRAFT_METRIC_NORMALIZATIONS:

@@ -1,16 +1,5 @@
-"""Multi-token prediction (MTP) in the training step: its loss weights and its metrics
-(`MTPExtension`).
-
-A model with megatron's MTP layers (``config.mtp_num_layers = D``, e.g. the tiny GPT's
-:class:`~lightning_mcore_rl.models.mtp.MTPGPTModel`) gets, per microbatch, the seed's
-``mtp_loss_mask`` divided by the step's global valid token count ``N_t``: the weights ``w`` of
-its MTP term ``L_d = sum_t w[t + d + 2] CE_d[t]``, so each microbatch adds its contribution to the
-global token mean, exactly as the policy loss does (docs/behaviour-reference.md §2.5: MTP losses
-are scaled by ``1/N_t`` separately). Prompt and padding tokens have ``w = 0``.
-
-Metrics (:data:`MTP_LOSS` and, with ``D > 1``, ``mtp_<d>_loss``): ``TOKENS``-normalised, i.e.
-summed over microbatches and data-parallel ranks, which gives the global token mean.
-"""
+"""Multi-token prediction (MTP) in the training step (`MTPExtension`): the MTP term's weights
+`w = mask / N_t` per microbatch and the metrics `mtp_loss` (`mtp_<d>_loss` with `D > 1`)."""
 
 from __future__ import annotations
 
@@ -33,33 +22,29 @@ MTP_LOSS = "mtp_loss"
 
 
 def mtp_depths(chunks: Sequence[torch.nn.Module]) -> int:
-    """``D``: the model's ``mtp_num_layers`` (0 without multi-token prediction)."""
+    """`D`: the model's `mtp_num_layers` (0 without multi-token prediction)."""
     from megatron.core.utils import get_model_config
 
     return int(get_model_config(chunks[0]).mtp_num_layers or 0)
 
 
 def mtp_metric_normalizations(depths: int) -> dict[str, MetricNormalizer]:
-    """The declared reductions of the MTP metrics of a ``D = depths`` model (``{}``: no MTP)."""
+    """The declared reductions of the MTP metrics of a `D = depths` model (`{}`: no MTP)."""
     if depths == 0:
         return {}
+    # TOKENS: summed over microbatches and DP ranks, which gives the global token mean
     names = [MTP_LOSS] + ([f"mtp_{d + 1}_loss" for d in range(depths)] if depths > 1 else [])
     return dict.fromkeys(names, MetricNormalizer.TOKENS)
 
 
 def mtp_loss_weights(mask: Tensor | None, global_valid_toks: Tensor | None) -> Tensor | None:
-    """``w = mask / N_t`` (``N_t`` at least 1), or ``mask`` itself without a count (forward-only
-    passes: no backward, no metric).
-
-    Args:
-        mask: ``[B, S_pad]`` / ``[1, T/CP]`` ``token_mask * sample_mask`` or ``None``.
-        global_valid_toks: ``N_t`` (0-d) or ``None``.
-
-    Returns:
-        The weights in the mask's layout, or ``None`` without a mask.
-    """
+    """`w = mask / N_t` in the mask's layout (`[B, S_pad]` / `[1, T/CP]`); `mask` itself
+    without a count (forward-only passes), `None` without a mask."""
     if mask is None or global_valid_toks is None:
         return mask
+    # w weights the MTP term L_d = sum_t w[t + d + 2] CE_d[t]: each microbatch adds its share of
+    # the global token mean, as the policy loss does (MTP losses are scaled by 1/N_t separately,
+    # docs/behaviour-reference.md 2.5); prompt and padding tokens have w = 0
     return mask / global_valid_toks.to(mask.device).float().clamp(min=1.0)
 
 
@@ -68,19 +53,11 @@ def with_mtp_metrics(
     model: torch.nn.Module,
     groups: ParallelGroups,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Any]]]:
-    """``fn`` with the last forward's MTP terms added to its metrics (summed over CP: each
-    context-parallel rank scores its own tokens).
-
-    Args:
-        fn: The loss post-processor's ``f(output) -> (loss, metrics)`` of one microbatch.
-        model: The last-stage chunk that just ran that microbatch's forward.
-        groups: This rank's groups.
-
-    Returns:
-        The wrapped callable.
+    """`fn` (one microbatch's `f(output) -> (loss, metrics)`) with the MTP terms of `model`'s
+    last forward added to its metrics.
 
     Raises:
-        RuntimeError: the chunk recorded no MTP losses (not an ``MTPGPTModel``).
+        RuntimeError: the chunk recorded no MTP losses (not an `MTPGPTModel`).
     """
     inner = unwrap_model(model)
     losses = getattr(inner, "mtp_losses", None)
@@ -90,7 +67,7 @@ def with_mtp_metrics(
             "build it as lightning_mcore_rl.models.mtp.MTPGPTModel (tiny_gpt does)"
         )
     terms = losses.clone()  # [D]: this forward's, before the next microbatch overwrites them
-    if groups.cp_size > 1:
+    if groups.cp_size > 1:  # each context-parallel rank scores its own tokens
         dist.all_reduce(terms, group=groups.cp_group)
 
     def loss_and_metrics(output: Tensor) -> tuple[Tensor, dict[str, Any]]:
