@@ -1,27 +1,11 @@
-"""MoE router replay: route the training forward with the experts a rollout recorded.
+"""MoE router replay: route the training forward with the experts a rollout recorded
+(`routed_experts [B, S, L, K]`: token `(b, s)`'s top-`K` expert ids at MoE layer `l` of the whole
+model, `L` counted over every pipeline stage, `K = moe_router_topk`).
 
-Data contract: a batch may carry ``routed_experts [B, S, L, K]`` (integer): token ``(b, s)``'s
-top-``K`` expert ids at MoE layer ``l`` of the WHOLE model (``L`` MoE layers counted in layer
-order over every pipeline stage, ``K = moe_router_topk``), as the rollout source routed it.
-
-megatron's router (``TopKRouter``, ``TransformerConfig.moe_enable_routing_replay=True``) replays
-per router a ``[N, K]`` int64 tensor in the token order IT sees: the layer input ``[s, b, H]``
-flattened sequence-first (``n = s * b_size + b``). This module builds that order:
-
-* :func:`routed_token_index` (host, per microbatch): for every token the model's input holds,
-  the flat index ``b * S + s`` of its source token in the microbatch, ``-1`` at padding — padded
-  rows ``[S_pad, B]`` sequence-first, or the packed THD row of this CP rank (zigzag shards of
-  every span, span and bin padding included), by the same packer the input ids go through.
-* :func:`routed_experts_in_model_order`: ``routed_experts`` gathered in that order ``[N, L, K]``
-  (padding tokens get experts ``0..K-1``; the padding mask keeps them out of the aux loss).
-* :func:`arm_replay_forward` (per forward): this TP rank's sequence-parallel slice, and for each
-  router of the chunk (this pipeline stage's / virtual chunk's layers only) its layer's ``[N, K]``.
-
-Actions follow NeMo RL's ``use_router_replay`` / ``router_replay_train``: every forward of a
-replayed pass runs REPLAY_FORWARD; a training pass (``router_replay_train``) then arms
-REPLAY_BACKWARD, so activation recompute in the backward pops the same microbatch's indices
-(megatron keeps one FIFO per router), while a forward-only pass clears the action after each
-forward. :func:`router_replay_pass` clears every router's state before and after a pass.
+megatron's `TopKRouter` (`moe_enable_routing_replay=True`) replays per router an `[N, K]` int64
+tensor in the token order it sees, the layer input `[s, b, H]` flattened sequence-first
+(`n = s * b_size + b`): `routed_token_index` and `routed_experts_in_model_order` build that order,
+`arm_replay_forward` hands each router its layer's slice.
 """
 
 from __future__ import annotations
@@ -40,12 +24,12 @@ ROUTED_EXPERTS = "routed_experts"
 
 
 def moe_layer_numbers(config: Any) -> list[int]:
-    """The global (1-based) layer numbers of the MoE layers of the whole model, in order
-    (megatron's ``moe_layer_freq``: an int ``f`` makes every ``f``-th layer MoE, a list is the
-    0/1 pattern itself); ``[]`` for a dense model."""
+    """The global (1-based) layer numbers of the whole model's MoE layers, in order; `[]` for a
+    dense model."""
     if not getattr(config, "num_moe_experts", None):
         return []
     freq = config.moe_layer_freq
+    # megatron's moe_layer_freq: an int f makes every f-th layer MoE, a list is the 0/1 pattern
     if isinstance(freq, int):
         pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
     else:
@@ -141,17 +125,13 @@ def check_routed_experts(batch: Mapping[str, Any], config: Any) -> bool:
 
 
 def _check_unique_experts(experts: Tensor, lengths: Tensor | None) -> None:
-    """Refuse a real token (position ``< lengths[b]``; every position without ``lengths``) whose
-    top-``K`` at some MoE layer names an expert twice: megatron would replay it silently and
-    the token would reach fewer than ``K`` experts.
-
-    Args:
-        experts: ``routed_experts [B, S, L, K]`` (shape and range already checked).
-        lengths: ``input_lengths [B]`` or ``None``.
+    """Refuse a real token of `experts [B, S, L, K]` (position `< lengths[b]`, every position
+    without `lengths [B]`) whose top-`K` at some MoE layer names an expert twice.
 
     Raises:
         ValueError: naming the first such sample, token, layer and its ids.
     """
+    # megatron would replay a repeated id silently: the token would reach fewer than K experts
     if experts.shape[-1] < 2 or experts.numel() == 0:
         return
     ordered = experts.sort(dim=-1).values
@@ -180,20 +160,16 @@ def routed_token_index(
     packed_index: Tensor | None = None,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """Source token of every token the model's routers see, ``-1`` at padding.
+    """The flat index `b * S + s` of the source token of every token the model's routers see,
+    `-1` at padding: `[S_pad * B]` (sequence-first, `n = s * B + b`) or `[T/CP]` int64.
 
     Args:
-        batch: ``B``.
-        width: ``S``, the microbatch's width.
-        lengths: ``[B]`` real lengths (``None``: every position of the ``S`` columns is real).
-        model_width: Padded layout: the model's input width ``S_pad >= S``.
-        packed_index: Packed layout: ``[1, T/CP]``, the packer's output for ids
-            ``b * S + s + 1`` (0 = padding): see :func:`packable_token_ids`.
-        device: Where the padded layout's index is built.
-
-    Returns:
-        ``[S_pad * B]`` (sequence-first, ``n = s * B + b``) or ``[T/CP]`` int64.
+        lengths: `[B]` real lengths (`None`: every position of the `S = width` columns is real).
+        model_width: padded layout: the model's input width `S_pad >= S`.
+        packed_index: packed layout: `[1, T/CP]`, the packer's output for `packable_token_ids`.
     """
+    # packed: this CP rank's THD row (zigzag shards of every span, span and bin padding
+    # included), located by the same packer the input ids go through
     if packed_index is not None:
         return packed_index[0].long() - 1
     source = torch.arange(batch * width, device=device).view(batch, width)  # [B, S]: b*S + s
@@ -212,8 +188,9 @@ def packable_token_ids(batch: int, width: int, device: torch.device | str = "cpu
 
 
 def routed_experts_in_model_order(routed_experts: Tensor, token_index: Tensor) -> Tensor:
-    """Gather ``routed_experts [B, S, L, K]`` into the routers' token order ``[N, L, K]`` int64
-    (padding tokens, ``token_index == -1``, get experts ``0..K-1``)."""
+    """Gather `routed_experts [B, S, L, K]` into the routers' token order `[N, L, K]` int64
+    (padding tokens, `token_index == -1`, get experts `0..K-1`)."""
+    # the fillers of padding tokens stay out of the aux loss: the padding mask drops them
     flat = routed_experts.reshape(-1, *routed_experts.shape[2:]).long()  # [B*S, L, K]
     topk = routed_experts.shape[-1]
     filler = torch.arange(topk, device=flat.device).expand(flat.shape[1], topk)  # [L, K]
@@ -238,18 +215,13 @@ def sequence_parallel_slice(tokens: Tensor, tp_rank: int, tp_size: int) -> Tenso
 def arm_replay_forward(
     model: torch.nn.Module, routed_experts: Tensor, tp_rank: int, tp_size: int
 ) -> None:
-    """Give every router of ``model`` its layer's ``[N, K]`` and arm REPLAY_FORWARD.
-
-    Args:
-        model: The model chunk.
-        routed_experts: ``[N, L, K]`` in the model's token order before sequence parallelism
-            (:func:`routed_experts_in_model_order`).
-        tp_rank: This rank's TP rank (the SP slice).
-        tp_size: ``TP``.
-    """
+    """Give every router of `model` (this stage's / virtual chunk's layers only) its layer's
+    `[N, K]` of `routed_experts [N, L, K]` (the model's token order before sequence parallelism)
+    and arm REPLAY_FORWARD."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     from megatron.core.utils import get_model_config
 
+    # under SP each TP rank's routers see its contiguous share of the sequence-first tokens
     sp = bool(get_model_config(model).sequence_parallel)
     local = sequence_parallel_slice(routed_experts, tp_rank, tp_size if sp else 1)
     for layer, router in chunk_routers(model):
@@ -258,8 +230,9 @@ def arm_replay_forward(
 
 
 def after_replay_forward(model: torch.nn.Module, train: bool) -> None:
-    """After a replayed forward: arm REPLAY_BACKWARD (training: recompute replays) or clear the
-    action (forward-only)."""
+    """After a replayed forward: arm REPLAY_BACKWARD (`train`) or clear the action."""
+    # NeMo RL's router_replay_train: activation recompute in the backward pops the same
+    # microbatch's indices (megatron keeps one FIFO per router)
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for _, router in chunk_routers(model):
@@ -279,8 +252,8 @@ def clear_replay(chunks: Sequence[torch.nn.Module]) -> None:
 
 @contextlib.contextmanager
 def router_replay_pass(chunks: Sequence[torch.nn.Module], enabled: bool) -> Iterator[None]:
-    """Clear the chunks' replay state before and after a replayed pass (also on error), so no
-    stale indices or action leak into the next pass or into generation."""
+    """Clear the chunks' replay state before and after a replayed pass (also on error)."""
+    # no stale indices or action may leak into the next pass or into generation
     if not enabled:
         yield
         return
