@@ -1,11 +1,10 @@
-"""``MCoreRLStrategy``: megatron-core's schedules, DDP, optimizer and ``dist_checkpointing``
-under a Lightning ``Trainer``.
+"""`MCoreRLStrategy`: megatron-core's schedules, DDP, optimizer and `dist_checkpointing` under a
+Lightning `Trainer`."""
 
-A thin adapter over public Lightning hooks (a ``ParallelStrategy``, like Lightning's
-``ModelParallelStrategy``). The step's mechanics live in the trainer-free
-:mod:`lightning_mcore_rl.train.step` (split, schedule, statistics), the rest in :mod:`.base`
-(processes, world group), :mod:`.model`, :mod:`.checkpoint` and :mod:`.optimizer`. The pitfalls each hook handles: ``docs/strategy.md``.
-"""
+# A thin adapter over public Lightning hooks (a `ParallelStrategy`, like Lightning's
+# `ModelParallelStrategy`). The step's mechanics live in the trainer-free `train/step.py`, the rest
+# in base.py (processes, world group), model.py, checkpoint.py and optimizer.py; the pitfalls each
+# hook handles are in docs/strategy.md.
 
 from __future__ import annotations
 
@@ -103,35 +102,27 @@ class StepRecord:
 
 
 class MCoreRLStrategy(ProcessGroupStrategy):
-    """Train megatron-core models (TP/PP/VPP/CP/SP/DP) with Lightning.
-
-    One Lightning batch is this data-parallel rank's share of ONE global batch and ONE optimizer
-    step; :meth:`forward_backward` runs it through :func:`lightning_mcore_rl.train.run_global_batch`.
+    """Train megatron-core models (TP/PP/VPP/CP/SP/DP) with Lightning: one Lightning batch is
+    this DP rank's share of ONE global batch and ONE optimizer step (`forward_backward`).
 
     Args:
         tensor_model_parallel_size: TP size.
         pipeline_model_parallel_size: PP size.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved 1F1B).
-        context_parallel_size: CP size (needs ``microbatching.sequence_packing``).
-        expert_model_parallel_size: EP size: the experts of mixture-of-experts layers are split
-            over this many ranks (``etp * ep * pp`` must divide the world size).
-        expert_tensor_parallel_size: TP size inside each expert (``None``: TP).
+        context_parallel_size: CP size (needs `microbatching.sequence_packing`).
+        expert_model_parallel_size: EP size (`etp * ep * pp` must divide the world size).
+        expert_tensor_parallel_size: TP size inside each expert (`None`: TP).
         sequence_parallel: megatron sequence parallelism (needs TP > 1).
-        microbatching: micro-batch size, token budget and sequence packing
-            (:class:`~.config.MicrobatchConfig`).
-        ddp: megatron DDP options and the distributed optimizer
-            (:class:`~.config.MegatronDDPConfig`).
-        checkpoint: checkpoint format options (:class:`~.config.CheckpointConfig`).
-        reliability: process-group timeout and backend, the non-finite policy
-            (:class:`~.config.ReliabilityConfig`).
-        logprobs: the logprob kernels: fused linear logprobs, chunk size
-            (:class:`~.config.LogprobKernelConfig`).
-
-    Accelerator, devices and precision come from the ``Trainer``; a cluster environment from
-    ``Trainer(plugins=[...])``. The former flat keywords of the group fields (`FLAT_ARGUMENTS` in
-    `config.py`) are deprecated: each is folded into its group, with one `FutureWarning` per
-    construction naming the grouped spelling.
+        microbatching: micro-batch size, token budget and sequence packing (`MicrobatchConfig`).
+        ddp: megatron DDP options and the distributed optimizer (`MegatronDDPConfig`).
+        checkpoint: checkpoint format options (`CheckpointConfig`).
+        reliability: process-group timeouts, the non-finite policy (`ReliabilityConfig`).
+        logprobs: the logprob kernels: fused linear logprobs, chunk size (`LogprobKernelConfig`).
     """
+
+    # Accelerator, devices and precision come from the `Trainer`, a cluster environment from
+    # `Trainer(plugins=[...])`. The deprecated flat keywords (`FLAT_ARGUMENTS`, config.py) are
+    # folded into their groups with one `FutureWarning` per construction.
 
     strategy_name = "mcore_rl"
 
@@ -224,7 +215,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @property
     def model_chunks(self) -> list[torch.nn.Module]:
-        """The wrapped chunks megatron's schedule runs (DDP when fitting, ``Float16Module`` bf16)."""
+        """The wrapped chunks megatron's schedule runs (DDP when fitting, `Float16Module` bf16)."""
         return self._chunks
 
     @property
@@ -239,15 +230,13 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         return optimizer.last_step if isinstance(optimizer, MegatronOptimizerAdapter) else None
 
     def agree_last_step_time(self) -> float | None:
-        """The last training step's wall time, the slowest rank's (one all-reduce; every rank
-        calls it once the fit's steps are done): it has no next step to carry it."""
+        """The last training step's wall time, the slowest rank's (one all-reduce, every rank)."""
+        # it has no next step whose agreement could carry it
         return self.step_boundary.finish(self.root_device, self.world_group)
 
     @property
     def step_context(self) -> StepContext:
-        """The frozen :class:`~lightning_mcore_rl.train.StepContext` every pass runs with
-        (groups, micro-batching, policy settings, fused flag, the module's sampling parameters),
-        built once in ``setup``."""
+        """The frozen `StepContext` every pass runs with, built once in `setup`."""
         if self._context is None:
             raise RuntimeError("The step context exists only after the strategy's `setup`.")
         return self._context
@@ -286,9 +275,9 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     @property
     @override
     def precision_plugin(self) -> MCorePrecision:
-        """The megatron precision plugin (lazy ``"32-true"`` default: the setter must keep
-        ``None``, or Lightning's connector would take it as the user's and ignore
-        ``Trainer(precision=...)``)."""
+        """The megatron precision plugin (lazy `"32-true"` default)."""
+        # lazy: the setter must keep `None`, or Lightning's connector would take it as the user's
+        # and ignore `Trainer(precision=...)`
         plugin = self._precision_plugin
         return plugin if isinstance(plugin, MCorePrecision) else self._default_precision
 
@@ -304,15 +293,14 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Device, process group (the rendezvous bounded by ``rendezvous_timeout``, the
-        collectives by ``timeout``: :func:`~.processes.connect_world`, before Lightning's, which
-        then finds it), the run's backends (left in ``teardown``: megatron's no-TE fixes on any
-        device without Transformer Engine, the CPU emulation on CPU), megatron's groups (once
-        per process) and the :class:`ParallelGroups` passed down from here. An error raised on
-        every rank then prints one traceback, rank 0's
-        (:func:`~lightning_mcore_rl.rank_errors.install_rank_excepthook`); processes this rank
-        forks die with it (:func:`~.processes.die_with_parent`); every rank's host and pid are
-        gathered for the failure messages."""
+        """Device, process group, the run's backends, megatron's groups (once per process) and
+        the `ParallelGroups` passed down from here."""
+        # The world group is connected here (`reliability.processes.connect_world`: rendezvous
+        # bounded by `rendezvous_timeout`, collectives by `timeout`) before Lightning's, which then
+        # finds it. The backends (megatron's no-TE fixes without Transformer Engine, the CPU
+        # emulation on CPU) are left in `teardown`. An error raised on every rank prints one
+        # traceback, rank 0's (`install_rank_excepthook`); forked processes die with the rank;
+        # every rank's host and pid are gathered for the failure messages.
         filter_expected_warnings(cpu=self.root_device.type == "cpu")
         world_size = self.num_nodes * self.num_processes
         self.parallel.check_world_size(world_size)
@@ -340,9 +328,9 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Wrap chunks (no torch DDP, no parameter broadcast: it would overwrite TP shards with
-        rank 0's), build the megatron optimizer when fitting, and the frozen step context (the
-        module's ``sampling_params()`` asked once, here)."""
+        """Wrap chunks, build the megatron optimizer when fitting, and the frozen step context
+        (the module's `sampling_params()` asked once, here)."""
+        # no torch DDP, no parameter broadcast: it would overwrite TP shards with rank 0's
         from lightning_mcore_rl.train import StepContext
 
         assert self.accelerator is not None
@@ -379,8 +367,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
-        """``configure_optimizers()`` -> megatron ``OptimizerConfig`` (or a
-        :class:`MegatronOptimizerSpec` with a scheduler factory) -> megatron optimizer."""
+        """`configure_optimizers()` -> `OptimizerConfig` (or `MegatronOptimizerSpec`) -> megatron
+        optimizer."""
         clip_grad = check_trainer_flags(
             trainer.accumulate_grad_batches,
             trainer.gradient_clip_val,
@@ -404,9 +392,9 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Zero the DDP grad buffers AND the optimizer's grads BEFORE the forward: megatron's fp32
-        optimizer aliases ``param.grad = param.main_grad`` in ``step()``; a stale alias makes
-        the next backward accumulate into the buffer twice (silently wrong gradients)."""
+        """Zero the DDP grad buffers AND the optimizer's grads BEFORE the forward."""
+        # megatron's fp32 optimizer aliases `param.grad = param.main_grad` in `step()`; a stale
+        # alias makes the next backward accumulate into the buffer twice (silently wrong grads)
         for chunk in self._chunks:  # fitting: setup() wrapped every chunk in megatron DDP
             cast("DistributedDataParallel", chunk).zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
@@ -417,8 +405,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        """Lightning's optimizer step; its end is the end of the step's wall time
-        (``step_time``, :class:`~.agreement.StepBoundary`)."""
+        """Lightning's optimizer step, then the step's `StepRecord`; its end ends the step's
+        wall time (`step_time`)."""
         try:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
             last = self.last_optimizer_step
@@ -439,8 +427,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """From here SIGTERM is acted on at a step boundary, on every rank at once
-        (:class:`~.signals.TerminationRequest`; after Lightning registered its handler)."""
+        """From here SIGTERM is acted on at a step boundary, on every rank at once."""
+        # after Lightning registered its handler, which `TerminationRequest` calls once agreed
         self.step_boundary.reset()
         self.termination.install()
         self._fit_start_step = self._trainer().global_step
@@ -448,22 +436,19 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def on_train_end(self) -> None:
-        """A fit that trained nothing is an error: resumed past its bound
-        (:func:`~.resume.check_resumed_fit_trained`), or every step skipped by the non-finite
-        policy before its limit (:meth:`~.nonfinite.NonFiniteGuard.check_fit_end`)."""
+        """A fit that trained nothing is an error: resumed past its bound, or every step skipped
+        by the non-finite policy before its limit."""
         self.termination.restore()
         check_resumed_fit_trained(self._trainer(), self._fit_start_step)
         self.nonfinite_guard.check_fit_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """After a SIGTERM agreed on every rank (Lightning's ``SIGTERMException``, on every rank
-        at the same step end): save ``last`` in the first ``ModelCheckpoint``'s directory and
-        exit with ``128 + signum``. A failed collective (a peer exited, stopped or stalled past
-        the timeout) is re-raised as :class:`~.processes.CollectiveFailure` naming this rank,
-        the global step and every peer's state; the peers left on this host are killed when
-        this process exits, after a grace period.
-        """
+        """After an agreed SIGTERM: save `last` in the first `ModelCheckpoint`'s directory and
+        exit with `128 + signum`; a failed collective is re-raised as `CollectiveFailure`."""
+        # Lightning raises `SIGTERMException` on every rank at the same step end, so the save (a
+        # collective) is matched. `CollectiveFailure` names this rank, the global step and every
+        # peer's state; the peers left on this host are killed at exit, after a grace period.
         signum = self.termination.agreed
         # Only after training started (a SIGTERM) or set-up ran (the rank table) is the module
         # attached to its Trainer: an error raised in `fit`'s launch reaches here without one.
@@ -483,15 +468,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     def forward_backward(
         self, module: StepDeclaration, batch: Mapping[str, Any], *, forward_only: bool = False
     ) -> StepOutput:
-        """One global batch through :func:`~lightning_mcore_rl.train.run_global_batch`
-        (:class:`~.step.StepRunner`), with the post-processor the module's
-        ``loss_post_processor(None)`` hook returns, asked before the pass (``loss_fn`` path), or its
-        ``forward_step`` (LM path).
-
-        Returns:
-            The step's loss and metrics, identical on every rank (the module's
-            ``training_step`` returns them to Lightning; nothing is kept here).
-        """
+        """One global batch through `run_global_batch` (the module's `loss_post_processor(None)`
+        or its `forward_step`): the step's loss and metrics, identical on every rank."""
         return self._runner(self._chunks).forward_backward(module, batch, forward_only=forward_only)
 
     def forward_only(
@@ -501,9 +479,8 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         *,
         teacher: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """A forward-only post-processor pass (dropout off) through
-        :func:`~lightning_mcore_rl.train.run_forward_only` on the policy's chunks (``teacher``:
-        the module's hosted teacher's): per-sample outputs in the batch's order, on every rank."""
+        """A forward-only post-processor pass (dropout off) on the policy's chunks (`teacher`: the
+        hosted teacher's): per-sample outputs in the batch's order, on every rank."""
         chunks = self.teacher.select(teacher, self._chunks)
         return self._runner(chunks).forward_only(batch, post_processor)
 
@@ -540,7 +517,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
         """Into this run's sharded state: the weights from any layout, the optimizer's layout
-        changes checked on every rank first (``docs/strategy.md``)."""
+        changes checked on every rank first."""
         assert self.lightning_module is not None
         path, hparams = Path(self.broadcast(str(checkpoint_path))), self.lightning_module.hparams
         return self._checkpoints().load(path, self.lightning_module_state_dict(), hparams)
@@ -557,9 +534,9 @@ class MCoreRLStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
-        """No ``.cpu()`` of the module or optimizer state (on GPU it would break the aliasing
-        between megatron DDP's buffers and the parameters); the CPU backend is left. Megatron's
-        parallel state is kept for later ``validate``/``fit`` calls in this process."""
+        """Exit the run's backends; megatron's parallel state stays for later calls."""
+        # no `.cpu()` of the module or optimizer state: on GPU it would break the aliasing between
+        # megatron DDP's buffers and the parameters
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
