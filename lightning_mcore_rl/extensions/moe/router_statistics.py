@@ -1,24 +1,7 @@
-"""Mixture-of-experts router losses and statistics of one step (megatron's MoE layers).
-
-Two things the step owns for a model with MoE layers (docs/training-step.md, "MoE"):
-
-* **The router losses enter the loss once, with megatron's coefficients.** Under
-  ``calculate_per_token_loss=True`` (the ``loss_fn`` path) megatron attaches each router call's
-  auxiliary loss as ``coeff * aux_r * n_r`` (``n_r``: the tokens that call routes on this rank)
-  with backward scale 1 and no later division (this package's losses report no token count, so
-  ``finalize_model_grads`` does not divide). :class:`RouterStatistics` sets the coefficient of
-  every router call in a forward pre-hook (:meth:`RouterStatistics.coefficients`, derivation
-  there) so that the step minimises ``loss + sum_layers sum_mb (n_mb / N) * (coeff * aux_mb +
-  z_coeff * z_mb)`` (``n_mb`` the microbatch's routed non-padding tokens, ``N`` their sum over the
-  global batch): megatron's per-token semantics, which is the mean over microbatches and DP ranks
-  when every microbatch routes the same number of tokens, and DP-invariant (each microbatch's
-  loss depends on its own tokens only).
-* **Router statistics** (:class:`RouterStatistics`): per-layer counters filled by forward hooks
-  on the routers during the pass (one ``[num_layers, width]`` table per statistic, on the
-  device, no host sync), summed over microbatches and EVERY rank in ONE all-reduce at the end of
-  the step (the declared reduction: each rank's routers see their own tokens — TP/CP split the
-  sequence, DP/EP ranks hold other samples — and each PP stage fills its own layers' rows), then
-  turned into the step's metrics by each :class:`RouterStatistic`.
+"""MoE router losses and statistics of one step (docs/training-step.md, "MoE"):
+`RouterStatistics` sets each router call's loss coefficients so the router losses enter the
+loss once with megatron's per-token semantics, and fills per-layer counters `[L, width]` during
+the pass, summed over microbatches and every rank in one all-reduce at the step's end.
 """
 
 from __future__ import annotations
@@ -103,10 +86,8 @@ class StatsLayout:
 
 @dataclass(frozen=True)
 class RouterStatistic:
-    """A per-layer counter and the step metrics derived from it.
-
-    The declared reduction is the SUM over microbatches and every rank (see the module
-    docstring); ``metrics`` then sees the summed table of the MoE layers only.
+    """A per-layer counter and the step metrics derived from it (from the table summed over
+    microbatches and every rank, MoE layers only).
 
     Attributes:
         name: the statistic's name (unique in a :class:`RouterStatistics`).
@@ -179,13 +160,11 @@ step, all layers (``top-k * routed tokens - kept``; 0 without ``moe_expert_capac
 
 
 def router_loss_statistic(name: str) -> RouterStatistic:
-    """``moe/<name>``: the router loss ``name`` (no coefficient) as it entered the step's loss,
-    megatron-style averaged over the MoE layers: per layer ``sum_mb (n_mb / N) * loss_mb``.
-
-    Load-balancing losses are per-rank partials (``sum_r aux_r = aux_mb``), counted as
-    ``[n_mb * aux_r, n_mb]``: the summed table gives ``TP*CP * sum / sum``. The z-loss is a
-    per-rank token mean, counted as ``[n_r * z_r, n_r]``: the token-weighted mean ``sum / sum``.
-    """
+    """`moe/<name>`: the router loss `name` (no coefficient) as it entered the step's loss,
+    averaged over the MoE layers: per layer `sum_mb (n_mb / N) * loss_mb`."""
+    # load-balancing losses are per-rank partials (sum_r aux_r = aux_mb), counted as
+    # [n_mb * aux_r, n_mb]: the summed table gives TP*CP * sum / sum; the z-loss is a per-rank
+    # token mean, counted as [n_r * z_r, n_r]: the token-weighted mean sum / sum
     partial = name != "z_loss"
 
     def count(call: RouterCall) -> Tensor:
@@ -342,38 +321,34 @@ class RouterStatistics:
                 config.moe_aux_loss_coeff, config.moe_z_loss_coeff = aux, z
 
     def coefficients(self, microbatch: int, multiplier: float) -> tuple[Any, float | None]:
-        """``(moe_aux_loss_coeff, moe_z_loss_coeff)`` for one router call of microbatch
-        ``microbatch`` whose load-balancing loss megatron multiplies by ``multiplier``
-        (:meth:`_multiplier`): THE place of the router losses' scaling.
-
-        Derivation. Per router call megatron (``calculate_per_token_loss=True``) back-propagates
-        ``c' * m * aux_r`` (``c'`` the coefficient at forward time, ``m`` the multiplier,
-        ``aux_r`` this rank's partial load-balancing loss: its tokens' probabilities against the
-        microbatch's expert counts, so ``sum_r aux_r = aux_mb`` over the TP x CP ranks) and, for
-        the z-loss, ``c'_z / (TP*CP) * n_r * mean_r(lse^2)`` (``n_r`` the call's tokens). DDP
-        and the SP/CP gradient reductions SUM over TP, CP and DP without rescaling.
-        ``c' = c * n_mb / (N * m)`` therefore gives ``c * sum_mb (n_mb / N) * aux_mb``, and
-        ``c'_z = c_z * TP*CP / N`` gives ``c_z * sum over routed tokens of lse^2 / N``. Megatron
-        reads the coefficients at every router forward (``TopKRouter.get_aux_loss_coeff``,
-        ``apply_z_loss``) and divides its tracked values by them again, so its loss tracker
-        keeps the unscaled losses.
-        """
+        """`(moe_aux_loss_coeff, moe_z_loss_coeff)` for one router call of `microbatch` whose
+        load-balancing loss megatron multiplies by `multiplier` (`_multiplier`): the one place
+        of the router losses' scaling."""
         assert self.scale is not None  # only called with a scale
         _, aux, z = self._coefficients[0]
+        # per router call megatron (calculate_per_token_loss) back-propagates c' * m * aux_r
+        # (c' the coefficient at forward time, m the multiplier, aux_r this rank's partial
+        # load-balancing loss: sum_r aux_r = aux_mb over the TP x CP ranks) and, for the z-loss,
+        # c'_z / (TP*CP) * n_r * mean_r(lse^2); DDP and the SP/CP gradient reductions SUM over
+        # TP, CP and DP without rescaling. So c' = c * n_mb / (N * m) gives
+        # c * sum_mb (n_mb / N) * aux_mb, and c'_z = c_z * TP*CP / N gives
+        # c_z * sum over routed tokens of lse^2 / N. Megatron reads the coefficients at every
+        # router forward (TopKRouter.get_aux_loss_coeff, apply_z_loss) and divides its tracked
+        # values by them again: its loss tracker keeps the unscaled losses
         weight = self.scale.microbatch_tokens[microbatch] / (self.scale.total_tokens * multiplier)
         scaled = aux * weight if isinstance(aux, (int, float)) else [a * weight for a in aux]
         return scaled, None if z is None else z * self.scale.tp_cp / self.scale.total_tokens
 
     def _multiplier(self, hidden: Tensor, mask: Tensor | None, microbatch: int) -> float:
         """The token count megatron 0.16 multiplies a call's load-balancing loss by: the call's
-        tokens ``s x b`` without a padding mask; with one, ``n_mb`` (its ``local_num_tokens`` is
-        meant to be this rank's non-padding tokens, but
-        ``moe_utils.get_tokens_per_expert_and_token_count`` all-reduces
-        ``local_tokens_per_expert`` over TP x CP IN PLACE before summing it, so it is the
-        microbatch's; measured: 2x the gradient at TP=2 otherwise)."""
+        tokens `s x b` without a padding mask, `n_mb` with one."""
         assert self.scale is not None  # only called with a scale
         if mask is None:
             return float(hidden.shape[0] * hidden.shape[1])
+        # its local_num_tokens is meant to be this rank's non-padding tokens, but
+        # moe_utils.get_tokens_per_expert_and_token_count all-reduces local_tokens_per_expert
+        # over TP x CP in place before summing it: it is the microbatch's (2x the gradient at
+        # TP=2 otherwise)
         return max(self.scale.microbatch_tokens[microbatch], 1.0)
 
     def _tracked(self) -> dict[str, Tensor]:
