@@ -1,6 +1,4 @@
-"""The run-scoped backends the strategy enters in ``setup_environment`` and leaves in
-``teardown``: megatron's no-TE/Apex fixes on EVERY device without Transformer Engine, and the
-CPU emulation on CPU."""
+"""The run-scoped backends the strategy enters in `setup_environment` and leaves in `teardown`."""
 
 from __future__ import annotations
 
@@ -14,9 +12,9 @@ def transformer_engine_available() -> bool:
 
 
 def enter_run_backends(stack: contextlib.ExitStack, device_type: str) -> None:
-    """Enter, on ``stack``, :func:`~lightning_mcore_rl._compat.megatron_compat` when Transformer
-    Engine is absent (any device: a GPU run without TE needs the same fixes) and
-    :func:`~lightning_mcore_rl.cpu.cpu_emulation` when ``device_type == "cpu"``."""
+    """Enter, on `stack`, `megatron_compat` when Transformer Engine is absent and `cpu_emulation`
+    when `device_type == "cpu"`."""
+    # on any device: a GPU run without TE needs the same no-TE/Apex fixes
     from lightning_mcore_rl._compat import megatron_compat
 
     if not transformer_engine_available():

@@ -1,10 +1,6 @@
-"""Lightning's process plumbing for a strategy with one process per device and no torch DDP.
-
-What Lightning's ``DDPStrategy`` does for its processes (launch, ranks, the world process group,
-collectives) without wrapping the module in ``torch.nn.parallel.DistributedDataParallel``:
-:class:`~lightning_mcore_rl.strategy.MCoreRLStrategy` adds megatron's groups, model and
-optimizer on top.
-"""
+"""Lightning's process plumbing for a strategy with one process per device and no torch DDP:
+what `DDPStrategy` does for its processes (launch, ranks, world group, collectives), without
+wrapping the module; `MCoreRLStrategy` adds megatron's groups, model and optimizer."""
 
 from __future__ import annotations
 
@@ -30,13 +26,13 @@ from typing_extensions import override
 
 
 class ProcessGroupStrategy(ParallelStrategy):
-    """One process per device (launched like ``DDPStrategy``'s), the world process group, and
+    """One process per device (launched like `DDPStrategy`'s), the world process group, and
     Lightning's collectives over it; the model is left as the subclass wraps it.
 
     Args:
-        process_group_backend: ``"nccl"``/``"gloo"`` (default: from the device).
+        process_group_backend: `"nccl"`/`"gloo"` (default: from the device).
         cluster_environment: Lightning cluster environment (default: detected).
-        timeout: timeout of the world process group and of :attr:`world_group`.
+        timeout: timeout of the world process group and of `world_group`.
     """
 
     def __init__(
@@ -53,9 +49,9 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @property
     def world_group(self) -> Any:
-        """A group of all ranks the strategy created with ITS timeout (``None`` before
-        ``setup_environment``): the strategy's own collectives run on it, so a world group
-        created before the Trainer (with another timeout) never bounds them."""
+        """A group of all ranks the strategy created with ITS timeout (`None` before
+        `setup_environment`), for the strategy's own collectives."""
+        # a world group created before the Trainer (with another timeout) never bounds them
         return self._world_group
 
     @property
@@ -66,8 +62,8 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Lightning's hook for custom parallel strategies: inject ``DistributedSampler`` s
-        (sized by ``distributed_sampler_kwargs``) and sync logged values when asked."""
+        """Lightning injects `DistributedSampler`s (`distributed_sampler_kwargs`) and syncs
+        logged values when asked."""
         return True
 
     @property
@@ -77,13 +73,12 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Lightning's script launcher on every process, as ``DDPStrategy`` does: it spawns the
-        other local ranks only where the environment does not create them (torchrun, SLURM and
-        the launched ranks themselves skip that), and on EVERY rank it sets torch's intra-op
-        threads to ``cpus // local processes`` unless ``OMP_NUM_THREADS`` is set. Built on the
-        launching process only, the launched ranks kept torch's default thread count (rank 0: 1,
-        rank 1: 2 on 2 cores): oversubscribed cores and TP ranks whose replicated parameters
-        round differently."""
+        """Lightning's script launcher on every process, as `DDPStrategy` does."""
+        # It spawns the other local ranks only where the environment does not create them, and on
+        # EVERY rank sets torch's intra-op threads to `cpus // local processes` unless
+        # OMP_NUM_THREADS is set. Built on the launching process only, the launched ranks kept
+        # torch's default count: oversubscribed cores and TP ranks whose replicated parameters
+        # round differently.
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(
             self.cluster_environment, self.num_processes, self.num_nodes

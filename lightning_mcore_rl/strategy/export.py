@@ -1,11 +1,9 @@
-"""Convert an ``MCoreRLStrategy`` training checkpoint into a Hugging Face directory
-(``lmrl export --ckpt DIR --hf-source HF_DIR --out OUT``).
+"""Convert an `MCoreRLStrategy` training checkpoint into a Hugging Face directory
+(`lmrl export --ckpt DIR --hf-source HF_DIR --out OUT`)."""
 
-The checkpoint is a megatron ``dist_checkpointing`` directory of the whole Lightning dict; its model
-tensors carry global offsets, so whatever TP/PP/VPP layout it was saved under it loads into one
-TP=1, PP=1 chunk built from the HF source's architecture, in this process alone (gloo world of 1,
-CPU emulation), which is then written with :meth:`HFBridge.save_pretrained`.
-"""
+# The model tensors of the `dist_checkpointing` directory carry global offsets, so whatever
+# TP/PP/VPP layout it was saved under loads into one TP=1, PP=1 chunk built from the HF source's
+# architecture, in this process alone (gloo world of 1, CPU emulation).
 
 from __future__ import annotations
 
@@ -66,20 +64,9 @@ def export_checkpoint(
     safe_types: Sequence[type] = (),
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write the model of training checkpoint ``ckpt_dir`` as an HF directory ``out_dir``.
-
-    Args:
-        ckpt_dir: a checkpoint directory written by ``MCoreRLStrategy`` (any TP/PP/VPP layout,
-            trained with the local layer spec of :meth:`HFBridge.build_chunk`).
-        hf_source: the HF directory the run started from (architecture, tokenizer, config).
-        out_dir: new or empty output directory.
-        dtype: weight dtype; default each tensor's dtype in ``hf_source``.
-        safe_types: extra types ``torch.load(weights_only=True)`` must accept when reading the
-            checkpoint's ``common.pt`` (e.g. dataclasses saved by ``save_hyperparameters``).
-        max_shard_bytes: largest safetensors file.
-
-    Returns:
-        ``Path(out_dir)``.
+    """Write the model of training checkpoint `ckpt_dir` (any layout, `HFBridge.build_chunk`'s
+    local spec) as an HF directory `out_dir` (returned), from `hf_source` (the run's start);
+    `safe_types`: extra types `common.pt` may unpickle.
 
     Raises:
         FileExistsError: ``out_dir`` already holds weights (checked before loading).

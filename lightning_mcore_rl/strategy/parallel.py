@@ -1,5 +1,5 @@
-"""Trainer-free set-up of megatron's parallel state for a :class:`ParallelSizes` layout (read back
-once through `megatron_groups`, from the strategy's ``setup_environment``)."""
+"""Trainer-free set-up of megatron's parallel state for a `ParallelSizes` layout (read back once
+through `megatron_groups`, from the strategy's `setup_environment`)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,9 @@ DEFAULT_SEED = 1234
 def init_model_parallel(
     parallel: ParallelSizes, timeout: timedelta | None = None
 ) -> ParallelGroups:
-    """``initialize_model_parallel`` once per process (a later call with the same layout reuses
-    it), megatron's RNG tracker seeded with ``seed_everything``'s seed (``PL_GLOBAL_SEED``,
-    default 1234); returns this rank's `ParallelGroups`.
-
-    ``timeout`` (the strategy's process-group timeout) bounds every collective of every group
-    megatron creates (TP, PP, DP, CP, model-parallel, embedding, ...): megatron builds
-    ``timedelta(minutes=distributed_timeout_minutes)``, so a fraction of a minute is exact.
-    ``None`` keeps megatron's 30 minutes.
+    """`initialize_model_parallel` once per process (the same layout later reuses it), megatron's
+    RNG tracker seeded with `seed_everything`'s seed (`PL_GLOBAL_SEED`, default 1234); returns
+    this rank's `ParallelGroups`. `timeout` bounds every group's collectives (`None`: 30 min).
 
     Raises:
         RuntimeError: megatron's state already holds another layout.
@@ -78,8 +73,7 @@ def init_model_parallel(
 def check_strategy_args(
     *, microbatching: Any, ddp: Any, checkpoint: Any, reliability: Any, logprobs: Any
 ) -> None:
-    """Class checks of the strategy's setting groups (each validates its own fields; sizes:
-    :class:`ParallelSizes`).
+    """Class checks of the strategy's setting groups (each validates its own fields).
 
     Raises:
         TypeError: a group that is not its config class or None.
@@ -98,6 +92,6 @@ def check_strategy_args(
 
 
 def timeout_minutes(timeout: timedelta) -> float:
-    """``timeout`` as megatron's ``distributed_timeout_minutes`` (a float: megatron passes it to
-    ``timedelta(minutes=...)``)."""
+    """`timeout` as megatron's `distributed_timeout_minutes`."""
+    # a float: megatron builds `timedelta(minutes=...)`, so a fraction of a minute is exact
     return timeout.total_seconds() / 60.0

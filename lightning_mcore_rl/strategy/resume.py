@@ -1,17 +1,10 @@
-"""``ckpt_path="last"`` never silently starts over: the strategy's launcher resolves it first.
+"""`ckpt_path="last"` never silently starts over: `ResumeGuardLauncher` recovers interrupted
+saves and refuses a fresh start over complete checkpoints, on every rank, before the run."""
 
-Lightning resolves ``fit(ckpt_path="last")`` to the newest ``last*.ckpt`` of the
-``ModelCheckpoint`` directories before the strategy sees the run, and starts from step 0 (with a
-warning) when there is none. :class:`ResumeGuardLauncher` wraps the strategy's launcher (or the
-direct call when the processes were created externally) and, before the trainer function runs,
-on every rank:
-
-* renames back a ``last.ckpt`` whose save was interrupted between the two renames of the
-  fallback replacement (:func:`~lightning_mcore_rl.strategy.checkpoint.recover_interrupted`);
-* raises ``FileNotFoundError`` when ``ckpt_path="last"`` finds no ``last`` checkpoint although
-  complete checkpoints exist there (a fresh start would silently discard them). An empty
-  checkpoint directory still starts fresh (the first launch of a restartable job).
-"""
+# Lightning resolves `fit(ckpt_path="last")` to the newest `last*.ckpt` of the `ModelCheckpoint`
+# directories before the strategy sees the run, and starts from step 0 (a warning) when there is
+# none: a fresh start would silently discard complete checkpoints. An empty checkpoint directory
+# still starts fresh (the first launch of a restartable job).
 
 from __future__ import annotations
 
@@ -28,9 +21,8 @@ from lightning_mcore_rl.strategy.optimizer import check_fit_limits
 
 
 class ResumeGuardLauncher(_Launcher):
-    """Runs :func:`guard_last_checkpoint` (and, for ``fit``,
-    :func:`~lightning_mcore_rl.strategy.optimizer.check_fit_limits`) before ``inner`` launches
-    (or, with no inner launcher, before the trainer function is called directly)."""
+    """Runs `guard_last_checkpoint` (and, for `fit`, `check_fit_limits`) before `inner` launches
+    (without one, before the trainer function is called directly)."""
 
     def __init__(self, inner: _Launcher | None) -> None:
         self.inner = inner
@@ -58,12 +50,12 @@ class ResumeGuardLauncher(_Launcher):
 def guard_last_checkpoint(
     function: Callable, args: tuple[Any, ...], kwargs: dict[str, Any], trainer: Any
 ) -> None:
-    """If the trainer function is called with ``ckpt_path="last"``: recover interrupted saves in
-    every ``ModelCheckpoint`` directory, then refuse a fresh start over complete checkpoints.
+    """With `ckpt_path="last"`: recover interrupted saves in every `ModelCheckpoint` directory,
+    then refuse a fresh start over complete checkpoints.
 
     Raises:
-        FileNotFoundError: no ``last*.ckpt`` but complete ``*.ckpt`` checkpoints exist; or
-            ``last*.ckpt`` entries of which none is complete (:func:`.checkpoint.check_last`).
+        FileNotFoundError: no `last*.ckpt` but complete `*.ckpt` exist; or no complete
+            `last*.ckpt` entry (`checkpoint.check_last`).
     """
     try:
         bound = inspect.signature(function).bind_partial(*args, **kwargs)
@@ -97,11 +89,11 @@ __all__ = ["ResumeGuardLauncher", "guard_last_checkpoint"]
 
 
 def check_resumed_fit_trained(trainer: Any, start_step: int) -> None:
-    """A resumed ``fit`` that stopped before training a step, though ``max_steps`` is not
-    reached, raises instead of exiting as if it had trained (the same on every rank).
+    """Raise, on every rank, when a resumed `fit` stopped before training a step below
+    `max_steps` (instead of exiting as if it had trained).
 
     Raises:
-        RuntimeError: ``fit(ckpt_path=...)`` trained no step below ``max_steps``.
+        RuntimeError: `fit(ckpt_path=...)` trained no step below `max_steps`.
     """
     steps_left = trainer.max_steps == -1 or trainer.global_step < trainer.max_steps
     if trainer.ckpt_path is None or trainer.global_step != start_step or not steps_left:
