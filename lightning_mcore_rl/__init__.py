@@ -1,16 +1,10 @@
-"""lightning-mcore-rl: Megatron-core RL and distillation training under PyTorch Lightning.
+"""lightning-mcore-rl: Megatron-core RL and distillation training under PyTorch Lightning."""
 
-Shape notation used in every docstring of this package:
-
-* ``B``  sequences in a (micro)batch, ``G`` group size (samples per prompt)
-* ``S``  padded sequence width of an unpacked batch, ``T`` packed length (sum of padded lengths)
-* ``V``  vocabulary size, ``V/TP`` the vocab shard held by one tensor-parallel rank
-* ``H``  hidden size, ``K`` top-k width
-* ``CP`` context-parallel size; ``S/CP`` and ``T/CP`` are the sequence shards a CP rank holds
-  (zigzag load-balanced layout, see :mod:`lightning_mcore_rl.ops.context_parallel`)
-
-Next-token convention: logits at position ``t`` score token ``t+1``; loss inputs have length ``S-1``.
-"""
+# Shape notation of every docstring: `B` sequences in a (micro)batch, `G` group size (samples per
+# prompt), `S` padded width of an unpacked batch, `T` packed length (sum of padded lengths), `V`
+# vocabulary size (`V/TP`: one TP rank's shard), `H` hidden size, `K` top-k width, `CP` context-
+# parallel size (`S/CP`, `T/CP`: a CP rank's zigzag shard, ops/context_parallel.py). Logits at
+# position `t` score token `t+1`; loss inputs have length `S-1`.
 
 __version__ = "0.1.0"
 

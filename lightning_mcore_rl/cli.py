@@ -1,30 +1,17 @@
-"""``lmrl``: LightningCLI for lightning-mcore-rl (``lmrl fit --config x.yaml``).
+"""`lmrl`: LightningCLI for lightning-mcore-rl (`lmrl fit --config x.yaml`): Lightning's
+`fit`/`validate`/`test`/`predict`, and `export` (a training checkpoint to a Hugging Face
+directory, `strategy/export.py`)."""
 
-Subcommands: Lightning's ``fit``/``validate``/``test``/``predict``, and ``export``, which converts
-a training checkpoint into a Hugging Face directory (``lmrl export --ckpt DIR --hf-source HF_DIR
---out OUT``, see :mod:`lightning_mcore_rl.strategy.export`; ``lmrl export --help``).
-
-Choosing the strategy (importing :mod:`lightning_mcore_rl` registers the name ``"mcore_rl"``):
-
-* ``--trainer.strategy=mcore_rl`` (or ``strategy: mcore_rl`` in YAML): the registry name, a plain
-  string to Lightning, so it takes **no** init args (every setting at its default);
-* ``--trainer.strategy=lightning_mcore_rl.MCoreRLStrategy`` or the short class name
-  ``--trainer.strategy=MCoreRLStrategy``, followed by init args such as
-  ``--trainer.strategy.tensor_model_parallel_size=2``;
-* in YAML, ``class_path: lightning_mcore_rl.MCoreRLStrategy`` with ``init_args`` (parallel sizes,
-  nested ``microbatching``/``ddp``/``checkpoint`` configs).
-
-Optimizers come from the module's ``configure_optimizers`` (a megatron ``OptimizerConfig``), so
-LightningCLI's ``--optimizer``/``--lr_scheduler`` arguments are not offered.
-
-An error raised on every rank prints one traceback, rank 0's; the other ranks print one line
-each (:mod:`lightning_mcore_rl.rank_errors`; ``LMRL_ALL_TRACEBACKS=1`` prints every rank's).
-
-A bad configuration (an unknown or mistyped option, or a value a class rejects when it is
-built) prints one line, ``lmrl: error: <the message>``, and exits 2 (:class:`ConfigError`);
-``LMRL_ALL_TRACEBACKS=1`` raises it with the full chain of jsonargparse's errors instead.
-``lmrl validate``/``lmrl test`` with no batch to evaluate is an error too.
-"""
+# The strategy: `--trainer.strategy=mcore_rl` (the registry name: a plain string to Lightning, so
+# NO init args), or `--trainer.strategy=MCoreRLStrategy` (or `lightning_mcore_rl.MCoreRLStrategy`,
+# or `class_path:` in YAML) followed by init args such as
+# `--trainer.strategy.tensor_model_parallel_size=2` and the nested config groups. Optimizers come
+# from the module's `configure_optimizers` (a megatron `OptimizerConfig`), so LightningCLI's
+# `--optimizer`/`--lr_scheduler` are not offered. An error raised on every rank prints one
+# traceback, rank 0's (rank_errors.py; `LMRL_ALL_TRACEBACKS=1`: every rank's). A bad
+# configuration prints one line, `lmrl: error: <message>`, and exits 2 (`ConfigError`;
+# `LMRL_ALL_TRACEBACKS=1` raises it with jsonargparse's chain); `lmrl validate`/`test` with no
+# batch to evaluate is an error too.
 
 from __future__ import annotations
 
@@ -75,8 +62,8 @@ _UNION_MISS = re.compile(r"^(\S+: )?Expected a <class '[^']+'>(\. Got value: .*)
 
 
 class ConfigError(ValueError):
-    """A bad ``lmrl`` configuration: its message is the one line ``lmrl`` prints, the errors
-    it condenses are its ``__cause__``."""
+    """A bad `lmrl` configuration: its message is the one line `lmrl` prints, the errors it
+    condenses are its `__cause__`."""
 
 
 class NoEvaluationDataError(ConfigError):
@@ -84,9 +71,8 @@ class NoEvaluationDataError(ConfigError):
 
 
 def condense(message: str) -> str:
-    """One line from a jsonargparse error: the dotted key path (``model.rollout.backend``),
-    then the distinct messages of its innermost lines; a strategy option given flat that
-    :class:`~lightning_mcore_rl.MCoreRLStrategy` takes nested gets the nested spelling."""
+    """One line from a jsonargparse error: the dotted key path (`model.rollout.backend`), then
+    the distinct messages of its innermost lines (a flat strategy option: its nested spelling)."""
     keys: list[str] = []
     details: list[str] = []
     for raw in message.splitlines():
@@ -144,9 +130,8 @@ def _raised_in_project(error: BaseException) -> bool:
 
 
 def config_error(error: BaseException) -> ConfigError | None:
-    """The :class:`ConfigError` for a failed parse or instantiation: the message of the
-    innermost error this package raised in the chain (else the innermost one, condensed), or
-    ``None`` when that error is not a configuration mistake (a bug: keep its traceback)."""
+    """The `ConfigError` for a failed parse or instantiation (the innermost message this package
+    raised, else the innermost one, condensed), or `None` for a bug (keep its traceback)."""
     chain = _chain(error)
     ours = [e for e in chain if _raised_in_project(e)]
     cause = ours[-1] if ours else chain[-1]
@@ -162,8 +147,8 @@ def config_error(error: BaseException) -> ConfigError | None:
 
 
 class LmrlCLI(LightningCLI):
-    """LightningCLI whose instantiation errors raise one :class:`ConfigError` (parse errors:
-    :func:`build_cli`), and whose ``validate``/``test`` refuse to evaluate nothing."""
+    """LightningCLI whose instantiation errors raise one `ConfigError` (parse errors:
+    `build_cli`), and whose `validate`/`test` refuse to evaluate nothing."""
 
     def instantiate_classes(self) -> None:
         """Build the model, data and trainer as LightningCLI does.
@@ -203,11 +188,10 @@ class LmrlCLI(LightningCLI):
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
-    """The CLI object (``run=False``: parse and instantiate only, for tests and notebooks).
+    """The CLI object (`run=False`: parse and instantiate only, for tests and notebooks).
 
     Raises:
-        ConfigError: a bad option or value (one line; the jsonargparse errors as its cause),
-            also one the run's set-up refuses (a `ValueError`/`TypeError` the package raised).
+        ConfigError: a bad option or value, or one the run's set-up refuses.
     """
     try:
         return LmrlCLI(
@@ -233,14 +217,10 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
 
 def main(args: ArgsType = None) -> int | None:
-    """Console entry point ``lmrl``: ``lmrl export ...`` runs
-    :func:`lightning_mcore_rl.strategy.export.main`, anything else goes to LightningCLI.
-
-    Returns the export's exit status, ``2`` after a :class:`ConfigError` (printed as one line
-    ``lmrl: error: ...`` on rank 0; raised with its chain under ``LMRL_ALL_TRACEBACKS=1``), or
-    ``None`` after a LightningCLI run. Any other uncaught error prints its traceback on rank 0
-    only (:func:`~.rank_errors.install_rank_excepthook`).
-    """
+    """Console entry point `lmrl`: `lmrl export ...` runs `strategy.export.main`, anything else
+    LightningCLI; returns the export's status, `2` after a `ConfigError`, else `None`."""
+    # a ConfigError prints one line on rank 0 (its chain under LMRL_ALL_TRACEBACKS=1); any
+    # other uncaught error prints its traceback on rank 0 only (install_rank_excepthook)
     filter_expected_warnings()
     install_rank_excepthook()
     argv = sys.argv[1:] if args is None else args
