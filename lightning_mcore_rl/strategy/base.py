@@ -32,8 +32,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     Args:
         process_group_backend: `"nccl"`/`"gloo"` (default: from the device).
         cluster_environment: Lightning cluster environment (default: detected).
-        timeout: timeout of the world process group and of `world_group`.
-    """
+        timeout: timeout of the world process group and of `world_group`."""
 
     def __init__(
         self,

@@ -100,8 +100,7 @@ def save(checkpoint: dict[str, Any], path: Path, *, atomic: bool) -> None:
 
     Raises:
         OSError: `errno.ENOSPC` (disk full; also from inside megatron's shard writer, on rank
-            0) with the file system's free space; the partial temporary directory is removed.
-    """
+            0) with the file system's free space; the partial temporary directory is removed."""
     # `dist_checkpointing` needs an existing empty directory. With `atomic` every rank writes into
     # `.<name>.tmp`; after a barrier rank 0 swaps it in with ONE `renameat2(RENAME_EXCHANGE)`
     # (Linux) and deletes the previous checkpoint, so `path` always exists once written. Without
@@ -202,8 +201,7 @@ def check_last(directory: Path, last_name: str = "last") -> None:
 
     Raises:
         FileNotFoundError: ``<last_name>*.ckpt`` entries exist but none is a complete checkpoint
-            (each named with what it is instead).
-    """
+            (each named with what it is instead)."""
     # Lightning skips a `<last_name>*.ckpt` entry that does not exist (a link to a removed
     # checkpoint) and starts from step 0 when none is left
     if not directory.is_dir():
@@ -307,8 +305,7 @@ def load(
     `weights_only=True`; `verify`: check the checksums first).
 
     Raises:
-        CorruptCheckpointError: on every rank, naming the damaged file.
-    """
+        CorruptCheckpointError: on every rank, naming the damaged file."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -359,8 +356,7 @@ def check_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
     Raises:
         ValueError: `use_distributed_optimizer` or `precision` changed; EP changed with the
             distributed optimizer; a `dp_reshardable` checkpoint resumed under another
-            TP/PP/VPP/CP size.
-    """
+            TP/PP/VPP/CP size."""
     # Model weights follow any change, and megatron's regular optimizer state is keyed like them;
     # a changed EP regroups it between the chained dense and expert optimizers
     # (optimizer_regroup.py). The distributed optimizer's state is sharded by its own gradient
@@ -475,8 +471,7 @@ class StrategyCheckpoints:
         """Collective: `save` with the layout added under `LAYOUT_KEY`.
 
         Raises:
-            TypeError: ``storage_options`` given (Lightning's ``CheckpointIO`` argument).
-        """
+            TypeError: ``storage_options`` given (Lightning's ``CheckpointIO`` argument)."""
         if storage_options is not None:
             raise TypeError(
                 "MCoreRLStrategy.save_checkpoint does not take `storage_options`; "

@@ -70,8 +70,7 @@ def export_checkpoint(
 
     Raises:
         FileExistsError: ``out_dir`` already holds weights (checked before loading).
-        FileNotFoundError: ``ckpt_dir`` is not a checkpoint directory.
-    """
+        FileNotFoundError: ``ckpt_dir`` is not a checkpoint directory."""
     from lightning_mcore_rl.cpu import cpu_emulation
     from lightning_mcore_rl.strategy import checkpoint as ckpt
 

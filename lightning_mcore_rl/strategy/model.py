@@ -23,8 +23,7 @@ def build_stage_chunks(
 
     Raises:
         ValueError: for megatron's bare `AssertionError`s: local-spec attention under CP, experts
-            not split over the EP ranks, MoE biases under expert TP > 1.
-    """
+            not split over the EP ranks, MoE biases under expert TP > 1."""
     try:
         return [build(vp_stage) for vp_stage in vp_stages]
     except AssertionError as err:
@@ -109,8 +108,7 @@ def checked_chunks(
 
     Raises:
         TypeError: no ``chunks`` or a chunk without a megatron ``config``.
-        ValueError: the wrong number of chunks, or a config field that disagrees.
-    """
+        ValueError: the wrong number of chunks, or a config field that disagrees."""
     chunks = getattr(module, "chunks", None)
     if chunks is None:
         raise TypeError(
@@ -135,8 +133,7 @@ def check_chunk_layout(
 
     Raises:
         TypeError: a chunk without a megatron ``config``.
-        ValueError: the wrong number of chunks, or a config field that disagrees.
-    """
+        ValueError: the wrong number of chunks, or a config field that disagrees."""
     if len(chunks) != len(vp_stages):
         raise ValueError(
             f"The module built {len(chunks)} {what}(s) but the strategy runs "
@@ -165,8 +162,7 @@ def _check_moe_layout(config: Any, what: str) -> None:
     router recompute.
 
     Raises:
-        ValueError: naming the field and the fix.
-    """
+        ValueError: naming the field and the fix."""
     # at setup: megatron only warns at build time and raises in the first training forward
     # (mid-step); router recompute would count each router call twice in the router statistics
     experts = getattr(config, "num_moe_experts", None)

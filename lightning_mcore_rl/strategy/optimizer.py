@@ -60,8 +60,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
     Args:
         megatron_optimizer: the optimizer from `get_megatron_optimizer`.
-        params: the model parameters it updates (for the non-finite guard's update checks).
-    """
+        params: the model parameters it updates (for the non-finite guard's update checks)."""
 
     # `Optimizer.__init__` is not called: delegating `param_groups` makes LR schedulers and
     # `LearningRateMonitor` act on megatron's groups. The strategy zeroes the grad buffers before
@@ -185,8 +184,7 @@ def resolve_optimizer_config(
     Raises:
         ValueError: an owned field set to a conflicting value (`clip_grad` other than 1.0,
             `bf16`/`fp16`, `use_distributed_optimizer`), naming where to set it; a bad lr or
-            weight decay (`check_optimizer_values`).
-    """
+            weight decay (`check_optimizer_values`)."""
     from megatron.core.optimizer import OptimizerConfig
 
     if not isinstance(config, OptimizerConfig):
@@ -235,8 +233,7 @@ def check_optimizer_values(config: Any) -> None:
 
     Raises:
         ValueError: ``lr`` is ``None``; a field is negative, NaN or infinite.
-        TypeError: a field is not a number.
-    """
+        TypeError: a field is not a number."""
     # before megatron builds the optimizer: torch would reject a negative lr inside it, naming
     # none of these fields
     if config.lr is None:
@@ -265,8 +262,7 @@ def check_fit_limits(max_steps: int, max_epochs: int | None) -> None:
     """`Trainer.fit` limits that would train nothing, checked when `fit` launches.
 
     Raises:
-        ValueError: ``max_steps=0`` or ``max_epochs=0``.
-    """
+        ValueError: ``max_steps=0`` or ``max_epochs=0``."""
     # before any process group exists; one Lightning batch is one optimizer step
     if max_steps == 0:
         raise ValueError(

@@ -87,8 +87,7 @@ def current_state(loaded: Mapping[str, Any], optimizer: Any) -> tuple[Any, list[
 
     Raises:
         ValueError: the saved members' steps differ; no saved group matches one of this run's;
-            or saved groups merged into one group of this run have different hyper-parameters.
-    """
+            or saved groups merged into one group of this run have different hyper-parameters."""
     # each group takes the saved group of the same (wd_mult, lr_mult, is_decoupled_lr) (megatron's
     # identity without is_expert_parallel, which EP decides), is_expert_parallel set to this run's
     regrouped = loaded[REGROUPED]

@@ -30,8 +30,7 @@ def init_model_parallel(
     this rank's `ParallelGroups`. `timeout` bounds every group's collectives (`None`: 30 min).
 
     Raises:
-        RuntimeError: megatron's state already holds another layout.
-    """
+        RuntimeError: megatron's state already holds another layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -76,8 +75,7 @@ def check_strategy_args(
     """Class checks of the strategy's setting groups (each validates its own fields).
 
     Raises:
-        TypeError: a group that is not its config class or None.
-    """
+        TypeError: a group that is not its config class or None."""
     for name, value, cls in (
         ("microbatching", microbatching, MicrobatchConfig),
         ("ddp", ddp, MegatronDDPConfig),

@@ -66,8 +66,7 @@ def to_mcore_precision(plugin: Precision) -> MCorePrecision:
 
     Raises:
         ValueError: a precision megatron cannot run here (`"64-true"`, `"16-mixed"`,
-            Transformer Engine, bitsandbytes, ...).
-    """
+            Transformer Engine, bitsandbytes, ...)."""
     # "16-mixed" (fp16 needs megatron's loss scaling, not supported) raises wherever it reaches
     # the strategy; on CPU Lightning's connector already replaced it with "bf16-mixed" (its own
     # warning) and left no public trace of the original flag

@@ -22,8 +22,7 @@ class ResumableLoader:
     `load_state_dict` the next `iter()` skips the batches already consumed in that epoch.
 
     Args:
-        loader: a map-style (sized) `DataLoader` with its own `DistributedSampler`.
-    """
+        loader: a map-style (sized) `DataLoader` with its own `DistributedSampler`."""
 
     # The skipped batches are loaded and dropped, so the sampler's order is untouched. The count
     # is exact because Lightning does not prefetch from a loader with a length. Lightning does not
@@ -83,8 +82,7 @@ class ResumableLoader:
         outside an iteration); the iteration then yields the same objects.
 
         Raises:
-            ValueError: `count` < 1.
-        """
+            ValueError: `count` < 1."""
         # an asynchronous recipe starts their rollouts early; they are not consumed, so a resume
         # loads them again
         if count < 1:

@@ -55,8 +55,7 @@ def guard_last_checkpoint(
 
     Raises:
         FileNotFoundError: no `last*.ckpt` but complete `*.ckpt` exist; or no complete
-            `last*.ckpt` entry (`checkpoint.check_last`).
-    """
+            `last*.ckpt` entry (`checkpoint.check_last`)."""
     try:
         bound = inspect.signature(function).bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
@@ -93,8 +92,7 @@ def check_resumed_fit_trained(trainer: Any, start_step: int) -> None:
     `max_steps` (instead of exiting as if it had trained).
 
     Raises:
-        RuntimeError: `fit(ckpt_path=...)` trained no step below `max_steps`.
-    """
+        RuntimeError: `fit(ckpt_path=...)` trained no step below `max_steps`."""
     steps_left = trainer.max_steps == -1 or trainer.global_step < trainer.max_steps
     if trainer.ckpt_path is None or trainer.global_step != start_step or not steps_left:
         return

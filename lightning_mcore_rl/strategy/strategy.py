@@ -117,8 +117,7 @@ class MCoreRLStrategy(ProcessGroupStrategy):
         ddp: megatron DDP options and the distributed optimizer (`MegatronDDPConfig`).
         checkpoint: checkpoint format options (`CheckpointConfig`).
         reliability: process-group timeouts, the non-finite policy (`ReliabilityConfig`).
-        logprobs: the logprob kernels: fused linear logprobs, chunk size (`LogprobKernelConfig`).
-    """
+        logprobs: the logprob kernels: fused linear logprobs, chunk size (`LogprobKernelConfig`)."""
 
     # Accelerator, devices and precision come from the `Trainer`, a cluster environment from
     # `Trainer(plugins=[...])`. The deprecated flat keywords (`FLAT_ARGUMENTS`, config.py) are

@@ -33,8 +33,7 @@ def build_teacher_chunks(
     when every call returns `None`.
 
     Raises:
-        ValueError: some stages return a chunk and others ``None``.
-    """
+        ValueError: some stages return a chunk and others ``None``."""
     built = build_stage_chunks(build, vp_stages, "build_teacher_chunk")
     if all(chunk is None for chunk in built):
         return None
@@ -89,8 +88,7 @@ class HostedTeacher:
 
         Raises:
             TypeError, ValueError: as `model.check_chunk_layout`; a teacher parameter with
-                `requires_grad=True`; a teacher on some ranks only (on every rank).
-        """
+                `requires_grad=True`; a teacher on some ranks only (on every rank)."""
         # every rank hosts a teacher or none, agreed by ONE all-reduce: a rank without one would
         # leave the others waiting in a later `teacher=True` pass
         raw = getattr(module, "teacher_chunks", None)
@@ -116,8 +114,7 @@ class HostedTeacher:
         """The chunks a forward-only pass runs: the teacher's or `policy`.
 
         Raises:
-            ValueError: ``teacher=True`` without a hosted teacher.
-        """
+            ValueError: ``teacher=True`` without a hosted teacher."""
         if not teacher:
             return policy
         if not self.chunks:
@@ -164,8 +161,7 @@ def load_dist_checkpoint(chunk: torch.nn.Module, path: str | Path, *, prefix: st
     for a teacher saved with `save_teacher_in_checkpoint`.
 
     Raises:
-        FileNotFoundError: `path` is not a `dist_checkpointing` directory.
-    """
+        FileNotFoundError: `path` is not a `dist_checkpointing` directory."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
