@@ -1,12 +1,6 @@
-"""The forward step Megatron's schedule calls per microbatch (docs/behaviour-reference.md §2.1–2.3).
-
-``forward_with_post_processing_fn`` pulls a :class:`ProcessedMicrobatch`, runs
-:func:`model_forward`, applies the sampling temperature in place and returns
-``(output, post_processor(...))``; Megatron applies the callable to the last stage's output.
-With ``use_fused_linear_logprobs`` the last stage outputs its final hidden states instead of
-logits and the post-processor gets a :class:`~lightning_mcore_rl.train.fused.FusedLMHead` (the
-output weight and the temperature) to finish the LM head itself (:mod:`.fused`).
-"""
+"""The forward step megatron's schedule calls per microbatch (docs/behaviour-reference.md
+§2.1–2.3): `forward_with_post_processing_fn` -> `model_forward`, the temperature in place,
+`(output, bound post-processor)`."""
 
 from __future__ import annotations
 
@@ -59,23 +53,17 @@ def check_fused_linear_logprobs(
     sampling_params: TrainingSamplingParams | None,
     enabled: bool,
 ) -> None:
-    """Reject what the fused linear logprobs path cannot serve, identically on every rank.
-
-    Called before megatron's schedule (and by the step entries before their first collective),
-    so no rank is left waiting in a collective for one that raised.
-
-    Args:
-        chunks: This rank's model chunks.
-        post_processing_fn: The pass's post-processor (``None``: not built yet).
-        sampling_params: The step's sampling parameters.
-        enabled: ``use_fused_linear_logprobs`` of the pass.
+    """Reject what the fused linear logprobs path (`enabled`) cannot serve, identically on
+    every rank (`post_processing_fn`: `None` before it is built).
 
     Raises:
         ValueError: A loss / logprobs post-processor built with the other setting; with
-            ``enabled``: top-k/top-p filtering, a top-k or teacher-payload post-processor,
+            `enabled`: top-k/top-p filtering, a top-k or teacher-payload post-processor,
             multi-token prediction.
-        TypeError: With ``enabled``, a chunk that is not a megatron ``GPTModel``.
+        TypeError: with `enabled`, a chunk that is not a megatron `GPTModel`.
     """
+    # called before megatron's schedule (and by the step entries before their first
+    # collective): no rank is left waiting in a collective for one that raised
     if post_processing_fn is not None:
         name = type(post_processing_fn).__name__
         if enabled and post_processing_fn.needs_full_logits:
@@ -99,29 +87,15 @@ def _prepare_padding_mask_for_model(
     model_slices_context_parallel_inputs: bool = False,
     groups: ParallelGroups | None = None,
 ) -> Tensor | None:
-    """Match a CP-local padding mask ``[B, S/CP]`` to the model's sequence-parallel layout.
-
-    A first-stage ``GPTModel`` scatters the mask to the sequence-parallel region itself; any
-    other chunk receives hidden states already split over TP, so the mask is scattered here.
-    When the model CP-slices its own inputs the mask arrives full-width and is CP-sliced first.
-
-    Args:
-        model: The model chunk (possibly wrapped).
-        padding_mask: ``[B, S/CP]`` (``[B, S]`` if the model slices CP itself) or ``None``.
-        model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
-        groups: This rank's groups (their CP rank/size slice the mask); read only with
-            ``model_slices_context_parallel_inputs`` (``None``: megatron's initialised state).
-
-    Returns:
-        The mask in the layout the model's layers see (``[B, S/CP/TP]`` under SP), or ``None``.
-    """
+    """A CP-local padding mask `[B, S/CP]` (`[B, S]` when the model CP-slices its own inputs)
+    in the layout the model's layers see (`[B, S/CP/TP]` under SP), or `None`."""
     if padding_mask is None:
         return None
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.utils import get_model_config
 
-    if model_slices_context_parallel_inputs:
+    if model_slices_context_parallel_inputs:  # the mask arrives full-width: CP-slice it first
         groups = resolve_groups(groups)  # the seed API's callers pass none
         if groups.cp_size > 1:
             padding_mask = get_tokens_on_this_cp_rank(
@@ -132,6 +106,7 @@ def _prepare_padding_mask_for_model(
     inner = _unwrap(model)
     if isinstance(inner, GPTModel) and inner.pre_process:
         return padding_mask  # GPTModel.forward scatters it (megatron-core gpt_model.py)
+    # any other chunk receives hidden states already split over TP: scatter the mask here
     scattered = tensor_parallel.scatter_to_sequence_parallel_region(
         padding_mask.transpose(0, 1).contiguous()  # [S, B]: SP splits dim 0
     )
@@ -156,43 +131,28 @@ def model_forward(
     model_slices_context_parallel_inputs: bool = False,
     groups: ParallelGroups | None = None,
 ) -> Tensor:
-    """One forward pass of a Megatron GPT chunk.
+    """One forward pass of a megatron GPT chunk on `input_ids_cp_sharded` (`[B, S]` or this CP
+    rank's packed `[1, T/CP]`).
 
     Args:
-        model: The model chunk.
-        data_dict: The microbatch (multimodal inputs are not supported, see Raises).
-        input_ids_cp_sharded: ``[B, S]`` or this CP rank's packed ``[1, T/CP]`` ids.
-        position_ids: Position ids in the same layout.
-        attention_mask: ``[1, 1, S, S]`` causal mask, ``None`` when packed.
-        packed_seq_params: Megatron ``PackedSeqParams`` (passed only when not ``None``).
-        defer_fp32_logits: Keep the logits in the model dtype (else cast to fp32; a
-            ``Float16Module`` gets ``fp32_output=False``, as with fused linear logprobs).
-        mtp_loss_mask: Passed as ``loss_mask`` (multi-token prediction: the forward step passes
-            its weights ``token_mask * sample_mask / N_t``, `extensions/multi_token_prediction.py`).
-        padding_mask: MoE-routing padding mask (see :func:`_prepare_padding_mask_for_model`).
-        straggler_timer: Called once; the forward runs inside the returned context.
-        use_fused_linear_logprobs: On the last stage, return the final hidden states (after the
-            final norm) instead of logits: the output layer is bypassed for this forward
-            (:func:`~lightning_mcore_rl.train.fused.lm_head_returns_hidden`).
-            Otherwise a last stage computes its logits batch-first
-            (:func:`~lightning_mcore_rl.train.fused.lm_head_batch_first`: the same logits
-            without ``GPTModel``'s ``[B, S, V_l]`` copy) where it applies.
-        labels_cp_sharded: Target labels: the model then returns per-token losses
-            (direct prepacked SFT).
-        loss_mask_cp_sharded: Loss mask passed with ``labels_cp_sharded``.
-        media_token_validity_mask: Not supported (multimodal).
-        model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
-        groups: This rank's groups (see :func:`_prepare_padding_mask_for_model`).
+        attention_mask: `[1, 1, S, S]` causal mask, `None` when packed.
+        defer_fp32_logits: keep the logits in the model dtype (else cast to fp32).
+        mtp_loss_mask: passed as `loss_mask` (the MTP extension's weights).
+        padding_mask: the MoE routers' padding mask (`_prepare_padding_mask_for_model`).
+        straggler_timer: called once; the forward runs inside the returned context.
+        use_fused_linear_logprobs: the last stage returns its final hidden states (after the
+            final norm) instead of logits.
+        labels_cp_sharded: target labels: the model returns per-token losses (prepacked SFT).
 
     Returns:
-        Logits ``[B, S/CP, V_l]`` / ``[1, T/CP, V_l]`` on the last stage (fused: its final
-        hidden states ``[B, S/CP, H]`` / ``[1, T/CP, H]`` in the model dtype), hidden states
-        elsewhere, per-token losses when labels are given.
+        Logits `[B, S/CP, V_l]` / `[1, T/CP, V_l]` on the last stage (fused: hidden states
+        `[B, S/CP, H]` / `[1, T/CP, H]` in the model dtype), hidden states elsewhere, per-token
+        losses with labels.
 
     Raises:
-        ValueError: Labels together with fused linear logprobs.
-        TypeError: Fused linear logprobs on a last stage that is not a megatron ``GPTModel``.
-        NotImplementedError: Multimodal inputs (no VLM here).
+        ValueError: labels together with fused linear logprobs.
+        TypeError: fused linear logprobs on a last stage that is not a megatron `GPTModel`.
+        NotImplementedError: multimodal inputs.
     """
     if use_fused_linear_logprobs and labels_cp_sharded is not None:
         raise ValueError("Direct packed SFT labels do not support fused linear logprobs")
@@ -234,15 +194,8 @@ def model_forward(
 def apply_temperature_scaling(
     logits: Tensor, sampling_params: TrainingSamplingParams | None
 ) -> Tensor:
-    """Divide ``logits`` by the sampling temperature in place (same tensor, same ``data_ptr``).
-
-    Args:
-        logits: ``[..., V_l]`` model output.
-        sampling_params: ``None`` or ``temperature == 1.0`` leaves ``logits`` unchanged.
-
-    Returns:
-        ``logits`` itself.
-    """
+    """`logits [..., V_l]` divided by the sampling temperature in place, returned (`None` or
+    temperature 1 leave them unchanged)."""
     if sampling_params is not None and sampling_params.temperature != 1.0:
         logits.div_(sampling_params.temperature)  # in place: no second [B, S, V_l] copy
     return logits
@@ -252,12 +205,7 @@ def apply_temperature_scaling(
 def _capture_lm_head_input(
     model: torch.nn.Module, enabled: bool, tp_group: Any
 ) -> Iterator[dict[str, Tensor]]:
-    """Record the input of the model's ``output_layer`` (pre-LM-head states ``[S/CP, B, H]``).
-
-    Under sequence parallelism that input is this TP rank's sequence slice ``[S/CP/TP, B, H]``
-    (the output layer all-gathers it itself), so it is all-gathered over TP along the sequence
-    here, in megatron's rank order.
-    """
+    """Record the input of the model's `output_layer` (pre-LM-head states `[S/CP, B, H]`)."""
     captured: dict[str, Tensor] = {}
     output_layer = getattr(_unwrap(model), "output_layer", None)
     if not enabled or output_layer is None:
@@ -266,6 +214,8 @@ def _capture_lm_head_input(
 
     def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         hidden = args[0].detach()
+        # under SP the input is this TP rank's sequence slice (the output layer all-gathers it
+        # itself): all-gather it here too, in megatron's rank order
         if getattr(module, "sequence_parallel", False):  # False at TP=1 (megatron resets it)
             parts = [torch.empty_like(hidden) for _ in range(tp_group.size())]
             torch.distributed.all_gather(parts, hidden.contiguous(), group=tp_group)
@@ -297,38 +247,22 @@ def forward_with_post_processing_fn(
     groups: ParallelGroups | None = None,
     num_microbatches: int | None = None,
 ) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, dict[str, Any]]]]:
-    """Megatron's ``forward_step_func``: forward one processed microbatch, bind its post-processor.
+    """Megatron's `forward_step_func`: forward one `ProcessedMicrobatch`, bind its
+    post-processor -> `(output, fn)`; megatron calls `fn(output) -> (loss, metrics)`.
 
     Args:
-        data_iterator: Yields :class:`ProcessedMicrobatch`.
-        model: The model chunk.
-        post_processing_fn: One of the four post-processors (:data:`PostProcessingFunction`).
-        defer_fp32_logits: Keep logits in the model dtype.
-        global_valid_seqs: Valid sequences of the global batch (loss post-processor).
-        global_valid_toks: Valid tokens of the global batch (loss post-processor).
-        sampling_params: Temperature (applied here, in place, on the last stage; fused: handed
-            to the post-processor, which divides ``hidden x W^T`` by it) and top-k/p.
-        straggler_timer: See :func:`model_forward`.
-        enable_opd_full_capture: Capture pre-LM-head hidden states for the teacher payload.
-        use_fused_linear_logprobs: See :func:`model_forward`; the loss / logprobs post-processor
-            then gets ``lm_head=FusedLMHead(...)`` on the last stage.
-        model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        sampling_params: temperature (applied here in place on the last stage; fused: by the
+            post-processor on `hidden x W^T`) and top-k/p.
+        enable_opd_full_capture: capture pre-LM-head hidden states for the teacher payload.
         extensions: each one's `forward_kwargs`, its `forward_scope` around the model forward,
             its `microbatch_data` after it and its `wrap_loss` around the bound post-processor.
         training: a forward-backward pass (the extensions' scopes see it).
-        groups: This rank's groups, handed to the post-processor (and the CP/TP helpers);
-            ``None``: read from megatron's initialised state (the seed API's callers).
-        num_microbatches: ``M`` of the pass, handed to a :class:`LossPostProcessor` (its
-            loss scale); ``None``: the one it was built with.
-
-    Returns:
-        ``(output_tensor, fn)``; Megatron calls ``fn(output_tensor) -> (loss, metrics)``.
+        groups: handed to the post-processor; `None`: megatron's initialised state.
+        num_microbatches: `M` of the pass, for a `LossPostProcessor`'s loss scale.
 
     Raises:
-        TypeError: Unknown post-processor type.
-        ValueError: Options the fused path cannot serve (:func:`check_fused_linear_logprobs`;
-            megatron_forward_backward checks them before the schedule already).
-        ValueError: what an extension's scope refuses (e.g. the draft's `check_draft`).
+        TypeError: an unknown post-processor type.
+        ValueError: what the fused path cannot serve; what an extension's scope refuses.
     """
     groups = resolve_groups(groups)  # the seed API's callers pass none
     if not callable(getattr(post_processing_fn, "bind", None)):

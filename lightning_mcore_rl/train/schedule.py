@@ -1,5 +1,5 @@
 """One forward(-backward) pass over a global batch through Megatron's real schedule
-(docs/behaviour-reference.md §2.4); :func:`run_schedule` is the package's one schedule runner."""
+(docs/behaviour-reference.md §2.4); `run_schedule` is the package's one schedule runner."""
 
 from __future__ import annotations
 
@@ -28,26 +28,16 @@ ModelChunks = torch.nn.Module | list[torch.nn.Module]
 def suspend_activation_offload_for_forward_only(
     model: ModelChunks, forward_only: bool
 ) -> Iterator[None]:
-    """Disable fine-grained activation offloading for a forward-only pass, restore it after.
-
-    Inference-only phases (logprobs, top-k) must not consume Megatron's offload warm-up. Every
-    distinct chunk config is looked up first, so a failing lookup mutates nothing (and the body
-    does not run); the previous values, and the global offload manager's state if it exists,
-    are restored on exit, also on error. ``forward_only=False`` changes nothing.
-
-    Args:
-        model: A model chunk or the list of chunks.
-        forward_only: Whether the pass is forward-only.
-
-    Yields:
-        Nothing; offloading is suspended inside the block.
-    """
+    """Fine-grained activation offloading off for a forward-only pass of `model` (a chunk or
+    the list), restored after, also on error; `forward_only=False` changes nothing."""
+    # inference-only phases (logprobs, top-k) must not consume megatron's offload warm-up
     if not forward_only:
         yield
         return
     from megatron.core.utils import get_model_config
 
     chunks = model if isinstance(model, list) else [model]
+    # every config looked up first: a failing lookup mutates nothing (and the body does not run)
     configs = {id(c): c for c in (get_model_config(chunk) for chunk in chunks)}  # atomic lookup
     previous = {key: cfg.fine_grained_activation_offloading for key, cfg in configs.items()}
     manager = _offload_manager()
@@ -94,39 +84,25 @@ def megatron_forward_backward(
     extensions: Sequence[StepExtension] = (),
     groups: ParallelGroups | None = None,
 ) -> list[dict[str, Any]]:
-    """Run Megatron's forward-backward schedule (no pipelining, 1F1B or interleaved).
-
-    Gradients land in the DDP ``main_grad`` buffers; the model config must carry
-    ``calculate_per_token_loss=True`` and ``finalize_model_grads_func`` (see
-    ``LossPostProcessor.scale_loss`` for why).
+    """Megatron's forward-backward schedule over `num_microbatches` microbatches of
+    `data_iterator` (a list of iterators with VPP) with `post_processing_fn`: per-microbatch
+    metric dicts on the last pipeline stage, `[]` elsewhere; gradients land in the DDP
+    `main_grad` buffers.
 
     Args:
-        model: A model chunk or the list of VPP chunks.
-        data_iterator: Iterator of :class:`ProcessedMicrobatch` (a list of them with VPP).
-        num_microbatches: ``M``.
-        seq_length: Full model input width (``S``, or ``T`` when packed); sizes PP messages.
-        mbs: Micro-batch size (1 when packed).
-        post_processing_fn: The post-processor.
-        forward_only: Skip the backward pass (offloading suspended meanwhile).
-        defer_fp32_logits: Keep logits in the model dtype.
-        global_valid_seqs: Valid sequences of the global batch.
-        global_valid_toks: Valid tokens of the global batch.
-        sampling_params: Temperature / top-k / top-p.
-        straggler_timer: Called once per forward.
-        enable_opd_full_capture: Capture pre-LM-head states for the teacher payload.
-        use_fused_linear_logprobs: See :func:`~lightning_mcore_rl.train.model_forward`; what
-            it cannot serve raises here, on every rank, before the schedule
-            (:func:`~lightning_mcore_rl.train.forward.check_fused_linear_logprobs`).
-        model_slices_context_parallel_inputs: Whether the model CP-slices its own inputs.
+        seq_length: full model input width (`S`, or `T` packed); sizes the PP messages.
+        mbs: micro-batch size (1 packed).
         extensions: the step's extensions: each one's `pass_scope` around the schedule, its
-            `forward_scope` around every microbatch's forward.
-        groups: This rank's groups, passed to the forward step and every post-processor
-            (with ``num_microbatches``, which a :class:`LossPostProcessor` scales by);
-            ``None``: read from megatron's initialised state (the seed API's callers).
+            forward hooks in every microbatch's forward.
+        groups: this rank's groups for the forward step and every post-processor; `None`:
+            megatron's initialised state (the seed API's callers).
 
-    Returns:
-        Per-microbatch metric dicts on the last pipeline stage, ``[]`` elsewhere.
+    Raises:
+        ValueError, TypeError: what the fused path cannot serve, on every rank, before the
+            schedule (`check_fused_linear_logprobs`).
     """
+    # the model config must carry calculate_per_token_loss=True and finalize_model_grads_func
+    # (LossPostProcessor.scale_loss says why)
     groups = resolve_groups(groups)  # the seed API's callers pass none
     forward_step = functools.partial(
         forward_with_post_processing_fn,
@@ -171,22 +147,10 @@ def run_schedule(
     micro_batch_size: int,
     forward_only: bool,
 ) -> list[dict[str, Any]]:
-    """THE schedule runner: megatron's ``get_forward_backward_func()`` (no pipelining, 1F1B or
-    interleaved, chosen from the parallel state) with activation offloading suspended for
-    forward-only passes.
-
-    Args:
-        forward_step_func: megatron's ``forward_step_func(data_iterator, model)``.
-        chunks: the model chunks (one per virtual pipeline stage).
-        data_iterators: one iterator over the same microbatches per chunk.
-        num_microbatches: ``M``.
-        seq_length: model input width (``S``, or ``T`` packed); sizes the PP messages.
-        micro_batch_size: samples per microbatch (1 packed).
-        forward_only: skip the backward pass.
-
-    Returns:
-        The loss functions' metric dicts, one per microbatch, on the last pipeline stage.
-    """
+    """The package's one schedule runner: megatron's `get_forward_backward_func()` (no
+    pipelining, 1F1B or interleaved, from the parallel state) over `chunks` with one iterator
+    per chunk, activation offloading suspended for forward-only passes -> the loss functions'
+    metric dicts, one per microbatch, on the last pipeline stage."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model: ModelChunks = list(chunks) if len(chunks) > 1 else chunks[0]

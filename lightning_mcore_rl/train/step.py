@@ -1,21 +1,10 @@
-"""The ONE trainer-free entry that runs a global batch: split, megatron's schedule, statistics.
+"""The one trainer-free entry that runs a global batch: plan (split) -> megatron's schedule
+(per microbatch forward -> post-process -> loss -> backward) -> statistics.
 
-``MCoreRLStrategy`` is its only caller in the package; the Lightning layer adds nothing to the
-step's numerics. Everything a pass reads besides the batch and the chunks comes in ONE frozen
-:class:`~lightning_mcore_rl.train.StepContext` (groups, micro-batching, policy settings, fused
-flag, sampling parameters), and what it computes comes fully built (a post-processor or a
-``forward_step_func``): nothing here calls back into the module or reads megatron's
-``parallel_state``. Two kinds of pass share the splitter (:func:`split_global_batch`) and the
-schedule runner (:func:`~lightning_mcore_rl.train.schedule.run_schedule`):
-
-* :func:`run_global_batch` — training (forward + backward) or validation (forward-only), returning
-  the step's :class:`~lightning_mcore_rl.train.statistics.StepOutput`. With a ``loss``
-  post-processor (the ``loss_fn`` path) each microbatch goes through
-  :func:`~lightning_mcore_rl.train.forward_with_post_processing_fn`, which binds the context's
-  groups and the pass's ``M``; with a ``forward_step_func`` (the LM path) megatron's own
-  ``forward_step_func`` contract applies.
-* :func:`run_forward_only` — a forward-only post-processor pass (logprobs, top-k logits, teacher
-  payloads), returning its per-sample outputs in the batch's order on every rank.
+`run_global_batch` (training or validation -> `StepOutput`) and `run_forward_only` (logprobs,
+top-k logits, teacher payloads -> per-sample outputs) share the splitter and `run_schedule`.
+Everything a pass reads besides the batch and the chunks comes in one frozen `StepContext`;
+nothing here calls back into the module or reads megatron's `parallel_state`.
 """
 
 from __future__ import annotations
@@ -74,11 +63,9 @@ def split_global_batch(
     routing: bool = False,
     mtp: bool = False,
 ) -> GlobalBatch:
-    """This DP rank's share of a global batch -> processed microbatches with the global valid
-    counts (:func:`~lightning_mcore_rl.train.process_global_batch`; CP shards per rank), padded
-    as the layout needs (:func:`~lightning_mcore_rl.train.model_inputs.layout_padding`);
-    ``routing``: the model has MoE routers (their padding mask and replay ids are built);
-    ``mtp``: it has multi-token-prediction layers (their ``mtp_loss_mask`` is built)."""
+    """This DP rank's share of a global batch -> processed microbatches (CP shards per rank,
+    padded as the layout needs) with the global valid counts; `routing` / `mtp`: also build the
+    MoE routers' padding mask and replay ids / the MTP `mtp_loss_mask`."""
     data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
     padding = layout_padding(
         sequence_packing=microbatching.sequence_packing,
@@ -102,7 +89,7 @@ def split_global_batch(
 
 
 def split_lm_batch(batch: Mapping[str, Any], microbatching: Microbatching) -> list[BatchedDataDict]:
-    """Fixed-size microbatches of an LM batch (``{"tokens", "labels"}``), same splitter."""
+    """Fixed-size microbatches of an LM batch (`{"tokens", "labels"}`), same splitter."""
     if microbatching.max_tokens_per_microbatch is not None:
         raise ValueError(
             f"`max_tokens_per_microbatch={microbatching.max_tokens_per_microbatch}` needs the "
@@ -137,33 +124,28 @@ def run_global_batch(
 
     Args:
         chunks: this rank's (wrapped) model chunks, one per virtual pipeline stage.
-        batch: this DP rank's share of the global batch ``[B, ...]``.
-        context: the run's groups, micro-batching, policy settings, fused flag and sampling
-            parameters (``sampling_params``: applied to the last stage's logits exactly once,
-            temperature in place, top-k/top-p by the post-processors; ``loss_fn`` path only).
-        loss: ``loss_fn`` path: the loss post-processor (built without ``num_microbatches``:
-            the forward step binds the pass's ``M``).
-        normalizations: the loss's ``metric_normalizations`` (``loss_fn`` path).
-        forward_step_func: LM path: megatron's ``forward_step_func`` over dict microbatches.
+        batch: this DP rank's share of the global batch `[B, ...]`.
+        loss: the `loss_fn` path's post-processor (the forward step binds the pass's `M`).
+        normalizations: the loss's `metric_normalizations` (`loss_fn` path).
+        forward_step_func: the LM path: megatron's `forward_step_func` over dict microbatches.
         forward_only: no backward (validation).
-        required_keys: batch keys the loss reads
-            (:func:`~lightning_mcore_rl.train.validation.loss_input_keys`), checked up front.
-        required_by: the loss class, named when a ``required_keys`` key is missing.
-        input_check: see :data:`InputCheck`; ``None``: a validation error raises at once and
+        required_keys: batch keys the loss reads (`loss_input_keys`), checked up front;
+            `required_by`: the loss class they are named with.
+        input_check: see `InputCheck`; `None`: a validation error raises at once and
             non-finite inputs are not looked at.
 
-    On the ``loss_fn`` path the context's extensions (`train/extension.py`: MoE, MTP, the EAGLE
-    draft) join the pass at the core's hook points.
-
     Returns:
-        The :class:`StepOutput`, identical on every rank; ``loss = nan`` and nothing else run
-        when ``input_check`` skipped the step.
+        The `StepOutput`, identical on every rank; `loss = nan` and nothing else run when
+        `input_check` skipped the step.
 
     Raises:
-        ValueError, TypeError: a malformed batch (:func:`validate_batch`), or what
-            ``use_fused_linear_logprobs`` cannot serve (the LM path, top-k/top-p, non-GPT
+        ValueError, TypeError: a malformed batch (`validate_batch`), or what
+            `use_fused_linear_logprobs` cannot serve (the LM path, top-k/top-p, non-GPT
             chunks), before any collective of the step.
     """
+    # the context's sampling_params apply to the last stage's logits exactly once (temperature
+    # in place, top-k/top-p by the post-processors), on the loss_fn path only; there the
+    # context's extensions (MoE, MTP, the EAGLE draft) join the pass at the core's hook points
     if (loss is None) == (forward_step_func is None):
         raise TypeError("pass exactly one of `loss` and `forward_step_func`")
     fused = context.use_fused_linear_logprobs
@@ -348,8 +330,12 @@ def _megatron_pass(
 def _check_temperature(
     post: PostProcessingFunction, sampling_params: TrainingSamplingParams | None
 ) -> None:
-    """The temperature is applied once, upstream, from ``sampling_params``; a post-processor
-    built with another one would silently have it ignored, so that is an error."""
+    """Refuse a post-processor built with another temperature than the step's.
+
+    Raises:
+        ValueError: the two temperatures differ.
+    """
+    # the temperature is applied once, upstream: a post-processor's own would silently be ignored
     own = post.sampling_params
     step = 1.0 if sampling_params is None else sampling_params.temperature
     if own is not None and own.temperature != step:
