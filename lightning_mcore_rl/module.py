@@ -63,7 +63,7 @@ class MCoreRLModule(LightningModule):
 
     @property
     def mcore_strategy(self) -> MCoreRLStrategy:
-        """The Trainer's :class:`MCoreRLStrategy` (``TypeError`` under any other strategy)."""
+        """The Trainer's `MCoreRLStrategy` (``TypeError`` under any other strategy)."""
         from lightning_mcore_rl.strategy.strategy import MCoreRLStrategy
 
         strategy = self.trainer.strategy
@@ -194,7 +194,7 @@ class MCoreRLModule(LightningModule):
         )
 
     def logprobs_post_processor(self) -> LogprobsPostProcessor:
-        """The forward-only callback of :meth:`compute_logprobs`."""
+        """The forward-only callback of `compute_logprobs`."""
         from lightning_mcore_rl.train import LogprobsPostProcessor
 
         context = self.mcore_strategy.step_context
@@ -205,7 +205,7 @@ class MCoreRLModule(LightningModule):
         )
 
     def topk_logits_post_processor(self, k: int) -> TopkLogitsPostProcessor:
-        """The forward-only callback of :meth:`compute_topk_logits`."""
+        """The forward-only callback of `compute_topk_logits`."""
         from lightning_mcore_rl.train import TopkLogitsPostProcessor
 
         return TopkLogitsPostProcessor(self.mcore_strategy.step_context.policy, k)
@@ -213,7 +213,7 @@ class MCoreRLModule(LightningModule):
     def teacher_payload_post_processor(
         self, payload: str, payload_dtype: torch.dtype
     ) -> TeacherFullPayloadPostProcessor:
-        """The forward-only callback of :meth:`compute_teacher_payload`."""
+        """The forward-only callback of `compute_teacher_payload`."""
         from lightning_mcore_rl.train import TeacherFullPayloadPostProcessor
 
         context = self.mcore_strategy.step_context

@@ -1,5 +1,5 @@
-"""Lightning integration: :class:`MCoreRLStrategy` and its precision, optimizer and checkpoint
-plumbing, and :class:`ResumableLoader` for exact mid-epoch resume. Megatron is imported lazily
+"""Lightning integration: `MCoreRLStrategy` and its precision, optimizer and checkpoint
+plumbing, and `ResumableLoader` for exact mid-epoch resume. Megatron is imported lazily
 (inside hooks), so importing this package needs no GPU."""
 
 from lightning_mcore_rl.strategy.config import (

@@ -43,7 +43,7 @@ def sharded_model_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any
 
 
 def split_chunk_state_dict(state_dict: Mapping[str, Any], num_chunks: int) -> list[dict[str, Any]]:
-    """Inverse of :func:`sharded_model_state_dict`'s keying: one plain dict per chunk."""
+    """Inverse of `sharded_model_state_dict`'s keying: one plain dict per chunk."""
     parts: list[dict[str, Any]] = [{} for _ in range(num_chunks)]
     for key, value in state_dict.items():
         head, index, name = key.split(".", 2)
@@ -225,7 +225,7 @@ def check_last(directory: Path, last_name: str = "last") -> None:
 
 
 def _describe_entry(path: Path) -> str:
-    """What an incomplete checkpoint entry is, for :func:`check_last`'s message."""
+    """What an incomplete checkpoint entry is, for `check_last`'s message."""
     if path.is_symlink():
         target = os.readlink(path)
         state = "does not exist" if not path.exists() else "is not a complete checkpoint"
@@ -338,7 +338,7 @@ def _check_is_checkpoint(path: Path) -> None:
 
 
 LAYOUT_KEY = "mcore_rl_layout"
-"""Key of the saved layout (:data:`LAYOUT_FIELDS` and ``optimizer_sharding``) in the Lightning
+"""Key of the saved layout (`LAYOUT_FIELDS` and ``optimizer_sharding``) in the Lightning
 checkpoint dict (rank 0's ``common.pt``)."""
 
 LAYOUT_FIELDS = (

@@ -102,7 +102,7 @@ def export_checkpoint(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``lmrl export``: parse ``argv`` and run :func:`export_checkpoint`; returns 0."""
+    """``lmrl export``: parse ``argv`` and run `export_checkpoint`; returns 0."""
     parser = argparse.ArgumentParser(
         prog="lmrl export",
         description="Convert an MCoreRLStrategy checkpoint into a Hugging Face model directory.",

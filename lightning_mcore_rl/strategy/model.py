@@ -91,7 +91,7 @@ class WrappedChunks:
     def update(
         self, raw: Sequence[torch.nn.Module], *, bf16: bool, ddp_config: Any | None
     ) -> list[torch.nn.Module]:
-        """The wrapped chunks for ``raw`` (see :func:`wrap_chunks`)."""
+        """The wrapped chunks for ``raw`` (see `wrap_chunks`)."""
         needs_ddp = ddp_config is not None and not any(
             hasattr(c, "zero_grad_buffer") for c in self.wrapped
         )
