@@ -27,7 +27,11 @@ MIN_COMMENT_SHARE = 0.05
 _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-def _docstring_nodes(tree: ast.AST) -> list[ast.Expr]:
+_Owner = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _docstrings(tree: ast.AST) -> list[tuple[_Owner, ast.Expr]]:
+    """(owner, docstring statement) of every module, class and function docstring in `tree`."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, _DOCUMENTED) and node.body:
@@ -37,13 +41,13 @@ def _docstring_nodes(tree: ast.AST) -> list[ast.Expr]:
                 and isinstance(first.value, ast.Constant)
                 and isinstance(first.value.value, str)
             ):
-                found.append(first)
+                found.append((node, first))
     return found
 
 
 def line_counts(source: str) -> tuple[int, int, int]:
     """(all lines, docstring lines, full-line comment lines) of one file's source."""
-    docstrings = sum(e.end_lineno - e.lineno + 1 for e in _docstring_nodes(ast.parse(source)))  # type: ignore[operator]
+    docstrings = sum(e.end_lineno - e.lineno + 1 for _, e in _docstrings(ast.parse(source)))  # type: ignore[operator]
     comments = sum(
         1
         for tok in tokenize.generate_tokens(io.StringIO(source).readline)
@@ -55,16 +59,9 @@ def line_counts(source: str) -> tuple[int, int, int]:
 def code_fingerprint(source: str) -> str:
     """The file's AST with every docstring removed: equal fingerprints mean the same code."""
     tree = ast.parse(source)
-    for node in ast.walk(tree):
-        if isinstance(node, _DOCUMENTED) and node.body:
-            first = node.body[0]
-            if (
-                isinstance(first, ast.Expr)
-                and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)
-            ):
-                # keep a body non-empty where the docstring was all of it
-                node.body = node.body[1:] or [ast.Pass()]
+    for owner, _ in _docstrings(tree):
+        # keep a body non-empty where the docstring was all of it
+        owner.body = owner.body[1:] or [ast.Pass()]
     return ast.dump(tree, include_attributes=False)
 
 
@@ -87,7 +84,7 @@ def _changed_code(rev: str) -> list[str]:
         )
         if old.returncode != 0:
             continue  # new or moved file: nothing to compare with
-        if code_fingerprint(old.stdout) != code_fingerprint(path.read_text()):
+        if path.exists() and code_fingerprint(old.stdout) != code_fingerprint(path.read_text()):
             changed.append(rel)
     return changed
 
