@@ -47,7 +47,10 @@ def _docstrings(tree: ast.AST) -> list[tuple[_Owner, ast.Expr]]:
 
 def line_counts(source: str) -> tuple[int, int, int]:
     """(all lines, docstring lines, full-line comment lines) of one file's source."""
-    docstrings = sum(e.end_lineno - e.lineno + 1 for _, e in _docstrings(ast.parse(source)))  # type: ignore[operator]
+    # end_lineno is set on every parsed node (Optional only for hand-built ones)
+    docstrings = sum(
+        (e.end_lineno or e.lineno) - e.lineno + 1 for _, e in _docstrings(ast.parse(source))
+    )
     comments = sum(
         1
         for tok in tokenize.generate_tokens(io.StringIO(source).readline)
