@@ -338,7 +338,7 @@ def _check_is_checkpoint(path: Path) -> None:
 
 
 LAYOUT_KEY = "mcore_rl_layout"
-"""Key of the saved layout (`LAYOUT_FIELDS` and ``optimizer_sharding``) in the Lightning
+"""Key of the saved layout (:data:`LAYOUT_FIELDS` and ``optimizer_sharding``) in the Lightning
 checkpoint dict (rank 0's ``common.pt``)."""
 
 LAYOUT_FIELDS = (

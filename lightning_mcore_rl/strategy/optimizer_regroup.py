@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 REGROUPED = "mcore_rl_regrouped"
-"""Key under which `load_template` puts this run's tensors, beside the saved common part."""
+"""Key under which :func:`load_template` puts this run's tensors, beside the saved common part."""
 
 _CHAIN_PREFIX = re.compile(r"^chained_\d+\.")
 
