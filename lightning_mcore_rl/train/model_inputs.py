@@ -1,13 +1,7 @@
-"""From a global batch to the ``ProcessedMicrobatch`` stream the forward step consumes (docs/behaviour-reference.md §6.3).
-
-:func:`process_global_batch` computes the global valid counts once over the data-parallel group
-and splits the batch into fixed-size microbatches, or into token-budget microbatches (equal in
-number on every data-parallel rank, :func:`~lightning_mcore_rl.data.make_token_budget_microbatches`;
-:meth:`GlobalBatch.restore_order` puts per-microbatch outputs back in input order);
-:func:`process_microbatch` builds one
-microbatch's model inputs, padded (causal mask + position ids) or packed into one THD row
-(:func:`~lightning_mcore_rl.data.pack_sequences`, per-document position ids).
-"""
+"""From a global batch to the `ProcessedMicrobatch` stream the forward step consumes
+(docs/behaviour-reference.md §6.3): `process_global_batch` (global valid counts once over DP,
+fixed-size or token-budget microbatches) and `process_microbatch` (one microbatch's model
+inputs, padded or packed into one THD row)."""
 
 from __future__ import annotations
 
@@ -44,16 +38,13 @@ class ProcessedMicrobatch:
         packed_seq_params: Megatron ``PackedSeqParams`` (``None`` when padded).
         cu_seqlens_padded: ``[B+1]`` span boundaries (``None`` when padded).
         original_seq_length: ``S`` before dense padding.
-        mtp_loss_mask: Multi-token-prediction mask ``token_mask * sample_mask`` in the model ids'
-            layout (``[B, S_pad]`` or ``[1, T/CP]``; 0 on prompt and padding tokens), built for
-            models with MTP layers only (``None``: no MTP).
-        padding_mask: MoE-routing padding mask in the model's input layout, True at padding:
-            ``[B, S_pad]`` (positions ``>= input_lengths`` and the width padding) or ``[1, T/CP]``
-            (span and bin padding of the packed row); dense models do not get it.
-        routed_experts_cp_sharded: Router replay: ``routed_experts`` in the routers' token order
-            before sequence parallelism, ``[S_pad * B, L, K]`` (sequence-first) or
-            ``[T/CP, L, K]`` (:mod:`~lightning_mcore_rl.train.router_replay`); ``None`` when the
-            batch carries no ``routed_experts``.
+        mtp_loss_mask: MTP: `token_mask * sample_mask` in the model ids' layout (`[B, S_pad]`
+            or `[1, T/CP]`); `None` without MTP.
+        padding_mask: MoE: the routers' padding mask in the model's input layout, True at
+            padding (`[B, S_pad]` or `[1, T/CP]`); `None` for dense models.
+        routed_experts_cp_sharded: router replay: `routed_experts` in the routers' token order
+            before SP, `[S_pad * B, L, K]` (sequence-first) or `[T/CP, L, K]`; `None` without
+            the batch key.
     """
 
     data_dict: BatchedDataDict
@@ -93,28 +84,17 @@ def process_microbatch(
     routing: bool = False,
     mtp: bool = False,
 ) -> ProcessedMicrobatch:
-    """Build the model inputs of one microbatch.
+    """The model inputs of one microbatch (`input_ids [B, S]`, `input_lengths [B]` when packed,
+    and the loss fields), padded or packed into one THD row.
 
     Args:
-        data_dict: ``input_ids [B, S]`` (+ ``input_lengths [B]`` when packing) and loss fields.
-        sequence_packing: Pack into one THD row.
-        seq_length_key: Key of the real lengths ``[B]`` (packing).
-        pad_individual: Per-sequence span multiple (``2*CP`` with CP, times ``TP`` with SP:
-            :func:`layout_padding`).
-        pad_packed_multiple: Packed-total multiple.
-        pad_packed_to: Exact packed length ``T`` (pipeline parallelism needs equal shapes).
-        pad_full_seq_to: Padded layout only: right-pad the model ids to this width (equal
-            shapes across microbatches for pipeline parallelism).
-        pad_width_multiple: Padded layout only: right-pad the model ids to a multiple of this
-            (``TP`` under sequence parallelism, which splits the sequence over TP ranks).
-        cp_rank: Context-parallel rank.
-        cp_size: ``CP``; the padded layout supports CP = 1 only.
-        routing: The model has MoE routers: also build their ``padding_mask`` and the
-            ``routed_experts`` in their token order (dense models skip both).
-        mtp: The model has multi-token-prediction layers: also build its ``mtp_loss_mask``.
-
-    Returns:
-        The :class:`ProcessedMicrobatch`.
+        pad_individual: per-sequence span multiple (`layout_padding`).
+        pad_packed_to: exact packed length `T` (pipeline parallelism needs equal shapes).
+        pad_full_seq_to: padded layout: right-pad the model ids to this width.
+        pad_width_multiple: padded layout: right-pad the model ids to a multiple of this.
+        cp_size: `CP`; the padded layout supports CP = 1 only.
+        routing: also build the MoE routers' `padding_mask` and `routed_experts` order.
+        mtp: also build the MTP `mtp_loss_mask`.
 
     Raises:
         ValueError: Missing lengths when packing, CP > 1 without packing, bad pad width.
@@ -230,25 +210,13 @@ def _routed_experts(data_dict: BatchedDataDict, token_index: Tensor | None) -> T
 def layout_padding(
     *, sequence_packing: bool, tp_size: int, cp_size: int, sequence_parallel: bool
 ) -> dict[str, int]:
-    """The padding the parallel layout needs, as :func:`process_microbatch` keyword arguments.
-
-    Packed: every span a multiple of ``minimum_pad_individual`` = ``(2*CP if CP > 1) * (TP if
-    SP)`` (CP's zigzag cuts each span into ``2*CP`` chunks; SP then splits the rank's ``T/CP``
-    tokens over TP), so the packed total is one too (the last span absorbs no extra padding).
-    Padded: the width a multiple of ``TP`` under SP.
-
-    Args:
-        sequence_packing: the packed THD layout (else padded ``[B, S]``).
-        tp_size: ``TP``.
-        cp_size: ``CP``.
-        sequence_parallel: megatron sequence parallelism.
-
-    Returns:
-        ``{"pad_individual": n}`` packed, ``{"pad_width_multiple": n}`` padded.
-    """
+    """The padding the parallel layout needs, as `process_microbatch` keyword arguments:
+    `{"pad_individual": n}` packed, `{"pad_width_multiple": n}` padded (`[B, S]`)."""
     sp_tp = tp_size if sequence_parallel else 1
-    if not sequence_packing:
+    if not sequence_packing:  # padded: the width a multiple of TP under SP
         return {"pad_width_multiple": sp_tp}
+    # packed: every span a multiple of (2*CP if CP > 1) * (TP if SP) (CP's zigzag cuts each span
+    # into 2*CP chunks; SP then splits the rank's T/CP tokens over TP), so the total is one too
     return {
         "pad_individual": minimum_pad_individual(
             tensor_model_parallel_size=tp_size,
@@ -308,26 +276,18 @@ def process_global_batch(
     **microbatch_kwargs: Any,
 ) -> GlobalBatch:
     """Global valid counts once over DP (on the whole local batch), then processed microbatches:
-    fixed-size, or token-budget ones when ``max_tokens_per_microbatch`` is set.
+    fixed-size, or token-budget ones when `max_tokens_per_microbatch` is set.
 
     Args:
-        batch: This DP rank's share of the global batch (``sample_mask`` required; token budget:
-            the real lengths ``seq_length_key`` too).
-        dp_group: The data-parallel group (never DP x CP: CP ranks hold identical data).
-        micro_batch_size: Samples per microbatch; must divide the batch. Ignored with a budget.
-        equal_shapes: Pad every packed microbatch to the longest one (``pad_packed_to``): megatron's
-            pipeline p2p sends one ``[seq_length, mbs, hidden]`` shape for all microbatches, so
-            pipeline parallelism needs it (the padded layout has equal shapes already, except
-            token-budget microbatches, whose sample counts differ: they need packing then).
-        max_tokens_per_microbatch: Token budget per microbatch (THD-packed tokens with
-            ``sequence_packing``, else ``rows * longest``; see
-            :func:`~lightning_mcore_rl.data.microbatch_cost`). Every DP rank gets the same number
-            of microbatches (one all-reduce MAX); samples are regrouped, so per-sample outputs go
-            back through :meth:`GlobalBatch.restore_order`.
-        **microbatch_kwargs: Forwarded to :func:`process_microbatch` (packing, CP rank/size...).
-
-    Returns:
-        The :class:`GlobalBatch`.
+        batch: this DP rank's share of the global batch (`sample_mask` required; token budget:
+            the real lengths too).
+        dp_group: the data-parallel group (never DP x CP: CP ranks hold identical data).
+        micro_batch_size: samples per microbatch; must divide the batch (ignored with a budget).
+        equal_shapes: pad every packed microbatch to the longest one (pipeline parallelism).
+        max_tokens_per_microbatch: token budget per microbatch (`data.microbatch_cost`); every
+            DP rank gets the same number of microbatches (one all-reduce MAX), samples are
+            regrouped (`GlobalBatch.restore_order` puts outputs back).
+        **microbatch_kwargs: forwarded to `process_microbatch` (packing, CP rank/size...).
 
     Raises:
         ValueError: ``micro_batch_size`` does not divide the local batch size; with a budget
@@ -358,6 +318,8 @@ def process_global_batch(
     microbatches = [process_microbatch(mb, **microbatch_kwargs) for mb in data_microbatches]
     packed = microbatches[0].packed_seq_params is not None
     seq_length = max(mb.input_ids_cp_sharded.shape[1] for mb in microbatches)
+    # megatron's pipeline p2p sends one [seq_length, mbs, hidden] shape for all microbatches
+    # (padded microbatches have equal shapes already, except token-budget ones: they need packing)
     if packed and equal_shapes and microbatch_kwargs.get("pad_packed_to") is None:
         # The longest packed row is a multiple of every padding knob already: reuse its length.
         longest = max(mb.input_ids.shape[1] for mb in microbatches)
