@@ -39,42 +39,24 @@ from lightning_mcore_rl.train.policy_config import PolicyConfig, load_policy_con
 
 
 class LossPostProcessor:
-    """Per-microbatch loss callback for Megatron's schedule (docs/behaviour-reference.md §2.5).
+    """Per-microbatch loss callback for megatron's schedule (docs/behaviour-reference.md §2.5).
 
     Args:
-        loss_fn: Loss function to wrap.
-        cfg: :class:`PolicyConfig` or NeMo RL's policy mapping (packing, chunk size, draft).
-        num_microbatches: ``M``, used to counteract Megatron's per-microbatch loss averaging;
-            ``None`` (the hooks' default): the pass's ``M``, bound per microbatch by the forward
-            step (:func:`~lightning_mcore_rl.train.forward_with_post_processing_fn`).
-        cp_normalize: Divide the loss by the context-parallel size (see :meth:`scale_loss`).
-        sampling_params: Top-k/top-p for logprob losses (temperature is applied upstream).
-        draft_model: The EAGLE draft trained in this pass (its ``eagle_module.d2t`` vocab map,
-            if any, maps the teacher to the draft's vocabulary); whether the draft term is
-            added is decided per microbatch by ``student_logits`` in the data (the forward step
-            with ``enable_hidden_capture`` puts them there).
-        prepare_fn: Override of :func:`prepare_loss_input` (same call signature), e.g. a value
-            model's right-shift.
-        defer_draft_normalization: The draft term and its metrics are raw sums over the
-            microbatch's scored positions (count 1); the step divides the draft's gradients and
-            metrics once by the global token count at its end
-            (`extensions/eagle_draft.py:finish_draft_gradients`). ``False``: each
-            microbatch divides by ``global_valid_toks`` itself. Both give the same update.
-        teacher_output_layer_weight_by_index: This rank's teacher LM-head shards ``[V_l, H_t]``
-            for full-vocabulary on-policy distillation, keyed by teacher index.
-        use_fused_linear_logprobs: The model output is the last stage's final hidden states; the
-            ``LOGPROB`` loss input (logprobs, entropy) comes from hidden x output weight (the
-            ``lm_head`` the forward step binds), never from ``[tokens, V_l]`` logits. Packed
-            rows then always run one kernel call per microbatch (the ``fuse_loss`` form, same
-            result). With ``cfg.fused_gradient_in_forward`` a loss that declares
-            ``token_local_gradient`` (no entropy, CP = 1) has the head's gradients computed in
-            the forward (:func:`~lightning_mcore_rl.train.fused.fused_prepare_fn`): nothing is
-            recomputed.
+        loss_fn: the loss function to wrap.
+        cfg: `PolicyConfig` or NeMo RL's policy mapping (packing, chunk size, draft).
+        num_microbatches: `M` (`None`, the hooks' default: the pass's, bound per microbatch).
+        cp_normalize: divide the loss by the context-parallel size (`scale_loss`).
+        sampling_params: top-k/top-p for logprob losses (the temperature is applied upstream).
+        draft_model: the EAGLE draft trained in this pass (its `eagle_module.d2t` vocab map).
+        prepare_fn: override of `prepare_loss_input` (same signature), e.g. a value model's.
+        defer_draft_normalization: the draft term and metrics are raw sums, divided at the end.
+        teacher_output_layer_weight_by_index: this rank's teacher LM-head shards `[V_l, H_t]`.
+        use_fused_linear_logprobs: the model output is the last stage's final hidden states.
 
     Raises:
-        ValueError: ``use_fused_linear_logprobs`` with a loss that needs logits (not
-            ``LossInputType.LOGPROB``), a custom ``prepare_fn``, a draft model or top-k/top-p;
-            ``num_microbatches`` < 1.
+        ValueError: `use_fused_linear_logprobs` with a loss that needs logits (not
+            `LossInputType.LOGPROB`), a custom `prepare_fn`, a draft model or top-k/top-p;
+            `num_microbatches` < 1.
     """
 
     trains = True
@@ -104,10 +86,20 @@ class LossPostProcessor:
         self.cp_normalize = cp_normalize
         self.sampling_params = sampling_params
         self.draft_model = draft_model
+        # whether the draft term is added is decided per microbatch by `student_logits` in the
+        # data (the draft extension puts them there); deferred: the step divides the draft's
+        # gradients and metrics once by the global token count at its end
+        # (eagle_draft.finish_draft_gradients), else each microbatch divides by
+        # global_valid_toks: both give the same update
         self.defer_draft_normalization = defer_draft_normalization
         self.d2t = getattr(getattr(draft_model, "eagle_module", None), "d2t", None)
         self.prepare_fn = prepare_fn
         self.teacher_output_layer_weight_by_index = teacher_output_layer_weight_by_index
+        # fused: the LOGPROB loss input comes from hidden x output weight (the lm_head the
+        # forward step binds), never from [tokens, V_l] logits; packed rows run one kernel call
+        # per microbatch (the fuse_loss form, same result); with cfg.fused_gradient_in_forward a
+        # loss declaring token_local_gradient (no entropy, CP = 1) has the head's gradients
+        # computed in the forward (fused.fused_prepare_fn): nothing is recomputed
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
 
     @property
@@ -126,29 +118,22 @@ class LossPostProcessor:
         )  # fmt: skip
 
     def scale_loss(self, loss: Tensor, cp_size: int, num_microbatches: int | None = None) -> Tensor:
-        """``R = L * M / CP^2`` (``cp_normalize``) or ``L * M / CP``: the ONE place of this scaling.
-
-        Derivation (docs/behaviour-reference.md §2.5, trap 5). Megatron's schedule multiplies a 2-tuple loss by ``CP``
-        and divides it by ``M`` before backward, so it back-propagates ``R * CP / M = L / CP``.
-        ``calculate_per_token_loss=True`` with ``average_in_collective=False`` makes DDP *sum*
-        gradients over DP x CP without rescaling (the 2-tuple path reports 0 tokens). Every CP
-        rank computes the same full-sequence ``L`` (logprobs are all-gathered over CP) and the
-        gather's backward sums the CP ranks' gradients, so each rank's local-logit gradient is
-        ``CP * d(L / CP) / dz_local = dL / dz_local``: exact. ``L`` is already normalised by the
-        global valid counts, so summing over microbatches and DP ranks gives the gradient of
-        the global mean; nothing else may average.
-
-        Args:
-            loss: ``L``, the loss function's scalar for this microbatch.
-            cp_size: ``CP``.
-            num_microbatches: the pass's ``M`` (``None``: the one this was built with).
-
-        Returns:
-            The scaled loss handed to Megatron (a new tensor: the schedule divides it in place).
+        """`R = L * M / CP^2` (`cp_normalize`) or `L * M / CP` for the microbatch's loss `L`
+        (`num_microbatches`: the pass's `M`, `None`: the built one): the one place of this
+        scaling; a new tensor (the schedule divides it in place).
 
         Raises:
-            ValueError: no ``M`` (neither built with one nor given), or two different ones.
+            ValueError: no `M` (neither built with one nor given), or two different ones.
         """
+        # docs/behaviour-reference.md 2.5, trap 5: megatron's schedule multiplies a 2-tuple loss
+        # by CP and divides it by M before backward, so it back-propagates R * CP / M = L / CP.
+        # calculate_per_token_loss=True with average_in_collective=False makes DDP sum gradients
+        # over DP x CP without rescaling (the 2-tuple path reports 0 tokens). Every CP rank
+        # computes the same full-sequence L (logprobs are all-gathered over CP) and the gather's
+        # backward sums the CP ranks' gradients: each rank's local-logit gradient is
+        # CP * d(L / CP) / dz_local = dL / dz_local, exact. L is normalised by the global valid
+        # counts already, so summing over microbatches and DP ranks gives the gradient of the
+        # global mean; nothing else may average.
         m = self._microbatches(num_microbatches)
         if self.cp_normalize:
             loss = loss / cp_size
@@ -288,26 +273,17 @@ class LossPostProcessor:
         groups: ParallelGroups | None = None,
         num_microbatches: int | None = None,
     ) -> OutputProcessor:
-        """Bind one microbatch: returns ``f(output) -> (scaled_loss, metrics)``.
+        """Bind one microbatch `data_dict [B, S, ...]` -> `f(output) -> (scaled_loss, metrics)`
+        (the loss function's metrics, unscaled).
 
         Args:
-            data_dict: The microbatch ``[B, S, ...]``.
-            packed_seq_params: Megatron ``PackedSeqParams`` when the microbatch is packed.
-            global_valid_seqs: Valid sequences of the global batch.
-            global_valid_toks: Valid (shifted) tokens of the global batch.
-            prepacked_loss_mask: ``[1, T/CP]`` mask when the model returned per-token losses
-                (direct prepacked SFT); the loss is then CP-local.
-            lm_head: Output weight and temperature (fused path, last stage), else ``None``.
-            groups: This rank's groups (``None``: read from megatron's initialised parallel
-                state, for callers of the seed API that pass none).
-            num_microbatches: the pass's ``M`` (see :meth:`scale_loss`).
-
-        Returns:
-            The callable Megatron applies to the model output; metrics are the loss
-            function's, unscaled.
+            prepacked_loss_mask: `[1, T/CP]` mask when the model returned per-token losses
+                (direct prepacked SFT; the loss is then CP-local).
+            lm_head: output weight and temperature (fused path, last stage), else `None`.
+            groups: this rank's groups (`None`: megatron's initialised state).
 
         Raises:
-            ValueError: see :meth:`scale_loss` (raised here, before the forward's output).
+            ValueError: see `scale_loss` (raised here, before the forward's output).
         """
         groups = resolve_groups(groups)  # the seed API's callers pass none
         m = self._microbatches(num_microbatches)
