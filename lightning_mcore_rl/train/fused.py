@@ -1,23 +1,8 @@
-"""The fused LM head: the last stage returns hidden states, the post-processors compute logprobs.
+"""The fused LM head: with `use_fused_linear_logprobs` the last stage returns its final hidden
+states `[B, S, H]` and the post-processors compute token logprobs from `hidden x W_out^T / T`
+with the chunked kernels of `ops.fused_linear`, never building `[tokens, V_l]` logits.
 
-With ``use_fused_linear_logprobs`` the last pipeline stage never builds its ``[tokens, V/TP]``
-logits. Its model chunk returns the final hidden states (after the final norm) and the
-post-processors turn ``hidden x W_out^T / T`` into token logprobs with the chunked kernels of
-:mod:`lightning_mcore_rl.ops.fused_linear` (at most one ``[chunk, V/TP]`` fp32 block at a time,
-forward and backward).
-
-megatron-core 0.16's ``GPTModel`` has no hook between its final norm and its output layer, so
-:func:`_output_layer_forward` is the ONE place that bridges it: for one forward of one chunk the
-chunk's ``output_layer`` gets an *instance* ``forward`` (this module object only, never the class,
-never a global); it is removed on exit, also when the forward raises. Two bridges use it:
-:func:`lm_head_returns_hidden` (the fused path: the layer returns its input and checks the weight
-``GPTModel`` handed it) and :func:`lm_head_batch_first` (the plain path: the logits computed
-batch-first, so ``GPTModel``'s final ``transpose(0, 1).contiguous()`` copies nothing). The
-output layer stays the same module, so its hooks (megatron DDP's parameter-gather pre-hook, captures) still run. megatron-core >= 0.18
-adds an ``output_processor`` hook to ``GPTModel``; on that version this context manager is what
-gets replaced, nothing else.
-
-Shapes: ``B`` sequences, ``S`` width, ``T`` packed tokens, ``H`` hidden size, ``V_l = V/TP``.
+Shapes: `B` sequences, `S` width, `T` packed tokens, `H` hidden size, `V_l = V/TP`.
 """
 
 from __future__ import annotations
@@ -101,12 +86,16 @@ def check_fused_chunks(chunks: Sequence[torch.nn.Module]) -> None:
 
 @contextlib.contextmanager
 def _output_layer_forward(model: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
-    """For the block, ``model``'s output layer runs ``forward`` (an instance attribute, removed
-    on exit, also on error); its module hooks still run around it.
+    """For the block, `model`'s output layer runs `forward` (an instance attribute, removed on
+    exit, also on error); its module hooks still run around it.
 
     Raises:
-        RuntimeError: The output layer is already bypassed (nested use).
+        RuntimeError: the output layer is already bypassed (nested use).
     """
+    # megatron-core 0.16's GPTModel has no hook between its final norm and its output layer:
+    # this is the one bridge (this module object only, never the class or a global); the layer
+    # stays the same module, so its hooks (DDP's parameter-gather pre-hook, captures) still run.
+    # megatron-core >= 0.18's `output_processor` hook would replace this, nothing else
     layer = cast(Any, unwrap_model(model)).output_layer
     if "forward" in vars(layer):
         raise RuntimeError("the output layer of this chunk is already bypassed (nested use)")
@@ -118,19 +107,12 @@ def _output_layer_forward(model: torch.nn.Module, forward: Callable[..., Any]) -
 
 
 def lm_head_returns_hidden(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """For the block, ``model``'s output layer returns its input: the chunk outputs ``[B, S, H]``.
-
-    The pass-through gathers the input over TP under sequence parallelism (``[S/TP, B, H]`` ->
-    ``[S, B, H]``; backward: the local slice, because the fused kernel's backward already
-    all-reduces the input gradient over TP) and checks that the weight ``GPTModel`` passed is
-    :func:`output_weight`.
-
-    Args:
-        model: A (wrapped) ``GPTModel`` last-stage chunk.
+    """For the block, the output layer of `model` (a wrapped `GPTModel` last stage) returns its
+    input: the chunk outputs `[B, S, H]`.
 
     Raises:
-        RuntimeError: The output layer is already bypassed (nested use), or ``GPTModel`` called
-            it with a weight other than :func:`output_weight`.
+        RuntimeError: the output layer is already bypassed (nested use), or `GPTModel` called it
+            with a weight other than `output_weight`.
     """
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -146,6 +128,8 @@ def lm_head_returns_hidden(model: torch.nn.Module) -> contextlib.AbstractContext
                 "GPTModel called its output layer with another weight than the fused path's "
                 "output_weight(model); the megatron-core version is not supported"
             )
+        # [S/TP, B, H] -> [S, B, H]; backward: the local slice, since the fused kernel's
+        # backward all-reduces the input gradient over TP already
         if layer.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(
                 input_, tensor_parallel_output_grad=False, group=layer.tp_group
@@ -171,21 +155,14 @@ def batch_first_applies(model: torch.nn.Module) -> bool:
 
 
 def lm_head_batch_first(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """For the block, ``model``'s plain LM head computes its logits batch-first.
-
-    ``GPTModel`` hands its output layer ``[S, B, H]`` hidden states and returns
-    ``logits.transpose(0, 1).contiguous()``: a second ``[B, S, V_l]`` copy of the logits in
-    the forward (and of their gradient in the backward). Here the layer's own ``forward`` (the
-    same weights, TP communication and gradient accumulation) multiplies a ``[B, S, H]`` copy of
-    the hidden states and returns the ``[B, S, V_l]`` logits as their ``[S, B, V_l]``
-    transpose, which ``GPTModel``'s transpose turns back into the contiguous logits without a
-    copy. Every logit is the same dot product as before (bitwise equal); the output weight's
-    gradient sums the tokens in another order (fp32 rounding: one ulp measured). Only where
-    :func:`batch_first_applies`.
-
-    Args:
-        model: A (wrapped) ``GPTModel`` last-stage chunk.
-    """
+    """For the block, the plain LM head of `model` (a wrapped `GPTModel` last stage, where
+    `batch_first_applies`) computes its logits `[B, S, V_l]` batch-first."""
+    # GPTModel returns logits.transpose(0, 1).contiguous(): a second [B, S, V_l] copy in the
+    # forward (and of the gradient in the backward). The layer's own forward (same weights, TP
+    # communication, gradient accumulation) on a [B, S, H] copy returns the logits as their
+    # [S, B, V_l] transpose, which GPTModel's transpose turns back without a copy. Every logit
+    # is the same dot product (bitwise equal); the weight gradient sums the tokens in another
+    # order (fp32 rounding)
     layer = cast(Any, unwrap_model(model)).output_layer
     forward = type(layer).forward
 
@@ -236,19 +213,13 @@ class FusedLMHead:
         with_entropy: bool,
         logprob_gradient: LogprobGradient | None = None,
     ) -> FusedLinearLogprobsOutput:
-        """Next-token logprobs (and entropy) ``[B, S-1]`` of dense rows.
+        """Next-token logprobs (and the positive entropy) `[B, S-1]` of dense rows from
+        `hidden [B, S/CP, H]` and the unshifted `input_ids [B, S]`.
 
         Args:
-            hidden: ``[B, S/CP, H]`` final hidden states.
-            input_ids: ``[B, S]`` unshifted ids.
-            tp_rank: TP rank.
-            tp_group: TP group.
-            cp_group: CP group (``None``: CP = 1).
-            chunk_size: tokens per kernel chunk (``None``: 64 MiB of fp32 logits).
-            with_entropy: Also return the positive entropy ``[B, S-1]``.
-            logprob_gradient: the gradient in the forward (:func:`fused_prepare_fn`): the loss's
-                gradient with respect to the ``[B, S-1]`` logprobs; not with ``with_entropy``,
-                CP = 1.
+            chunk_size: tokens per kernel chunk (`None`: 64 MiB of fp32 logits).
+            logprob_gradient: the gradient in the forward (`fused_prepare_fn`): the loss's
+                gradient with respect to the `[B, S-1]` logprobs (CP = 1, no entropy).
         """
         args = (
             self.as_input(hidden), self.weight, input_ids, *self.vocab_range(tp_rank), tp_group,
@@ -273,21 +244,10 @@ class FusedLMHead:
         target_is_pre_rolled: bool,
         logprob_gradient: LogprobGradient | None = None,
     ) -> FusedLinearLogprobsOutput:
-        """Next-token logprobs (and entropy) ``[B, S-1]`` of one packed THD row.
-
-        Args:
-            hidden: ``[1, T/CP, H]`` final hidden states.
-            target: ``[1, T]`` full packed ids, or ``[1, T/CP]`` pre-rolled and CP-sharded.
-            cu_seqlens_padded: ``B+1`` padded span boundaries.
-            width: ``S`` of the unpacked batch.
-            tp_rank: TP rank.
-            tp_group: TP group.
-            cp_group: CP group (``None``: CP = 1).
-            chunk_size: tokens per kernel chunk.
-            with_entropy: Also return the positive entropy ``[B, S-1]``.
-            target_is_pre_rolled: See ``target``.
-            logprob_gradient: the gradient in the forward, as in :meth:`dense`.
-        """
+        """Next-token logprobs (and the positive entropy) `[B, S-1]` of one packed THD row
+        from `hidden [1, T/CP, H]`, `target` (`[1, T]` full packed ids, or `[1, T/CP]`
+        pre-rolled and CP-sharded with `target_is_pre_rolled`) and the `B+1` span boundaries;
+        `logprob_gradient` as in `dense`."""
         args = (
             self.as_input(hidden), self.weight, target, cu_seqlens_padded, width,
             *self.vocab_range(tp_rank), tp_group, cp_group, chunk_size, self.sampling_params,
@@ -357,19 +317,16 @@ def _logprob_gradient(
 def fused_prepare_fn(
     head: FusedLMHead, chunk_size: int | None, valid_counts: ValidCounts | None = None
 ) -> PrepareFn:
-    """``prepare_fn(hidden, data, loss_fn, tp_rank, tp_group, cp_group)`` of a ``LOGPROB`` loss:
-    the fused counterpart of :func:`~lightning_mcore_rl.losses.prepare_loss_input` for dense
-    rows (``hidden [B, S/CP, H]``; packed rows take :func:`fused_packed_prepare_fn`).
+    """`prepare_fn(hidden, data, loss_fn, tp_rank, tp_group, cp_group)` of a `LOGPROB` loss:
+    the fused counterpart of `losses.prepare_loss_input` for dense rows (`hidden [B, S/CP, H]`;
+    packed rows take `fused_packed_prepare_fn`).
 
     Args:
-        head: The microbatch's LM head.
-        chunk_size: Tokens per kernel chunk.
-        valid_counts: The pass's global valid counts (``None``: the option is off): with them
-            the head computes its gradients in the forward where it applies
-            (:func:`gradient_in_forward_applies`, training), for the loss's gradient predicted
-            there. Only where the prepared call is the microbatch's one kernel call (each call
-            holds an fp32 ``[V_l, H]`` gradient until its backward).
+        valid_counts: the pass's global valid counts (`None`: off): with them the head computes
+            its gradients in the forward where `gradient_in_forward_applies` (training).
     """
+    # only where the prepared call is the microbatch's one kernel call: each call holds an fp32
+    # [V_l, H] gradient until its backward
 
     def prepare(
         hidden: Tensor, data: BatchedDataDict, loss_fn: LossFunction, tp_rank: int | None,
