@@ -47,21 +47,10 @@ def aggregate_training_statistics(
     losses: list[float | torch.Tensor],
     data_parallel_group: Any,
 ) -> tuple[dict[str, list[Any]], torch.Tensor]:
-    """Sum the per-gradient-buffer losses over DP and list the metrics per microbatch.
-
-    Exactly one collective: ``all_reduce(global_loss, op=SUM, group=data_parallel_group)``. CP
-    ranks hold identical losses, so the reduction is over DP only (docs/behaviour-reference.md trap 4).
-
-    Args:
-        all_mb_metrics: One metric dict per microbatch (keys may differ between microbatches).
-        losses: This rank's per-gradient-buffer scalar losses (floats or 0-d tensors).
-        data_parallel_group: The data-parallel process group.
-
-    Returns:
-        ``(mb_metrics, global_loss)``: a plain dict mapping each metric name to its values in
-        microbatch order (scalar tensors as floats; ``{}`` for no microbatches), and the
-        ``[len(losses)]`` fp32 tensor of losses summed over DP.
-    """
+    """The per-buffer `losses` summed over DP (one all-reduce) and the metrics listed per
+    microbatch -> `(mb_metrics, global_loss)`: `{name: values in microbatch order}` (scalar
+    tensors as floats) and the `[len(losses)]` fp32 losses."""
+    # CP ranks hold identical losses: the reduction is over DP only (behaviour-reference trap 4)
     with torch.no_grad():
         values = [torch.as_tensor(loss).detach().reshape(()).float() for loss in losses]
         device = values[0].device if values else torch.device("cpu")
@@ -151,29 +140,23 @@ def reduce_step_statistics(
     source: str,
     device: torch.device | str = "cpu",
 ) -> StepOutput:
-    """Make one global batch's loss, metrics and counts identical on every rank.
-
-    On the last pipeline stage, ONE fp64 all-gather over DP of one vector (none at DP=1): every
-    metric combined over microbatches, to be reduced over DP by its rule in
-    :data:`~lightning_mcore_rl.losses.REDUCTION_RULES`, the batch counts and the per-microbatch
-    losses (summed over DP: what the seed's :func:`aggregate_training_statistics` all-reduce
-    gives, without a second collective), combined per entry by its rule
-    (:func:`~lightning_mcore_rl.metrics.combine_rows`). The result is then broadcast over the
-    pipeline group (one broadcast, :func:`_broadcast_payload`). TP/CP ranks already agree.
+    """One global batch's loss, metrics and counts, identical on every rank: one fp64
+    all-gather over DP on the last stage (none at DP=1), one broadcast over PP.
 
     Args:
-        outputs: the schedule's per-microbatch metric dicts (last stage; ``[]`` elsewhere), each
-            with a ``loss``.
-        counts: this DP rank's :func:`batch_counts`.
-        groups: this rank's groups.
-        normalizations: the loss's ``metric_normalizations``; ``None`` (LM path): every metric
-            is a per-microbatch mean and is averaged over microbatches and DP ranks.
+        outputs: the schedule's per-microbatch metric dicts with a `loss` (last stage; `[]`
+            elsewhere).
+        normalizations: the loss's `metric_normalizations`; `None` (LM path): every metric is
+            averaged over microbatches and DP ranks.
         source: names the loss in the error for an undeclared metric.
-        device: where the collectives' tensors live (the CUDA device under NCCL).
 
     Raises:
-        ValueError: (on every rank) a metric has no entry in ``normalizations``.
+        ValueError: (on every rank) a metric has no entry in `normalizations`.
     """
+    # the gathered vector: every metric combined over microbatches (then over DP by its rule in
+    # losses.REDUCTION_RULES), the batch counts and the per-microbatch losses (summed over DP:
+    # what the seed's aggregate_training_statistics all-reduce gives, without a second
+    # collective); TP/CP ranks agree already
     payload: dict[str, Any] | None = None
     if groups.is_pipeline_last_stage:
         payload = _reduce_on_last_stage(outputs, counts, groups, normalizations, source, device)
@@ -289,17 +272,13 @@ def _reduce_over_dp(
     groups: ParallelGroups,
     device: torch.device | str,
 ) -> tuple[dict[str, float], dict[str, float], list[float]] | None:
-    """``(metrics, counts, losses)`` reduced over DP, or ``None`` on every rank when any rank
-    ``failed``.
-
-    This rank's metric values (by rule), counts and per-microbatch losses go into ONE fp64
-    vector, all-gathered over DP (no collective at DP=1), each entry combined over the gathered
-    rows by its rule (:func:`~lightning_mcore_rl.metrics.combine_rows`). The vector also carries how
-    many ranks hold each metric (a metric held by none is dropped; one held by some ranks is
-    reduced over those) and the error flag. The vectors have one length on every DP rank: the
-    step runs the same number of microbatches on each (equal rows, checked by the input
-    agreement; token-budget counts agreed by MAX).
-    """
+    """`(metrics, counts, losses)` reduced over DP (one fp64 all-gather, none at DP=1, each
+    entry combined by its rule: `metrics.combine_rows`), or `None` on every rank when any rank
+    `failed`."""
+    # the vector also carries how many ranks hold each metric (held by none: dropped; by some:
+    # reduced over those) and the error flag; it has one length on every DP rank since the step
+    # runs the same number of microbatches on each (equal rows, checked by the input agreement;
+    # token-budget counts agreed by MAX)
     names = sorted(rules)
     count_names = sorted(counts)
     identity = {"sum": 0.0, "min": math.inf, "max": -math.inf}
