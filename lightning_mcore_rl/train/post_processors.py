@@ -1,14 +1,9 @@
-"""Post-processors: turn one microbatch's model output into ``(loss, metrics)`` for Megatron.
+"""Post-processors: per microbatch, the callable megatron's schedule applies to the last
+stage's output -> `(loss, metrics)`; the pass's groups arrive with each microbatch.
 
-Each post-processor is called per microbatch with the microbatch's metadata and returns the
-callable Megatron's schedule applies to the last pipeline stage's output. The pass's process
-groups arrive with each microbatch (``groups=``, from the step's
-:class:`~lightning_mcore_rl.train.StepContext`) and are passed explicitly into the losses and ops.
-
-Shapes: ``B`` sequences, ``S`` width of the unpacked batch, ``T`` packed tokens, ``V_l = V/TP``,
-``k`` top-k entries, ``D`` teacher payload width. Model output: ``[B, S/CP, V_l]`` (padded) or
-``[1, T/CP, V_l]`` (packed); on the fused linear logprobs path the final hidden states
-``[B, S/CP, H]`` / ``[1, T/CP, H]`` instead (:mod:`lightning_mcore_rl.train.fused`).
+Shapes: `B` sequences, `S` width of the unpacked batch, `T` packed tokens, `V_l = V/TP`, `k`
+top-k entries, `D` teacher payload width. Model output: `[B, S/CP, V_l]` (padded) or
+`[1, T/CP, V_l]` (packed); fused: the final hidden states `[B, S/CP, H]` / `[1, T/CP, H]`.
 """
 
 from __future__ import annotations
@@ -126,20 +121,14 @@ class LogprobsPostProcessor:
         *,
         groups: ParallelGroups | None = None,
     ) -> OutputProcessor:
-        """Bind one microbatch: returns ``f(output) -> (0, {"logprobs": [B, S]})``.
+        """Bind one microbatch -> `f(output) -> (0, {"logprobs": [B, S]})`, `logprobs[:, 0] = 0`,
+        `logprobs[:, t] = log p(x_t | x_<t)`, padding unmasked (mask it with `token_mask`).
 
         Args:
-            data_dict: The microbatch (``input_ids [B, S]``, masks).
-            input_ids: Model input ids: the full packed row ``[1, T]`` when packed.
-            cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
-            original_seq_length: Width before dense padding; the output is cut to it.
-            lm_head: Output weight and temperature (fused path, last stage), else ``None``.
-            groups: This rank's groups (``None``: read from megatron's initialised parallel
-                state, for callers of the seed API that pass none).
-
-        Returns:
-            The callable; ``logprobs[:, 0] = 0`` and ``logprobs[:, t] = log p(x_t | x_<t)``.
-            Padding positions hold unmasked values (mask them with ``token_mask``).
+            input_ids: the model ids: the full packed row `[1, T]` when packed.
+            original_seq_length: the width before dense padding; the output is cut to it.
+            lm_head: output weight and temperature (fused path, last stage), else `None`.
+            groups: this rank's groups (`None`: megatron's initialised state).
         """
 
         groups = resolve_groups(groups)  # the seed API's callers pass none
@@ -193,18 +182,8 @@ class TopkLogitsPostProcessor:
         *,
         groups: ParallelGroups | None = None,
     ) -> OutputProcessor:
-        """Bind one microbatch: ``f(output) -> (0, {"topk_logits", "topk_indices": [B, S, k]})``.
-
-        Args:
-            data_dict: The microbatch (``input_lengths [B]`` when packed).
-            cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
-            original_seq_length: Width before dense padding.
-            groups: This rank's groups (``None``: read from megatron's initialised parallel
-                state, for callers of the seed API that pass none).
-
-        Returns:
-            The callable; entries are position-aligned with the inputs (no shift).
-        """
+        """Bind one microbatch -> `f(output) -> (0, {"topk_logits", "topk_indices": [B, S, k]})`,
+        position-aligned with the inputs (no shift); `groups`: `None` reads megatron's state."""
         groups = resolve_groups(groups)  # the seed API's callers pass none
         g = groups
 
@@ -234,10 +213,8 @@ class TopkLogitsPostProcessor:
 
 
 class TeacherFullPayloadPostProcessor:
-    """Emit sampled-token logprobs plus the teacher's full-vocabulary payload (docs/behaviour-reference.md §2.8).
-
-    The payload is returned in canonical ``[B, S, D]`` layout with TP and CP undone, on CPU in
-    ``payload_dtype`` (Megatron's retained outputs then hold no accelerator memory).
+    """Sampled-token logprobs plus the teacher's full-vocabulary payload `[B, S, D]` (TP and CP
+    undone, on CPU in `payload_dtype`; docs/behaviour-reference.md §2.8).
 
     Args:
         cfg: :class:`PolicyConfig` or NeMo RL's policy mapping.
@@ -318,21 +295,8 @@ class TeacherFullPayloadPostProcessor:
         *,
         groups: ParallelGroups | None = None,
     ) -> OutputProcessor:
-        """Bind one microbatch: ``f(output) -> (0, {"logprobs": [B, S], "teacher_full_payload":
-        [B, S, D]})``.
-
-        Args:
-            data_dict: The microbatch.
-            input_ids: Model input ids (full packed row when packed).
-            cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
-            original_seq_length: Width before dense padding.
-            hidden_states: Captured pre-LM-head states ``[S/CP, B, H]`` (hidden-state payload).
-            groups: This rank's groups (``None``: read from megatron's initialised parallel
-                state, for callers of the seed API that pass none).
-
-        Returns:
-            The callable.
-        """
+        """Bind one microbatch -> `f(output) -> (0, {"logprobs": [B, S], "teacher_full_payload":
+        [B, S, D]})`; `hidden_states`: the captured pre-LM-head states `[S/CP, B, H]`."""
         groups = resolve_groups(groups)  # the seed API's callers pass none
         logprobs = self.logprobs(
             data_dict, input_ids, cu_seqlens_padded, original_seq_length, groups=groups
@@ -352,6 +316,7 @@ class TeacherFullPayloadPostProcessor:
                         local = pg.gather_packed_over_cp(local, cu, g.cp_group)
                     width = cast(Tensor, data_dict["input_ids"]).shape[1]  # [B, S]
                     local = pg.unpack_rows(local, cu, data_dict["input_lengths"], width)
+                # on CPU: megatron's retained outputs then hold no accelerator memory
                 payload = local[:, :original_seq_length].to("cpu", self.payload_dtype)
             result["teacher_full_payload"] = payload
             return loss, result
