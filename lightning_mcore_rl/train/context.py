@@ -1,10 +1,6 @@
-"""The step's frozen context: everything a pass reads besides the batch and the chunks.
-
-The strategy builds ONE :class:`StepContext` in ``setup`` (its groups, micro-batching, policy
-settings, the fused-logprobs flag and the module's sampling parameters, asked once) and passes
-it down explicitly: :func:`~lightning_mcore_rl.train.run_global_batch` hands its groups to the
-forward step and to every post-processor; nothing below reads megatron's ``parallel_state``.
-"""
+"""The step's frozen context: everything a pass reads besides the batch and the chunks (built
+once by the strategy's `setup`, passed down explicitly; nothing below reads megatron's
+`parallel_state`)."""
 
 from __future__ import annotations
 
@@ -61,20 +57,14 @@ class StepContext:
         groups: this rank's process groups, ranks and sizes.
         microbatching: how a global batch is split.
         policy: the post-processors' settings (packing, logprob chunk size).
-        use_fused_linear_logprobs: the last stage returns hidden states and the loss / logprobs
-            post-processors compute logprobs from hidden x output weight.
-        sampling_params: the module's sampling parameters (temperature applied once to the
-            last stage's logits; top-k/top-p by the post-processors), ``None``: plain softmax.
+        use_fused_linear_logprobs: the fused LM head (`train/fused.py`).
+        sampling_params: the module's sampling parameters (`None`: plain softmax).
         device: where the step's collectives' tensors live (the CUDA device under NCCL).
-        world_group: a group of all ranks with the strategy's timeout (its agreement
-            all-reduces; ``None``: the default group).
-        defer_fp32_logits: keep the last stage's logits in the model dtype (``None``: where
-            exact, resolved per pass by
-            :func:`~lightning_mcore_rl.train.logits_dtype.defers_fp32_logits`).
-        draft_model: the megatron-DDP-wrapped EAGLE draft trained in every training pass of the
-            ``loss_fn`` path (`extensions/eagle_draft.py`), on the last pipeline
-            stage; ``None`` elsewhere.
-        train_draft: whether a draft is trained (on every rank, also those without one).
+        world_group: all ranks with the strategy's timeout (`None`: the default group).
+        defer_fp32_logits: keep the last stage's logits in the model dtype (`None`: where exact,
+            `logits_dtype.defers_fp32_logits` per pass).
+        draft_model: the megatron-DDP EAGLE draft on the last pipeline stage, else `None`.
+        train_draft: a draft is trained (on every rank, also those without one).
         extensions: the step's extensions (`train/extension.py`); `None`: the ones the chunks'
             config turns on, looked up per pass (`step_extensions`).
     """

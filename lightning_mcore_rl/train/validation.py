@@ -1,14 +1,7 @@
-"""THE host-side validation of one batch, before any collective (trainer-free).
-
-:func:`validate_batch` runs once per batch at the top of
-:func:`~lightning_mcore_rl.train.run_global_batch` and
-:func:`~lightning_mcore_rl.train.run_forward_only`. It reads only the batch and the model's
-vocabulary size, so every rank holding the same data reaches the same verdict without
-communicating: a malformed batch (or rows longer than a learned position table) raises ``ValueError``/``TypeError`` naming the key before the
-first collective of the step. Non-finite floats are not an error here: the first one is returned
-(:class:`NonFinite`) for the caller's non-finite policy (the strategy skips or raises, all ranks
-agreeing with one all-reduce of a flag).
-"""
+"""The host-side validation of one batch before any collective (`validate_batch`, once per
+pass of `run_global_batch` / `run_forward_only`): a malformed batch raises `ValueError` /
+`TypeError` naming the key; the first non-finite float is returned (`NonFinite`) for the
+caller's non-finite policy."""
 
 from __future__ import annotations
 
@@ -93,8 +86,7 @@ class BatchSummary:
 
 
 def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
-    """Check ``batch`` against ``spec`` on the host (no collective, same verdict on every rank
-    holding the same data).
+    """Check `batch` against `spec` on the host.
 
     Returns:
         The first non-finite float entry (batch key order, then row-major), or ``None``.
@@ -108,6 +100,8 @@ def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
             beyond ``input_lengths``, ids outside ``[0, V)``, ``S`` above
             ``spec.max_positions``.
     """
+    # it reads only the batch and the model's vocabulary/position sizes: every rank holding the
+    # same data reaches the same verdict without communicating
     if not isinstance(batch, Mapping):
         raise TypeError(
             f"A batch must be a mapping of tensors (a dict or BatchedDataDict), got "
