@@ -1,15 +1,8 @@
-"""What the module declares -> one trainer-free call of :mod:`lightning_mcore_rl.train.step`.
-
-:class:`StepRunner` is what :meth:`MCoreRLStrategy.forward_backward` and
-:meth:`~MCoreRLStrategy.forward_only` delegate to: it asks the module's hooks BEFORE the pass
-(``loss_post_processor(None)`` on the ``loss_fn`` path, or the declared ``forward_step`` on the LM
-path) and runs :func:`~lightning_mcore_rl.train.run_global_batch` /
-:func:`~lightning_mcore_rl.train.run_forward_only` on the given chunks with the strategy's frozen
-:class:`~lightning_mcore_rl.train.StepContext`, the non-finite policy's input agreement (one collective:
-verdicts, row counts and batch fingerprints of every rank, and the training step's
-:class:`~lightning_mcore_rl.reliability.agreement.StepBoundary` riding along) as the batch check.
-Nothing in the pass calls back into the module.
-"""
+"""What the module declares -> one trainer-free call of `train/step.py`: `StepRunner` asks the
+module's hooks before the pass (`loss_post_processor(None)`, or the LM path's `forward_step`)
+and runs `run_global_batch` / `run_forward_only` with the strategy's frozen `StepContext` and
+the non-finite policy's input agreement as the batch check; nothing in the pass calls back into
+the module."""
 
 from __future__ import annotations
 
@@ -101,6 +94,8 @@ class StepRunner:
     def _check_inputs(
         self, finding: Any, error: BaseException | None, summary: Any, training: bool
     ) -> bool:
+        # one collective: verdicts, row counts and batch fingerprints of every rank, with the
+        # training step's StepBoundary (SIGTERM, the previous step's time) riding along
         return self.guard.check_batch(
             finding, error, summary, training=training, replica=self.context.groups.dp_rank,
             boundary=self.boundary, device=self.context.device, group=self.context.world_group,
