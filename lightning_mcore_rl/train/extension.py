@@ -139,6 +139,62 @@ def resolve_extensions(
     return step_extensions(chunks, context)
 
 
+class _SeedFlagExtension:
+    """An extension whose forward hooks see the seed API's per-feature flag as `training` (NeMo
+    RL's `enable_hidden_capture`, `router_replay_train`) instead of the pass's."""
+
+    def __init__(self, inner: StepExtension, training: bool, require_routed_experts: bool) -> None:
+        self.inner = inner
+        self.training = training
+        self.require_routed_experts = require_routed_experts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward_scope(
+        self,
+        model: torch.nn.Module,
+        microbatch: ProcessedMicrobatch,
+        groups: ParallelGroups,
+        training: bool,
+    ) -> contextlib.AbstractContextManager[Any]:
+        # use_router_replay=True promised recorded experts, whatever the model's config says
+        if self.require_routed_experts and microbatch.routed_experts_cp_sharded is None:
+            raise ValueError(
+                "`use_router_replay=True` but the microbatch has no `routed_experts` [B, S, L, K]"
+            )
+        return self.inner.forward_scope(model, microbatch, groups, self.training)
+
+
+def seed_flag_extensions(
+    extensions: Sequence[StepExtension],
+    draft_model: Any,
+    enable_hidden_capture: bool | None,
+    use_router_replay: bool,
+    router_replay_train: bool,
+) -> tuple[StepExtension, ...]:
+    """`extensions` plus those the seed API's flags turn on: the EAGLE draft trained in this pass
+    (`enable_hidden_capture`, with `draft_model`) and router replay (`use_router_replay`, its
+    backward armed with `router_replay_train`); a kind already in `extensions` is not added again.
+
+    Raises:
+        ValueError: `router_replay_train` without `use_router_replay`.
+    """
+    if router_replay_train and not use_router_replay:
+        raise ValueError("`router_replay_train=True` needs `use_router_replay=True`")
+    found = list(extensions)
+    kinds = {type(getattr(e, "inner", e)).__name__ for e in found}
+    if enable_hidden_capture and "DraftExtension" not in kinds:
+        from lightning_mcore_rl.extensions.eagle_draft import DraftExtension
+
+        found.append(_SeedFlagExtension(DraftExtension(draft_model), True, False))
+    if use_router_replay and "MoEExtension" not in kinds:
+        from lightning_mcore_rl.extensions.moe import MoEExtension
+
+        found.append(_SeedFlagExtension(MoEExtension(), router_replay_train, True))
+    return tuple(found)
+
+
 @contextlib.contextmanager
 def entered(scopes: Sequence[contextlib.AbstractContextManager[Any]]) -> Iterator[list[Any]]:
     """Enter `scopes` in order (exit in reverse, also on error); yields what each yielded."""
@@ -146,4 +202,11 @@ def entered(scopes: Sequence[contextlib.AbstractContextManager[Any]]) -> Iterato
         yield [stack.enter_context(scope) for scope in scopes]
 
 
-__all__ = ["LossFunc", "StepExtension", "entered", "resolve_extensions", "step_extensions"]
+__all__ = [
+    "LossFunc",
+    "StepExtension",
+    "entered",
+    "resolve_extensions",
+    "seed_flag_extensions",
+    "step_extensions",
+]

@@ -16,7 +16,7 @@ from lightning_mcore_rl.ops import TrainingSamplingParams, get_tokens_on_this_cp
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
 from lightning_mcore_rl.parallel import unwrap_model as _unwrap
 from lightning_mcore_rl.train.binding import Binding
-from lightning_mcore_rl.train.extension import StepExtension, entered
+from lightning_mcore_rl.train.extension import StepExtension, entered, seed_flag_extensions
 from lightning_mcore_rl.train.fused import (
     FUSED_NEEDS_LOGITS,
     FusedLMHead,
@@ -238,8 +238,12 @@ def forward_with_post_processing_fn(
     global_valid_toks: Tensor | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     straggler_timer: Callable[[], Any] | None = None,
+    draft_model: Any = None,
+    enable_hidden_capture: bool | None = False,
     enable_opd_full_capture: bool = False,
     use_fused_linear_logprobs: bool = False,
+    use_router_replay: bool = False,
+    router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
     *,
     extensions: Sequence[StepExtension] = (),
@@ -253,7 +257,11 @@ def forward_with_post_processing_fn(
     Args:
         sampling_params: temperature (applied here in place on the last stage; fused: by the
             post-processor on `hidden x W^T`) and top-k/p.
+        draft_model, enable_hidden_capture: the seed's EAGLE draft, trained in this pass
+            (as `extensions` with the draft's; `seed_flag_extensions`).
         enable_opd_full_capture: capture pre-LM-head hidden states for the teacher payload.
+        use_router_replay, router_replay_train: the seed's router replay (as `extensions` with
+            the MoE one), its backward armed.
         extensions: each one's `forward_kwargs`, its `forward_scope` around the model forward,
             its `microbatch_data` after it and its `wrap_loss` around the bound post-processor.
         training: a forward-backward pass (the extensions' scopes see it).
@@ -265,6 +273,9 @@ def forward_with_post_processing_fn(
         ValueError: what the fused path cannot serve; what an extension's scope refuses.
     """
     groups = resolve_groups(groups)  # the seed API's callers pass none
+    extensions = seed_flag_extensions(
+        extensions, draft_model, enable_hidden_capture, use_router_replay, router_replay_train
+    )
     if not callable(getattr(post_processing_fn, "bind", None)):
         raise TypeError(
             f"Unknown post-processing function type {type(post_processing_fn).__name__}; "

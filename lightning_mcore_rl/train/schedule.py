@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_mcore_rl.ops import TrainingSamplingParams
 from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
-from lightning_mcore_rl.train.extension import StepExtension, entered
+from lightning_mcore_rl.train.extension import StepExtension, entered, seed_flag_extensions
 from lightning_mcore_rl.train.forward import (
     check_fused_linear_logprobs,
     forward_with_post_processing_fn,
@@ -77,8 +77,12 @@ def megatron_forward_backward(
     global_valid_toks: Tensor | None = None,
     sampling_params: TrainingSamplingParams | None = None,
     straggler_timer: Callable[[], Any] | None = None,
+    draft_model: Any = None,
+    enable_hidden_capture: bool | None = False,
     enable_opd_full_capture: bool = False,
     use_fused_linear_logprobs: bool = False,
+    use_router_replay: bool = False,
+    router_replay_train: bool = False,
     model_slices_context_parallel_inputs: bool = False,
     *,
     extensions: Sequence[StepExtension] = (),
@@ -92,6 +96,8 @@ def megatron_forward_backward(
     Args:
         seq_length: full model input width (`S`, or `T` packed); sizes the PP messages.
         mbs: micro-batch size (1 packed).
+        draft_model, enable_hidden_capture, use_router_replay, router_replay_train: the seed's
+            flags, as the extensions they turn on (`seed_flag_extensions`).
         extensions: the step's extensions: each one's `pass_scope` around the schedule, its
             forward hooks in every microbatch's forward.
         groups: this rank's groups for the forward step and every post-processor; `None`:
@@ -104,6 +110,10 @@ def megatron_forward_backward(
     # the model config must carry calculate_per_token_loss=True and finalize_model_grads_func
     # (LossPostProcessor.scale_loss says why)
     groups = resolve_groups(groups)  # the seed API's callers pass none
+    # the seed's flags become extensions once, so their pass scopes run around the schedule too
+    extensions = seed_flag_extensions(
+        extensions, draft_model, enable_hidden_capture, use_router_replay, router_replay_train
+    )
     forward_step = functools.partial(
         forward_with_post_processing_fn,
         post_processing_fn=post_processing_fn,
