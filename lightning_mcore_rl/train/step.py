@@ -282,6 +282,16 @@ def _checked_inputs_skip(
             extensions = resolve_extensions(context, chunks)
         for ext in extensions:
             ext.check_batch(batch, chunks)
+        # recorded experts only an MoE model replays: for any other they would be dropped
+        if (
+            not spec.lm
+            and "routed_experts" in batch
+            and not any(type(e).__name__ == "MoEExtension" for e in extensions)
+        ):
+            raise ValueError(
+                "The batch carries `routed_experts` [B, S, L, K] but the model has no MoE "
+                "layers (`num_moe_experts` unset) to replay them; drop the key"
+            )
     except (ValueError, TypeError) as err:
         if input_check is None:
             raise

@@ -97,6 +97,24 @@ def test_the_step_refuses_the_batch_before_any_collective() -> None:
         )  # fmt: skip
 
 
+def test_recorded_experts_for_a_model_without_moe_layers_are_refused() -> None:
+    # no extension replays them (the dense model's config turns none on): they would be dropped
+    g = FakeGroup()
+    groups = ParallelGroups(
+        tp_group=g, tp_rank=0, tp_size=1, pp_group=g, pp_rank=0, pp_size=1, pp_last_rank=0,
+        dp_group=g, dp_rank=0, dp_size=1, cp_group=g, cp_rank=0, cp_size=1,
+    )  # fmt: skip
+    context = StepContext(groups, Microbatching(micro_batch_size=2), extensions=())
+    loss_fn = WeightedNLL()
+    batch = _batch(token_weights=torch.ones(2, 3), routed_experts=torch.zeros(2, 3, 1, 2).long())
+    with pytest.raises(ValueError, match="carries `routed_experts`.*has no MoE layers"):
+        run_global_batch(
+            [nn.Linear(1, 1)], batch, context, loss=LossPostProcessor(loss_fn, None),
+            normalizations=loss_fn.metric_normalizations,
+            required_keys=loss_input_keys(loss_fn), required_by=type(loss_fn).__name__,
+        )  # fmt: skip
+
+
 def test_an_undeclared_loss_requires_only_the_data_contract() -> None:
     assert loss_input_keys(Undeclared()) == ()
     assert validate_batch(_batch(), _spec(Undeclared())) is None
