@@ -45,7 +45,8 @@ class TinyGPTSpec:
     hidden_size: int = 64
     num_attention_heads: int = 4
     seed: int = 0
-    # MTP layers train next to the recipe's loss and log mtp_loss (`lightning_mcore_rl.train.mtp`)
+    # MTP layers train next to the recipe's loss and log mtp_loss
+    # (`lightning_mcore_rl.extensions.multi_token_prediction`)
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
 

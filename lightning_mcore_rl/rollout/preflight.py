@@ -62,7 +62,7 @@ def check_before_rollout(
         NonFiniteWeightError: a weight is NaN/inf on some rank (on every rank, naming it).
         BatchMismatchError: the ranks of a replica hold different prompts (on every rank)."""
     # One all-gather of each rank's weight verdict and prompt summary (the step's agreement
-    # table, `strategy.agreement`), so every rank takes the same decision.
+    # table, `reliability.agreement`), so every rank takes the same decision.
     # A NaN/inf weight comes from outside the optimizer (its update check never writes one): a
     # callback writing into the weights, a checkpoint saved without the strategy's checksums.
     bad = first_nonfinite_parameter(setup.chunks)
