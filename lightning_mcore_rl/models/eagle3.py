@@ -63,7 +63,7 @@ class Eagle3DraftModel(MegatronModule):
         vocab_size: `V`, divisible by TP.
         aux_layers: the policy's decoder layers (0-based global indices) it reads.
         rope_theta: rope base.
-        target_num_layers: the policy's decoder-layer count (`None`: unknown), for the export's check.
+        target_num_layers: the policy's decoder-layer count for the export check (`None`: unknown).
     """
 
     def __init__(
@@ -117,7 +117,7 @@ class Eagle3DraftModel(MegatronModule):
         self.lm_head = column(hidden, vocab_size, gather=True)
 
     def _attention(self, x: Tensor, spans: list[tuple[int, int]] | None) -> Tensor:
-        """Causal self-attention of `x` `[B, S, 2H]` over each row (packed: each span): `[B, S, H]`."""
+        """Causal self-attention of `x` `[B, S, 2H]` per row (packed: per span): `[B, S, H]`."""
         batch, width, _ = x.shape
 
         def heads(proj: Any) -> Tensor:

@@ -1,8 +1,7 @@
-"""Typed configuration of :class:`~lightning_mcore_rl.strategy.MCoreRLStrategy`.
+"""Typed configuration of `MCoreRLStrategy`, validated once each in `__post_init__`."""
 
-Plain dataclasses without megatron imports, so LightningCLI/jsonargparse can build them from YAML
-and ``import lightning_mcore_rl`` stays cheap. Each is validated once, in ``__post_init__``.
-"""
+# Plain dataclasses without megatron imports, so LightningCLI/jsonargparse can build them from
+# YAML and `import lightning_mcore_rl` stays cheap.
 
 from __future__ import annotations
 
@@ -29,23 +28,24 @@ SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 
 @dataclass(frozen=True)
 class MegatronDDPConfig:
-    """The megatron ``DistributedDataParallelConfig`` fields users tune (the rest keep megatron's
-    defaults), the strategy's ``ddp`` group.
+    """The megatron `DistributedDataParallelConfig` fields users tune: the strategy's `ddp` group.
 
     Attributes:
-        use_distributed_optimizer: shard optimizer state and main params over DP (megatron's
-            distributed optimizer; also its ``OptimizerConfig`` flag).
-        grad_reduce_in_fp32: reduce (and accumulate) gradients in fp32. ``None``: True for
-            ``"32-true"`` and ``"bf16-mixed"``, False for ``"bf16-true"`` (the only difference
-            between the two bf16 flags, see ``docs/strategy.md``).
+        use_distributed_optimizer: shard optimizer state and main params over DP (megatron's).
+        grad_reduce_in_fp32: reduce (and accumulate) gradients in fp32 (`None`: by precision).
         overlap_grad_reduce: overlap the DP gradient reduction with the backward (GPU streams).
         overlap_param_gather: overlap the distributed optimizer's parameter all-gather.
-        bucket_size: gradient bucket size in elements (``None``: megatron's default).
+        bucket_size: gradient bucket size in elements (`None`: megatron's default).
         average_in_collective: average inside the collective instead of pre-scaling by 1/DP.
         check_for_nan_in_grad: raise on NaN gradients before the reduction.
     """
 
+    # the rest of `DistributedDataParallelConfig` keeps megatron's defaults
+    # also megatron's `OptimizerConfig` flag of the same name
+
     use_distributed_optimizer: bool = False
+    # `None`: True for "32-true" and "bf16-mixed", False for "bf16-true" (the only difference
+    # between the two bf16 flags, see docs/strategy.md)
     grad_reduce_in_fp32: bool | None = None
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -73,7 +73,7 @@ class MegatronDDPConfig:
             )
 
     def to_megatron(self, *, precision: str) -> Any:
-        """The megatron ``DistributedDataParallelConfig`` for ``precision``."""
+        """The megatron `DistributedDataParallelConfig` for `precision`."""
         from megatron.core.distributed import DistributedDataParallelConfig
 
         in_fp32 = self.grad_reduce_in_fp32
@@ -92,21 +92,21 @@ class MegatronDDPConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """How checkpoints are written with megatron ``dist_checkpointing``.
+    """How checkpoints are written with megatron `dist_checkpointing`.
 
     Attributes:
-        optimizer_sharding: distributed-optimizer format of the checkpoints this run saves (a
-            resume loads the saved one). ``"dp_reshardable"`` (fast; resume under the saved
-            TP/PP/VPP/CP sizes, DP may change: another layout raises ``ValueError`` naming
-            ``"fully_reshardable"``) or ``"fully_reshardable"`` (any TP/PP/VPP/DP change; see
-            ``docs/strategy.md``). megatron's default ``fully_sharded_model_space`` needs
-            ``ShardedTensor.flattened_range``, unsupported in megatron-core 0.16 without
-            Transformer Engine.
-        atomic: write into a temporary sibling directory and rename it into place when every rank
-            has finished, so a crash mid-save leaves the previous checkpoint loadable.
+        optimizer_sharding: distributed-optimizer format saved: `"dp_reshardable"`/`"fully_reshardable"`.
+        atomic: write into a temporary sibling directory, renamed into place when all ranks finish.
     """
 
+    # "dp_reshardable" is fast; a resume needs the saved TP/PP/VPP/CP sizes (DP may change:
+    # another layout raises `ValueError` naming "fully_reshardable"). "fully_reshardable" allows
+    # any TP/PP/VPP/DP change (docs/strategy.md). A resume loads the format it finds. megatron's
+    # default `fully_sharded_model_space` needs `ShardedTensor.flattened_range`, unsupported in
+    # megatron-core 0.16 without Transformer Engine.
+
     optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    # atomic: a crash mid-save leaves the previous checkpoint loadable
     atomic: bool = True
 
     def __post_init__(self) -> None:
@@ -121,49 +121,44 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ReliabilityConfig:
-    """How the run's processes talk and what stops a step: the strategy's ``reliability`` group
-    (``docs/reliability.md``).
+    """How the run's processes talk and what stops a step: the strategy's `reliability` group.
 
     Attributes:
-        timeout: process-group timeout of the world group, of the all-ranks group the strategy
-            creates for its own collectives (also when the world group was created before the
-            Trainer with another timeout) AND of every megatron group (TP, PP, DP, CP,
-            model-parallel): a rank left waiting for a failed peer raises after it. ``None``:
-            torch's default.
-        nonfinite: ``"skip"`` a step whose inputs, loss or gradients are not finite on every
-            rank (no parameter or optimizer-state change; counted and logged as
-            ``skipped_steps``), or ``"raise"`` at the first one.
-        max_consecutive_skips: under ``"skip"``, stop with an error after this many
-            consecutive skipped steps.
-        verify_updates: check every optimizer update on every rank: the weights and optimizer
-            state it leaves finite, its size within ``max_update_ratio``. For torch's
-            Adam/AdamW/SGD the update is previewed before it runs (no copy of the state) and a
-            failing one is not run; any other inner optimizer is snapshotted (one copy of the
-            parameters and optimizer state in memory) and a failing update undone. Either way
-            the step is skipped under ``nonfinite``.
-        max_update_ratio: an update whose global norm exceeds this multiple of the parameters'
-            global norm fails (an lr that overflows: 1e8 leaves finite weights whose next
-            forward is NaN); ``None``: only non-finite values fail.
-        collapse_warning_steps: warn when the gradient norm has been exactly 0 for this many
-            consecutive steps (``None``: never).
-        process_group_backend: ``"nccl"``/``"gloo"`` (``None``: from the device).
-        intra_op_threads: torch's intra-op thread count, set on every rank at set-up so that
-            TP-replicated parameters round identically on every rank
-            (:mod:`~lightning_mcore_rl.reliability.threads`); ``None``: the smallest count any rank
-            runs. A rank whose count changes warns.
-        rendezvous_timeout: how long start-up waits for every rank to arrive and the process
-            groups to be created (the world group's store); ``timeout`` bounds only the
-            collectives. At least ``timeout``; ``None``: the longer of ``timeout`` and 30 min.
+        timeout: process-group timeout of the world, all-ranks and every megatron group.
+        nonfinite: `"skip"` a step whose inputs, loss or gradients are not finite, or `"raise"`.
+        max_consecutive_skips: under `"skip"`, stop with an error after this many skipped steps.
+        verify_updates: check every optimizer update on every rank (finite, `max_update_ratio`).
+        max_update_ratio: largest update global norm / parameter global norm (`None`: no limit).
+        collapse_warning_steps: warn after this many steps of exactly-0 grad norm (`None`: never).
+        process_group_backend: `"nccl"`/`"gloo"` (`None`: from the device).
+        intra_op_threads: torch's intra-op threads on every rank (`None`: the smallest any runs).
+        rendezvous_timeout: how long start-up waits for every rank (`None`: max(timeout, 30 min)).
     """
 
+    # Also the timeout of the all-ranks group the strategy creates for its own collectives (even
+    # when the world group was created before the Trainer with another timeout) and of TP, PP,
+    # DP, CP and model-parallel groups: a rank left waiting for a failed peer raises after it.
+    # `None`: torch's default. See docs/reliability.md.
+
     timeout: timedelta | None = default_pg_timeout
+    # a skipped step changes no parameter or optimizer state; counted and logged as
+    # `skipped_steps`
     nonfinite: NonFinitePolicy = "skip"
     max_consecutive_skips: int = 10
     process_group_backend: str | None = None
+    # set at set-up so that TP-replicated parameters round identically on every rank
+    # (`lightning_mcore_rl.reliability.threads`); a rank whose count changes warns
     intra_op_threads: int | None = None
+    # For torch's Adam/AdamW/SGD the update is previewed before it runs (no copy of the state)
+    # and a failing one is not run; any other inner optimizer is snapshotted (one copy of the
+    # parameters and optimizer state) and a failing update undone. Either way the step is
+    # skipped under `nonfinite`.
     verify_updates: bool = True
+    # catches an lr that overflows: 1e8 leaves finite weights whose next forward is NaN;
+    # `None`: only non-finite values fail
     max_update_ratio: float | None = 1e3
     collapse_warning_steps: int | None = 5
+    # the world group's store; `timeout` bounds only the collectives, so this is at least it
     rendezvous_timeout: timedelta | None = None
 
     def __post_init__(self) -> None:
@@ -192,7 +187,7 @@ class ReliabilityConfig:
 
     @property
     def rendezvous_limit(self) -> timedelta:
-        """The rendezvous timeout in force (``rendezvous_timeout`` or its default)."""
+        """The rendezvous timeout in force (`rendezvous_timeout` or its default)."""
         if self.rendezvous_timeout is not None:
             return self.rendezvous_timeout
         return max(self.timeout or default_pg_timeout, timedelta(minutes=30))
@@ -220,45 +215,38 @@ class ReliabilityConfig:
 
 @dataclass(frozen=True)
 class LogprobKernelConfig:
-    """How the post-processors compute logprobs: the strategy's ``logprobs`` group.
+    """How the post-processors compute logprobs: the strategy's `logprobs` group.
 
     Attributes:
-        use_fused_linear_logprobs: the last pipeline stage returns its final hidden states and
-            the post-processors compute logprobs from hidden x output weight in sequence chunks
-            (never materialising the ``[tokens, V/TP]`` logits).
-        logprob_chunk_size: sequence chunk of the logprob / top-k kernels (``None``: unchunked).
-        defer_fp32_logits: keep the last stage's logits in the model dtype: megatron's
-            ``Float16Module`` then does not upcast the whole ``[tokens, V/TP]`` output to fp32
-            (``fp32_output=False``); the chunked kernels upcast one ``logprob_chunk_size``
-            chunk at a time and write a bf16 logits gradient, so neither the fp32 logits nor
-            their fp32 gradient exist (docs/training-step.md, "Deferred fp32 logits").
-            ``None`` (default): on exactly where the result is the fp32-logit path's
-            (:func:`~lightning_mcore_rl.train.logits_dtype.defers_fp32_logits`): temperature 1,
-            no top-k/top-p, ``logprob_chunk_size`` set, and one chunked kernel reading the
-            logits (``LOGPROB`` losses without an entropy bonus, ``DISTILLATION`` without
-            ``H_all``, logprobs, top-k, teacher payloads). There the bf16 tolerance against
-            the fp32-logit path is zero: losses, logprobs, top-k and parameter gradients are
-            bitwise equal (measured at TP=1 and TP=2, padded and packed). ``True``: always.
-            Where two kernels read the logits the losses stay bitwise equal and the gradients
-            differ by bf16 rounding (<= 9e-3 of a parameter's gradient norm, measured); a
-            temperature != 1 is divided in bf16, in place (logprobs within ``max|z/T| / 256``).
-            ``False``: never. Under ``32-true`` the logits are fp32 already and the flag
-            changes nothing (bitwise).
-        fused_gradient_in_forward: with ``use_fused_linear_logprobs``, a loss that declares
-            ``token_local_gradient`` (``NLLLossFn``, ``ClippedPGLossFn`` without GSPO; no
-            entropy, CP = 1) has the LM head's gradients computed in the forward, so the
-            backward recomputes no logits (three head GEMMs instead of four), at the cost of
-            an fp32 ``[V/TP, H]`` accumulator per microbatch and one weight-gradient
-            accumulation per token chunk (docs/training-step.md, "The gradient in the
-            forward"). Faster where the token chunk is large against the machine's
-            FLOP-to-bandwidth ratio (measured on CPU: fp32 and bf16 at V=32000, 524-token
-            chunks); at V=131072, 128-token chunks, bf16: 0.97x the time but 1.32x the
-            memory of the recomputing backward; opt-in.
+        use_fused_linear_logprobs: logprobs from hidden x output weight in chunks (no logits).
+        logprob_chunk_size: sequence chunk of the logprob / top-k kernels (`None`: unchunked).
+        defer_fp32_logits: keep the last stage's logits in the model dtype (`None`: where exact).
+        fused_gradient_in_forward: compute the fused head's gradients in the forward (opt-in).
     """
 
+    # the last pipeline stage returns its final hidden states and the post-processors never
+    # materialise the `[tokens, V/TP]` logits
     use_fused_linear_logprobs: bool = False
     logprob_chunk_size: int | None = None
+    # in the model dtype, megatron's `Float16Module` skips its fp32 upcast of the `[tokens, V/TP]`
+    # output
+    # (`fp32_output=False`); the chunked kernels upcast one `logprob_chunk_size` chunk at a time
+    # and write a bf16 logits gradient, so neither the fp32 logits nor their gradient exist
+    # (docs/training-step.md, "Deferred fp32 logits"). `None`: on exactly where the result is
+    # the fp32-logit path's (`defers_fp32_logits`): temperature 1, no top-k/top-p,
+    # `logprob_chunk_size` set, and one chunked kernel reading the logits (`LOGPROB` losses
+    # without an entropy bonus, `DISTILLATION` without `H_all`, logprobs, top-k, teacher
+    # payloads); there losses, logprobs, top-k and parameter gradients are bitwise equal.
+    # `True`: always; where two kernels read the logits the losses stay bitwise equal and the
+    # gradients differ by bf16 rounding, and a temperature != 1 is divided in bf16, in place
+    # (logprobs within `max|z/T| / 256`). `False`: never. Under "32-true" it changes nothing.
     defer_fp32_logits: bool | None = None
+    # Needs `use_fused_linear_logprobs` and a loss that declares `token_local_gradient`
+    # (`NLLLossFn`, `ClippedPGLossFn` without GSPO; no entropy, CP = 1): the backward then
+    # recomputes no logits (three head GEMMs instead of four), at the cost of an fp32 `[V/TP, H]`
+    # accumulator per microbatch and one weight-gradient accumulation per token chunk
+    # (docs/training-step.md, "The gradient in the forward"). Faster only where the token chunk
+    # is large against the machine's FLOP-to-bandwidth ratio (BENCHMARKS.md), hence opt-in.
     fused_gradient_in_forward: bool = False
 
     def __post_init__(self) -> None:
@@ -295,18 +283,18 @@ class LogprobKernelConfig:
 
 @dataclass(frozen=True)
 class MicrobatchConfig:
-    """How the strategy splits each global batch: the strategy's ``microbatching`` group
-    (validated further, with the layout, by :class:`~lightning_mcore_rl.train.Microbatching`).
+    """How the strategy splits each global batch: the strategy's `microbatching` group.
 
     Attributes:
         micro_batch_size: samples per microbatch for fixed-size microbatching.
-        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed-size
-            microbatches); ``loss_fn`` path only (needs ``input_lengths``), ``micro_batch_size``
-            must stay 1, and pipeline parallelism needs ``sequence_packing`` with a budget.
+        max_tokens_per_microbatch: token budget per microbatch (`None`: fixed-size microbatches).
         sequence_packing: pack each microbatch into one THD row (needed for CP > 1).
     """
 
+    # validated further, with the layout, by `Microbatching`
     micro_batch_size: int = 1
+    # `loss_fn` path only (needs `input_lengths`); `micro_batch_size` must stay 1, and pipeline
+    # parallelism needs `sequence_packing` with a budget
     max_tokens_per_microbatch: int | None = None
     sequence_packing: bool = False
 
@@ -335,12 +323,12 @@ class ParallelSizes:
     Attributes:
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
-        vpp: virtual pipeline stages (model chunks) per pipeline rank, ``None`` without VPP.
+        vpp: virtual pipeline stages (model chunks) per pipeline rank, `None` without VPP.
         cp: context-parallel size.
-        ep: expert-parallel size (mixture-of-experts layers: experts split over ``ep`` ranks).
-        etp: tensor-parallel size inside each expert (``None``: ``tp``, megatron's default).
-        sequence_parallel: megatron sequence parallelism (needs ``tp > 1``).
-        sequence_packing: THD packing of each microbatch (needed for ``cp > 1``).
+        ep: expert-parallel size (mixture-of-experts layers: experts split over `ep` ranks).
+        etp: tensor-parallel size inside each expert (`None`: `tp`, megatron's default).
+        sequence_parallel: megatron sequence parallelism (needs `tp > 1`).
+        sequence_packing: THD packing of each microbatch (needed for `cp > 1`).
     """
 
     tp: int = 1
@@ -393,7 +381,7 @@ class ParallelSizes:
         if self.ep == 1 and self.expert_tp != self.tp:
             # megatron-core 0.16 reduces expert gradients over the expert data-parallel group
             # only for EP > 1; at EP=1 they take the dense DP group, which misses the ranks
-            # the expert TP split adds (measured: expert grads 5.6e-3 off at TP=2, ETP=1).
+            # the expert TP split adds (expert gradients measurably off at TP=2, ETP=1).
             raise ValueError(
                 f"`expert_tensor_parallel_size={self.etp}` differs from "
                 f"`tensor_model_parallel_size={self.tp}`, which needs "
@@ -403,11 +391,11 @@ class ParallelSizes:
 
     @property
     def expert_tp(self) -> int:
-        """The tensor-parallel size inside each expert (``etp``, default ``tp``)."""
+        """The tensor-parallel size inside each expert (`etp`, default `tp`)."""
         return self.tp if self.etp is None else self.etp
 
     def transformer_config_kwargs(self, bf16: bool, dtype: Any) -> dict[str, Any]:
-        """The ``TransformerConfig`` fields this layout and a precision own."""
+        """The `TransformerConfig` fields this layout and a precision own."""
         from lightning_mcore_rl.megatron_defaults import pipeline_p2p_settings
 
         layout = self.hparams()
@@ -435,14 +423,13 @@ class ParallelSizes:
         }
 
     def check_backend(self, backend: str, device_type: str) -> None:
-        """Refuse a layout the process-group ``backend`` cannot run on ``device_type`` tensors
-        (called in ``setup_environment`` before the process group exists).
+        """Refuse a layout the process-group `backend` cannot run on `device_type` tensors.
 
         Raises:
             ValueError: EP > 1 with expert TP > 1 on gloo (CPU), naming the sizes and the
-                layouts that run
-                (:func:`~lightning_mcore_rl.models.layout.check_expert_collectives`).
+                layouts that run (`check_expert_collectives`).
         """
+        # called in `setup_environment`, before the process group exists
         from lightning_mcore_rl.models.layout import check_expert_collectives
 
         check_expert_collectives(
@@ -451,22 +438,23 @@ class ParallelSizes:
 
     @property
     def model_parallel_size(self) -> int:
-        """``tp * pp * cp``: ranks holding one replica of the model."""
+        """`tp * pp * cp`: ranks holding one replica of the model."""
         return self.tp * self.pp * self.cp
 
     def check_world_size(self, world_size: int) -> int:
-        """The data-parallel size for ``world_size`` ranks.
+        """The data-parallel size for `world_size` ranks.
 
         Raises:
-            ValueError: ``tp * pp * cp`` (the dense layers' replica) or ``etp * ep * pp`` (the
-                expert layers', megatron's expert layout) does not divide ``world_size``.
+            ValueError: `tp * pp * cp` or `etp * ep * pp` does not divide `world_size`.
         """
+        # the dense layers' replica
         if world_size % self.model_parallel_size != 0:
             raise ValueError(
                 f"The sizes tp={self.tp}, pp={self.pp}, cp={self.cp} multiplied "
                 f"({self.model_parallel_size}) should divide the world size {world_size}; "
                 "change the parallel sizes or `Trainer(devices=..., num_nodes=...)`."
             )
+        # the expert layers' replica (megatron's expert layout)
         expert = self.expert_tp * self.ep * self.pp
         if world_size % expert != 0:
             raise ValueError(
@@ -519,20 +507,20 @@ def flat_argument_warning(flat: dict[str, Any]) -> str:
 
 
 def accept_flat_arguments(init: _F) -> _F:
-    """Wrap `MCoreRLStrategy.__init__` so that the deprecated flat names of `FLAT_ARGUMENTS` keep
-    working in Python: each one is folded into its group (built with that group's defaults for
-    the other fields), with one `FutureWarning` per construction naming the grouped spelling.
-    The signature seen by `inspect` and LightningCLI stays the grouped one (YAML nests them:
-    `reliability: {timeout: ...}`).
+    """Wrap `MCoreRLStrategy.__init__` so the deprecated flat names of `FLAT_ARGUMENTS` still work.
 
     Raises:
-        TypeError: a flat name together with its group passed explicitly (which one wins
-            would be a guess), or `cluster_environment` (Lightning takes it as
-            `Trainer(plugins=[...])`).
+        TypeError: a flat name together with its group passed explicitly, or
+            `cluster_environment`.
     """
+    # Each flat name is folded into its group (built with that group's defaults for the other
+    # fields), with one `FutureWarning` per construction naming the grouped spelling. The
+    # signature seen by `inspect` and LightningCLI stays the grouped one (YAML nests them:
+    # `reliability: {timeout: ...}`).
 
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        # Lightning takes a cluster environment as `Trainer(plugins=[...])`
         if "cluster_environment" in kwargs:
             raise TypeError(
                 "MCoreRLStrategy takes no `cluster_environment`: pass it to the Trainer as "
@@ -547,6 +535,7 @@ def accept_flat_arguments(init: _F) -> _F:
             fields = {n: v for n, v in flat.items() if FLAT_ARGUMENTS[n] == group}
             if not fields:
                 continue
+            # which of the two wins would be a guess
             if bound.get(group) is not None:
                 raise TypeError(
                     f"MCoreRLStrategy got both `{group}=` and "

@@ -1,12 +1,6 @@
-"""The EAGLE draft a module trains next to its policy (``MCoreRLModule.build_draft_model``): built,
-wrapped and stepped by the strategy, trained inside the policy's step
-(`lightning_mcore_rl.extensions.eagle_draft`).
-
-The draft has its own megatron DDP wrapper and its own optimizer (Adam with the policy's
-``OptimizerConfig`` learning rate, betas, eps and weight decay; its own gradient norm and
-clipping at ``Trainer(gradient_clip_val=...)``): the policy's optimizer, clipping and grad norm
-never see it. It lives on the last pipeline stage only.
-"""
+"""The EAGLE draft a module trains next to its policy (`MCoreRLModule.build_draft_model`): built,
+wrapped, stepped and checkpointed by the strategy, trained inside the policy's step
+(`lightning_mcore_rl.extensions.eagle_draft`)."""
 
 from __future__ import annotations
 
@@ -24,15 +18,14 @@ from lightning_mcore_rl.parallel import ParallelGroups
 
 @dataclass
 class DraftState:
-    """The strategy's draft: ``None`` fields on ranks without one (other pipeline stages, or no
-    draft at all).
+    """The strategy's draft; `None` fields on ranks without one (other stages, or no draft).
 
     Attributes:
         train_draft: a draft is trained in this run (the same on every rank).
-        model: the megatron-DDP-wrapped draft (last pipeline stage), else ``None``.
-        optimizer: its torch Adam, else ``None``.
+        model: the megatron-DDP-wrapped draft (last pipeline stage), else `None`.
+        optimizer: its torch Adam, else `None`.
         clip_grad: the global-norm clip of its gradients (0: none).
-        last_grad_norm: the pre-clip gradient norm of its latest step (``None`` before one).
+        last_grad_norm: the pre-clip gradient norm of its latest step (`None` before one).
     """
 
     train_draft: bool = False
@@ -51,30 +44,20 @@ def build_draft(
     *,
     bf16: bool,
 ) -> DraftState:
-    """Ask ``module.build_draft_model()`` (on every rank; the draft is kept on the last pipeline
-    stage) and wrap it for training.
+    """Ask `module.build_draft_model()` and wrap the draft for training.
 
-    Args:
-        module: the ``MCoreRLModule`` (its chunks built).
-        groups: this rank's groups.
-        ddp_config: megatron's ``DistributedDataParallelConfig`` of the policy.
-        optimizer_config: the policy's megatron ``OptimizerConfig`` (the draft's Adam settings).
-        clip_grad: ``Trainer(gradient_clip_val=...)`` (0: no clipping).
-        bf16: the Trainer runs bf16 (not served for the draft yet).
-
-    Returns:
-        The :class:`DraftState` (``train_draft=False`` when the hook returns ``None``).
+    Returns `DraftState(train_draft=False)` when the hook returns `None`.
 
     Raises:
         TypeError: the hook returned something that is not a megatron module.
-        ValueError: a draft under bf16 precision or context parallelism (CP > 1; the models'
-            builders refuse it themselves, before building anything).
+        ValueError: a draft under bf16 precision or context parallelism (CP > 1).
     """
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import MegatronModule
 
     from lightning_mcore_rl.models.draft_model import check_draft_context_parallel
 
+    # asked on every rank; the draft is kept on the last pipeline stage only
     draft = module.build_draft_model()
     if draft is None:
         return DraftState()
@@ -83,6 +66,7 @@ def build_draft(
             f"{type(module).__name__}.build_draft_model() must return a megatron module (e.g. "
             f"lightning_mcore_rl.models.draft_model.eagle_draft(...)) or None, got {type(draft).__name__}"
         )
+    # the models' builders refuse CP themselves before building anything; this covers the rest
     check_draft_context_parallel(groups.cp_size)  # a draft of the module's own builder
     if bf16:
         raise ValueError(
@@ -92,6 +76,9 @@ def build_draft(
     if not groups.is_pipeline_last_stage:
         return DraftState(train_draft=True, clip_grad=clip_grad)
     wrapped = DistributedDataParallel(draft.config, ddp_config, draft)
+    # The draft has its own DDP wrapper and its own Adam (the policy's `OptimizerConfig` lr,
+    # betas, eps and weight decay; its own grad norm and clipping at `gradient_clip_val`): the
+    # policy's optimizer, clipping and grad norm never see it.
     adam = torch.optim.Adam(
         wrapped.parameters(),
         lr=float(optimizer_config.lr),
@@ -103,8 +90,9 @@ def build_draft(
 
 
 def draft_grad_norm(model: torch.nn.Module, groups: ParallelGroups) -> float:
-    """The L2 norm of the draft's full gradient: tensor-parallel shards' squares summed over TP,
-    replicated parameters counted once (their gradients are the same on every TP rank)."""
+    """The L2 norm of the draft's full gradient (collective over TP)."""
+    # TP shards' squares are summed over TP; replicated parameters count once (their gradients
+    # are the same on every TP rank)
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     for param in model.parameters():
@@ -119,8 +107,8 @@ def draft_grad_norm(model: torch.nn.Module, groups: ParallelGroups) -> float:
 
 
 def step_draft(state: DraftState, groups: ParallelGroups) -> None:
-    """After the policy's optimizer step: the draft's grad norm, clipping and Adam step (ranks
-    without a draft do nothing). Gradients come from the DDP buffer (``main_grad``)."""
+    """The draft's grad norm, clipping and Adam step (ranks without a draft do nothing)."""
+    # runs after the policy's optimizer step; gradients come from the DDP buffer (`main_grad`)
     if state.model is None or state.optimizer is None:
         return
     norm = draft_grad_norm(state.model, groups)
@@ -146,17 +134,10 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def draft_checkpoint_state(state: DraftState) -> dict[str, Any]:
-    """The draft's sharded checkpoint entries: its weights (megatron's ``sharded_state_dict``,
-    TP shards and replicas as megatron declares them) and its Adam state as ShardedTensors of the
-    same sharding (zeros before the first step, also the template a resume loads into). Empty on
-    ranks without a draft.
-
-    Args:
-        state: the strategy's draft.
-
-    Returns:
-        ``{key: ShardedTensor}``.
-    """
+    """The draft's sharded checkpoint entries `{key: ShardedTensor}` (empty without a draft)."""
+    # weights: megatron's `sharded_state_dict` (TP shards and replicas as megatron declares them);
+    # the Adam state reuses the same sharding, zeros before the first step, which is also the
+    # template a resume loads into
     from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
     if state.model is None or state.optimizer is None:
@@ -179,15 +160,8 @@ def draft_checkpoint_state(state: DraftState) -> dict[str, Any]:
 
 
 def load_draft_checkpoint_state(state: DraftState, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Load a loaded checkpoint's draft entries (plain tensors) into the draft and its Adam.
-
-    Args:
-        state: the strategy's draft.
-        state_dict: the checkpoint's model state (policy, teacher and draft entries).
-
-    Returns:
-        The entries that are not the draft's.
-    """
+    """Load a checkpoint's draft entries (plain tensors) into the draft and its Adam; returns
+    the entries that are not the draft's."""
     rest = {k: v for k, v in state_dict.items() if not k.startswith(DRAFT_PREFIX)}
     if state.model is None or state.optimizer is None or len(rest) == len(state_dict):
         return rest

@@ -1,8 +1,9 @@
-"""What the module declares -> one trainer-free call of `train/step.py`: `StepRunner` asks the
-module's hooks before the pass (`loss_post_processor(None)`, or the LM path's `forward_step`)
-and runs `run_global_batch` / `run_forward_only` with the strategy's frozen `StepContext` and
-the non-finite policy's input agreement as the batch check; nothing in the pass calls back into
-the module."""
+"""What the module declares -> one trainer-free call of `train/step.py` (`StepRunner`)."""
+
+# `StepRunner` asks the module's hooks before the pass (`loss_post_processor(None)`, or the LM
+# path's `forward_step`) and runs `run_global_batch` / `run_forward_only` with the strategy's
+# frozen `StepContext` and the non-finite policy's input agreement as the batch check; nothing
+# in the pass calls back into the module.
 
 from __future__ import annotations
 
@@ -21,46 +22,45 @@ if TYPE_CHECKING:
 
 
 class StepDeclaration(Protocol):
-    """What a module declares for a step (``MCoreRLModule`` satisfies it): its ``loss_fn``
-    (``None``: the LM path), the ``loss_post_processor(num_microbatches)`` hook (called as
-    ``loss_post_processor(None)``, positionally: the pass binds its ``M``) and the LM path's
-    ``forward_step``."""
+    """What a module declares for a step (`MCoreRLModule` satisfies it)."""
 
+    # `None`: the LM path (`forward_step`)
     loss_fn: Any
 
+    # called as `loss_post_processor(None)`, positionally: the pass binds its `M`
     def loss_post_processor(self, num_microbatches: int | None, /) -> LossPostProcessor: ...
 
     def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> Any: ...
 
 
+# built per call by the strategy: cheap and stateless
 @dataclass(frozen=True)
 class StepRunner:
-    """One pass over ``chunks`` with the strategy's context (built per call: cheap, stateless).
+    """One pass over `chunks` with the strategy's context.
 
     Attributes:
         chunks: the wrapped model chunks the pass runs (the policy's or the hosted teacher's).
-        context: the strategy's frozen :class:`~lightning_mcore_rl.train.StepContext`.
+        context: the strategy's frozen `StepContext`.
         guard: the non-finite policy (one input-agreement collective per pass).
-        boundary: the strategy's step boundary (SIGTERM and the previous step's time), carried
-            by the first pass of each training step.
+        boundary: the strategy's step boundary, carried by the first pass of each training step.
     """
 
     chunks: Sequence[torch.nn.Module]
     context: StepContext
     guard: NonFiniteGuard
+    # SIGTERM and the previous step's time
     boundary: StepBoundary | None = None
 
     def forward_backward(
         self, module: StepDeclaration, batch: Mapping[str, Any], *, forward_only: bool
     ) -> StepOutput:
-        """One global batch: the ``loss_fn`` path through the post-processor the module's
-        ``loss_post_processor(None)`` hook returns (asked here, before the pass), or the LM path
-        through its declared ``forward_step``; the training loss is noted for the non-finite
-        policy."""
+        """One global batch: the `loss_fn` path through the module's post-processor, or the LM
+        path through its `forward_step`."""
         from lightning_mcore_rl.train import run_global_batch
         from lightning_mcore_rl.train.validation import loss_input_keys
 
         kwargs: dict[str, Any] = {}
+        # the post-processor is asked here, before the pass
         if module.loss_fn is not None:
             kwargs.update(
                 loss=module.loss_post_processor(None),
@@ -75,6 +75,7 @@ class StepRunner:
             input_check=functools.partial(self._check_inputs, training=not forward_only),
             **kwargs,
         )  # fmt: skip
+        # the training loss is noted for the non-finite policy
         if not forward_only:
             self.guard.check_loss(out.loss)
         return out
