@@ -1,6 +1,8 @@
-"""Online EAGLE draft training inside the policy's step (`DraftExtension`): the capture of the
-layers it reads, its forward (`student_logits [B, S, V]` for `losses.DraftLossWrapper`) and its
-gradient finalisation; the draft is a megatron-DDP module outside the policy's chunks."""
+"""Online EAGLE draft training inside the policy's step (`DraftExtension`)."""
+
+# The capture of the layers the draft reads, its forward (`student_logits [B, S, V]` for
+# `losses.DraftLossWrapper`) and its gradient finalisation; the draft is a megatron-DDP module
+# outside the policy's chunks.
 
 from __future__ import annotations
 
@@ -31,19 +33,19 @@ def aux_layers(draft_model: torch.nn.Module) -> tuple[int, ...]:
 
 
 def check_draft(model: torch.nn.Module, draft_model: Any, groups: ParallelGroups) -> None:
-    """What the draft path cannot serve, before `model`'s forward, identically on the ranks of
-    a stage (`draft_model`: `None` off the last stage).
+    """Refuse what the draft path cannot serve, before `model`'s forward.
 
     Raises:
-        ValueError: context parallelism; a last stage without a draft; an aux layer the last
-            stage does not hold.
+        ValueError: CP > 1; a last stage without a draft; an aux layer the last stage lacks.
     """
+    # raised identically on the ranks of a stage; `draft_model` is `None` off the last stage
     if groups.cp_size > 1:
         raise ValueError(
             "draft-model training needs context_parallel_size=1 (the draft attends over whole "
             f"sequences), got CP={groups.cp_size}"
         )
     inner = unwrap_model(model)
+    # not the last stage: nothing is captured here
     if not getattr(inner, "post_process", True):
         return
     if draft_model is None:
@@ -67,12 +69,8 @@ def check_draft(model: torch.nn.Module, draft_model: Any, groups: ParallelGroups
 def capture_layer_outputs(
     model: torch.nn.Module, layers: Sequence[int], groups: ParallelGroups
 ) -> Iterator[dict[int, Tensor]]:
-    """Record, detached, the outputs of the policy's decoder `layers` (global 0-based indices
-    held by this chunk) during the block.
-
-    Yields:
-        `{layer index: [S, B, H]}`, filled by the forward.
-    """
+    """Record, detached, the outputs `{layer index: [S, B, H]}` of the policy's decoder `layers`
+    (global 0-based indices held by this chunk) during the block."""
     captured: dict[int, Tensor] = {}
     inner = unwrap_model(model)
     sequence_parallel = bool(getattr(getattr(inner, "config", None), "sequence_parallel", False))
@@ -134,13 +132,11 @@ def draft_logits(
     cu_seqlens_padded: Tensor | None,
     width: int,
 ) -> Tensor:
-    """The draft run on `captured` (`capture_layer_outputs`' record): `[B, S, V]` logits in the
-    padded layout, token `t + 2` at position `t`, with gradient to the draft only.
+    """The draft run on `captured`: `[B, S, V]` logits in the padded layout, token `t + 2` at
+    position `t`, with gradient to the draft only.
 
     Args:
         input_ids: the model ids `[B, S_pad]` or the full packed row `[1, T]`.
-        attention_mask: the policy forward's causal mask (`None` packed).
-        packed_seq_params: megatron `PackedSeqParams` (`None` padded).
         cu_seqlens_padded: `[B+1]` span boundaries (`None` padded).
         width: `S`, the microbatch's data width.
     """
@@ -150,13 +146,15 @@ def draft_logits(
     )
     if cu_seqlens_padded is not None:  # packed runs the draft on the row: packed = padded
         return unpack_rows(logits, cu_seqlens_padded, width)
+    # padded: the model ran on `S_pad >= S` positions
     return logits[:, :width]
 
 
 def draft_prepare_fn(prepare_fn: Callable[..., Any], cu_seqlens_padded: Tensor | None) -> Any:
-    """The draft term's input preparation `prepare(logits, data, loss_fn, tp_rank, tp_group,
-    cp_group) -> (loss_input, data)`: the policy logits in the `student_logits`' padded layout
-    `[B, S, V_l]`, then `prepare_fn` (`prepare_loss_input` with the post-processor's bindings)."""
+    """The draft term's `prepare(logits, data, loss_fn, tp_rank, tp_group, cp_group) ->
+    (loss_input, data)`: the policy logits `[B, S, V_l]` in the padded layout, then `prepare_fn`."""
+    # `student_logits` is padded-layout, so the policy logits must be too; `prepare_fn` is
+    # `prepare_loss_input` with the post-processor's bindings
 
     def prepare(logits: Tensor, data: Any, loss_fn: Any, *groups: Any) -> Any:
         width = int(data["input_ids"].shape[1])
@@ -171,9 +169,9 @@ def draft_prepare_fn(prepare_fn: Callable[..., Any], cu_seqlens_padded: Tensor |
 def finish_draft_gradients(
     draft_model: torch.nn.Module, global_valid_toks: Tensor | None = None
 ) -> None:
-    """After the schedule: the DP gradient all-reduce of the megatron-DDP `draft_model`, then
-    the one division of its gradients by `global_valid_toks` (`N_t`; `None`: normalised
-    already)."""
+    """After the schedule: the DP gradient all-reduce of the draft, then (`global_valid_toks`
+    given) the one division of its gradients by `N_t`."""
+    # `None`: the microbatches normalised already
     draft_model.finish_grad_sync()  # type: ignore[operator]
     if global_valid_toks is None:
         return
@@ -207,12 +205,13 @@ def normalise_deferred_draft_metrics(out: StepOutput, global_valid_toks: Tensor)
 
 
 class DraftExtension(NoExtension):
-    """The EAGLE draft trained in every training pass of the `loss_fn` path, on its own
-    gradient buffer; its optimizer step is the strategy's.
+    """The EAGLE draft trained in every training pass of the `loss_fn` path.
 
     Args:
         draft_model: the megatron-DDP-wrapped draft on the last pipeline stage, `None` elsewhere.
     """
+
+    # the draft has its own gradient buffer; its optimizer step is the strategy's
 
     def __init__(self, draft_model: Any) -> None:
         self.draft_model = draft_model
@@ -232,12 +231,13 @@ class DraftExtension(NoExtension):
         context: StepContext,
         training: bool,
     ) -> Iterator[Tensor | None]:
-        """Zero the draft's gradient buffer before a training pass; after it, its DP gradient
-        reduction (divided by `N_t` with `defer_draft_normalization`). Yields that `N_t`
-        (`None`: nothing deferred) for `finish`."""
+        """Zero the draft's gradient buffer before a training pass, reduce it after; yields the
+        deferred `N_t` (`None`: nothing deferred) for `finish`."""
         if not training:
             yield None
             return
+        # with `defer_draft_normalization` the microbatches sum raw and the division waits for
+        # the global count
         deferred = bool(getattr(post, "defer_draft_normalization", False))
         count = global_batch.global_valid_toks if deferred else None
         if self.draft_model is not None:
@@ -254,8 +254,7 @@ class DraftExtension(NoExtension):
         groups: ParallelGroups,
         training: bool,
     ) -> Iterator[dict[int, Tensor] | None]:
-        """A training forward on the last stage records the outputs of the layers the draft
-        reads (`capture_layer_outputs`).
+        """On a training forward of the last stage, capture the layers the draft reads.
 
         Raises:
             ValueError: see `check_draft`.
@@ -263,6 +262,7 @@ class DraftExtension(NoExtension):
         if not training:
             yield None
             return
+        # before the forward, so no rank enters a collective the others skip
         check_draft(model, self.draft_model, groups)
         if not getattr(unwrap_model(model), "post_process", True):
             yield None

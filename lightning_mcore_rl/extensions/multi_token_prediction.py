@@ -1,5 +1,7 @@
-"""Multi-token prediction (MTP) in the training step (`MTPExtension`): the MTP term's weights
-`w = mask / N_t` per microbatch and the metrics `mtp_loss` (`mtp_<d>_loss` with `D > 1`)."""
+"""Multi-token prediction (MTP) in the training step (`MTPExtension`)."""
+
+# The MTP term's weights `w = mask / N_t` per microbatch and the metrics `mtp_loss`
+# (`mtp_<d>_loss` with `D > 1`).
 
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ class MTPExtension(NoExtension):
     model as weights `mask / N_t`, its metrics added to the loss's."""
 
     def split_options(self, training: bool) -> dict[str, bool]:
-        """The `mtp_loss_mask` per microbatch (training passes only: no backward otherwise)."""
+        """The `mtp_loss_mask` per microbatch, in training passes."""
+        # no backward otherwise, so forward-only passes build no MTP mask
         return {"mtp": training}
 
     def normalizations(
@@ -111,6 +114,7 @@ class MTPExtension(NoExtension):
         trains: bool,
     ) -> Callable[[Tensor], tuple[Tensor, dict[str, Any]]]:
         """A training loss of the last stage gets the MTP metrics (`with_mtp_metrics`)."""
+        # only the last stage holds the MTP block and its recorded losses
         last = bool(getattr(unwrap_model(model), "post_process", True))
         if trains and microbatch.mtp_loss_mask is not None and last:
             return with_mtp_metrics(fn, model, groups)
