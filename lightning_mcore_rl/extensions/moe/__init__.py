@@ -1,5 +1,4 @@
-"""Mixture-of-experts: router losses and statistics (`statistics.py`) and router replay
-(`replay.py`) as one `StepExtension`."""
+"""Mixture-of-experts: router losses and statistics and router replay as one `StepExtension`."""
 
 from __future__ import annotations
 
@@ -35,9 +34,10 @@ if TYPE_CHECKING:
 
 
 class MoEExtension(NoExtension):
-    """Router losses and statistics of every `run_global_batch` pass, router replay of every
-    pass whose batch carries `routed_experts`; a hook does nothing for dense chunks."""
+    """Router losses and statistics of every pass, router replay of every pass whose batch
+    carries `routed_experts`."""
 
+    # every hook does nothing for dense chunks
     def check_batch(self, batch: Mapping[str, Any], chunks: Sequence[torch.nn.Module]) -> None:
         """`routed_experts [B, S, L, K]` against the model (required when the routers replay).
 
@@ -85,9 +85,7 @@ class MoEExtension(NoExtension):
         groups: ParallelGroups,
         training: bool,
     ) -> Iterator[None]:
-        """Replaying routers route with the microbatch's recorded experts (REPLAY_FORWARD);
-        after the forward a training pass arms REPLAY_BACKWARD for activation recompute, a
-        forward-only pass clears the action.
+        """Replaying routers route with the microbatch's recorded experts (REPLAY_FORWARD).
 
         Raises:
             ValueError: replaying routers and a microbatch without `routed_experts`.
@@ -103,6 +101,8 @@ class MoEExtension(NoExtension):
         arm_replay_forward(model, microbatch.routed_experts_cp_sharded, groups.tp_rank,
                            groups.tp_size)  # fmt: skip
         yield
+        # a training pass arms REPLAY_BACKWARD for activation recompute, a forward-only pass
+        # clears the action
         after_replay_forward(model, train=training)
 
     def finish(self, out: StepOutput, state: Any, context: StepContext) -> StepOutput:

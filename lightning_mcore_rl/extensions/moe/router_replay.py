@@ -1,12 +1,11 @@
-"""MoE router replay: route the training forward with the experts a rollout recorded
-(`routed_experts [B, S, L, K]`: token `(b, s)`'s top-`K` expert ids at MoE layer `l` of the whole
-model, `L` counted over every pipeline stage, `K = moe_router_topk`).
+"""MoE router replay: route the training forward with the experts a rollout recorded."""
 
-megatron's `TopKRouter` (`moe_enable_routing_replay=True`) replays per router an `[N, K]` int64
-tensor in the token order it sees, the layer input `[s, b, H]` flattened sequence-first
-(`n = s * b_size + b`): `routed_token_index` and `routed_experts_in_model_order` build that order,
-`arm_replay_forward` hands each router its layer's slice.
-"""
+# `routed_experts [B, S, L, K]`: token `(b, s)`'s top-`K` expert ids at MoE layer `l` of the
+# whole model, `L` counted over every pipeline stage, `K = moe_router_topk`.
+# megatron's `TopKRouter` (`moe_enable_routing_replay=True`) replays per router an `[N, K]` int64
+# tensor in the token order it sees, the layer input `[s, b, H]` flattened sequence-first
+# (`n = s * b_size + b`): `routed_token_index` and `routed_experts_in_model_order` build that
+# order, `arm_replay_forward` hands each router its layer's slice.
 
 from __future__ import annotations
 
@@ -38,11 +37,10 @@ def moe_layer_numbers(config: Any) -> list[int]:
 
 
 def chunk_routers(model: torch.nn.Module) -> list[tuple[int, Any]]:
-    """``(MoE layer index l, router)`` for every router of this chunk, in layer order.
+    """`(MoE layer index l, router)` for every router of this chunk, in layer order.
 
     Raises:
-        ValueError: A router without megatron's replay state (the config lacks
-            ``moe_enable_routing_replay=True``).
+        ValueError: a router without megatron's replay state (no `moe_enable_routing_replay`).
     """
     from megatron.core.transformer.moe.router import Router
 
@@ -73,22 +71,16 @@ def replay_enabled(chunks: Sequence[torch.nn.Module]) -> bool:
 
 
 def check_routed_experts(batch: Mapping[str, Any], config: Any) -> bool:
-    """Validate ``batch[ROUTED_EXPERTS]`` against the model (host only, before any collective).
-
-    Args:
-        batch: The batch (``input_ids [B, S]``, optional ``input_lengths [B]``: positions past
-            a row's length are padding, whose ids the step replaces).
-        config: The model's ``TransformerConfig``.
-
-    Returns:
-        Whether the pass replays: the config enables routing replay (then the key is required).
+    """Validate `batch[ROUTED_EXPERTS]` against the model; returns whether the pass replays.
 
     Raises:
-        ValueError: The key missing while the routers replay; a shape other than
-            ``[B, S, L, K]`` (``K`` the router's top-k); expert ids outside ``[0, E)``; a real
-            token with the same expert twice in one layer's top-``K``.
-        TypeError: A non-integer tensor.
+        ValueError: the key missing while the routers replay; a shape other than `[B, S, L, K]`;
+            expert ids outside `[0, E)`; a real token with the same expert twice in one layer.
+        TypeError: a non-integer tensor.
     """
+    # host only, before any collective; `input_lengths [B]` (optional) marks padding positions,
+    # whose ids the step replaces
+    # replay on: the key is required
     enabled = bool(getattr(config, "moe_enable_routing_replay", False))
     if ROUTED_EXPERTS not in batch:
         if enabled:
@@ -125,8 +117,8 @@ def check_routed_experts(batch: Mapping[str, Any], config: Any) -> bool:
 
 
 def _check_unique_experts(experts: Tensor, lengths: Tensor | None) -> None:
-    """Refuse a real token of `experts [B, S, L, K]` (position `< lengths[b]`, every position
-    without `lengths [B]`) whose top-`K` at some MoE layer names an expert twice.
+    """Refuse a real token of `experts [B, S, L, K]` whose top-`K` at some layer names an expert
+    twice (real: position `< lengths[b]`; every position without `lengths [B]`).
 
     Raises:
         ValueError: naming the first such sample, token, layer and its ids.
@@ -160,8 +152,8 @@ def routed_token_index(
     packed_index: Tensor | None = None,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """The flat index `b * S + s` of the source token of every token the model's routers see,
-    `-1` at padding: `[S_pad * B]` (sequence-first, `n = s * B + b`) or `[T/CP]` int64.
+    """The flat index `b * S + s` of the source token of every token the routers see, `-1` at
+    padding: `[S_pad * B]` (sequence-first, `n = s * B + b`) or `[T/CP]` int64.
 
     Args:
         lengths: `[B]` real lengths (`None`: every position of the `S = width` columns is real).
@@ -215,9 +207,10 @@ def sequence_parallel_slice(tokens: Tensor, tp_rank: int, tp_size: int) -> Tenso
 def arm_replay_forward(
     model: torch.nn.Module, routed_experts: Tensor, tp_rank: int, tp_size: int
 ) -> None:
-    """Give every router of `model` (this stage's / virtual chunk's layers only) its layer's
-    `[N, K]` of `routed_experts [N, L, K]` (the model's token order before sequence parallelism)
-    and arm REPLAY_FORWARD."""
+    """Give every router of `model` its layer's `[N, K]` of `routed_experts [N, L, K]` and arm
+    REPLAY_FORWARD."""
+    # this stage's / virtual chunk's layers only; `routed_experts` is in the model's token order
+    # before sequence parallelism
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     from megatron.core.utils import get_model_config
 

@@ -1,8 +1,8 @@
-"""MoE router losses and statistics of one step (docs/training-step.md, "MoE"):
-`RouterStatistics` sets each router call's loss coefficients so the router losses enter the
-loss once with megatron's per-token semantics, and fills per-layer counters `[L, width]` during
-the pass, summed over microbatches and every rank in one all-reduce at the step's end.
-"""
+"""MoE router losses and statistics of one step (docs/training-step.md, "MoE")."""
+
+# `RouterStatistics` sets each router call's loss coefficients so the router losses enter the
+# loss once with megatron's per-token semantics, and fills per-layer counters `[L, width]` during
+# the pass, summed over microbatches and every rank in one all-reduce at the step's end.
 
 from __future__ import annotations
 
@@ -34,32 +34,24 @@ order of ``moe_router_load_balancing_type`` ``aux_loss`` / ``seq_aux_loss`` /
 
 @dataclass(frozen=True)
 class RouterCall:
-    """One router forward (one MoE layer, one microbatch, this rank), as a counter sees it.
+    """One router forward (one MoE layer, one microbatch, this rank), as a counter sees it."""
 
-    Attributes:
-        layer: the layer's global 0-based index (megatron's ``layer_number - 1``).
-        router: megatron's router module.
-        hidden_states: the router input ``[s, b, H]`` (``s = S/CP/TP`` under SP).
-        padding_mask: megatron's routing padding mask ``[s, b]`` (True = padding) or ``None``.
-        probs: the routing weights ``[s*b, E]`` (0 where a token is not routed or was dropped).
-        routing_map: ``[s*b, E]`` bool, the kept assignments (after capacity dropping).
-        losses: this call's router losses as megatron tracked them (no coefficient; the
-            load-balancing ones are this rank's partial sum over its tokens, the z-loss the mean
-            over its tokens), by name of :data:`ROUTER_LOSS_NAMES`; only the enabled ones.
-        microbatch_tokens: ``n_mb``, the microbatch's routed tokens over its TP x CP ranks
-            (training passes that scale the router losses; ``None`` otherwise).
-        recorded: the batch's recorded routing of this layer ``[s*b, K]`` in the router's token
-            order (``routed_experts``, e.g. from the rollout), or ``None``.
-    """
-
-    layer: int
+    layer: int  # the layer's global 0-based index (megatron's `layer_number - 1`)
     router: torch.nn.Module
-    hidden_states: Tensor
-    padding_mask: Tensor | None
+    hidden_states: Tensor  # the router input `[s, b, H]` (`s = S/CP/TP` under SP)
+    padding_mask: Tensor | None  # megatron's routing padding mask `[s, b]` (True = padding)
+    # the routing weights `[s*b, E]` (0 where a token is not routed or was dropped)
     probs: Tensor
-    routing_map: Tensor
+    routing_map: Tensor  # `[s*b, E]` bool, the kept assignments (after capacity dropping)
+    # this call's enabled router losses by name of `ROUTER_LOSS_NAMES`, as megatron tracked
+    # them: no coefficient; the load-balancing ones are this rank's partial sum over its tokens,
+    # the z-loss the mean over its tokens
     losses: Mapping[str, Tensor]
+    # `n_mb`, the microbatch's routed tokens over its TP x CP ranks (training passes that scale
+    # the router losses; `None` otherwise)
     microbatch_tokens: float | None = None
+    # the batch's recorded routing of this layer `[s*b, K]` in the router's token order
+    # (`routed_experts`, e.g. from the rollout), or `None`
     recorded: Tensor | None = None
 
     @property
@@ -86,19 +78,13 @@ class StatsLayout:
 
 @dataclass(frozen=True)
 class RouterStatistic:
-    """A per-layer counter and the step metrics derived from it (from the table summed over
-    microbatches and every rank, MoE layers only).
+    """A per-layer counter and the step metrics derived from its table (summed over
+    microbatches and every rank, MoE layers only)."""
 
-    Attributes:
-        name: the statistic's name (unique in a :class:`RouterStatistics`).
-        width: values per layer; ``None``: the number of experts ``E``.
-        count: ``count(call) -> [width]``: one router call's contribution (summed).
-        metrics: ``metrics(table [L_moe, width], layout) -> {metric: value}``.
-    """
-
-    name: str
-    width: int | None
-    count: Callable[[RouterCall], Tensor]
+    name: str  # unique in a `RouterStatistics`
+    width: int | None  # values per layer; `None`: the number of experts `E`
+    count: Callable[[RouterCall], Tensor]  # one router call's `[width]` contribution (summed)
+    # `metrics(table [L_moe, width], layout) -> {metric: value}`
     metrics: Callable[[Tensor, StatsLayout], dict[str, float]]
 
 
@@ -215,9 +201,10 @@ def enabled_router_losses(config: Any) -> tuple[str, ...]:
 
 
 def microbatch_tokens(microbatches: Sequence[Any], groups: ParallelGroups) -> list[float]:
-    """``n_mb`` of this rank's microbatches: the tokens megatron's routers route for each (over
-    its TP and CP ranks): the model ids' positions, or the non-padding ones of the microbatch's
-    routing ``padding_mask`` (True = padding), times CP (a CP rank holds ``1/CP`` of them)."""
+    """`n_mb` of this rank's microbatches: the tokens megatron's routers route for each (over
+    its TP and CP ranks)."""
+    # the model ids' positions, or the non-padding ones of the routing `padding_mask` (True =
+    # padding), times CP (a CP rank holds `1/CP` of them)
     counts = []
     for mb in microbatches:
         mask = mb.padding_mask
@@ -228,17 +215,11 @@ def microbatch_tokens(microbatches: Sequence[Any], groups: ParallelGroups) -> li
 
 @dataclass(frozen=True)
 class RouterLossScale:
-    """What the router-loss coefficients of one training pass are derived from.
+    """What the router-loss coefficients of one training pass are derived from."""
 
-    Attributes:
-        microbatch_tokens: ``n_mb`` of this rank's microbatches, in schedule order.
-        total_tokens: ``N``: ``n_mb`` summed over the global batch (all microbatches, DP ranks).
-        tp_cp: ``TP * CP``, the ranks that split one microbatch's tokens.
-    """
-
-    microbatch_tokens: Sequence[float]
-    total_tokens: float
-    tp_cp: int
+    microbatch_tokens: Sequence[float]  # `n_mb` of this rank's microbatches, in schedule order
+    total_tokens: float  # `N`: `n_mb` summed over the global batch (all microbatches, DP ranks)
+    tp_cp: int  # `TP * CP`, the ranks that split one microbatch's tokens
 
     @classmethod
     def of(
@@ -254,24 +235,19 @@ class RouterLossScale:
 
 @dataclass
 class RouterStatistics:
-    """The step's router counters (and, in training, the router-loss coefficients): hooks on
-    every router of ``chunks`` inside :meth:`collect`, one all-reduce in :meth:`reduce`.
+    """The step's router counters (and, in training, the router-loss coefficients).
 
-    Attributes:
-        chunks: the model chunks (their routers are found by type).
-        statistics: what is counted (e.g. :func:`default_statistics`).
-        scale: the router losses' scale (a training pass with ``calculate_per_token_loss``),
-            ``None``: coefficients left as configured.
-        device: where the tables live (the collectives' device).
-        recorded: per microbatch (schedule order), the batch's recorded routing ``[n, L, K]``
-            in the routers' token order (this rank's SP slice; L = the model's MoE layers), or
-            ``None``; empty: none recorded.
+    Hooks on every router of `chunks` inside `collect`, one all-reduce in `reduce`.
     """
 
-    chunks: Sequence[torch.nn.Module]
-    statistics: Sequence[RouterStatistic]
+    chunks: Sequence[torch.nn.Module]  # their routers are found by type
+    statistics: Sequence[RouterStatistic]  # what is counted (e.g. `default_statistics`)
+    # the router losses' scale (a training pass with `calculate_per_token_loss`); `None`:
+    # coefficients left as configured
     scale: RouterLossScale | None = None
-    device: torch.device | str = "cpu"
+    device: torch.device | str = "cpu"  # where the tables live (the collectives' device)
+    # per microbatch (schedule order), the recorded routing `[n, L, K]` in the routers' token
+    # order (this rank's SP slice; L = the model's MoE layers) or `None`; empty: none recorded
     recorded: Sequence[Tensor | None] = ()
     _tables: dict[str, Tensor] = field(default_factory=dict, init=False)
     _before: dict[str, Tensor] = field(default_factory=dict, init=False)
@@ -302,11 +278,11 @@ class RouterStatistics:
 
     @contextlib.contextmanager
     def collect(self) -> Iterator[None]:
-        """Count every router forward inside the block (megatron's loss tracker cleared first:
-        each call's losses are the tracker's increments); the configured coefficients are
+        """Count every router forward inside the block; the configured coefficients are
         restored on exit, also on error."""
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
+        # cleared first: each call's losses are the tracker's increments
         clear_aux_losses_tracker()
         handles = []
         for router in self._routers():
@@ -322,8 +298,8 @@ class RouterStatistics:
 
     def coefficients(self, microbatch: int, multiplier: float) -> tuple[Any, float | None]:
         """`(moe_aux_loss_coeff, moe_z_loss_coeff)` for one router call of `microbatch` whose
-        load-balancing loss megatron multiplies by `multiplier` (`_multiplier`): the one place
-        of the router losses' scaling."""
+        load-balancing loss megatron multiplies by `multiplier` (`_multiplier`)."""
+        # the one place of the router losses' scaling
         assert self.scale is not None  # only called with a scale
         _, aux, z = self._coefficients[0]
         # per router call megatron (calculate_per_token_loss) back-propagates c' * m * aux_r
@@ -394,9 +370,9 @@ class RouterStatistics:
             self._tables[stat.name][layer] += stat.count(call).to(self.device)
 
     def reduce(self, groups: ParallelGroups, world_group: Any = None) -> dict[str, Tensor]:
-        """Every table summed over all ranks (ONE all-reduce over ``world_group``, ``None``: the
-        default group), then each statistic's metrics over the MoE layers (rows some router
-        filled): identical on every rank."""
+        """Every table summed over all ranks (ONE all-reduce over `world_group`, `None`: the
+        default group), then each statistic's metrics; identical on every rank."""
+        # metrics cover the MoE layers only: the rows some router filled
         names = [s.name for s in self.statistics]
         flat = torch.cat([self._tables[n].reshape(-1) for n in names])
         if dist.is_initialized() and dist.get_world_size(world_group) > 1:
@@ -415,9 +391,9 @@ class RouterStatistics:
 
 
 def default_statistics(config: Any, losses: bool, recorded: bool = False) -> list[RouterStatistic]:
-    """Tokens per expert and dropped tokens, plus (``losses``: a pass that scales them) every
-    enabled router loss, plus (``recorded``: the batch carries ``routed_experts``) the routing
-    mismatch."""
+    """Tokens per expert and dropped tokens, plus every enabled router loss (`losses`) and the
+    routing mismatch (`recorded`)."""
+    # `losses`: a pass that scales them; `recorded`: the batch carries `routed_experts`
     stats = [TOKENS_PER_EXPERT, DROPPED_TOKENS]
     if losses:
         stats += [router_loss_statistic(name) for name in enabled_router_losses(config)]
@@ -449,23 +425,19 @@ def moe_pass(
     training: bool,
     device: torch.device | str = "cpu",
 ) -> Iterator[RouterStatistics | None]:
-    """The block of one pass of a MoE model: the :func:`default_statistics` collected and, in
-    training with ``calculate_per_token_loss`` and a router loss on, the router losses scaled
-    (:meth:`RouterStatistics.coefficients`); yields ``None`` (and does nothing) for a dense model.
+    """The block of one pass of a MoE model: `default_statistics` collected and, in training,
+    the router losses scaled; yields `None` (and does nothing) for a dense model.
 
-    Args:
-        chunks: the (wrapped) model chunks.
-        microbatches: the pass's processed microbatches (``input_ids_cp_sharded``,
-            ``padding_mask``, ``routed_experts_cp_sharded``), in schedule order.
-        groups: this rank's groups.
-        training: a forward-backward pass (megatron computes router losses only then).
-        device: where the counters and collectives' tensors live.
+    `microbatches`: the pass's processed microbatches (`input_ids_cp_sharded`, `padding_mask`,
+    `routed_experts_cp_sharded`), in schedule order.
     """
     config = moe_config(chunks)
     if config is None:
         yield None
         return
     scale = None
+    # megatron computes router losses in forward-backward passes only, and scales them per token
+    # only with `calculate_per_token_loss`
     if training and config.calculate_per_token_loss and enabled_router_losses(config):
         scale = RouterLossScale.of(microbatches, groups, device)
     recorded = recorded_routing_per_microbatch(microbatches, groups, config.sequence_parallel)
