@@ -1,7 +1,8 @@
-"""From a global batch to the `ProcessedMicrobatch` stream the forward step consumes
-(docs/behaviour-reference.md §6.3): `process_global_batch` (global valid counts once over DP,
-fixed-size or token-budget microbatches) and `process_microbatch` (one microbatch's model
-inputs, padded or packed into one THD row)."""
+"""From a global batch to the `ProcessedMicrobatch` stream the forward step consumes."""
+
+# docs/behaviour-reference.md §6.3: `process_global_batch` (global valid counts once over DP,
+# fixed-size or token-budget microbatches) and `process_microbatch` (one microbatch's model
+# inputs, padded or packed into one THD row).
 
 from __future__ import annotations
 
@@ -27,45 +28,32 @@ from lightning_mcore_rl.data.packed_checks import shared_causal_mask
 
 @dataclass
 class ProcessedMicrobatch:
-    """One microbatch, ready for ``model_forward``.
+    """One microbatch, ready for `model_forward`."""
 
-    Attributes:
-        data_dict: The unpacked microbatch ``[B, S, ...]`` the losses read.
-        input_ids: Model ids: ``[B, S_pad]`` padded, or the full packed row ``[1, T]``.
-        input_ids_cp_sharded: This CP rank's ids: ``[B, S_pad]`` or ``[1, T/CP]``.
-        attention_mask: ``[1, 1, S_pad, S_pad]`` bool causal mask (True = masked); ``None`` packed.
-        position_ids: ``[B, S_pad]``, or per-document ``[1, T/CP]`` when packed.
-        packed_seq_params: Megatron ``PackedSeqParams`` (``None`` when padded).
-        cu_seqlens_padded: ``[B+1]`` span boundaries (``None`` when padded).
-        original_seq_length: ``S`` before dense padding.
-        mtp_loss_mask: MTP: `token_mask * sample_mask` in the model ids' layout (`[B, S_pad]`
-            or `[1, T/CP]`); `None` without MTP.
-        padding_mask: MoE: the routers' padding mask in the model's input layout, True at
-            padding (`[B, S_pad]` or `[1, T/CP]`); `None` for dense models.
-        routed_experts_cp_sharded: router replay: `routed_experts` in the routers' token order
-            before SP, `[S_pad * B, L, K]` (sequence-first) or `[T/CP, L, K]`; `None` without
-            the batch key.
-    """
-
-    data_dict: BatchedDataDict
-    input_ids: Tensor
-    input_ids_cp_sharded: Tensor
+    data_dict: BatchedDataDict  # the unpacked microbatch `[B, S, ...]` the losses read
+    input_ids: Tensor  # model ids: `[B, S_pad]` padded, or the full packed row `[1, T]`
+    input_ids_cp_sharded: Tensor  # this CP rank's ids: `[B, S_pad]` or `[1, T/CP]`
+    # `[1, 1, S_pad, S_pad]` bool causal mask (True = masked); `None` packed
     attention_mask: Tensor | None
-    position_ids: Tensor | None
-    packed_seq_params: Any
-    cu_seqlens_padded: Tensor | None
-    original_seq_length: int
+    position_ids: Tensor | None  # `[B, S_pad]`, or per-document `[1, T/CP]` when packed
+    packed_seq_params: Any  # megatron `PackedSeqParams` (`None` when padded)
+    cu_seqlens_padded: Tensor | None  # `[B+1]` span boundaries (`None` when padded)
+    original_seq_length: int  # `S` before dense padding
+    # MTP: `token_mask * sample_mask` in the model ids' layout (`[B, S_pad]` or `[1, T/CP]`);
+    # `None` without MTP
     mtp_loss_mask: Tensor | None = None
+    # MoE: the routers' padding mask in the model's input layout, True at padding (`[B, S_pad]`
+    # or `[1, T/CP]`); `None` for dense models
     padding_mask: Tensor | None = None
+    # router replay: `routed_experts` in the routers' token order before SP, `[S_pad * B, L, K]`
+    # (sequence-first) or `[T/CP, L, K]`; `None` without the batch key
     routed_experts_cp_sharded: Tensor | None = None
 
 
 def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> Tensor:
-    """Megatron's boolean left-to-right mask ``[1, 1, S, S]``: True where attention is masked.
-
-    The tensor is shared per ``(S, device)``
-    (:func:`~lightning_mcore_rl.data.packed_checks.shared_causal_mask`: the local attention
-    recognises it without reading it); do not modify it in place."""
+    """Megatron's boolean left-to-right mask `[1, 1, S, S]`: True where attention is masked."""
+    # shared per `(S, device)` (`shared_causal_mask`): the local attention recognises it without
+    # reading it, so nobody may modify it in place
     return shared_causal_mask(seq_len, torch.device(device))
 
 
@@ -84,8 +72,9 @@ def process_microbatch(
     routing: bool = False,
     mtp: bool = False,
 ) -> ProcessedMicrobatch:
-    """The model inputs of one microbatch (`input_ids [B, S]`, `input_lengths [B]` when packed,
-    and the loss fields), padded or packed into one THD row.
+    """The model inputs of one microbatch, padded or packed into one THD row.
+
+    `input_ids [B, S]`, `input_lengths [B]` when packed, and the loss fields.
 
     Args:
         pad_individual: per-sequence span multiple (`layout_padding`).
@@ -97,7 +86,7 @@ def process_microbatch(
         mtp: also build the MTP `mtp_loss_mask`.
 
     Raises:
-        ValueError: Missing lengths when packing, CP > 1 without packing, bad pad width.
+        ValueError: missing lengths when packing, CP > 1 without packing, bad pad width.
     """
     input_ids = cast(Tensor, data_dict["input_ids"])  # [B, S] by the BatchedDataDict contract
     batch, width = input_ids.shape
@@ -228,23 +217,16 @@ def layout_padding(
 
 @dataclass
 class GlobalBatch:
-    """This DP rank's share of one global batch, split into processed microbatches.
-
-    Attributes:
-        microbatches: The processed microbatches, in order.
-        global_valid_seqs: ``sum(sample_mask)`` over the DP group (0-d).
-        global_valid_toks: ``sum(token_mask[:, 1:] * sample_mask)`` over the DP group (0-d).
-        seq_length: The schedule's ``seq_length`` (model input width; ``T`` when packed).
-        micro_batch_size: The schedule's ``micro_batch_size`` (1 when packed; the largest
-            microbatch with padded token-budget microbatches, unused without pipelining).
-        token_budget: The token-budget split (``None``: fixed-size microbatches in input order).
-    """
+    """This DP rank's share of one global batch, split into processed microbatches."""
 
     microbatches: list[ProcessedMicrobatch]
-    global_valid_seqs: Tensor
-    global_valid_toks: Tensor
-    seq_length: int
+    global_valid_seqs: Tensor  # `sum(sample_mask)` over the DP group (0-d)
+    global_valid_toks: Tensor  # `sum(token_mask[:, 1:] * sample_mask)` over the DP group (0-d)
+    seq_length: int  # the schedule's `seq_length` (model input width; `T` when packed)
+    # the schedule's `micro_batch_size`: 1 when packed; with padded token-budget microbatches the
+    # largest microbatch (unused without pipelining)
     micro_batch_size: int
+    # the token-budget split (`None`: fixed-size microbatches in input order)
     token_budget: TokenBudgetMicrobatches | None = None
 
     @property
@@ -257,10 +239,10 @@ class GlobalBatch:
         return iter(self.microbatches)
 
     def restore_order(self, outputs: list[Tensor], pad_value: float = 0.0) -> Tensor:
-        """Per-microbatch outputs ``[b_i, ...]`` / ``[b_i, s_i, ...]`` -> ``[B, ...]`` /
-        ``[B, S, ...]`` in the input batch's sample order (token-budget microbatches hold
-        reordered samples and are trimmed to their longest sequence; narrower per-token outputs
-        are right-padded with ``pad_value``)."""
+        """Per-microbatch outputs `[b_i, ...]` / `[b_i, s_i, ...]` -> `[B, ...]` / `[B, S, ...]`
+        in the input batch's sample order."""
+        # token-budget microbatches hold reordered samples and are trimmed to their longest
+        # sequence; narrower per-token outputs are right-padded with `pad_value`
         if self.token_budget is not None:
             return self.token_budget.restore_order(outputs, pad_value)
         return torch.cat(outputs)
@@ -275,25 +257,22 @@ def process_global_batch(
     max_tokens_per_microbatch: int | None = None,
     **microbatch_kwargs: Any,
 ) -> GlobalBatch:
-    """Global valid counts once over DP (on the whole local batch), then processed microbatches:
-    fixed-size, or token-budget ones when `max_tokens_per_microbatch` is set.
+    """Global valid counts once over DP, then processed microbatches (fixed-size, or token-budget
+    ones when `max_tokens_per_microbatch` is set).
 
     Args:
-        batch: this DP rank's share of the global batch (`sample_mask` required; token budget:
-            the real lengths too).
+        batch: this DP rank's share of the global batch (`sample_mask`; a budget: the lengths too).
         dp_group: the data-parallel group (never DP x CP: CP ranks hold identical data).
         micro_batch_size: samples per microbatch; must divide the batch (ignored with a budget).
         equal_shapes: pad every packed microbatch to the longest one (pipeline parallelism).
-        max_tokens_per_microbatch: token budget per microbatch (`data.microbatch_cost`); every
-            DP rank gets the same number of microbatches (one all-reduce MAX), samples are
-            regrouped (`GlobalBatch.restore_order` puts outputs back).
+        max_tokens_per_microbatch: token budget per microbatch (`data.microbatch_cost`).
         **microbatch_kwargs: forwarded to `process_microbatch` (packing, CP rank/size...).
 
     Raises:
-        ValueError: ``micro_batch_size`` does not divide the local batch size; with a budget
-            (before any collective): a budget that is not a positive int or is below the longest
-            sequence, padded token-budget microbatches with ``equal_shapes``.
+        ValueError: `micro_batch_size` does not divide the local batch; a bad budget; padded
+            token-budget microbatches with `equal_shapes`.
     """
+    # all raised before any collective
     check_microbatching(
         micro_batch_size if max_tokens_per_microbatch is None else 1,  # ignored with a budget
         max_tokens_per_microbatch,
@@ -310,10 +289,13 @@ def process_global_batch(
             )
         data_microbatches = list(batch.make_microbatch_iterator(micro_batch_size))
     else:
+        # every DP rank gets the same number of microbatches (one all-reduce MAX); samples are
+        # regrouped and `GlobalBatch.restore_order` puts the outputs back
         budget = _token_budget_microbatches(
             batch, dp_group, max_tokens_per_microbatch, microbatch_kwargs
         )
         data_microbatches = budget.microbatches
+    # on the whole local batch, once: every microbatch divides by the same global counts
     counts = compute_global_valid_counts(batch, dp_group)
     microbatches = [process_microbatch(mb, **microbatch_kwargs) for mb in data_microbatches]
     packed = microbatches[0].packed_seq_params is not None
@@ -350,11 +332,8 @@ def check_microbatching(
     """THE validation of a microbatching choice (host only, before any collective).
 
     Raises:
-        ValueError: ``micro_batch_size`` not a positive int; ``max_tokens_per_microbatch`` not a
-            positive int or None; a budget with ``micro_batch_size != 1`` (the budget decides how
-            many samples each microbatch holds); a padded budget with ``equal_shapes`` (pipeline
-            parallelism: padded budget microbatches hold different numbers of samples, and
-            megatron's p2p sends one ``[seq_length, mbs, hidden]`` shape).
+        ValueError: a bad `micro_batch_size` or `max_tokens_per_microbatch`; a budget with
+            `micro_batch_size != 1`; a padded budget with `equal_shapes`.
     """
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
         raise ValueError(f"`micro_batch_size` must be a positive int, got {micro_batch_size!r}.")
@@ -377,6 +356,8 @@ def check_microbatching(
             f"`max_tokens_per_microbatch={max_tokens_per_microbatch}`: with a token budget the "
             "budget decides how many samples each microbatch holds; leave micro_batch_size at 1."
         )
+    # pipeline parallelism: padded budget microbatches hold different numbers of samples, and
+    # megatron's p2p sends one `[seq_length, mbs, hidden]` shape
     if equal_shapes and not sequence_packing:
         raise ValueError(
             f"`max_tokens_per_microbatch={max_tokens_per_microbatch}` with pipeline parallelism "
