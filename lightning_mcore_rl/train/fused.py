@@ -1,9 +1,9 @@
-"""The fused LM head: with `use_fused_linear_logprobs` the last stage returns its final hidden
-states `[B, S, H]` and the post-processors compute token logprobs from `hidden x W_out^T / T`
-with the chunked kernels of `ops.fused_linear`, never building `[tokens, V_l]` logits.
+"""The fused LM head: logprobs from the last stage's hidden states, never building logits."""
 
-Shapes: `B` sequences, `S` width, `T` packed tokens, `H` hidden size, `V_l = V/TP`.
-"""
+# With `use_fused_linear_logprobs` the last stage returns its final hidden states `[B, S, H]` and
+# the post-processors compute token logprobs from `hidden x W_out^T / T` with the chunked kernels
+# of `ops.fused_linear`, never building `[tokens, V_l]` logits.
+# Shapes: `B` sequences, `S` width, `T` packed tokens, `H` hidden size, `V_l = V/TP`.
 
 from __future__ import annotations
 
@@ -47,24 +47,22 @@ def reject_filtering(sampling_params: TrainingSamplingParams | None, owner: str)
 
 
 def output_weight(model: torch.nn.Module) -> Tensor:
-    """The ``[V_l, H]`` weight a ``GPTModel`` last stage multiplies its hidden states with.
-
-    Untied: ``output_layer.weight``. Tied: ``shared_embedding_or_output_weight()`` (the word
-    embedding when this chunk also embeds, else the last stage's own copy, which megatron keeps
-    equal to the embedding by all-reducing their gradients), as ``GPTModel._postprocess`` picks it.
-    """
+    """The `[V_l, H]` weight a `GPTModel` last stage multiplies its hidden states with."""
     inner = cast(Any, unwrap_model(model))  # a GPTModel, checked by check_fused_chunks
+    # Tied: the word embedding when this chunk also embeds, else the last stage's own copy,
+    # which megatron keeps equal to the embedding by all-reducing their gradients; the same
+    # pick as `GPTModel._postprocess`. Untied: `output_layer.weight`.
     if inner.share_embeddings_and_output_weights:
         return cast(Tensor, inner.shared_embedding_or_output_weight())
     return cast(Tensor, inner.output_layer.weight)
 
 
 def check_fused_chunks(chunks: Sequence[torch.nn.Module]) -> None:
-    """Every chunk is a ``GPTModel`` without multi-token prediction (the same on every rank).
+    """Every chunk is a `GPTModel` without multi-token prediction (the same on every rank).
 
     Raises:
-        TypeError: A chunk is not a megatron ``GPTModel``.
-        ValueError: ``mtp_num_layers`` is set (its extra heads need logits).
+        TypeError: a chunk is not a megatron `GPTModel`.
+        ValueError: `mtp_num_layers` is set (its extra heads need logits).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -86,12 +84,12 @@ def check_fused_chunks(chunks: Sequence[torch.nn.Module]) -> None:
 
 @contextlib.contextmanager
 def _output_layer_forward(model: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
-    """For the block, `model`'s output layer runs `forward` (an instance attribute, removed on
-    exit, also on error); its module hooks still run around it.
+    """For the block, `model`'s output layer runs `forward` (its module hooks still run).
 
     Raises:
         RuntimeError: the output layer is already bypassed (nested use).
     """
+    # an instance attribute, removed on exit, also on error
     # megatron-core 0.16's GPTModel has no hook between its final norm and its output layer:
     # this is the one bridge (this module object only, never the class or a global); the layer
     # stays the same module, so its hooks (DDP's parameter-gather pre-hook, captures) still run.
@@ -107,12 +105,11 @@ def _output_layer_forward(model: torch.nn.Module, forward: Callable[..., Any]) -
 
 
 def lm_head_returns_hidden(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """For the block, the output layer of `model` (a wrapped `GPTModel` last stage) returns its
-    input: the chunk outputs `[B, S, H]`.
+    """For the block, the output layer of `model` (a `GPTModel` last stage) returns its input:
+    the chunk outputs `[B, S, H]`.
 
     Raises:
-        RuntimeError: the output layer is already bypassed (nested use), or `GPTModel` called it
-            with a weight other than `output_weight`.
+        RuntimeError: already bypassed (nested use), or called with another weight.
     """
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -140,11 +137,11 @@ def lm_head_returns_hidden(model: torch.nn.Module) -> contextlib.AbstractContext
 
 
 def batch_first_applies(model: torch.nn.Module) -> bool:
-    """Whether :func:`lm_head_batch_first` can serve ``model``: a last stage whose output layer
-    is megatron's ``ColumnParallelLinear`` (not a replaced head, e.g. the reward model's scalar
-    head), without sequence parallelism (the layer gathers its input along dim 0, the sequence)
-    and without multi-token prediction (its loss reads the head's ``[S, B, V_l]`` output inside
-    ``GPTModel``)."""
+    """Whether `lm_head_batch_first` can serve `model`."""
+    # A last stage whose output layer is megatron's `ColumnParallelLinear` (not a replaced head,
+    # e.g. the reward model's scalar head), without sequence parallelism (the layer gathers its
+    # input along dim 0, the sequence) and without multi-token prediction (its loss reads the
+    # head's `[S, B, V_l]` output inside `GPTModel`).
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     inner = cast(Any, unwrap_model(model))
@@ -181,15 +178,11 @@ def lm_head_batch_first(model: torch.nn.Module) -> contextlib.AbstractContextMan
 
 @dataclass(frozen=True)
 class FusedLMHead:
-    """What the post-processors need to finish the LM head of one microbatch.
+    """What the post-processors need to finish the LM head of one microbatch."""
 
-    Attributes:
-        weight: ``[V_l, H]`` this TP rank's output weight (:func:`output_weight`).
-        sampling_params: The step's; only its temperature is used (top-k/top-p are rejected
-            before the pass), dividing ``hidden x W^T`` exactly once.
-    """
-
-    weight: Tensor
+    weight: Tensor  # `[V_l, H]` this TP rank's output weight (`output_weight`)
+    # only its temperature is used (top-k/top-p are rejected before the pass), dividing
+    # `hidden x W^T` exactly once
     sampling_params: TrainingSamplingParams | None
 
     def vocab_range(self, tp_rank: int) -> tuple[int, int]:
@@ -214,13 +207,9 @@ class FusedLMHead:
         logprob_gradient: LogprobGradient | None = None,
     ) -> FusedLinearLogprobsOutput:
         """Next-token logprobs (and the positive entropy) `[B, S-1]` of dense rows from
-        `hidden [B, S/CP, H]` and the unshifted `input_ids [B, S]`.
-
-        Args:
-            chunk_size: tokens per kernel chunk (`None`: 64 MiB of fp32 logits).
-            logprob_gradient: the gradient in the forward (`fused_prepare_fn`): the loss's
-                gradient with respect to the `[B, S-1]` logprobs (CP = 1, no entropy).
-        """
+        `hidden [B, S/CP, H]` and the unshifted `input_ids [B, S]`."""
+        # `chunk_size` `None`: 64 MiB of fp32 logits per chunk; `logprob_gradient`: the loss's
+        # gradient w.r.t. the `[B, S-1]` logprobs for the gradient in the forward (CP = 1)
         args = (
             self.as_input(hidden), self.weight, input_ids, *self.vocab_range(tp_rank), tp_group,
             cp_group, chunk_size, self.sampling_params,
@@ -244,10 +233,8 @@ class FusedLMHead:
         target_is_pre_rolled: bool,
         logprob_gradient: LogprobGradient | None = None,
     ) -> FusedLinearLogprobsOutput:
-        """Next-token logprobs (and the positive entropy) `[B, S-1]` of one packed THD row
-        from `hidden [1, T/CP, H]`, `target` (`[1, T]` full packed ids, or `[1, T/CP]`
-        pre-rolled and CP-sharded with `target_is_pre_rolled`) and the `B+1` span boundaries;
-        `logprob_gradient` as in `dense`."""
+        """Next-token logprobs (and the positive entropy) `[B, S-1]` of one packed THD row from
+        `hidden [1, T/CP, H]` and `target` (`[1, T]`, or `[1, T/CP]` with `target_is_pre_rolled`)."""
         args = (
             self.as_input(hidden), self.weight, target, cu_seqlens_padded, width,
             *self.vocab_range(tp_rank), tp_group, cp_group, chunk_size, self.sampling_params,
@@ -276,10 +263,9 @@ ValidCounts = tuple[Any, Any]
 
 
 def gradient_in_forward_applies(loss_fn: LossFunction, cp_size: int) -> bool:
-    """Whether the fused head computes its gradients in the forward for ``loss_fn``: it declares
-    ``token_local_gradient`` (:class:`~lightning_mcore_rl.losses.LossFunction`), needs no
-    entropy (whose gradient is not predicted) and CP = 1 (the loss reads logprobs
-    gathered over CP)."""
+    """Whether the fused head computes its gradients in the forward for `loss_fn`."""
+    # the loss declares `token_local_gradient`, needs no entropy (whose gradient is not
+    # predicted) and CP = 1 (the loss reads logprobs gathered over CP)
     local = bool(getattr(loss_fn, "token_local_gradient", False))
     return local and not _needs_entropy(loss_fn) and cp_size == 1
 
@@ -291,11 +277,10 @@ def _logprob_gradient(
     cp_group: Any,
     valid_counts: ValidCounts | None,
 ) -> LogprobGradient | None:
-    """The predictor of ``loss_fn``'s gradient with respect to the ``[B, S-1]``
-    logprobs: ``loss_fn``'s own autograd on the logprobs made so far (the kernel calls it
-    after each chunk, :mod:`~lightning_mcore_rl.ops.fused_linear`); ``None`` where the gradient
-    in the forward does not apply (:func:`gradient_in_forward_applies`, no ``valid_counts``) or
-    no backward follows (a forward-only pass)."""
+    """The predictor of `loss_fn`'s gradient w.r.t. the `[B, S-1]` logprobs, or `None`."""
+    # `loss_fn`'s own autograd on the logprobs made so far (the kernel calls it after each
+    # chunk); `None` where the gradient in the forward does not apply (no `valid_counts`) or no
+    # backward follows (a forward-only pass)
     if valid_counts is None or not (torch.is_grad_enabled() and hidden.requires_grad):
         return None
     if not gradient_in_forward_applies(loss_fn, _group_size(cp_group)):
@@ -317,14 +302,10 @@ def _logprob_gradient(
 def fused_prepare_fn(
     head: FusedLMHead, chunk_size: int | None, valid_counts: ValidCounts | None = None
 ) -> PrepareFn:
-    """`prepare_fn(hidden, data, loss_fn, tp_rank, tp_group, cp_group)` of a `LOGPROB` loss:
-    the fused counterpart of `losses.prepare_loss_input` for dense rows (`hidden [B, S/CP, H]`;
-    packed rows take `fused_packed_prepare_fn`).
-
-    Args:
-        valid_counts: the pass's global valid counts (`None`: off): with them the head computes
-            its gradients in the forward where `gradient_in_forward_applies` (training).
-    """
+    """`prepare_fn(hidden, data, loss_fn, tp_rank, tp_group, cp_group)` of a `LOGPROB` loss on
+    dense rows (`hidden [B, S/CP, H]`): the fused `losses.prepare_loss_input`."""
+    # packed rows take `fused_packed_prepare_fn`; with `valid_counts` (training) the head
+    # computes its gradients in the forward where `gradient_in_forward_applies`
     # only where the prepared call is the microbatch's one kernel call: each call holds an fp32
     # [V_l, H] gradient until its backward
 
@@ -347,10 +328,8 @@ def fused_prepare_fn(
 def fused_packed_prepare_fn(
     head: FusedLMHead, chunk_size: int | None, valid_counts: ValidCounts | None = None
 ) -> PrepareFn:
-    """``prepare_fn(hidden, data, loss_fn, cu_q, cu_qp, tp_rank, tp_group, cp_group)`` of the
-    one-pass packed wrapper (``hidden [1, T/CP, H]``): the fused counterpart of
-    :func:`~lightning_mcore_rl.losses.prepare_packed_loss_input`; ``valid_counts`` as in
-    :func:`fused_prepare_fn`."""
+    """`prepare_fn(hidden, data, loss_fn, cu_q, cu_qp, tp_rank, tp_group, cp_group)` of the
+    one-pass packed wrapper (`hidden [1, T/CP, H]`): the fused `prepare_packed_loss_input`."""
 
     def prepare(
         hidden: Tensor, data: BatchedDataDict, loss_fn: LossFunction,
