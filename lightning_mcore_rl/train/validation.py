@@ -1,7 +1,8 @@
-"""The host-side validation of one batch before any collective (`validate_batch`, once per
-pass of `run_global_batch` / `run_forward_only`): a malformed batch raises `ValueError` /
-`TypeError` naming the key; the first non-finite float is returned (`NonFinite`) for the
-caller's non-finite policy."""
+"""The host-side validation of one batch before any collective (`validate_batch`)."""
+
+# Once per pass of `run_global_batch` / `run_forward_only`: a malformed batch raises
+# `ValueError` / `TypeError` naming the key; the first non-finite float is returned
+# (`NonFinite`) for the caller's non-finite policy.
 
 from __future__ import annotations
 
@@ -29,17 +30,11 @@ PER_TOKEN_KEYS = (
 
 @dataclass(frozen=True)
 class NonFinite:
-    """The first non-finite entry of a batch (what the non-finite policy reports).
+    """The first non-finite entry of a batch (what the non-finite policy reports)."""
 
-    Attributes:
-        key: the batch key.
-        position: the index of the first NaN/±inf entry.
-        value: that entry (``nan``, ``inf`` or ``-inf``).
-    """
-
-    key: str
-    position: tuple[int, ...]
-    value: float
+    key: str  # the batch key
+    position: tuple[int, ...]  # the index of the first NaN/±inf entry
+    value: float  # that entry (`nan`, `inf` or `-inf`)
 
     def describe(self) -> str:
         """``"`advantages`[1, 4] = inf"``."""
@@ -48,57 +43,40 @@ class NonFinite:
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """What a batch must look like for one pass.
+    """What a batch must look like for one pass."""
 
-    Attributes:
-        lm: the LM path (``{"tokens", "labels"}``); otherwise the ``loss_fn`` path
-            (``input_ids``, ``sample_mask``, ...).
-        vocab_size: ``V``: every id (tokens, labels, ``input_ids``, top-k indices) must lie in
-            ``[0, V)``; ``None`` skips the check.
-        required: further keys the pass needs (the loss's inputs, :func:`loss_input_keys`).
-        required_by: who reads ``required`` (the loss class), named when one is missing.
-        needs_lengths: ``input_lengths`` is required (packing or a token budget).
-        max_positions: the rows of the model's learned position table (``max_sequence_length``):
-            ``S`` must not exceed it; ``None`` (rotary or no positions) skips the check.
-    """
-
+    # the LM path (`{"tokens", "labels"}`); otherwise the `loss_fn` path (`input_ids`, ...)
     lm: bool = False
+    # `V`: every id (tokens, labels, `input_ids`, top-k indices) must lie in `[0, V)`; `None`
+    # skips the check
     vocab_size: int | None = None
-    required: tuple[str, ...] = ()
-    required_by: str | None = None
-    needs_lengths: bool = False
+    required: tuple[str, ...] = ()  # further keys the pass needs (the loss's, `loss_input_keys`)
+    required_by: str | None = None  # who reads `required` (the loss class), named when missing
+    needs_lengths: bool = False  # `input_lengths` is required (packing or a token budget)
+    # the rows of the model's learned position table (`max_sequence_length`): `S` must not
+    # exceed it; `None` (rotary or no positions) skips the check
     max_positions: int | None = None
 
 
 @dataclass(frozen=True)
 class BatchSummary:
-    """What the ranks of one model replica compare before a step (one agreement collective).
+    """What the ranks of one model replica compare before a step (one agreement collective)."""
 
-    Attributes:
-        rows: ``B``, the samples of the batch.
-        width: ``S``, the width of the ids.
-        fingerprint: :func:`batch_fingerprint` of the batch, in ``[0, 2**62)``.
-    """
-
-    rows: int
-    width: int
-    fingerprint: int
+    rows: int  # `B`, the samples of the batch
+    width: int  # `S`, the width of the ids
+    fingerprint: int  # `batch_fingerprint` of the batch, in `[0, 2**62)`
 
 
 def validate_batch(batch: Any, spec: BatchSpec) -> NonFinite | None:
-    """Check `batch` against `spec` on the host.
-
-    Returns:
-        The first non-finite float entry (batch key order, then row-major), or ``None``.
+    """Check `batch` against `spec` on the host; returns the first non-finite float entry
+    (batch key order, then row-major) or `None`.
 
     Raises:
-        TypeError: the batch is not a mapping; a required value is not a tensor; ids, lengths
-            or masks have the wrong dtype (bool is not an id).
-        ValueError: an empty batch (no keys or zero samples), a missing key, tensors whose
-            first dimension (samples) or width differ, ``input_lengths`` outside ``[1, S]``,
-            masks of the wrong shape or with values other than 0/1, a ``token_mask`` set
-            beyond ``input_lengths``, ids outside ``[0, V)``, ``S`` above
-            ``spec.max_positions``.
+        TypeError: not a mapping; a required value not a tensor; ids, lengths or masks of the
+            wrong dtype (bool is not an id).
+        ValueError: an empty batch, a missing key, mismatched sample counts or widths,
+            `input_lengths` outside `[1, S]`, bad masks, a `token_mask` beyond `input_lengths`,
+            ids outside `[0, V)`, `S` above `spec.max_positions`.
     """
     # it reads only the batch and the model's vocabulary/position sizes: every rank holding the
     # same data reaches the same verdict without communicating
@@ -265,14 +243,13 @@ def first_nonfinite(batch: Mapping[str, Any]) -> NonFinite | None:
 
 
 def loss_input_keys(loss_fn: object) -> tuple[str, ...]:
-    """The batch keys ``loss_fn`` reads beyond ``input_ids`` and ``sample_mask``: its
-    ``input_keys`` (:class:`~lightning_mcore_rl.losses.LossFunction`), checked up front instead
-    of inside the loss, after the step's first collectives. A loss without ``input_keys``
-    declares none: only the data contract's keys are checked before the step.
+    """The batch keys `loss_fn` reads beyond `input_ids` and `sample_mask` (its `input_keys`).
 
     Raises:
-        TypeError: ``input_keys`` is not a sequence of key names.
+        TypeError: `input_keys` is not a sequence of key names.
     """
+    # checked up front instead of inside the loss, after the step's first collectives; a loss
+    # without `input_keys` declares none: only the data contract's keys are checked
     declared = getattr(loss_fn, "input_keys", ())
     if (
         isinstance(declared, str)
@@ -291,15 +268,12 @@ _FINGERPRINT_MIX = 1_000_003
 
 
 def batch_fingerprint(batch: Mapping[str, Any]) -> int:
-    """A cheap content hash of a batch, equal on ranks holding equal data: per ``[B]`` or
-    ``[B, S]`` tensor (keys sorted) the int64 sum of its elements (ids as they are, floats by
-    their bit patterns) times their 1-based flat positions (so moved rows change it), mixed
-    over the keys. Wider per-token payloads (``[B, S, K]``, ``[B, S, D]``) are left out: their
-    ``[B, S]`` neighbours differ when the rows differ.
-
-    Returns:
-        An int in ``[0, 2**62)``.
-    """
+    """A cheap content hash of a batch, equal on ranks holding equal data: an int in
+    `[0, 2**62)`."""
+    # Per `[B]` or `[B, S]` tensor (keys sorted) the int64 sum of its elements (ids as they are,
+    # floats by their bit patterns) times their 1-based flat positions (so moved rows change
+    # it), mixed over the keys. Wider per-token payloads (`[B, S, K]`, `[B, S, D]`) are left
+    # out: their `[B, S]` neighbours differ when the rows differ.
     tensors = [
         batch[key].detach().reshape(-1)
         for key in sorted(batch)
@@ -352,10 +326,10 @@ def model_vocab_size(chunks: Sequence[torch.nn.Module]) -> int | None:
 
 
 def model_position_limit(chunks: Sequence[torch.nn.Module]) -> int | None:
-    """The rows of the model's learned position table: a megatron ``GPTModel`` with
-    ``position_embedding_type="learned_absolute"`` has ``max_sequence_length`` of them (on every
-    pipeline stage, so every rank reaches the same verdict); ``None`` for rotary or other
-    positions, which have no table to index past."""
+    """The rows of the model's learned position table (`None` for rotary or other positions)."""
+    # a megatron `GPTModel` with `position_embedding_type="learned_absolute"` has
+    # `max_sequence_length` of them on every pipeline stage, so every rank reaches the same
+    # verdict; other positions have no table to index past
     if _model_attribute(chunks, "position_embedding_type") != "learned_absolute":
         return None
     return _int_or_none(_model_attribute(chunks, "max_sequence_length"))
