@@ -1,6 +1,7 @@
-"""The forward step megatron's schedule calls per microbatch (docs/behaviour-reference.md
-§2.1–2.3): `forward_with_post_processing_fn` -> `model_forward`, the temperature in place,
-`(output, bound post-processor)`."""
+"""The forward step megatron's schedule calls per microbatch (docs/behaviour-reference.md §2)."""
+
+# `forward_with_post_processing_fn` -> `model_forward`, the temperature in place,
+# `(output, bound post-processor)` (§2.1-2.3).
 
 from __future__ import annotations
 
@@ -53,15 +54,14 @@ def check_fused_linear_logprobs(
     sampling_params: TrainingSamplingParams | None,
     enabled: bool,
 ) -> None:
-    """Reject what the fused linear logprobs path (`enabled`) cannot serve, identically on
-    every rank (`post_processing_fn`: `None` before it is built).
+    """Reject what the fused linear logprobs path (`enabled`) cannot serve.
 
     Raises:
-        ValueError: A loss / logprobs post-processor built with the other setting; with
-            `enabled`: top-k/top-p filtering, a top-k or teacher-payload post-processor,
-            multi-token prediction.
+        ValueError: a loss / logprobs post-processor built with the other setting; with
+            `enabled`: top-k/top-p, a top-k or teacher-payload post-processor, MTP.
         TypeError: with `enabled`, a chunk that is not a megatron `GPTModel`.
     """
+    # identical on every rank; `post_processing_fn` is `None` before it is built
     # called before megatron's schedule (and by the step entries before their first
     # collective): no rank is left waiting in a collective for one that raised
     if post_processing_fn is not None:
@@ -140,14 +140,12 @@ def model_forward(
         mtp_loss_mask: passed as `loss_mask` (the MTP extension's weights).
         padding_mask: the MoE routers' padding mask (`_prepare_padding_mask_for_model`).
         straggler_timer: called once; the forward runs inside the returned context.
-        use_fused_linear_logprobs: the last stage returns its final hidden states (after the
-            final norm) instead of logits.
+        use_fused_linear_logprobs: the last stage returns its final (post-norm) hidden states.
         labels_cp_sharded: target labels: the model returns per-token losses (prepacked SFT).
 
     Returns:
         Logits `[B, S/CP, V_l]` / `[1, T/CP, V_l]` on the last stage (fused: hidden states
-        `[B, S/CP, H]` / `[1, T/CP, H]` in the model dtype), hidden states elsewhere, per-token
-        losses with labels.
+        `[.., H]` in the model dtype), hidden states elsewhere, per-token losses with labels.
 
     Raises:
         ValueError: labels together with fused linear logprobs.
@@ -255,15 +253,11 @@ def forward_with_post_processing_fn(
     post-processor -> `(output, fn)`; megatron calls `fn(output) -> (loss, metrics)`.
 
     Args:
-        sampling_params: temperature (applied here in place on the last stage; fused: by the
-            post-processor on `hidden x W^T`) and top-k/p.
-        draft_model, enable_hidden_capture: the seed's EAGLE draft, trained in this pass
-            (as `extensions` with the draft's; `seed_flag_extensions`).
+        sampling_params: temperature (in place on the last stage; fused: on `hidden x W^T`), top-k/p.
+        draft_model, enable_hidden_capture: the seed's EAGLE draft, trained in this pass.
         enable_opd_full_capture: capture pre-LM-head hidden states for the teacher payload.
-        use_router_replay, router_replay_train: the seed's router replay (as `extensions` with
-            the MoE one), its backward armed.
-        extensions: each one's `forward_kwargs`, its `forward_scope` around the model forward,
-            its `microbatch_data` after it and its `wrap_loss` around the bound post-processor.
+        use_router_replay, router_replay_train: the seed's router replay, its backward armed.
+        extensions: the step extensions (forward kwargs, scopes, microbatch data, loss wrap).
         training: a forward-backward pass (the extensions' scopes see it).
         groups: handed to the post-processor; `None`: megatron's initialised state.
         num_microbatches: `M` of the pass, for a `LossPostProcessor`'s loss scale.
@@ -273,6 +267,7 @@ def forward_with_post_processing_fn(
         ValueError: what the fused path cannot serve; what an extension's scope refuses.
     """
     groups = resolve_groups(groups)  # the seed API's callers pass none
+    # the seed's draft and router-replay flags become `extensions` (the draft's / the MoE one)
     extensions = seed_flag_extensions(
         extensions, draft_model, enable_hidden_capture, use_router_replay, router_replay_train
     )

@@ -1,11 +1,10 @@
 """The one trainer-free entry that runs a global batch: plan (split) -> megatron's schedule
-(per microbatch forward -> post-process -> loss -> backward) -> statistics.
+(per microbatch forward -> post-process -> loss -> backward) -> statistics."""
 
-`run_global_batch` (training or validation -> `StepOutput`) and `run_forward_only` (logprobs,
-top-k logits, teacher payloads -> per-sample outputs) share the splitter and `run_schedule`.
-Everything a pass reads besides the batch and the chunks comes in one frozen `StepContext`;
-nothing here calls back into the module or reads megatron's `parallel_state`.
-"""
+# `run_global_batch` (training or validation -> `StepOutput`) and `run_forward_only` (logprobs,
+# top-k logits, teacher payloads -> per-sample outputs) share the splitter and `run_schedule`.
+# Everything a pass reads besides the batch and the chunks comes in one frozen `StepContext`;
+# nothing here calls back into the module or reads megatron's `parallel_state`.
 
 from __future__ import annotations
 
@@ -63,9 +62,10 @@ def split_global_batch(
     routing: bool = False,
     mtp: bool = False,
 ) -> GlobalBatch:
-    """This DP rank's share of a global batch -> processed microbatches (CP shards per rank,
-    padded as the layout needs) with the global valid counts; `routing` / `mtp`: also build the
-    MoE routers' padding mask and replay ids / the MTP `mtp_loss_mask`."""
+    """This DP rank's share of a global batch -> processed microbatches with the global valid
+    counts."""
+    # CP shards per rank, padded as the layout needs; `routing` / `mtp`: also build the MoE
+    # routers' padding mask and replay ids / the MTP `mtp_loss_mask`
     data = batch if isinstance(batch, BatchedDataDict) else BatchedDataDict(batch)
     padding = layout_padding(
         sequence_packing=microbatching.sequence_packing,
@@ -129,19 +129,16 @@ def run_global_batch(
         normalizations: the loss's `metric_normalizations` (`loss_fn` path).
         forward_step_func: the LM path: megatron's `forward_step_func` over dict microbatches.
         forward_only: no backward (validation).
-        required_keys: batch keys the loss reads (`loss_input_keys`), checked up front;
-            `required_by`: the loss class they are named with.
-        input_check: see `InputCheck`; `None`: a validation error raises at once and
-            non-finite inputs are not looked at.
+        required_keys: batch keys the loss reads (`loss_input_keys`), checked up front.
+        required_by: the loss class the missing keys are named with.
+        input_check: see `InputCheck`; `None`: errors raise at once, non-finite inputs unchecked.
 
     Returns:
-        The `StepOutput`, identical on every rank; `loss = nan` and nothing else run when
-        `input_check` skipped the step.
+        The `StepOutput`, identical on every rank (`loss = nan` when `input_check` skipped it).
 
     Raises:
-        ValueError, TypeError: a malformed batch (`validate_batch`), or what
-            `use_fused_linear_logprobs` cannot serve (the LM path, top-k/top-p, non-GPT
-            chunks), before any collective of the step.
+        ValueError, TypeError: a malformed batch, or what `use_fused_linear_logprobs` cannot
+            serve, before any collective of the step.
     """
     # the context's sampling_params apply to the last stage's logits exactly once (temperature
     # in place, top-k/top-p by the post-processors), on the loss_fn path only; there the
@@ -217,19 +214,19 @@ def run_forward_only(
     *,
     input_check: InputCheck | None = None,
 ) -> dict[str, Tensor]:
-    """A forward-only pass with ``post_processor`` (dropout off, train mode restored after).
+    """A forward-only pass with `post_processor` (dropout off, train mode restored after).
 
     Returns:
-        Every per-sample output of the post-processor (``logprobs [B, S]``, ``topk_logits``/
-        ``topk_indices [B, S, K]``, ``teacher_full_payload [B, S, D]``) in the batch's sample
-        order, on CPU, on every rank (broadcast from the last pipeline stage).
+        Every per-sample output (`logprobs [B, S]`, `topk_logits`/`topk_indices [B, S, K]`,
+        `teacher_full_payload [B, S, D]`) in the batch's sample order, on CPU, on every rank.
 
     Raises:
-        ValueError, TypeError: a malformed batch (:func:`validate_batch`), before any
-            collective (with ``input_check``: after its one agreement collective); what
-            ``use_fused_linear_logprobs`` cannot serve (top-k logits, teacher payloads,
-            top-k/top-p), before any collective.
+        ValueError, TypeError: a malformed batch, or what `use_fused_linear_logprobs` cannot
+            serve (top-k logits, teacher payloads, top-k/top-p).
     """
+    # every rank gets the outputs: they are broadcast from the last pipeline stage. The batch
+    # check raises before any collective (with `input_check`: after its one agreement
+    # collective), the fused-path check before any collective.
     check_fused_linear_logprobs(
         chunks, post_processor, context.sampling_params, context.use_fused_linear_logprobs
     )
@@ -272,9 +269,9 @@ def _checked_inputs_skip(
     chunks: Sequence[torch.nn.Module],
     context: StepContext,
 ) -> tuple[bool, tuple[StepExtension, ...]]:
-    """ONE validation pass of ``batch`` (host only; each extension's `check_batch` too); the
-    verdict and the batch's `batch_summary` through ``input_check`` -> (skip, the pass's
-    extensions: none on the LM path)."""
+    """ONE validation pass of `batch` (host only) -> (skip, the pass's extensions)."""
+    # each extension's `check_batch` runs too; the verdict and the batch's `batch_summary` go
+    # through `input_check`; the LM path has no extensions
     extensions: tuple[StepExtension, ...] = ()
     try:
         finding = validate_batch(batch, spec)
