@@ -1,10 +1,10 @@
 """Post-processors: per microbatch, the callable megatron's schedule applies to the last
-stage's output -> `(loss, metrics)`; the pass's groups arrive with each microbatch.
+stage's output -> `(loss, metrics)`."""
 
-Shapes: `B` sequences, `S` width of the unpacked batch, `T` packed tokens, `V_l = V/TP`, `k`
-top-k entries, `D` teacher payload width. Model output: `[B, S/CP, V_l]` (padded) or
-`[1, T/CP, V_l]` (packed); fused: the final hidden states `[B, S/CP, H]` / `[1, T/CP, H]`.
-"""
+# The pass's groups arrive with each microbatch. Shapes: `B` sequences, `S` width of the unpacked
+# batch, `T` packed tokens, `V_l = V/TP`, `k` top-k entries, `D` teacher payload width. Model
+# output: `[B, S/CP, V_l]` (padded) or `[1, T/CP, V_l]` (packed); fused: the final hidden states
+# `[B, S/CP, H]` / `[1, T/CP, H]`.
 
 from __future__ import annotations
 
@@ -33,17 +33,19 @@ from lightning_mcore_rl.train.policy_config import PolicyConfig, load_policy_con
 
 
 class LogprobsPostProcessor:
-    """Forward-only callback returning stored-convention token logprobs ``[B, S]`` (docs/behaviour-reference.md §2.6).
+    """Forward-only callback returning stored-convention token logprobs `[B, S]` (§2.6).
 
     Args:
-        cfg: :class:`PolicyConfig` or NeMo RL's policy mapping.
-        sampling_params: Top-k/top-p filtering (temperature is applied upstream).
-        use_fused_linear_logprobs: The model output is the last stage's final hidden states;
-            logprobs come from hidden x output weight (the ``lm_head`` the forward step binds).
+        cfg: `PolicyConfig` or NeMo RL's policy mapping.
+        sampling_params: top-k/top-p filtering (temperature is applied upstream).
+        use_fused_linear_logprobs: the model output is the last stage's final hidden states.
 
     Raises:
-        ValueError: ``use_fused_linear_logprobs`` with top-k/top-p filtering.
+        ValueError: `use_fused_linear_logprobs` with top-k/top-p filtering.
     """
+
+    # fused: logprobs come from hidden x output weight (the `lm_head` the forward step binds);
+    # docs/behaviour-reference.md §2.6
 
     trains = False
     needs_full_logits = False
@@ -88,10 +90,12 @@ class LogprobsPostProcessor:
                     "that forward_with_post_processing_fn(use_fused_linear_logprobs=True) binds"
                 )
             if self.cfg.sequence_packing:
+                # packed: the full row's ids; the kernel rolls them per span itself
                 return lm_head.packed(
                     output, input_ids, pg.host_ints(cu), width, g.tp_rank, g.tp_group,
                     g.cp_group, chunk, with_entropy=False, target_is_pre_rolled=False,
                 ).logprobs  # fmt: skip
+            # padded rows cannot be split over CP here: CP shards packed THD rows only
             if g.cp_size > 1:
                 raise RuntimeError(pg.CP_NEEDS_PACKING)
             return lm_head.dense(
@@ -104,6 +108,7 @@ class LogprobsPostProcessor:
                 inference_only=True, cp_group=g.cp_group, chunk_size=chunk,
                 sampling_params=self.sampling_params,
             )  # fmt: skip
+        # (as above) the padded layout has no CP split
         if g.cp_size > 1:
             raise RuntimeError(pg.CP_NEEDS_PACKING)
         return from_parallel_logits_to_logprobs(
@@ -134,27 +139,31 @@ class LogprobsPostProcessor:
         groups = resolve_groups(groups)  # the seed API's callers pass none
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            # forward-only: no graph is needed for the stored logprobs
             with torch.no_grad():
                 lp = self._next_token(
                     output_tensor, data_dict, input_ids, cu_seqlens_padded, groups, lm_head
                 )
                 lp = F.pad(lp, (1, 0))  # stored convention: [B, S] with a leading 0
+                # tokens top-k/top-p removed hold -inf logprobs: set to 0 (a warning for the valid
+                # ones), since `0 * -inf` would poison a masked mean with NaN
                 if self.sampling_params is not None and self.sampling_params.filters:
                     token_mask = cast(Tensor, data_dict["token_mask"])  # tensors by the contract
                     sample_mask = cast(Tensor, data_dict["sample_mask"])
                     mask = token_mask * sample_mask.unsqueeze(-1)
                     lp = mask_out_neg_inf_logprobs(lp, mask, "prev_logprobs")
+            # the loss is a zero: forward-only passes run no backward
             return torch.zeros((), device=lp.device), {"logprobs": lp[:, :original_seq_length]}
 
         return processor
 
 
 class TopkLogitsPostProcessor:
-    """Forward-only callback returning the exact global top-k logits per position (docs/behaviour-reference.md §2.7).
+    """Forward-only callback returning the exact global top-k logits per position (§2.7).
 
     Args:
-        cfg: :class:`PolicyConfig` or NeMo RL's policy mapping.
-        k: Entries per position.
+        cfg: `PolicyConfig` or NeMo RL's policy mapping.
+        k: entries per position.
     """
 
     trains = False
@@ -213,16 +222,17 @@ class TopkLogitsPostProcessor:
 
 
 class TeacherFullPayloadPostProcessor:
-    """Sampled-token logprobs plus the teacher's full-vocabulary payload `[B, S, D]` (TP and CP
-    undone, on CPU in `payload_dtype`; docs/behaviour-reference.md §2.8).
+    """Sampled-token logprobs plus the teacher's full-vocabulary payload `[B, S, D]` (§2.8).
 
     Args:
-        cfg: :class:`PolicyConfig` or NeMo RL's policy mapping.
-        payload: ``"hidden_states"`` (captured pre-LM-head states, ``D = H``) or ``"logits"``
-            (TP-gathered, temperature-scaled logits, ``D = V``).
+        cfg: `PolicyConfig` or NeMo RL's policy mapping.
+        payload: `"hidden_states"` (pre-LM-head states, `D = H`) or `"logits"` (`D = V`).
         payload_dtype: dtype of the returned payload.
-        sampling_params: Top-k/top-p for the sampled-token logprobs.
+        sampling_params: top-k/top-p for the sampled-token logprobs.
     """
+
+    # the payload has TP and CP undone, on CPU in `payload_dtype`; "logits" are TP-gathered and
+    # temperature-scaled (docs/behaviour-reference.md §2.8)
 
     def __init__(
         self,
