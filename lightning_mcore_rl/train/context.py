@@ -1,6 +1,7 @@
-"""The step's frozen context: everything a pass reads besides the batch and the chunks (built
-once by the strategy's `setup`, passed down explicitly; nothing below reads megatron's
-`parallel_state`)."""
+"""The step's frozen context: everything a pass reads besides the batch and the chunks."""
+
+# Built once by the strategy's `setup` and passed down explicitly: nothing below reads
+# megatron's `parallel_state`.
 
 from __future__ import annotations
 
@@ -24,20 +25,20 @@ class Microbatching:
 
     Attributes:
         micro_batch_size: samples per fixed-size microbatch (must stay 1 with a token budget).
-        max_tokens_per_microbatch: token budget per microbatch (``None``: fixed size); THD
-            tokens when packing, else rows x longest row. Needs per-sample ``input_lengths``.
+        max_tokens_per_microbatch: token budget per microbatch (`None`: fixed size).
         sequence_packing: pack each microbatch into one THD row.
-        equal_shapes: every microbatch gets the same shape (pipeline parallelism: megatron's
-            p2p sends one shape); padded token-budget microbatches cannot, so that raises.
-        sequence_parallel: the model runs megatron sequence parallelism: packed spans are padded
-            to a multiple of ``2*CP*TP`` (``TP`` without CP), padded rows to a multiple of ``TP``
-            (:func:`~lightning_mcore_rl.train.model_inputs.layout_padding`).
+        equal_shapes: every microbatch gets the same shape (pipeline parallelism).
+        sequence_parallel: the model runs megatron sequence parallelism.
     """
 
     micro_batch_size: int = 1
+    # THD tokens when packing, else rows x longest row; needs per-sample `input_lengths`
     max_tokens_per_microbatch: int | None = None
     sequence_packing: bool = False
+    # megatron's p2p sends one shape; padded token-budget microbatches cannot, so that raises
     equal_shapes: bool = False
+    # packed spans are padded to a multiple of `2*CP*TP` (`TP` without CP), padded rows to a
+    # multiple of `TP` (`model_inputs.layout_padding`)
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -51,7 +52,7 @@ class Microbatching:
 
 @dataclass(frozen=True)
 class StepContext:
-    """What every pass of a run reads, frozen (built once by the strategy's ``setup``).
+    """What every pass of a run reads, frozen (built once by the strategy's `setup`).
 
     Attributes:
         groups: this rank's process groups, ranks and sizes.
@@ -61,12 +62,10 @@ class StepContext:
         sampling_params: the module's sampling parameters (`None`: plain softmax).
         device: where the step's collectives' tensors live (the CUDA device under NCCL).
         world_group: all ranks with the strategy's timeout (`None`: the default group).
-        defer_fp32_logits: keep the last stage's logits in the model dtype (`None`: where exact,
-            `logits_dtype.defers_fp32_logits` per pass).
+        defer_fp32_logits: keep the last stage's logits in the model dtype (`None`: where exact).
         draft_model: the megatron-DDP EAGLE draft on the last pipeline stage, else `None`.
         train_draft: a draft is trained (on every rank, also those without one).
-        extensions: the step's extensions (`train/extension.py`); `None`: the ones the chunks'
-            config turns on, looked up per pass (`step_extensions`).
+        extensions: the step's extensions (`None`: from the chunks' config, per pass).
     """
 
     groups: ParallelGroups
@@ -76,14 +75,17 @@ class StepContext:
     sampling_params: TrainingSamplingParams | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     world_group: Any = None
+    # `None`: `logits_dtype.defers_fp32_logits` decides per pass
     defer_fp32_logits: bool | None = None
     draft_model: Any = None
     train_draft: bool = False
+    # `None`: the ones the chunks' config turns on, looked up per pass (`step_extensions`)
     extensions: tuple[StepExtension, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and not self.train_draft:
             raise ValueError("StepContext: a `draft_model` needs `train_draft=True`")
+        # the draft's teacher is the policy's logits
         if self.train_draft and self.use_fused_linear_logprobs:
             raise ValueError(
                 "draft-model training needs the policy's logits (its teacher), which "

@@ -1,7 +1,7 @@
-"""Training statistics across microbatches, pipeline stages and data-parallel ranks
-(docs/behaviour-reference.md §2.9): the seed's :func:`aggregate_training_statistics` and the
-step's :func:`reduce_step_statistics`, which follows the rule table of
-:data:`~lightning_mcore_rl.losses.REDUCTION_RULES`."""
+"""Training statistics across microbatches, pipeline stages and data-parallel ranks (§2.9)."""
+
+# docs/behaviour-reference.md §2.9: the seed's `aggregate_training_statistics` and the step's
+# `reduce_step_statistics`, which follows the rule table of `losses.REDUCTION_RULES`.
 
 from __future__ import annotations
 
@@ -68,31 +68,32 @@ class StepOutput:
     """One global batch's statistics, identical on every rank.
 
     Attributes:
-        loss: scalar fp32 loss of the whole global batch (``loss_fn`` path: the sum of the
-            globally normalised microbatch losses over microbatches and DP ranks; LM path: the
-            mean of the per-microbatch mean losses).
-        metrics: the loss's other metrics, each combined by its ``MetricNormalizer`` rule
-            (:data:`~lightning_mcore_rl.losses.REDUCTION_RULES`): the value of the whole batch.
+        loss: scalar fp32 loss of the whole global batch.
+        metrics: the loss's other metrics, each combined by its `MetricNormalizer` rule.
         microbatch_losses: this DP replica's per-microbatch losses (for exact comparisons).
         samples: samples in the global batch (all DP ranks).
-        tokens: real tokens in the global batch (``input_lengths`` when given, else the width of
-            every row), counted once per DP replica.
-        response_length_mean: mean ``token_mask`` tokens per valid sample (``nan`` without a
-            ``token_mask``); ``response_length_max`` likewise.
+        tokens: real tokens in the global batch, counted once per DP replica.
+        response_length_mean: mean `token_mask` tokens per valid sample (`nan` without one).
+        response_length_max: the longest such response (`nan` without a `token_mask`).
     """
 
+    # `loss_fn` path: the sum of the globally normalised microbatch losses over microbatches
+    # and DP ranks; LM path: the mean of the per-microbatch mean losses
     loss: torch.Tensor
+    # each the value of the whole batch (`losses.REDUCTION_RULES`)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     microbatch_losses: tuple[float, ...] = ()
     samples: float = 0.0
+    # `input_lengths` when given, else the width of every row
     tokens: float = 0.0
     response_length_mean: float = float("nan")
     response_length_max: float = float("nan")
 
     def as_step_result(self) -> dict[str, Any]:
-        """``{"loss": loss, STEP_OUTPUT_KEY: self}``: what a Lightning ``training_step`` /
-        ``validation_step`` returns, so the statistics reach the callbacks'
-        ``on_train_batch_end`` / ``on_validation_batch_end`` as data."""
+        """`{"loss": loss, STEP_OUTPUT_KEY: self}`: what a Lightning `training_step` /
+        `validation_step` returns."""
+        # so the statistics reach the callbacks' `on_train_batch_end` /
+        # `on_validation_batch_end` as data
         return {"loss": self.loss, STEP_OUTPUT_KEY: self}
 
 
@@ -101,12 +102,9 @@ STEP_OUTPUT_KEY = "step_output"
 
 
 def batch_counts(batch: Mapping[str, Any]) -> dict[str, float]:
-    """This DP rank's sample/token/response-length counts, on the host (no collective).
-
-    Returns:
-        ``samples``, ``tokens``, ``response_tokens`` and ``responses`` (sums, reduced over DP by
-        summing) and ``response_length_max`` (reduced by max; ``-inf`` without a ``token_mask``).
-    """
+    """This DP rank's sample/token/response-length counts, on the host (no collective)."""
+    # `samples`, `tokens`, `response_tokens` and `responses` are sums (reduced over DP by
+    # summing); `response_length_max` is reduced by max (`-inf` without a `token_mask`)
     ids = batch.get("input_ids", batch.get("tokens"))
     if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
         return {"samples": 0.0, "tokens": 0.0, "response_tokens": 0.0, "responses": 0.0,
@@ -140,19 +138,17 @@ def reduce_step_statistics(
     source: str,
     device: torch.device | str = "cpu",
 ) -> StepOutput:
-    """One global batch's loss, metrics and counts, identical on every rank: one fp64
-    all-gather over DP on the last stage (none at DP=1), one broadcast over PP.
+    """One global batch's loss, metrics and counts, identical on every rank.
 
     Args:
-        outputs: the schedule's per-microbatch metric dicts with a `loss` (last stage; `[]`
-            elsewhere).
-        normalizations: the loss's `metric_normalizations`; `None` (LM path): every metric is
-            averaged over microbatches and DP ranks.
+        outputs: the schedule's per-microbatch metric dicts with a `loss` (last stage; `[]` else).
+        normalizations: the loss's `metric_normalizations`; `None` (LM path): all averaged.
         source: names the loss in the error for an undeclared metric.
 
     Raises:
         ValueError: (on every rank) a metric has no entry in `normalizations`.
     """
+    # one fp64 all-gather over DP on the last stage (none at DP=1), one broadcast over PP
     # the gathered vector: every metric combined over microbatches (then over DP by its rule in
     # losses.REDUCTION_RULES), the batch counts and the per-microbatch losses (summed over DP:
     # what the seed's aggregate_training_statistics all-reduce gives, without a second
@@ -239,9 +235,9 @@ per metric); a larger payload costs a second broadcast."""
 def _broadcast_payload(
     payload: dict[str, Any] | None, groups: ParallelGroups, device: torch.device | str
 ) -> dict[str, Any]:
-    """The last stage's pickled ``payload`` to every stage of the pipeline in ONE broadcast of a
-    16 KiB buffer (``[length: 8 bytes][pickle]``; the rest, if any, in a second
-    one), where ``broadcast_object_list`` always needs two (sizes, then data)."""
+    """The last stage's pickled `payload` to every stage of the pipeline in ONE broadcast."""
+    # a 16 KiB buffer (`[length: 8 bytes][pickle]`; the rest, if any, in a second one), where
+    # `broadcast_object_list` always needs two (sizes, then data)
     buffer = torch.zeros(_PAYLOAD_BYTES, dtype=torch.uint8)
     blob = b""
     if groups.is_pipeline_last_stage:
@@ -272,9 +268,9 @@ def _reduce_over_dp(
     groups: ParallelGroups,
     device: torch.device | str,
 ) -> tuple[dict[str, float], dict[str, float], list[float]] | None:
-    """`(metrics, counts, losses)` reduced over DP (one fp64 all-gather, none at DP=1, each
-    entry combined by its rule: `metrics.combine_rows`), or `None` on every rank when any rank
+    """`(metrics, counts, losses)` reduced over DP, or `None` on every rank when any rank
     `failed`."""
+    # one fp64 all-gather, none at DP=1; each entry combined by its rule (`metrics.combine_rows`)
     # the vector also carries how many ranks hold each metric (held by none: dropped; by some:
     # reduced over those) and the error flag; it has one length on every DP rank since the step
     # runs the same number of microbatches on each (equal rows, checked by the input agreement;
