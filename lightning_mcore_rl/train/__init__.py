@@ -1,22 +1,18 @@
-"""The Megatron training step: forward, post-processing, schedule and statistics.
+"""The Megatron training step: forward, post-processing, schedule and statistics."""
 
-A global batch becomes processed microbatches (:func:`process_global_batch`, global valid counts
-over DP once); :func:`megatron_forward_backward` runs Megatron's schedule with
-:func:`forward_with_post_processing_fn` as the forward step, which runs :func:`model_forward`,
-applies the temperature in place and binds a post-processor (with the pass's groups and ``M``): :class:`LossPostProcessor`
-(training loss, scaled by ``M / CP^2`` to cancel Megatron's averaging, see
-``LossPostProcessor.scale_loss``), :class:`LogprobsPostProcessor`,
-:class:`TopkLogitsPostProcessor` or :class:`TeacherFullPayloadPostProcessor` (forward-only).
-:func:`aggregate_training_statistics` reduces the losses over DP.
-
-:func:`run_global_batch` / :func:`run_forward_only` (:mod:`.step`) are the one trainer-free
-entry the strategy calls for a whole global batch: split, schedule, statistics, with ONE frozen
-:class:`StepContext` (groups, micro-batching, policy settings, fused flag, sampling parameters)
-passed down explicitly.
-
-Shapes: ``B`` sequences, ``S`` width, ``T`` packed tokens, ``V_l = V/TP``, ``CP`` context-parallel
-size; model output ``[B, S/CP, V_l]`` (padded) or ``[1, T/CP, V_l]`` (packed).
-"""
+# A global batch becomes processed microbatches (`process_global_batch`, global valid counts over
+# DP once); `megatron_forward_backward` runs Megatron's schedule with
+# `forward_with_post_processing_fn` as the forward step, which runs `model_forward`, applies the
+# temperature in place and binds a post-processor (with the pass's groups and `M`):
+# `LossPostProcessor` (training loss, scaled by `M / CP^2` to cancel Megatron's averaging, see
+# `LossPostProcessor.scale_loss`), `LogprobsPostProcessor`, `TopkLogitsPostProcessor` or
+# `TeacherFullPayloadPostProcessor` (forward-only). `aggregate_training_statistics` reduces the
+# losses over DP.
+# `run_global_batch` / `run_forward_only` (`.step`) are the one trainer-free entry the strategy
+# calls for a whole global batch: split, schedule, statistics, with ONE frozen `StepContext`
+# passed down explicitly.
+# Shapes: `B` sequences, `S` width, `T` packed tokens, `V_l = V/TP`, `CP` context-parallel size;
+# model output `[B, S/CP, V_l]` (padded) or `[1, T/CP, V_l]` (packed).
 
 from lightning_mcore_rl.parallel import ParallelGroups
 from lightning_mcore_rl.train.context import Microbatching, StepContext

@@ -16,31 +16,18 @@ if TYPE_CHECKING:  # the fused head is opened only by the passes that use it
 
 @dataclass(frozen=True)
 class Binding:
-    """One microbatch of one pass, as a post-processor binds it.
+    """One microbatch of one pass, as a post-processor binds it."""
 
-    Attributes:
-        data_dict: the microbatch ``[B, S, ...]`` the losses read (with the draft's
-            ``student_logits [B, S, V]`` when the pass trains it).
-        input_ids: model ids, ``[B, S_pad]`` padded or the packed row ``[1, T]``.
-        packed_seq_params: megatron's ``PackedSeqParams`` when packed, else ``None``.
-        cu_seqlens_padded: ``[B+1]`` span boundaries when packed, else ``None``.
-        original_seq_length: ``S`` before dense padding.
-        groups: this rank's groups.
-        num_microbatches: ``M`` of the pass (a loss scales by it).
-        global_valid_seqs: valid sequences of the global batch.
-        global_valid_toks: valid tokens of the global batch.
-        lm_head: output weight and temperature on the fused path's last stage, else ``None``.
-        hidden_states: captured pre-LM-head states ``[S/CP, B, H]`` (hidden-state payload).
-    """
-
+    # the microbatch `[B, S, ...]` the losses read (with the draft's `student_logits [B, S, V]`
+    # when the pass trains it)
     data_dict: BatchedDataDict
-    input_ids: Tensor
-    packed_seq_params: Any
-    cu_seqlens_padded: Tensor | None
-    original_seq_length: int
+    input_ids: Tensor  # model ids, `[B, S_pad]` padded or the packed row `[1, T]`
+    packed_seq_params: Any  # megatron's `PackedSeqParams` when packed, else `None`
+    cu_seqlens_padded: Tensor | None  # `[B+1]` span boundaries when packed, else `None`
+    original_seq_length: int  # `S` before dense padding
     groups: ParallelGroups
-    num_microbatches: int | None
+    num_microbatches: int | None  # `M` of the pass (a loss scales by it)
     global_valid_seqs: Tensor | None
     global_valid_toks: Tensor | None
-    lm_head: FusedLMHead | None
-    hidden_states: Tensor | None
+    lm_head: FusedLMHead | None  # output weight and temperature on the fused last stage
+    hidden_states: Tensor | None  # captured pre-LM-head states `[S/CP, B, H]` (payload)

@@ -1,10 +1,9 @@
-"""The step's extension interface: optional capabilities plug into the core at its hook points.
+"""The step's extension interface: optional capabilities plug into the core at its hook points."""
 
-The core (`train/step.py`, `train/forward.py`) runs plan -> per microbatch forward ->
-post-process -> loss -> backward -> statistics; a `StepExtension` adds to it at the points below
-(`extensions.noop.NoExtension` implements each as a no-op). An extension lives in its own module under
-`lightning_mcore_rl/extensions/` and is imported only when its feature is on.
-"""
+# The core (`train/step.py`, `train/forward.py`) runs plan -> per microbatch forward ->
+# post-process -> loss -> backward -> statistics; a `StepExtension` adds to it at the points
+# below (`extensions.noop.NoExtension` implements each as a no-op). An extension lives in its own
+# module under `lightning_mcore_rl/extensions/` and is imported only when its feature is on.
 
 from __future__ import annotations
 
@@ -173,13 +172,13 @@ def seed_flag_extensions(
     use_router_replay: bool,
     router_replay_train: bool,
 ) -> tuple[StepExtension, ...]:
-    """`extensions` plus those the seed API's flags turn on: the EAGLE draft trained in this pass
-    (`enable_hidden_capture`, with `draft_model`) and router replay (`use_router_replay`, its
-    backward armed with `router_replay_train`); a kind already in `extensions` is not added again.
+    """`extensions` plus those the seed API's flags turn on (the EAGLE draft, router replay).
 
     Raises:
         ValueError: `router_replay_train` without `use_router_replay`.
     """
+    # the draft: `enable_hidden_capture` with `draft_model`; router replay: `use_router_replay`,
+    # its backward armed with `router_replay_train`; a kind already in `extensions` is not added
     if router_replay_train and not use_router_replay:
         raise ValueError("`router_replay_train=True` needs `use_router_replay=True`")
     found = list(extensions)

@@ -9,13 +9,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Policy settings used by the post-processors.
+    """Policy settings used by the post-processors (`load_policy_config`)."""
 
-    Built from NeMo RL's nested policy mapping with :func:`load_policy_config`
-    (``sequence_packing.enabled``, ``sequence_packing.fuse_loss``, ``logprob_chunk_size``,
-    ``draft.loss_weight``); other policy keys are ignored.
-    """
-
+    # from NeMo RL's nested policy mapping (`sequence_packing.enabled`,
+    # `sequence_packing.fuse_loss`, `logprob_chunk_size`, `draft.loss_weight`); other policy
+    # keys are ignored
     sequence_packing: bool = False
     """Microbatches are packed into one THD row (``sequence_packing.enabled``)."""
     fuse_loss: bool = False
@@ -40,19 +38,13 @@ class PolicyConfig:
 
 
 def load_policy_config(cfg: PolicyConfig | Mapping[str, Any] | None) -> PolicyConfig:
-    """A :class:`PolicyConfig` from itself, ``None`` (defaults) or NeMo RL's policy mapping.
-
-    Args:
-        cfg: ``PolicyConfig``, ``None``, or a mapping such as
-            ``{"sequence_packing": {"enabled": True, "fuse_loss": False},
-            "logprob_chunk_size": 256, "draft": {"loss_weight": 0.5}}``.
-
-    Returns:
-        The validated config.
+    """A `PolicyConfig` from itself, `None` (defaults) or NeMo RL's policy mapping.
 
     Raises:
-        TypeError: ``cfg`` is of another type.
+        TypeError: `cfg` is of another type.
     """
+    # a mapping such as `{"sequence_packing": {"enabled": True, "fuse_loss": False},
+    # "logprob_chunk_size": 256, "draft": {"loss_weight": 0.5}}`
     if cfg is None:
         return PolicyConfig()
     if isinstance(cfg, PolicyConfig):

@@ -89,24 +89,22 @@ def megatron_forward_backward(
     groups: ParallelGroups | None = None,
 ) -> list[dict[str, Any]]:
     """Megatron's forward-backward schedule over `num_microbatches` microbatches of
-    `data_iterator` (a list of iterators with VPP) with `post_processing_fn`: per-microbatch
-    metric dicts on the last pipeline stage, `[]` elsewhere; gradients land in the DDP
-    `main_grad` buffers.
+    `data_iterator` with `post_processing_fn`: per-microbatch metric dicts on the last pipeline
+    stage, `[]` elsewhere; gradients land in the DDP `main_grad` buffers.
 
     Args:
         seq_length: full model input width (`S`, or `T` packed); sizes the PP messages.
         mbs: micro-batch size (1 packed).
-        draft_model, enable_hidden_capture, use_router_replay, router_replay_train: the seed's
-            flags, as the extensions they turn on (`seed_flag_extensions`).
-        extensions: the step's extensions: each one's `pass_scope` around the schedule, its
-            forward hooks in every microbatch's forward.
-        groups: this rank's groups for the forward step and every post-processor; `None`:
-            megatron's initialised state (the seed API's callers).
+        draft_model, enable_hidden_capture, use_router_replay, router_replay_train: seed flags.
+        extensions: the step's extensions (`pass_scope` around the schedule, forward hooks).
+        groups: this rank's groups; `None`: megatron's initialised state (the seed API's callers).
 
     Raises:
         ValueError, TypeError: what the fused path cannot serve, on every rank, before the
             schedule (`check_fused_linear_logprobs`).
     """
+    # `data_iterator` is a list of iterators with VPP; the seed flags become the extensions they
+    # turn on (`seed_flag_extensions`)
     # the model config must carry calculate_per_token_loss=True and finalize_model_grads_func
     # (LossPostProcessor.scale_loss says why)
     groups = resolve_groups(groups)  # the seed API's callers pass none
@@ -157,13 +155,14 @@ def run_schedule(
     micro_batch_size: int,
     forward_only: bool,
 ) -> list[dict[str, Any]]:
-    """The package's one schedule runner: megatron's `get_forward_backward_func()` (no
-    pipelining, 1F1B or interleaved, from the parallel state) over `chunks` with one iterator
-    per chunk, activation offloading suspended for forward-only passes -> the loss functions'
-    metric dicts, one per microbatch, on the last pipeline stage."""
+    """The package's one schedule runner -> the loss functions' metric dicts, one per
+    microbatch, on the last pipeline stage."""
+    # megatron's `get_forward_backward_func()` (no pipelining, 1F1B or interleaved, from the
+    # parallel state) over `chunks` with one iterator per chunk
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model: ModelChunks = list(chunks) if len(chunks) > 1 else chunks[0]
+    # activation offloading is suspended for forward-only passes
     with suspend_activation_offload_for_forward_only(model, forward_only):
         return get_forward_backward_func()(
             forward_step_func=forward_step_func,
