@@ -68,7 +68,7 @@ def strip_context_parallel_local_loss_metric(
 
     Args:
         metrics: Per-microbatch metric lists keyed by name.
-        enabled: Whether the losses were CP-local (:func:`should_reduce_loss_across_context_parallel`).
+        enabled: Whether the losses were CP-local (`should_reduce_loss_across_context_parallel`).
 
     Returns:
         A new dict without ``"loss"`` when enabled, else ``metrics`` unchanged.

@@ -373,7 +373,7 @@ def _token_budget_microbatches(
     max_tokens_per_microbatch: int,
     microbatch_kwargs: dict[str, Any],
 ) -> TokenBudgetMicrobatches:
-    """The DP-balanced token-budget split (validated by :func:`check_microbatching`)."""
+    """The DP-balanced token-budget split (validated by `check_microbatching`)."""
     # make_token_budget_microbatches checks the budget against the longest sequence before its
     # collective (the MAX of microbatch counts over DP).
     return make_token_budget_microbatches(

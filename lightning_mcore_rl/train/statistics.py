@@ -182,7 +182,7 @@ def _reduce_on_last_stage(
     source: str,
     device: torch.device | str,
 ) -> dict[str, Any]:
-    """The last stage's part of :func:`reduce_step_statistics`: its one DP collective is the
+    """The last stage's part of `reduce_step_statistics`: its one DP collective is the
     rule vector's all-gather, the per-microbatch losses riding in it."""
     host = _materialise([dict(o) for o in outputs])
     local_losses = [float(o["loss"]) for o in host]

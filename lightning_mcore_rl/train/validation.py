@@ -294,7 +294,7 @@ def batch_fingerprint(batch: Mapping[str, Any]) -> int:
 
 
 def batch_summary(batch: Mapping[str, Any], spec: BatchSpec) -> BatchSummary:
-    """Rows, width and fingerprint of a batch that passed :func:`validate_batch`."""
+    """Rows, width and fingerprint of a batch that passed `validate_batch`."""
     ids = batch["tokens" if spec.lm else "input_ids"]
     rows, width = ids.shape
     return BatchSummary(rows=int(rows), width=int(width), fingerprint=batch_fingerprint(batch))
