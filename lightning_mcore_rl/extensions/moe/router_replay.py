@@ -258,7 +258,7 @@ def router_replay_pass(chunks: Sequence[torch.nn.Module], enabled: bool) -> Iter
 
 
 def record_routing(chunks: Sequence[torch.nn.Module]) -> None:
-    """Arm RECORD on every router of ``chunks`` (:func:`recorded_routing` reads the result)."""
+    """Arm RECORD on every router of ``chunks`` (`recorded_routing` reads the result)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for chunk in chunks:

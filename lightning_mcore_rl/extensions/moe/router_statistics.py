@@ -179,7 +179,7 @@ def moe_config(chunks: Sequence[torch.nn.Module]) -> Any:
 
 def enabled_router_losses(config: Any) -> tuple[str, ...]:
     """The router losses megatron computes in training for ``config`` (names of
-    :data:`ROUTER_LOSS_NAMES`)."""
+    `ROUTER_LOSS_NAMES`)."""
     types = config.moe_router_load_balancing_type
     coeffs = config.moe_aux_loss_coeff
     types = [types] if isinstance(types, str) else list(types)
