@@ -40,9 +40,9 @@ class MegatronDDPConfig:
         check_for_nan_in_grad: raise on NaN gradients before the reduction.
     """
 
-    # the rest of `DistributedDataParallelConfig` keeps megatron's defaults
-    # also megatron's `OptimizerConfig` flag of the same name
+    # the other `DistributedDataParallelConfig` fields keep megatron's defaults
 
+    # also megatron's `OptimizerConfig` flag of the same name
     use_distributed_optimizer: bool = False
     # `None`: True for "32-true" and "bf16-mixed", False for "bf16-true" (the only difference
     # between the two bf16 flags, see docs/strategy.md)
@@ -104,7 +104,6 @@ class CheckpointConfig:
     # any TP/PP/VPP/DP change (docs/strategy.md). A resume loads the format it finds. megatron's
     # default `fully_sharded_model_space` needs `ShardedTensor.flattened_range`, unsupported in
     # megatron-core 0.16 without Transformer Engine.
-
     optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     # atomic: a crash mid-save leaves the previous checkpoint loadable
     atomic: bool = True
@@ -139,7 +138,6 @@ class ReliabilityConfig:
     # when the world group was created before the Trainer with another timeout) and of TP, PP,
     # DP, CP and model-parallel groups: a rank left waiting for a failed peer raises after it.
     # `None`: torch's default. See docs/reliability.md.
-
     timeout: timedelta | None = default_pg_timeout
     # a skipped step changes no parameter or optimizer state; counted and logged as
     # `skipped_steps`
