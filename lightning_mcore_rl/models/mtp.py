@@ -28,7 +28,6 @@ class MTPGPTModel(GPTModel):
     """
 
     # for the `mtp_loss` metric; the gradient flows through `MTPLossAutoScaler`, not this
-
     mtp_losses: Tensor | None = None
 
     def _postprocess(
