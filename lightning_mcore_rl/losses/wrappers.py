@@ -18,6 +18,7 @@ from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses.draft_loss import DraftCrossEntropyLossFn
 from lightning_mcore_rl.losses.interfaces import REDUCTION_RULES, LossFunction, MetricNormalizer
 from lightning_mcore_rl.losses.loss_input import prepare_loss_input
+from lightning_mcore_rl.parallel import host_ints
 
 # ``prepare_fn(logits, data, loss_fn, vocab_parallel_rank, vocab_parallel_group,
 # context_parallel_group) -> (loss_input, data)``
@@ -40,10 +41,6 @@ _COMBINE_TENSORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "min": torch.minimum,
     "max": torch.maximum,
 }
-
-
-def _as_ints(values: Tensor | Sequence[int]) -> list[int]:
-    return [int(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
 
 
 def wrap_loss_fn_with_input_preparation(
@@ -81,8 +78,8 @@ class _PackedWrapperBase:
         self.loss_fn = loss_fn
         self.prepare_fn = prepare_fn
         # host ints once: the per-sequence loop must not sync per entry
-        self.cu_seqlens_q = _as_ints(cu_seqlens_q)
-        self.cu_seqlens_q_padded = _as_ints(cu_seqlens_q_padded)
+        self.cu_seqlens_q = host_ints(cu_seqlens_q)
+        self.cu_seqlens_q_padded = host_ints(cu_seqlens_q_padded)
         if len(self.cu_seqlens_q) != len(self.cu_seqlens_q_padded):
             raise ValueError(
                 f"`cu_seqlens_q` ({len(self.cu_seqlens_q)} entries) and `cu_seqlens_q_padded` "

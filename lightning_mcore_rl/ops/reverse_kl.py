@@ -18,6 +18,7 @@ from lightning_mcore_rl.ops._checks import (
     upcast,
 )
 from lightning_mcore_rl.ops.vocab_parallel import global_logsumexp
+from lightning_mcore_rl.parallel import shard_range
 
 # all three per-token quantities are expectations under the student, F = sum_v p_v w_v: reverse KL w
 # = log p_s - log p_t, negative entropy w = log p_s, cross entropy w = -log p_t; dF/dz_v = p_v (w_v
@@ -128,10 +129,9 @@ def vocab_parallel_reverse_kl(
         )
     check_chunk_size(chunk_size)
     tp_rank, _ = group_rank_size(tp_group, "tp_group")
-    local_vocab = student_logits.shape[-1]
     # the bounds follow from the rank: this kernel takes no vocab range, only the shard
     check_vocab_shard(
-        student_logits, tp_rank * local_vocab, (tp_rank + 1) * local_vocab, tp_group,
+        student_logits, *shard_range(student_logits.shape[-1], tp_rank), tp_group,
         name="student_logits",
     )  # fmt: skip
     kl, neg_entropy, cross_entropy = _ChunkedReverseKL.apply(

@@ -19,6 +19,7 @@ from lightning_mcore_rl.ops._checks import (
     seq_chunks,
     upcast,
 )
+from lightning_mcore_rl.parallel import shard_range
 
 # the chunked kernels walk the sequence dim (-2) in pieces of `chunk_size` tokens, upcast one chunk
 # at a time and rematerialise the softmax in backward from the raw logits and the saved `lse` (one
@@ -42,8 +43,7 @@ def vocab_range_for_rank(global_vocab_size: int, tp_rank: int, tp_size: int) -> 
             f"vocab size {global_vocab_size} is not divisible by TP = {tp_size}; pad the vocab to "
             f"a multiple of TP (Megatron's `make_vocab_size_divisible_by`)"
         )
-    local = global_vocab_size // tp_size
-    return tp_rank * local, (tp_rank + 1) * local
+    return shard_range(global_vocab_size // tp_size, tp_rank)
 
 
 def global_logsumexp(z: torch.Tensor, tp_group: Any) -> torch.Tensor:

@@ -5,25 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.ops import (
     allgather_cp_sharded_tensor,
 )
+from lightning_mcore_rl.parallel import host_ints
 
 OutputProcessor = Callable[[Tensor], tuple[Tensor, dict[str, Any]]]
 CP_NEEDS_PACKING = "Context Parallelism (CP>1) requires sequence packing to be enabled."
-
-
-def vocab_range(output: Tensor, tp_rank: int) -> tuple[int, int]:
-    local_vocab = output.shape[-1]
-    return tp_rank * local_vocab, (tp_rank + 1) * local_vocab
-
-
-def host_ints(values: Tensor | Sequence[int]) -> list[int]:
-    return [int(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
 
 
 def gather_packed_over_cp(local: Tensor, cu: list[int], cp_group: Any) -> Tensor:

@@ -26,7 +26,7 @@ from lightning_mcore_rl.ops import (
     from_hidden_to_logprobs,
     from_hidden_to_logprobs_packed_sequences,
 )
-from lightning_mcore_rl.parallel import unwrap_model
+from lightning_mcore_rl.parallel import shard_range, unwrap_model
 
 FUSED_NEEDS_LOGITS = (
     "{what} needs the [tokens, V/TP] logits, which the fused linear logprobs path never builds; "
@@ -187,8 +187,7 @@ class FusedLMHead:
 
     def vocab_range(self, tp_rank: int) -> tuple[int, int]:
         """``[start, end)`` of this rank's vocabulary shard."""
-        local = self.weight.shape[0]
-        return tp_rank * local, (tp_rank + 1) * local
+        return shard_range(self.weight.shape[0], tp_rank)
 
     def as_input(self, hidden: Tensor) -> Tensor:
         """``hidden`` in the weight's dtype (``Float16Module`` upcasts the last stage's output to

@@ -24,7 +24,7 @@ from lightning_mcore_rl.ops import (
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
 )
-from lightning_mcore_rl.parallel import ParallelGroups, resolve_groups
+from lightning_mcore_rl.parallel import ParallelGroups, host_ints, resolve_groups, shard_range
 from lightning_mcore_rl.train import cp_layout as pg
 from lightning_mcore_rl.train.binding import Binding
 from lightning_mcore_rl.train.cp_layout import OutputProcessor
@@ -92,7 +92,7 @@ class LogprobsPostProcessor:
             if self.cfg.sequence_packing:
                 # packed: the full row's ids; the kernel rolls them per span itself
                 return lm_head.packed(
-                    output, input_ids, pg.host_ints(cu), width, g.tp_rank, g.tp_group,
+                    output, input_ids, host_ints(cu), width, g.tp_rank, g.tp_group,
                     g.cp_group, chunk, with_entropy=False, target_is_pre_rolled=False,
                 ).logprobs  # fmt: skip
             # padded rows cannot be split over CP here: CP shards packed THD rows only
@@ -101,10 +101,10 @@ class LogprobsPostProcessor:
             return lm_head.dense(
                 output, ids, g.tp_rank, g.tp_group, None, chunk, with_entropy=False
             ).logprobs
-        start, end = pg.vocab_range(output, g.tp_rank)
+        start, end = shard_range(output.shape[-1], g.tp_rank)
         if self.cfg.sequence_packing:
             return from_parallel_logits_to_logprobs_packed_sequences(
-                output, input_ids, pg.host_ints(cu), width, start, end, g.tp_group,
+                output, input_ids, host_ints(cu), width, start, end, g.tp_group,
                 inference_only=True, cp_group=g.cp_group, chunk_size=chunk,
                 sampling_params=self.sampling_params,
             )  # fmt: skip
@@ -197,7 +197,7 @@ class TopkLogitsPostProcessor:
         g = groups
 
         def processor(output_tensor: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            start, end = pg.vocab_range(output_tensor, g.tp_rank)
+            start, end = shard_range(output_tensor.shape[-1], g.tp_rank)
             values, indices = distributed_vocab_topk(
                 output_tensor, self.k, g.tp_group, start, end, self.cfg.logprob_chunk_size
             )
@@ -205,7 +205,7 @@ class TopkLogitsPostProcessor:
                 raise RuntimeError(pg.CP_NEEDS_PACKING)
             if self.cfg.sequence_packing:
                 assert cu_seqlens_padded is not None  # packed microbatches carry span boundaries
-                cu = pg.host_ints(cu_seqlens_padded)
+                cu = host_ints(cu_seqlens_padded)
                 if g.cp_size > 1:
                     values = pg.gather_packed_over_cp(values, cu, g.cp_group)
                     indices = pg.gather_packed_over_cp(indices, cu, g.cp_group)
@@ -321,7 +321,7 @@ class TeacherFullPayloadPostProcessor:
                     raise RuntimeError(pg.CP_NEEDS_PACKING)
                 if self.cfg.sequence_packing:
                     assert cu_seqlens_padded is not None  # packed microbatches carry boundaries
-                    cu = pg.host_ints(cu_seqlens_padded)
+                    cu = host_ints(cu_seqlens_padded)
                     if g.cp_size > 1:
                         local = pg.gather_packed_over_cp(local, cu, g.cp_group)
                     width = cast(Tensor, data_dict["input_ids"]).shape[1]  # [B, S]

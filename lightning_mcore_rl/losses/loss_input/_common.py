@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -18,6 +17,7 @@ from lightning_mcore_rl.ops import (
     from_parallel_logits_to_logprobs,
     vocab_parallel_entropy,
 )
+from lightning_mcore_rl.parallel import shard_range
 
 OPD_FULL_PAYLOAD_FIELD = "teacher_full_payload"
 """Data column holding the teacher's full-vocabulary payload ``[B, S, D]``."""
@@ -40,12 +40,7 @@ def _filters(sampling_params: TrainingSamplingParams | None) -> bool:
 def _vocab_range(logits: Tensor, vocab_parallel_rank: int | None, group: Any) -> tuple[int, int]:
     # TP shards the vocabulary contiguously: rank r holds [r * V/TP, (r + 1) * V/TP)
     rank = _group_rank(group) if vocab_parallel_rank is None else vocab_parallel_rank
-    local_vocab = logits.shape[-1]
-    return rank * local_vocab, (rank + 1) * local_vocab
-
-
-def _as_ints(values: Tensor | Sequence[int]) -> list[int]:
-    return [int(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
+    return shard_range(logits.shape[-1], rank)
 
 
 def _reference_kl_penalty(loss_fn: LossFunction) -> float:

@@ -15,7 +15,6 @@ from lightning_mcore_rl.losses.interfaces import LossFunction
 from lightning_mcore_rl.losses.loss_input._common import (
     OPD_FULL_PAYLOAD_FIELD,
     OPD_FULL_TEACHER_INDEX_FIELD,
-    _as_ints,
     _group_rank,
     _group_size,
     _reference_kl_penalty,
@@ -28,6 +27,7 @@ from lightning_mcore_rl.ops import (
     get_tokens_on_this_cp_rank,
     vocab_parallel_reverse_kl,
 )
+from lightning_mcore_rl.parallel import host_ints
 
 
 def _teacher_logits_shard(
@@ -59,7 +59,7 @@ def _teacher_logits_shard(
             f"a hidden-state payload needs `{OPD_FULL_TEACHER_INDEX_FIELD}` [B] in the data"
         )
     # a hidden-state payload (D = H_t): each row projected with its own teacher's LM-head shard
-    index = _as_ints(data[OPD_FULL_TEACHER_INDEX_FIELD])
+    index = host_ints(data[OPD_FULL_TEACHER_INDEX_FIELD])
     rows = []
     for b in range(batch):
         if index[b] not in weights:

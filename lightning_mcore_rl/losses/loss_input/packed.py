@@ -14,7 +14,6 @@ from torch import Tensor
 from lightning_mcore_rl.data import BatchedDataDict
 from lightning_mcore_rl.losses.interfaces import LossFunction, LossInputType
 from lightning_mcore_rl.losses.loss_input._common import (
-    _as_ints,
     _filters,
     _finish_logprob_input,
     _group_rank,
@@ -29,6 +28,7 @@ from lightning_mcore_rl.ops import (
     get_tokens_on_this_cp_rank,
     vocab_parallel_entropy,
 )
+from lightning_mcore_rl.parallel import host_ints
 
 
 def _pack_input_ids(
@@ -46,7 +46,7 @@ def _pack_input_ids(
     """
     # cu_seqlens_q may be the padded boundaries (docs/behaviour-reference.md trap 11); the roll
     # is per span, so a target never crosses into the next sequence.
-    cu_q, cu_qp = _as_ints(cu_seqlens_q), _as_ints(cu_seqlens_q_padded)
+    cu_q, cu_qp = host_ints(cu_seqlens_q), host_ints(cu_seqlens_q_padded)
     width = input_ids.shape[1]
     out = input_ids.new_zeros(1, cu_qp[-1] // cp_size)
     for i in range(len(cu_qp) - 1):
@@ -111,7 +111,7 @@ def prepare_packed_loss_input(
     cp_rank, cp_size = _group_rank(context_parallel_group), _group_size(context_parallel_group)
     input_ids = cast(Tensor, data["input_ids"])  # [B, S] by the BatchedDataDict contract
     width = input_ids.shape[1]
-    cu_qp = _as_ints(cu_seqlens_q_padded)
+    cu_qp = host_ints(cu_seqlens_q_padded)
     # targets rolled once here, in the packed layout the logits have (`target_is_pre_rolled`)
     targets = _pack_input_ids(input_ids, cu_seqlens_q, cu_qp, cp_rank, cp_size, roll_shift=-1)
     start, end = _vocab_range(logits, vocab_parallel_rank, vocab_parallel_group)
