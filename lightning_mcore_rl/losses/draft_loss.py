@@ -21,18 +21,13 @@ from lightning_mcore_rl.losses.utils import check_shape, get_tensor, masked_mean
 
 
 class DraftCrossEntropyLossFn:
-    """``sum_t m_t * (-sum_v softmax(teacher)_v log_softmax(student)_v) / N_t``.
+    """`sum_t m_t * (-sum_v softmax(teacher)_v log_softmax(student)_v) / N_t`; reads
+    `sample_mask [B]`, `token_mask [B, S]`, `student_logits [B, S, V]`, and gets
+    `teacher_logits [B, S, V]` and the rolled `token_mask [B, S]` as loss inputs."""
 
-    The teacher (policy) logits are detached; the gradient w.r.t. the student logits is
-    ``(softmax(student) - softmax(teacher)) * m_t / N_t``. ``prepare_loss_input`` rolls the
-    teacher logits and the token mask left by one so that position t of both models scores the
-    same token.
-
-    Inputs (``data``): ``sample_mask [B]``, ``token_mask [B, S]`` and the draft model's
-    ``student_logits [B, S, V]``. Loss inputs: ``teacher_logits [B, S, V]``,
-    ``student_logits [B, S, V]``, ``token_mask [B, S]`` (already rolled).
-    """
-
+    # the teacher (policy) logits are detached: d/d student = (softmax(s) - softmax(t)) m_t / N_t;
+    # `prepare_loss_input` rolls teacher logits and mask left by one so position t of both
+    # models scores the same token
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.DRAFT
     input_keys = ("token_mask", "student_logits")

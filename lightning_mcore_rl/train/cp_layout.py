@@ -22,9 +22,8 @@ def gather_packed_over_cp(local: Tensor, cu: list[int], cp_group: Any) -> Tensor
     cp_size = cp_group.size()
     full = local.new_zeros(1, cu[-1], *local.shape[2:])
     for start, end in zip(cu[:-1], cu[1:], strict=True):
-        if (
-            end > start
-        ):  # per sequence: gathering the whole row misplaces tokens (docs/behaviour-reference.md trap 3)
+        # per sequence: gathering the whole row misplaces tokens (docs/behaviour-reference.md trap 3)
+        if end > start:
             span = local[:, start // cp_size : end // cp_size]
             full[:, start:end] = allgather_cp_sharded_tensor(span, cp_group, seq_dim=1)
     return full
@@ -41,29 +40,16 @@ def unpack_rows(full: Tensor, cu: list[int], lengths: Tensor | Sequence[int], wi
 
 
 def should_reduce_loss_across_context_parallel(data: BatchedDataDict | dict[str, Any]) -> bool:
-    """Whether scalar loss reporting must include CP ranks (direct prepacked data, CP-local loss).
-
-    Args:
-        data: The batch.
-
-    Returns:
-        True iff ``"packed_cu_seqlens"`` is a key of ``data``.
-    """
+    """Whether scalar loss reporting must include CP ranks: `data` is prepacked
+    (`"packed_cu_seqlens"` in it), so its loss is CP-local."""
     return "packed_cu_seqlens" in data
 
 
 def strip_context_parallel_local_loss_metric(
     metrics: dict[str, list[Any]], enabled: bool
 ) -> dict[str, list[Any]]:
-    """Remove the CP-local ``"loss"`` metric list after it entered the global reduction.
-
-    Args:
-        metrics: Per-microbatch metric lists keyed by name.
-        enabled: Whether the losses were CP-local (`should_reduce_loss_across_context_parallel`).
-
-    Returns:
-        A new dict without ``"loss"`` when enabled, else ``metrics`` unchanged.
-    """
+    """`metrics` (per-microbatch lists) without the CP-local `"loss"` when `enabled`
+    (`should_reduce_loss_across_context_parallel`), after it entered the global reduction."""
     if not enabled:
         return metrics
     return {key: value for key, value in metrics.items() if key != "loss"}
