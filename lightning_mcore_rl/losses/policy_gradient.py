@@ -161,6 +161,9 @@ class ClippedPGLossFn:
             )
         if cfg.entropy_coef > 0:
             norms["entropy"] = MetricNormalizer.TOKENS
+        if cfg.force_on_policy_ratio:
+            norms["gen_train_ratio_min"] = MetricNormalizer.MIN
+            norms["gen_train_ratio_max"] = MetricNormalizer.MAX
         return norms
 
     def _read_inputs(self, data: Mapping[str, Any], curr: Tensor) -> _Inputs:
@@ -355,6 +358,12 @@ class ClippedPGLossFn:
             )
         metrics.update(fractions)
         metrics.update(is_metrics)
+        if cfg.force_on_policy_ratio:
+            # no stored prev_logprobs to compare the sampler with (`mismatch_extrema`): the
+            # extremes of exp(p - g) come from this forward, p = c
+            gen_ratio = torch.exp(inp.prev - inp.gen)
+            metrics["gen_train_ratio_min"] = masked_min(gen_ratio, m)
+            metrics["gen_train_ratio_max"] = masked_max(gen_ratio, m)
         metrics.update(
             loss=loss,
             positive_nll_loss=nll,

@@ -139,6 +139,32 @@ AdvantageEstimator = Literal["grpo", "reinforce_plus_plus"]
 ReferenceModel = Literal["recompute", "frozen_copy"]
 """Where the reference policy's logprobs come from (see :class:`GRPOModule`)."""
 
+PrevLogprobsPass = Literal["auto", "always"]
+"""``"auto"``: no forward-only ``prev_logprobs`` pass where `prev_logprobs_skippable` holds;
+``"always"``: the pass every step."""
+
+MISMATCH_METRICS = ("gen_train_ratio_min", "gen_train_ratio_max")
+"""The sampler/trainer mismatch extremes the step logs (`mismatch_extrema`)."""
+
+
+def prev_logprobs_skippable(loss: ClippedPGLossConfig, rollout: RolloutSpec) -> bool:
+    """Whether a GRPO step can take ``prev_logprobs`` from its training forward (detached):
+    synchronous sampling, and a loss that reads them only as the PPO ratio's denominator."""
+    # GRPOModule trains each rollout batch with one optimizer step by the weights that sampled
+    # it, and recipe policies have no dropout: the forward-only pass would compute c itself, so
+    # the ratio exp(c - sg(c)) is exactly 1 either way (`force_on_policy_ratio`). Kept: async
+    # (max_staleness > 0), the importance-sampling correction, the KL in the reward (the
+    # advantages read p), GSPO (exp(mean(c - p)) has another gradient than a token ratio of 1),
+    # REINFORCE and CISPO (their losses are not the ratio-1 one).
+    return not (
+        rollout.max_staleness
+        or loss.use_importance_sampling_correction
+        or loss.use_kl_in_reward
+        or loss.sequence_level_importance_ratios
+        or loss.disable_ppo_ratio
+        or loss.use_cispo
+    )
+
 
 class PromptDataset(Dataset):
     """``num_prompts`` fixed random prompts of a task (map-style)."""
@@ -216,7 +242,9 @@ class GRPOModule(RecipeModule):
         normalize_rewards: ``"grpo"``: divide by the group's standard deviation.
         use_leave_one_out_baseline: ``"grpo"``: RLOO's baseline (arXiv:2402.14740).
         minus_baseline: ``"reinforce_plus_plus"``: subtract the group mean first.
-        reference_model: ``"recompute"`` (swap the initial weights in) or ``"frozen_copy"``."""
+        reference_model: ``"recompute"`` (swap the initial weights in) or ``"frozen_copy"``.
+        prev_logprobs_pass: ``"auto"`` skips the forward-only ``prev_logprobs`` pass where it
+            cannot change the step (`prev_logprobs_skippable`); ``"always"`` runs it."""
 
     def __init__(
         self,
@@ -231,15 +259,19 @@ class GRPOModule(RecipeModule):
         use_leave_one_out_baseline: bool = False,
         minus_baseline: bool = True,
         reference_model: ReferenceModel = "recompute",
+        prev_logprobs_pass: PrevLogprobsPass = "auto",
     ) -> None:
         loss = loss or DEFAULT_GRPO_LOSS
         _check_choice("advantage_estimator", advantage_estimator, ("grpo", "reinforce_plus_plus"))
         _check_choice("reference_model", reference_model, ("recompute", "frozen_copy"))
+        _check_choice("prev_logprobs_pass", prev_logprobs_pass, ("auto", "always"))
         self._check_kl_in_reward(loss, advantage_estimator)
         # the mutable spec defaults are shared instances: each module keeps its own copy
         rollout = replace(rollout) if rollout is not None else RolloutSpec()
+        skip = prev_logprobs_pass == "auto" and prev_logprobs_skippable(loss, rollout)
         super().__init__(
-            loss_fn=ClippedPGLossFn(loss),
+            # ratio 1 from the training forward: the loss no longer reads prev_logprobs
+            loss_fn=ClippedPGLossFn(replace(loss, force_on_policy_ratio=True) if skip else loss),
             sampling_params=rollout.training_params(),
         )
         self.kl_penalty = loss.reference_policy_kl_penalty
@@ -249,6 +281,7 @@ class GRPOModule(RecipeModule):
         self.use_leave_one_out_baseline = use_leave_one_out_baseline
         self.minus_baseline = minus_baseline
         self.reference_model = reference_model
+        self.prev_logprobs_pass = prev_logprobs_pass
         self.task: Task = task or ModularCountingTask()
         self.model_spec = replace(model) if model is not None else TinyGPTSpec()
         self.rollout = rollout
@@ -273,6 +306,7 @@ class GRPOModule(RecipeModule):
                 "lr": lr,
                 "advantage_estimator": advantage_estimator,
                 "reference_model": reference_model,
+                "prev_logprobs_pass": prev_logprobs_pass,
             }
         )
 
@@ -319,6 +353,12 @@ class GRPOModule(RecipeModule):
                 "(NeMo RL's GRPO estimator ignores it, so the KL would vanish)."
             )
 
+    def _needs_prev_logprobs(self) -> bool:
+        """Whether this step runs the forward-only ``prev_logprobs`` pass (the loss or the
+        advantages read them)."""
+        reads = "prev_logprobs" in self.loss_fn.input_keys  # PPOModule's loss keeps them
+        return self.prev_logprobs_pass == "always" or reads or self._advantages_need_logprobs()
+
     def _advantages_need_logprobs(self) -> bool:
         """Whether the advantages wait for the step's logprobs (`training_step` fills them)."""
         return bool(self.loss_config.use_kl_in_reward)
@@ -345,11 +385,13 @@ class GRPOModule(RecipeModule):
         # G completions per prompt from the rollout source (`recipe_rollout`), scored by the
         # task (a text task decodes them), rewards turned into advantages
         data, rewards = self.make_rollout(batch)
-        # the current weights' logprobs, forward-only: the PPO ratio uses them, the sampler's
-        # generation_logprobs drive the importance-sampling metrics
-        data["prev_logprobs"] = self.compute_logprobs(data)
-        mismatch = mismatch_extrema(data, self.mcore_strategy.groups.dp_group)
-        self.log_dict(mismatch, on_step=True, on_epoch=False, batch_size=1)
+        prev_pass = self._needs_prev_logprobs()
+        if prev_pass:
+            # the current weights' logprobs, forward-only: the PPO ratio uses them, the
+            # sampler's generation_logprobs drive the importance-sampling metrics
+            data["prev_logprobs"] = self.compute_logprobs(data)
+            mismatch = mismatch_extrema(data, self.mcore_strategy.groups.dp_group)
+            self.log_dict(mismatch, on_step=True, on_epoch=False, batch_size=1)
         if self.kl_penalty > 0:
             # the reference policy is the initial model (swapped back in, or a hosted copy)
             data["reference_policy_logprobs"] = self.reference_logprobs(data)
@@ -357,6 +399,11 @@ class GRPOModule(RecipeModule):
             data["advantages"] = self.advantages(rewards, data)
         # ClippedPGLossFn: a global token mean whatever the TP/PP/DP layout
         out = self.forward_backward(data)
+        if not prev_pass:
+            # the loss measured the mismatch extremes in the training forward (MIN/MAX over all
+            # ranks); logged under the pass's names, not twice
+            mismatch = {key: out.metrics.pop(key) for key in MISMATCH_METRICS}
+            self.log_dict(mismatch, on_step=True, on_epoch=False, batch_size=1)
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
         self.log("reward", self.rollout_reward, on_step=True, on_epoch=False, prog_bar=True)

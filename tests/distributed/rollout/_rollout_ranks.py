@@ -165,6 +165,8 @@ class _RecordingGRPO(GRPOModule):
     the smallest generation logprob."""
 
     def __init__(self, **kwargs: Any) -> None:
+        # the recorded error compares the stored prev_logprobs: keep their forward-only pass
+        kwargs.setdefault("prev_logprobs_pass", "always")
         super().__init__(**kwargs)
         self.max_errors: list[float] = []
         self.min_logprobs: list[float] = []

@@ -164,13 +164,16 @@ def test_reinforce() -> None:
 
 def test_force_on_policy_ratio_needs_no_prev() -> None:
     """force_on_policy_ratio: r = exp(c - sg(c)) = 1, so loss = mean(-A) = (-1 + 2)/2 = 0.5 and
-    grad = -A r / 2 = [-0.5, 1]; prev_logprobs is not read."""
+    grad = -A r / 2 = [-0.5, 1]; prev_logprobs is not read. The sampler mismatch extremes come
+    from c: exp(c - g) = exp(-0.5 + 3), exp(-1 + 3)."""
     data = pg_data([[1.0, -2.0]], [[-3.0, -3.0]])
     del data["prev_logprobs"]
     loss, m, grad = run({**NO_KL, "force_on_policy_ratio": True}, data, [[-0.5, -1.0]])
     assert loss == pytest.approx(0.5)
     assert_grad(grad, [[-0.5, 1.0]])
     assert m["probs_ratio"] == pytest.approx(1.0)
+    assert m["gen_train_ratio_min"] == pytest.approx(math.exp(2.0), rel=1e-12)
+    assert m["gen_train_ratio_max"] == pytest.approx(math.exp(2.5), rel=1e-12)
 
 
 K3 = [math.exp(-0.5) - 0.5, math.e - 2.0]

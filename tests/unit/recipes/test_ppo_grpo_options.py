@@ -25,6 +25,7 @@ from lightning_mcore_rl.recipes import (
     PromptDataModule,
     RolloutSpec,
 )
+from lightning_mcore_rl.recipes.grpo import prev_logprobs_skippable
 from lightning_mcore_rl.recipes.ppo import prepare_policy_value_input, shift_values
 
 CONFIGS = Path(__file__).parents[3] / "examples" / "configs"
@@ -46,6 +47,45 @@ def test_bad_options_raise_naming_the_argument():
         PPOModule(vf_coef=0)
     with pytest.raises(ValueError, match="`rollout.backend` must be 'megatron', got 'hf'"):
         PPOModule(rollout=RolloutSpec(backend="hf"))
+    with pytest.raises(ValueError, match=r"`prev_logprobs_pass` must be one of \['auto', 'al"):
+        GRPOModule(prev_logprobs_pass="never")  # type: ignore[arg-type]
+
+
+NO_KL = {"reference_policy_kl_penalty": 0.0}
+SEQ = {"token_level_loss": False}
+TIS = {"use_importance_sampling_correction": True}
+
+
+@pytest.mark.parametrize(
+    ("loss", "staleness", "skipped"),
+    [
+        ({}, 0, True),  # the default GRPO loss with its reference KL: the KL reads ref only
+        ({**NO_KL, "ratio_clip_c": 3.0, "entropy_coef": 0.01}, 0, True),
+        ({**NO_KL, "force_on_policy_ratio": True}, 0, True),
+        (NO_KL, 1, False),  # asynchronous: trained by newer weights than sampled it
+        ({**NO_KL, **TIS}, 0, False),
+        ({**NO_KL, "use_kl_in_reward": True}, 0, False),  # the advantages read prev_logprobs
+        ({**NO_KL, **SEQ, "sequence_level_importance_ratios": True}, 0, False),  # GSPO
+        ({**NO_KL, "disable_ppo_ratio": True}, 0, False),  # REINFORCE: -A c, not -A
+        ({**NO_KL, "use_cispo": True}, 0, False),
+    ],
+)
+def test_prev_logprobs_pass_skipped_only_where_it_cannot_matter(loss, staleness, skipped):
+    config = ClippedPGLossConfig(**loss)
+    rollout = RolloutSpec(max_staleness=staleness)
+    assert prev_logprobs_skippable(config, rollout) is skipped
+    # a KL in the reward needs the estimator that folds it in
+    estimator = "reinforce_plus_plus" if config.use_kl_in_reward else "grpo"
+    module = GRPOModule(loss=config, rollout=rollout, advantage_estimator=estimator)
+    # a skipped pass: the loss takes the ratio's denominator from its own forward
+    assert ("prev_logprobs" not in module.loss_fn.input_keys) is skipped
+    assert module._needs_prev_logprobs() is not skipped
+    assert GRPOModule(
+        loss=config, rollout=rollout, advantage_estimator=estimator, prev_logprobs_pass="always"
+    )._needs_prev_logprobs()
+    # PPO keeps its pass (GAE and its loss read prev_logprobs)
+    if staleness == 0 and not loss.get("use_cispo"):
+        assert PPOModule(loss=config)._needs_prev_logprobs()
 
 
 def _batch() -> BatchedDataDict:
