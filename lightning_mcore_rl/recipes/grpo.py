@@ -54,6 +54,7 @@ from lightning_mcore_rl.rollout import (
     mismatch_extrema,
 )
 from lightning_mcore_rl.strategy import ResumableLoader
+from lightning_mcore_rl.train.validation import loss_input_keys
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -356,7 +357,8 @@ class GRPOModule(RecipeModule):
     def _needs_prev_logprobs(self) -> bool:
         """Whether this step runs the forward-only ``prev_logprobs`` pass (the loss or the
         advantages read them)."""
-        reads = "prev_logprobs" in self.loss_fn.input_keys  # PPOModule's loss keeps them
+        # PPOModule's loss keeps them
+        reads = "prev_logprobs" in loss_input_keys(self.loss_fn)
         return self.prev_logprobs_pass == "always" or reads or self._advantages_need_logprobs()
 
     def _advantages_need_logprobs(self) -> bool:
