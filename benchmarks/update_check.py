@@ -10,13 +10,18 @@ the fp32 ones and copied to the bf16 ones). Each variant runs in its own process
 thread), ``N`` timed steps after one warm-up step (which creates the Adam state):
 
 * ``step``: ``optimizer.step()`` alone (and the bf16 copy), the baseline;
+* ``certified``: :func:`~lightning_mcore_rl.reliability.update_bound.certify_update` (the update
+  check's default for torch Adam/AdamW: a bound from one read of the parameters, gradients and
+  moments), the preview only where it cannot certify, then the step;
 * ``preview``: :func:`~lightning_mcore_rl.reliability.update_preview.preview_measures` (the update
-  check's default for torch Adam/AdamW/SGD), then the step;
+  check for torch SGD, and for Adam/AdamW updates the bound cannot certify), then the step;
 * ``snapshot``: ``UpdateSnapshot.take`` of the model parameters and the optimizer, the step,
   then :func:`~lightning_mcore_rl.reliability.update_check.update_measures` (what the check did
   before 2026-12-05, and still does for inner optimizers it cannot preview).
 
-Printed per variant: the median seconds per step (its ratio to ``step``), and the peak RSS above
+Printed per variant: the median process CPU seconds per step (``time.process_time``: the work
+done, steadier than wall time on a shared machine; its ratio to ``step``), whether every timed
+step was certified, and the peak RSS above
 the RSS after the warm-up step (what the variant adds on top of parameters, gradients and Adam
 state: ``ru_maxrss`` minus the set-up RSS, MiB).
 """
@@ -34,7 +39,7 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("step", "preview", "snapshot")
+VARIANTS = ("step", "certified", "preview", "snapshot")
 
 
 def llama_shapes(vocab: int = 32000, hidden: int = 512, layers: int = 4, ffn: int = 1408,
@@ -57,6 +62,7 @@ def _rss_mib() -> float:
 def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
     from types import SimpleNamespace
 
+    from lightning_mcore_rl.reliability.update_bound import certify_update
     from lightning_mcore_rl.reliability.update_check import UpdateSnapshot, update_measures
     from lightning_mcore_rl.reliability.update_preview import preview_measures
 
@@ -73,8 +79,15 @@ def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
                 for m, p in zip(model, main, strict=True):
                     m.copy_(p)
 
+    certified = []
+
     def step() -> None:
-        if variant == "preview":
+        if variant == "certified":
+            certified.append(certify_update(member, "cpu", None, 1e3, block=None))
+            if not certified[-1]:
+                preview_measures(member, "cpu", None, block=block)
+            update()
+        elif variant == "preview":
             preview_measures(member, "cpu", None, block=block)
             update()
         elif variant == "snapshot":
@@ -90,11 +103,12 @@ def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
     setup = _rss_mib()
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = time.process_time()
         step()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"seconds": statistics.median(times), "extra_mib": peak - setup, "setup_mib": setup}
+    return {"seconds": statistics.median(times), "extra_mib": peak - setup, "setup_mib": setup,
+            "certified": all(certified) if certified else None}  # fmt: skip
 
 
 def main() -> None:
@@ -120,11 +134,13 @@ def main() -> None:
     base = results["step"]["seconds"]
     params = sum(torch.Size(s).numel() for s in llama_shapes())
     print(f"{params / 1e6:.1f}M parameters, AdamW, {'bf16 + fp32 main' if args.bf16 else 'fp32'}"
-          f", preview block {args.block}, median of {args.steps} steps, 1 thread")  # fmt: skip
-    print("| variant | s/step | vs step | extra peak RSS MiB | set-up RSS MiB |")
-    print("|---|---|---|---|---|")
+          f", preview block {args.block}, median of {args.steps} steps, 1 thread, "
+          "process CPU time")  # fmt: skip
+    print("| variant | CPU s/step | vs step | certified | extra peak RSS MiB | set-up RSS MiB |")
+    print("|---|---|---|---|---|---|")
     for variant, r in results.items():
-        print(f"| {variant} | {r['seconds']:.3f} | {r['seconds'] / base:.2f}x | "
+        certified = "" if r["certified"] is None else ("all" if r["certified"] else "not all")
+        print(f"| {variant} | {r['seconds']:.3f} | {r['seconds'] / base:.2f}x | {certified} | "
               f"{r['extra_mib']:.0f} | {r['setup_mib']:.0f} |")  # fmt: skip
 
 

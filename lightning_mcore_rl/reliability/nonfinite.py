@@ -11,7 +11,8 @@ update are not finite, the same decision on every rank (`NonFiniteGuard`)."""
 # every rank raise; a non-finite float skips the step, named on the rank that holds it.
 # Gradients: megatron's global norm, computed once between `prepare_grads` and the clipping
 # (strategy/optimizer.py:megatron_step), is NaN/inf when any gradient on any rank is. The update:
-# previewed for torch's Adam/AdamW/SGD (update_preview.py: not run when it fails), else
+# certified for torch's Adam/AdamW by a bound (update_bound.py), else previewed for torch's
+# Adam/AdamW/SGD (update_preview.py: not run when it fails), else
 # snapshotted and undone (update_check.py). A gradient norm of exactly 0 for
 # `collapse_warning_steps` steps in a row warns: the model learns nothing.
 
@@ -36,6 +37,7 @@ from lightning_mcore_rl.reliability.agreement import (
     gather_rejections,
     rejected_ranks,
 )
+from lightning_mcore_rl.reliability.update_bound import certify_update
 from lightning_mcore_rl.reliability.update_check import (
     UpdateSnapshot,
     update_failure,
@@ -364,11 +366,13 @@ class UpdateChecks:
         self._guard = guard
         self._device = device
         self._group = group
+        self._grad_norm: float | None = None  # megatron's, once `grad_norm_fails` saw it
 
     def grad_norm_fails(self, grad_norm: float) -> bool:
         """True (skip) if megatron's global gradient norm is NaN/inf."""
         # NaN/inf: a non-finite gradient on any rank, or a norm that overflows
         if math.isfinite(grad_norm):
+            self._grad_norm = grad_norm  # bounds every clipped gradient entry: update_bound.py
             return False
         self._guard._skip(f"a non-finite gradient (megatron's global grad norm: {grad_norm})")
         return True
@@ -380,6 +384,11 @@ class UpdateChecks:
         guard = self._guard
         # torch's Adam/AdamW/SGD only (update_preview.py); others get `snapshot`/`reject_update`
         if not guard.verify_updates or not previewable(optimizer):
+            return False
+        # Adam/AdamW: a bound proves most updates pass from one read of the parameters, gradients
+        # and moments (update_bound.py); the exact preview runs only where it cannot
+        ratio = guard.max_update_ratio
+        if certify_update(optimizer, self._device, self._group, ratio, self._grad_norm):
             return False
         cause = update_failure(
             preview_measures(optimizer, self._device, self._group), guard.max_update_ratio
