@@ -11,8 +11,9 @@ thread), ``N`` timed steps after one warm-up step (which creates the Adam state)
 
 * ``step``: ``optimizer.step()`` alone (and the bf16 copy), the baseline;
 * ``certified``: :func:`~lightning_mcore_rl.reliability.update_bound.certify_update` (the update
-  check's default for torch Adam/AdamW: a bound from one read of the parameters, gradients and
-  moments), the preview only where it cannot certify, then the step;
+  check's default for torch Adam/AdamW: a bound from one read of the parameters and moments and
+  the global gradient norm megatron's step computes anyway), the preview only where it cannot
+  certify, then the step;
 * ``preview``: :func:`~lightning_mcore_rl.reliability.update_preview.preview_measures` (the update
   check for torch SGD, and for Adam/AdamW updates the bound cannot certify), then the step;
 * ``snapshot``: ``UpdateSnapshot.take`` of the model parameters and the optimizer, the step,
@@ -83,7 +84,7 @@ def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
 
     def step() -> None:
         if variant == "certified":
-            certified.append(certify_update(member, "cpu", None, 1e3, block=None))
+            certified.append(certify_update(member, "cpu", None, 1e3, grad_norm))
             if not certified[-1]:
                 preview_measures(member, "cpu", None, block=block)
             update()
@@ -99,6 +100,8 @@ def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
 
     for p in main:
         p.grad = torch.randn(p.shape) * 1e-3
+    # megatron's global gradient norm, computed by its step whether or not updates are checked
+    grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in main])))
     update()  # the Adam state
     setup = _rss_mib()
     times = []
