@@ -7,8 +7,8 @@ Run: ``.venv/bin/python benchmarks/grpo_vs_trl.py [--size 3.1M|32M] [--pairs 3] 
 Both sides train the same random fp32 Llama directory (written here with transformers: a
 word-level tokenizer over the numbers ``"0"`` ... ``"1019"`` and 4 special tokens, vocabulary
 1024) on the same counting prompts (8 consecutive numbers modulo 1020; every prompt 9 tokens
-with BOS), the same reward (the fraction of completion words that continue the count), the same
-group size, completion length (every completion exactly ``--new-tokens`` tokens: ours samples
+with BOS), the same reward (`count_reward`: how closely the completion continues the count), the
+same group size, completion length (every completion exactly ``--new-tokens`` tokens: ours samples
 without stopping at EOS, TRL with ``min_new_tokens``), temperature 1, Adam (no weight decay, the
 same ``--lr``, constant), gradient clipping at 1.0, no reference model (KL coefficient 0), the
 clipped token-mean policy-gradient loss, and one optimizer step per rollout batch (the whole
@@ -96,11 +96,18 @@ PHASES = ("generate", "refit", "score", "logprobs", "train", "optimizer", "rest"
 
 
 def count_reward(prompt: str, completion: str) -> float:
-    """The fraction of ``completion``'s words that continue ``prompt``'s count (0 if none)."""
+    """How closely ``completion``'s words continue ``prompt``'s count: the mean over its words of
+    ``1 - d / (NUMBERS / 2)``, ``d`` the circular distance to the expected number (1: the count
+    continued exactly; 0 for no number). Graded, so a group's rewards differ and every step
+    updates the weights."""
     last = int(prompt.split()[-1])
     words = completion.split()
-    hits = sum(w == str((last + 1 + i) % NUMBERS) for i, w in enumerate(words))
-    return hits / max(len(words), 1)
+    score = 0.0
+    for i, word in enumerate(words):
+        if word.isdigit():
+            d = abs(int(word) - (last + 1 + i)) % NUMBERS
+            score += 1 - min(d, NUMBERS - d) / (NUMBERS / 2)
+    return score / max(len(words), 1)
 
 
 class Clock:
@@ -233,18 +240,17 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         **extra,
     )
     # the phases: instance attributes shadow the methods Lightning and the recipe call
-    source = module.rollout_source
-    source.generate = clock.timed(source.generate, "rollout_generate")  # type: ignore[method-assign]
-    source._refit = clock.timed(source._refit, "refit")  # type: ignore[method-assign]
-    for name, key in (
-        ("make_rollout", "make_rollout"),
-        ("compute_logprobs", "logprobs"),
-        ("forward_backward", "train"),
-        ("training_step", "training_step"),
-    ):
-        object.__setattr__(module, name, clock.timed(getattr(module, name), key))
-    strategy = trainer.strategy
-    strategy.optimizer_step = clock.timed(strategy.optimizer_step, "optimizer_step")  # type: ignore[method-assign]
+    timers = (
+        (module.rollout_source, "generate", "rollout_generate"),
+        (module.rollout_source, "_refit", "refit"),
+        (module, "make_rollout", "make_rollout"),
+        (module, "compute_logprobs", "logprobs"),
+        (module, "forward_backward", "train"),
+        (module, "training_step", "training_step"),
+        (trainer.strategy, "optimizer_step", "optimizer_step"),
+    )
+    for owner, name, key in timers:
+        object.__setattr__(owner, name, clock.timed(getattr(owner, name), key))
     data = PromptFileDataModule(
         train_files=args.prompt_file,
         tokenizer=args.model_dir,

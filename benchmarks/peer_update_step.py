@@ -51,7 +51,9 @@ columns are ``torch.cuda.max_memory_allocated`` (peak) and ``memory_allocated`` 
 instead of the process RSS; ``bare`` is CPU only.
 
 Prints a markdown table (median step time of the timed steps, slowest rank; tokens/s over the
-global batch; peak RSS per rank, the larger of the two; step-0 loss) and the ratios to the HF
+global batch; the same in process CPU time, ``time.process_time`` of each rank's step, every
+thread, the slowest rank's: what the ratios mean on a shared machine, where wall time swings with
+the other load; peak RSS per rank, the larger of the two; step-0 loss) and the ratios to the HF
 peer (``hf_ddp``; ``hf_ddp_recompute`` for the ``*_recompute`` rows).
 """
 
@@ -212,23 +214,34 @@ class Profile:
         self.prof = None
 
 
-def _timed_step(fn: Any, device: str, profile: Profile | None = None, step: int = 0) -> float:
-    """Wall time of ``fn()`` on the slowest rank (barrier before, MAX all-reduce after)."""
+def _slowest(wall: float, cpu: float, device: str) -> tuple[float, float]:
+    """The largest wall and process CPU time of any rank (one MAX all-reduce)."""
+    import torch.distributed as dist
+
+    elapsed = torch.tensor([wall, cpu], dtype=torch.float64)
+    if device == "cuda":
+        elapsed = elapsed.cuda()  # NCCL reduces CUDA tensors only
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed[0]), float(elapsed[1])
+
+
+def _timed_step(
+    fn: Any, device: str, profile: Profile | None = None, step: int = 0
+) -> tuple[float, float]:
+    """Wall time and process CPU time (``time.process_time``: every thread of the rank, no time
+    waited or descheduled) of ``fn()``, each the slowest rank's (barrier before, MAX after)."""
     import torch.distributed as dist
 
     dist.barrier()
     if profile is not None:
         profile.start(step)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
     _sync(device)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if profile is not None:
         profile.stop()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    if device == "cuda":
-        elapsed = elapsed.cuda()  # NCCL reduces CUDA tensors only
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return _slowest(wall, cpu, device)
 
 
 def run_hf_ddp(
@@ -296,7 +309,12 @@ def run_hf_ddp(
     setup_rss = _setup_mib(args.device)
     profile = Profile(args)
     times = [_timed_step(step, args.device, profile, i) for i in range(args.warmup + args.steps)]
-    return {"step_times": times, "losses": losses, "setup_rss_mib": setup_rss}
+    return {
+        "step_times": [wall for wall, _ in times],
+        "cpu_times": [cpu for _, cpu in times],
+        "losses": losses,
+        "setup_rss_mib": setup_rss,
+    }
 
 
 def _bridge_module(
@@ -332,10 +350,12 @@ def _bridge_module(
             )
 
     class StepTimer(Callback):
-        """Wall time from batch start to batch end (optimizer step and logging included)."""
+        """Wall and process CPU time from batch start to batch end (optimizer step and logging
+        included), each the slowest rank's."""
 
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu_times: list[float] = []
             self.losses: list[float] = []
             self.setup_rss = 0.0
             self.profile = Profile(args)
@@ -348,17 +368,16 @@ def _bridge_module(
 
             dist.barrier()
             self.profile.start(len(self.times))
-            self.start = time.perf_counter()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *_: Any) -> None:
-            import torch.distributed as dist
 
             _sync(args.device)
-            elapsed = torch.tensor(time.perf_counter() - self.start, dtype=torch.float64)
+            wall, cpu = time.perf_counter() - self.start, time.process_time() - self.cpu
             self.profile.stop()
-            elapsed = elapsed.to(module.device)  # NCCL reduces CUDA tensors only
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            self.times.append(float(elapsed))
+            wall, cpu = _slowest(wall, cpu, args.device)
+            self.times.append(wall)
+            self.cpu_times.append(cpu)
             self.losses.append(float(outputs["loss"]))
 
     return LlamaModule(loss_fn=make_loss_fn(loss)), StepTimer()
@@ -418,6 +437,7 @@ def run_trainer(
     trainer.fit(module, DataLoader(rows * steps, batch_size=args.rows_per_rank))
     return {
         "step_times": timer.times,
+        "cpu_times": timer.cpu_times,
         "losses": timer.losses,
         "setup_rss_mib": timer.setup_rss,
     }
@@ -483,7 +503,12 @@ def run_bare(args: argparse.Namespace, loss: str, rank: int) -> dict[str, Any]:
         setup_rss = _peak_rss_mib()
         profile = Profile(args)
         times = [_timed_step(step, "cpu", profile, i) for i in range(args.warmup + args.steps)]
-    return {"step_times": times, "losses": losses, "setup_rss_mib": setup_rss}
+    return {
+        "step_times": [wall for wall, _ in times],
+        "cpu_times": [cpu for _, cpu in times],
+        "losses": losses,
+        "setup_rss_mib": setup_rss,
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -557,6 +582,7 @@ def summarise(
 ) -> dict[str, Any]:
     timed = ranks[0]["step_times"][warmup:]
     step_s = statistics.median(timed)
+    cpu_s = statistics.median(ranks[0]["cpu_times"][warmup:])
     return {
         "stack": stack,
         "loss": loss,
@@ -564,6 +590,9 @@ def summarise(
         "min_step_s": min(timed),
         "all_step_s": ranks[0]["step_times"],
         "tokens_per_s": tokens / step_s,
+        "cpu_step_s": cpu_s,
+        "all_cpu_step_s": ranks[0]["cpu_times"],
+        "tokens_per_cpu_s": tokens / cpu_s,
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
         "start_rss_mib": max(r["start_rss_mib"] for r in ranks),
         "setup_rss_mib": max(r["setup_rss_mib"] for r in ranks),
@@ -591,7 +620,9 @@ def driver(args: argparse.Namespace) -> None:
                 r = results[-1]
                 print(
                     f"{stack:16s} {loss:10s} step {r['step_s']:.3f} s "
-                    f"({', '.join(f'{t:.2f}' for t in r['all_step_s'])}), "
+                    f"({', '.join(f'{t:.2f}' for t in r['all_step_s'])}), CPU "
+                    f"{r['cpu_step_s']:.3f} s "
+                    f"({', '.join(f'{t:.2f}' for t in r['all_cpu_step_s'])}), "
                     f"RSS start/setup/peak {r['start_rss_mib']:.0f}/{r['setup_rss_mib']:.0f}/"
                     f"{r['peak_rss_mib']:.0f} MiB, loss0 {r['loss0']:.8f}",
                     flush=True,
@@ -602,14 +633,16 @@ def driver(args: argparse.Namespace) -> None:
         f"Llama {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, heads "
         f"{args.heads}/{args.kv_heads}, vocab {args.vocab}; {args.rows_per_rank} x {args.seq} "
         f"tokens per rank, {args.ranks} ranks on {args.device}; median of {args.steps} timed "
-        f"steps after {args.warmup} warm-up; memory = {memory} per rank"
+        f"steps after {args.warmup} warm-up; memory = {memory} per rank; CPU = process CPU "
+        "time of the step (time.process_time, the slowest rank's), tokens/CPU s and its vs HF "
+        "ratio from it"
     )
     print()
     print(
-        "| loss | stack | s/step (min) | tokens/s | vs HF | peak RSS/rank MiB | vs HF "
-        "| step peak - setup MiB | vs HF | step-0 loss | vs HF |"
+        "| loss | stack | s/step (min) | tokens/s | vs HF | CPU s/step | tokens/CPU s | vs HF "
+        "| peak RSS/rank MiB | vs HF | step peak - setup MiB | vs HF | step-0 loss | vs HF |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for loss in args.losses:
         rows = [r for r in results if r["loss"] == loss]
         for r in rows:
@@ -620,7 +653,10 @@ def driver(args: argparse.Namespace) -> None:
             print(
                 f"| {loss} | {r['stack']} | {r['step_s']:.2f} ({r['min_step_s']:.2f}) | "
                 f"{r['tokens_per_s']:.0f} | "
-                f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x | {r['peak_rss_mib']:.0f} | "
+                f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x | {r['cpu_step_s']:.2f} | "
+                f"{r['tokens_per_cpu_s']:.0f} | "
+                f"{r['tokens_per_cpu_s'] / ref['tokens_per_cpu_s']:.2f}x | "
+                f"{r['peak_rss_mib']:.0f} | "
                 f"{r['peak_rss_mib'] / ref['peak_rss_mib']:.2f}x | {step_mib(r):.0f} | "
                 f"{step_mib(r) / step_mib(ref):.2f}x | {r['loss0']:.8f} | "
                 f"{abs(r['loss0'] - ref['loss0']):.1e} |"

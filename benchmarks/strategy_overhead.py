@@ -17,7 +17,9 @@ figure is the median over steps of ``Trainer step / bare step`` (steps ``WARMUP.
 with the larger median), with its interquartile range, and the ratio of the total times. A second,
 identical copy of the bare loop (``control``) also runs after every Trainer step, bare and control
 in alternating order: ``control / bare`` is what two identical loops differ by here (the method's
-resolution; it should be 1).
+resolution; it should be 1). The same figures in process CPU time (``time.process_time``, every
+thread of the rank: no time waited in a collective or descheduled by the machine's other load)
+stand beside them, so the ratios hold on a busy machine.
 
 A Trainer step is the time between two consecutive ``on_train_batch_start`` minus the bare steps
 run in between and a barrier after them: it includes data loading, every hook, the logging, the
@@ -136,11 +138,14 @@ class _Recorder:
     marks into it). ``parts``: seconds spent in each timed function (:data:`PARTS`) per Trainer
     step (index = the Trainer steps started so far - 1). ``cpu_marks``/``cpu_parts``: the same
     in this thread's CPU time (``time.thread_time``: a wait in a collective, or the process
-    descheduled by the machine's load, takes none), so wall - CPU is what was waited."""
+    descheduled by the machine's load, takes none), so wall - CPU is what was waited.
+    ``proc_marks``: the marks in the process's CPU time (``time.process_time``, every thread),
+    the clock of the step-level CPU figures."""
 
     def __init__(self) -> None:
         self.marks: Marks = defaultdict(list)
         self.cpu_marks: Marks = defaultdict(list)
+        self.proc_marks: Marks = defaultdict(list)
         self.prefix = ""
         self.parts: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         self.cpu_parts: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
@@ -148,6 +153,7 @@ class _Recorder:
     def mark(self, name: str) -> None:
         self.marks[self.prefix + name].append(time.perf_counter())
         self.cpu_marks[self.prefix + name].append(time.thread_time())
+        self.proc_marks[self.prefix + name].append(time.process_time())
 
     def add(self, part: str, seconds: float, cpu_seconds: float) -> None:
         step = len(self.marks["start"]) - 1
@@ -416,6 +422,8 @@ def _fit(
     cpu = _per_step(recorder.cpu_marks, recorder.cpu_parts)
     for name, phases in cpu.items():  # the CPU-time figures beside the wall-time ones
         loops[name].update({f"cpu:{key}": values for key, values in phases.items()})
+    for name, phases in _per_step(recorder.proc_marks, {}).items():  # process CPU time
+        loops[name].update({f"proc:{key}": values for key, values in phases.items()})
     return loops
 
 
@@ -484,6 +492,12 @@ def _summary(
         trainer, bare, control = (steps[k]["step"] for k in ("trainer", "bare", "control"))
         ratio, iqr = _ratios(trainer, bare)
         control_ratio, control_iqr = _ratios(control, bare)
+        # the same figures in process CPU time (no waiting, no time descheduled by other load)
+        cpu_trainer, cpu_bare, cpu_control = (
+            steps[k]["proc:step"] for k in ("trainer", "bare", "control")
+        )
+        cpu_ratio, cpu_iqr = _ratios(cpu_trainer, cpu_bare)
+        cpu_control_ratio, cpu_control_iqr = _ratios(cpu_control, cpu_bare)
         stats: dict[str, Any] = {
             "bare": _median_ms(bare),
             "trainer": _median_ms(trainer),
@@ -493,6 +507,10 @@ def _summary(
             "extra": _median_ms([t - b for t, b in zip(trainer, bare, strict=True)]),
             "total": sum(trainer) / sum(bare),
             "n": len(trainer),
+            "cpu_bare": _median_ms(cpu_bare),
+            "cpu_trainer": _median_ms(cpu_trainer),
+            "cpu_ratio": f"{cpu_ratio:.3f} ({cpu_iqr})",
+            "cpu_control": f"{cpu_control_ratio:.3f} ({cpu_control_iqr})",
         }
         if best is None or stats["ratio"] > best["ratio"]:
             best = stats
@@ -506,7 +524,8 @@ def _summary(
     row = (
         f"| {name} | {best['bare']:.1f} | {best['trainer']:.1f} | {best['ratio']:.3f} | "
         f"{best['iqr']} | {best['extra']:.1f} | {best['total']:.3f} | {best['control']} | "
-        f"{best['n']} |"
+        f"{best['cpu_bare']:.1f} | {best['cpu_trainer']:.1f} | {best['cpu_ratio']} | "
+        f"{best['cpu_control']} | {best['n']} |"
     )
     return row, rows, parts
 
@@ -547,9 +566,10 @@ def main() -> None:
     print(
         "\n| layout | bare ms/step | Trainer ms/step | Trainer ÷ bare (median of steps) | "
         "IQR of the step ratios | Trainer - bare ms (median of steps) | total Trainer time ÷ "
-        "total bare time | control ÷ bare (median, IQR) | steps |"
+        "total bare time | control ÷ bare (median, IQR) | bare CPU ms/step | Trainer CPU ms/step "
+        "| Trainer ÷ bare CPU (median, IQR) | control ÷ bare CPU (median, IQR) | steps |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(summary))
     print("\nBreakdown, median ms per step of each rank:\n")
     print(f"| layout | rank | loop | {' | '.join(KEYS)} |")
