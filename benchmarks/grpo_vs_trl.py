@@ -183,7 +183,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         RolloutSpec,
         TextRewardTask,
     )
-    from lightning_mcore_rl.strategy import MicrobatchConfig
+    from lightning_mcore_rl.strategy import MicrobatchConfig, ReliabilityConfig
 
     clock = Clock()
     rewards: list[float] = []
@@ -212,7 +212,11 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=batch)),
+        strategy=MCoreRLStrategy(
+            microbatching=MicrobatchConfig(micro_batch_size=batch),
+            # --no-verify-updates: what the default update check costs in the optimizer phase
+            reliability=ReliabilityConfig(verify_updates=not args.no_verify_updates),
+        ),
         max_steps=args.steps,
         gradient_clip_val=1.0,
         logger=False,
@@ -461,6 +465,8 @@ def launch(args: argparse.Namespace, side: str, work: Path, tag: str) -> dict[st
     ]  # fmt: skip
     if side == "ours" and args.prev_logprobs_pass is not None:
         cmd.append(f"--prev-logprobs-pass={args.prev_logprobs_pass}")
+    if side == "ours" and args.no_verify_updates:
+        cmd.append("--no-verify-updates")
     threads = {k: "1" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     env = {
         **os.environ, **threads, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
@@ -526,7 +532,8 @@ def driver(args: argparse.Namespace) -> None:
             f"1024), fp32, one thread; {args.prompts} prompts x G={args.group} x "
             f"{args.new_tokens} new tokens per step, {args.steps} steps ({args.warmup} warm-up "
             f"left out), Adam lr {args.lr}; ours prev_logprobs_pass="
-            f"{args.prev_logprobs_pass or 'default'}",
+            f"{args.prev_logprobs_pass or 'default'}"
+            + (", verify_updates=False" if args.no_verify_updates else ""),
             flush=True,
         )
         for pair in range(args.pairs):
@@ -578,6 +585,11 @@ def main() -> None:
         "--prev-logprobs-pass",
         choices=("auto", "always"),
         help="ours: GRPOModule(prev_logprobs_pass=...) (default: not passed, the module's default)",
+    )
+    parser.add_argument(
+        "--no-verify-updates",
+        action="store_true",
+        help="ours: ReliabilityConfig(verify_updates=False) (default: the strategy's check on)",
     )
     parser.add_argument("--ours-python", default=str(root / ".venv/bin/python"))
     parser.add_argument("--trl-python", default=str(root / ".venv-trl/bin/python"))
