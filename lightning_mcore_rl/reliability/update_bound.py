@@ -12,7 +12,7 @@ update within `max_update_ratio`; when it cannot, the exact preview runs."""
 # with coupled weight decay g + wd*p; b1, b2: betas; t: the step being taken):
 #   0. From zero, Adam keeps |m| <= R sqrt(v) elementwise for every gradient sequence (step 2
 #      from r = 0, repeated), R^2 = (1-b1)^2 / (1-b2) / (1 - b1^2/b2) when b1^2 < b2.
-#   1. Read: m_i^2 - R^2 v_i <= R^2 tau for every i (so |m_i| <= R (sqrt(v_i) + sqrt(tau))),
+#   1. Read: m_i^2 / R^2 - v_i <= tau for every i (so |m_i| <= R (sqrt(v_i) + sqrt(tau))),
 #      V = max_i v_i, min_i v_i >= 0, ||p||; G >= max_i |g_i| (megatron's global gradient norm
 #      before clipping, which bounds every entry of every clipped gradient; else read).
 #   2. Adam's moments: m' = b1 m + (1-b1) g, v' = b2 v + (1-b2) g^2. Cauchy-Schwarz,
@@ -57,7 +57,8 @@ _LIMIT = 1e30  # numel x a bound on an element (or its square) stays below this 
 _CERTIFIED_DTYPES = (torch.float32, torch.float64)
 
 _CPU_BLOCK = 1 << 18
-"""Elements per block of the r pass on CPU: two 1 MiB scratch tensors stay in the cache."""
+"""Elements per block of the moments' pass on CPU: its scratch and the blocks of m and v (1 MiB
+each in float32) stay in the cache."""
 
 _DEVICE_BLOCK = 1 << 24
 
@@ -162,7 +163,7 @@ def _moment_ratio(options: dict[str, Any]) -> float:
 def _measure(
     p: Tensor, state: dict[str, Any], ratio_sq: float, read_grad: bool, block: int
 ) -> Tensor:
-    """`[||p||, max|g| (0 unless read_grad), min v, max v, max(m^2 - ratio_sq v)]` (float32) of
+    """`[||p||, max|g| (0 unless read_grad), min v, max v, max(m^2 / ratio_sq - v)]` (float32) of
     one parameter; zeros for the moments it lacks; NaN/inf propagate."""
     flat = p.detach().reshape(-1)
     zero = flat.new_zeros((), dtype=torch.float32)
@@ -184,11 +185,14 @@ def _measure(
     for start in range(0, m.numel(), block):
         end = min(start + block, m.numel())
         low, high = torch.aminmax(v[start:end])
-        excess = torch.mul(m[start:end], m[start:end], out=scratch[: end - start])
-        excess.add_(v[start:end], alpha=-ratio_sq)  # NaN/inf in m propagate, inf in v: high
+        # v - m^2 / R^2 (NaN/inf in m propagate, an inf in v shows in `high`)
+        slack = torch.addcmul(
+            v[start:end], m[start:end], m[start:end], value=-1.0 / ratio_sq,
+            out=scratch[: end - start],
+        )  # fmt: skip
         lows.append(low)
         highs.append(high)
-        excesses.append(excess.amax())
+        excesses.append(-slack.amin())
     extremes = [torch.stack(x).amin() if x is lows else torch.stack(x).amax()
                 for x in (lows, highs, excesses)]  # fmt: skip
     return torch.stack([norm, gmax, *(x.float() for x in extremes)])
@@ -207,10 +211,9 @@ def _update_bound(
     lr, eps, decay = float(options["lr"]), float(options["eps"]), float(options["weight_decay"])
     beta1, beta2 = (float(b) for b in options["betas"])
     ratio_sq = _moment_ratio(options) ** 2 * (1.0 + _READ_MARGIN)
-    # step 1 read in float32: m^2 and ratio_sq v each within a few ulps (and a flush of 1.2e-38
-    # absolute, far below ratio_sq tau), their difference within an ulp of their sum, so
-    # excess <= ratio_sq tau gives m^2 <= ratio_sq (1 + 1e-4) (v + 2 tau)
-    if excess > ratio_sq * _TAU:
+    # step 1 read in float32: m^2 / R^2 - v within a few ulps of m^2 / R^2 + v (and a flush of
+    # 1.2e-38 absolute, far below tau), so excess <= tau gives m^2 <= R^2 (1 + 1e-4) (v + 2 tau)
+    if excess > _TAU:
         return None  # moments Adam's own updates cannot produce (or a corrupt state)
     # no state yet: torch starts from m = v = 0, so r = 0
     r = math.sqrt(ratio_sq * (1.0 + eps_r)) if "exp_avg" in state else 0.0
