@@ -1,4 +1,5 @@
-"""What verifying an optimizer update costs: the preview against the snapshot, on one CPU rank.
+"""What verifying an optimizer update costs (the certificate, the preview, the snapshot), and what
+megatron's optimizer path costs beside torch's AdamW, on one CPU rank.
 
 Run: ``.venv/bin/python benchmarks/update_check.py [--steps N] [--block E] [--bf16]``.
 
@@ -10,6 +11,11 @@ the fp32 ones and copied to the bf16 ones). Each variant runs in its own process
 thread), ``N`` timed steps after one warm-up step (which creates the Adam state):
 
 * ``step``: ``optimizer.step()`` alone (and the bf16 copy), the baseline;
+* ``megatron``: megatron's own path over the same parameters, under the CPU emulation:
+  ``FP32Optimizer`` (``--bf16``: ``Float16OptimizerWithFloat16Params``, bf16 model parameters and
+  its fp32 main copies) around the same torch ``AdamW``, timing ``prepare_grads``,
+  ``get_grad_norm`` (what clipping needs) and ``step_with_ready_grads`` (the inner step, and the
+  copy to the bf16 parameters): what it adds to ``step`` beyond the norm is its overhead;
 * ``certified``: :func:`~lightning_mcore_rl.reliability.update_bound.certify_update` (the update
   check's default for torch Adam/AdamW: a bound from one read of the parameters and moments and
   the global gradient norm megatron's step computes anyway), the preview only where it cannot
@@ -40,7 +46,7 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("step", "certified", "preview", "snapshot")
+VARIANTS = ("step", "megatron", "certified", "preview", "snapshot")
 
 
 def llama_shapes(vocab: int = 32000, hidden: int = 512, layers: int = 4, ffn: int = 1408,
@@ -100,6 +106,8 @@ def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
 
     for p in main:
         p.grad = torch.randn(p.shape) * 1e-3
+    if variant == "megatron":
+        return _megatron_worker(steps, bf16, [p.grad for p in main])
     # megatron's global gradient norm, computed by its step whether or not updates are checked
     grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in main])))
     update()  # the Adam state
@@ -112,6 +120,59 @@ def worker(variant: str, steps: int, block: int, bf16: bool) -> dict[str, Any]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": statistics.median(times), "extra_mib": peak - setup, "setup_mib": setup,
             "certified": all(certified) if certified else None}  # fmt: skip
+
+
+def _megatron_worker(steps: int, bf16: bool, grads: list[torch.Tensor]) -> dict[str, Any]:
+    """The ``megatron`` variant: megatron's optimizer over the same shapes and gradients."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from lightning_mcore_rl.cpu.emulation import cpu_emulation
+
+    store = tempfile.mkdtemp()
+    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+    with cpu_emulation():
+        from megatron.core import parallel_state
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer.optimizer import (
+            Float16OptimizerWithFloat16Params,
+            FP32Optimizer,
+        )
+
+        parallel_state.initialize_model_parallel()
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        params = [torch.nn.Parameter((torch.randn(g.shape) * 0.02).to(dtype)) for g in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.main_grad = g  # what megatron's DDP leaves: fp32 gradients beside the parameters
+        inner = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+        config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=bf16)
+        optimizer: Any
+        if bf16:
+            optimizer = Float16OptimizerWithFloat16Params(inner, config, None, lambda *_: None)
+        else:
+            optimizer = FP32Optimizer(inner, config, lambda *_: None)
+
+        def step() -> float:
+            optimizer.prepare_grads()
+            start = time.process_time()
+            optimizer.get_grad_norm()
+            norm_s = time.process_time() - start
+            optimizer.step_with_ready_grads()
+            return norm_s
+
+        step()  # the Adam state
+        setup = _rss_mib()
+        times, norms = [], []
+        for _ in range(steps):
+            start = time.process_time()
+            norms.append(step())
+            times.append(time.process_time() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    dist.destroy_process_group()
+    return {"seconds": statistics.median(times), "extra_mib": peak - setup, "setup_mib": setup,
+            "certified": None, "norm_seconds": statistics.median(norms)}  # fmt: skip
 
 
 def main() -> None:
@@ -143,6 +204,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for variant, r in results.items():
         certified = "" if r["certified"] is None else ("all" if r["certified"] else "not all")
+        if "norm_seconds" in r:
+            certified = f"(of which grad norm {r['norm_seconds']:.3f})"
         print(f"| {variant} | {r['seconds']:.3f} | {r['seconds'] / base:.2f}x | {certified} | "
               f"{r['extra_mib']:.0f} | {r['setup_mib']:.0f} |")  # fmt: skip
 
