@@ -403,8 +403,9 @@ class GRPOModule(RecipeModule):
         out = self.forward_backward(data)
         if not prev_pass:
             # the loss measured the mismatch extremes in the training forward (MIN/MAX over all
-            # ranks); logged under the pass's names, not twice
-            mismatch = {key: out.metrics.pop(key) for key in MISMATCH_METRICS}
+            # ranks); logged under the pass's names, not twice. A step the non-finite policy
+            # skipped ran no loss: nothing to log (the same on every rank)
+            mismatch = {k: out.metrics.pop(k) for k in MISMATCH_METRICS if k in out.metrics}
             self.log_dict(mismatch, on_step=True, on_epoch=False, batch_size=1)
         assert self.rollout_reward is not None  # built in setup()
         self.rollout_reward(rewards)  # this step's mean over all data-parallel ranks
