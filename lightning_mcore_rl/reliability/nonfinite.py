@@ -388,7 +388,9 @@ class UpdateChecks:
         # Adam/AdamW: a bound proves most updates pass from one read of the parameters, gradients
         # and moments (update_bound.py); the exact preview runs only where it cannot
         ratio = guard.max_update_ratio
-        if certify_update(optimizer, self._device, self._group, ratio, self._grad_norm):
+        # this step's norm only: never a stale one (None: the certificate reads the gradients)
+        grad_norm, self._grad_norm = self._grad_norm, None
+        if certify_update(optimizer, self._device, self._group, ratio, grad_norm):
             return False
         cause = update_failure(
             preview_measures(optimizer, self._device, self._group), guard.max_update_ratio
