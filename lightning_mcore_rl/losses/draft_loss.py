@@ -1,7 +1,6 @@
-"""Soft cross-entropy of a draft (EAGLE) model against the policy's own logits.
+"""Soft cross-entropy of a draft (EAGLE) model against the policy's own logits."""
 
-See docs/behaviour-reference.md §4.7.
-"""
+# docs/behaviour-reference.md §4.7
 
 from __future__ import annotations
 
@@ -48,19 +47,9 @@ class DraftCrossEntropyLossFn:
         student_logits: Tensor,
         token_mask: Tensor,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the draft loss.
-
-        Args:
-            data: The microbatch.
-            global_valid_seqs: Unused; part of the protocol.
-            global_valid_toks: ``N_t`` over the whole global batch.
-            teacher_logits: ``[B, S, V]`` policy logits (rolled).
-            student_logits: ``[B, S, V]`` draft-model logits.
-            token_mask: ``[B, S]`` rolled token mask.
-
-        Returns:
-            ``(loss, metrics)``.
-        """
+        """`(loss, metrics)` from the rolled policy logits and the draft's, both `[B, S, V]`, the
+        rolled `token_mask [B, S]` and `N_t` (`global_valid_toks`) of the global batch."""
+        # `global_valid_seqs` is unused: a token-level loss, the argument is the protocol's
         if student_logits.ndim != 3:
             raise ValueError(
                 f"`student_logits` must be [B, S, V], got {list(student_logits.shape)}."
