@@ -13,6 +13,7 @@ from lightning.pytorch import Callback
 from lightning_mcore_rl import MCoreRLStrategy
 from lightning_mcore_rl.losses import ClippedPGLossConfig
 from lightning_mcore_rl.recipes import GRPOModule, PromptDataModule, RolloutSpec
+from lightning_mcore_rl.reliability import nonfinite
 from lightning_mcore_rl.strategy import MicrobatchConfig
 from lightning_mcore_rl.testing import destroy_megatron_state, run_on_ranks
 
@@ -27,9 +28,18 @@ class _Record(Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _fit(prev_pass: str, kl: float, staleness: int) -> tuple[list[dict[str, float]], int]:
-    """Every step's logged metrics and how many forward-only policy passes ran."""
+def _fit(prev_pass: str, kl: float, staleness: int) -> tuple[list[dict[str, float]], int, list]:
+    """Every step's logged metrics, how many forward-only policy passes ran, and the update
+    certificate's verdicts (megatron's real Adam under the update check)."""
     record = _Record()
+    verdicts: list[bool] = []
+    certify = nonfinite.certify_update
+
+    def recorded(*args: Any) -> bool:
+        verdicts.append(certify(*args))
+        return verdicts[-1]
+
+    nonfinite.certify_update = recorded  # type: ignore[assignment]  # a spy: the real one runs
     trainer = cpu_trainer(
         strategy=MCoreRLStrategy(microbatching=MicrobatchConfig(micro_batch_size=16)),
         max_steps=STEPS,
@@ -49,12 +59,15 @@ def _fit(prev_pass: str, kl: float, staleness: int) -> tuple[list[dict[str, floa
         return compute(batch, teacher=teacher)
 
     module.compute_logprobs = counted  # type: ignore[method-assign]
-    trainer.fit(module, datamodule=PromptDataModule(num_steps=STEPS))
+    try:
+        trainer.fit(module, datamodule=PromptDataModule(num_steps=STEPS))
+    finally:
+        nonfinite.certify_update = certify  # type: ignore[assignment]
     destroy_megatron_state()
-    return record.rows, passes[0]
+    return record.rows, passes[0], verdicts
 
 
-def _runs(rank: int) -> dict[str, tuple[list[dict[str, float]], int]]:
+def _runs(rank: int) -> dict[str, tuple[list[dict[str, float]], int, list]]:
     return {
         "auto": _fit("auto", 0.05, 0),
         "always": _fit("always", 0.05, 0),
@@ -65,7 +78,9 @@ def _runs(rank: int) -> dict[str, tuple[list[dict[str, float]], int]]:
 @pytest.mark.timeout(240)
 def test_prev_logprobs_pass_skipped_exactly_and_kept_async() -> None:
     (runs,) = run_on_ranks(_runs, 1, timeout=220)
-    (auto, auto_passes), (always, always_passes) = runs["auto"], runs["always"]
+    (auto, auto_passes, certified), (always, always_passes, _) = runs["auto"], runs["always"]
+    # every ordinary update of megatron's Adam is certified without the exact preview
+    assert certified == [True] * STEPS
     # the reference KL's recompute pass runs in both; the prev_logprobs pass in "always" only
     assert (auto_passes, always_passes) == (STEPS, 2 * STEPS)
     assert len(auto) == len(always) == STEPS
@@ -77,6 +92,6 @@ def test_prev_logprobs_pass_skipped_exactly_and_kept_async() -> None:
         assert got["train_probs_ratio"] == 1.0 and got["train_clip_fraction"] == 0.0
     assert min(row["train_kl_penalty"] for row in auto[1:]) > 0.0
     # asynchronous rollouts keep the pass (the batch is trained by newer weights than sampled it)
-    rows, passes = runs["async"]
+    rows, passes, _ = runs["async"]
     assert passes == STEPS and len(rows) == STEPS
     assert all("gen_train_ratio_max" in row for row in rows)
